@@ -1,0 +1,33 @@
+# Two commands do all the set-up: `make run` trains the default job, `make test` runs the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fived-installed
+
+.PHONY: run test test-slow lint format clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/fived train
+
+test: $(STAMP)
+	$(BIN)/ruff check fived tests benchmarks
+	$(BIN)/python -m pytest
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check fived tests benchmarks
+
+format: $(STAMP)
+	$(BIN)/ruff format fived tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,3 @@
+"""fived: five-dimensional parallel training of transformer language models, with a ledger."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,159 @@
+"""The rank grid: rank <-> (pp, dp, ep, cp, tp) coordinates and one group per dimension.
+
+A rank's coordinates are the digits of its number in a mixed radix whose digits are the
+degrees, listed outermost first (default ``pp, dp, ep, cp, tp``: tp innermost, so a tp group is
+contiguous ranks on one node, and pp outermost)::
+
+    rank = sum_d coord[d] * stride[d],   stride[innermost] = 1,   stride[d] = prod(degrees inside d)
+
+A *group over a set of dimensions* is the set of ranks that share every other coordinate.
+Besides one group per dimension, fived uses derived groups:
+
+* ``dense``  = dp·ep·cp — the ranks that hold the same dense parameter shard and see different
+  tokens, so dense gradients are reduced (or ZeRO-sharded) over it;
+* ``expert`` = dp·cp    — the ranks that hold the same experts; expert gradients reduce there;
+* ``batch``  = dp·ep    — the ranks that read different sequences of the global batch.
+
+The grid is pure arithmetic; ``Grid.connect()`` creates the process groups (all ranks call it,
+in the same order) and binds each to the rank's ``Traffic`` so every byte can be counted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import DIMS, ParallelConfig
+
+DERIVED: dict[str, tuple[str, ...]] = {
+    "dense": ("dp", "ep", "cp"),
+    "expert": ("dp", "cp"),
+    "batch": ("dp", "ep"),
+    "cp_tp": ("cp", "tp"),
+}
+
+
+@dataclass
+class DimGroup:
+    """A group this rank belongs to: its member ranks, its index in them, and the process group."""
+
+    name: str
+    ranks: tuple[int, ...]
+    rank: int  # this rank's index within ``ranks``
+    pg: Any = None  # torch.distributed ProcessGroup; None when the group has one member
+    traffic: Any = None  # fived.comm.Traffic of this rank
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, index: int) -> int:
+        return self.ranks[index % self.size]
+
+
+@dataclass
+class Grid:
+    degrees: dict[str, int]
+    order: tuple[str, ...] = DIMS
+    rank: int = 0
+    groups: dict[str, DimGroup] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, par: ParallelConfig, rank: int = 0) -> Grid:
+        return cls({d: par.degree(d) for d in DIMS}, tuple(par.order), rank)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees.values())
+
+    def strides(self) -> dict[str, int]:
+        s, out = 1, {}
+        for d in reversed(self.order):
+            out[d] = s
+            s *= self.degrees[d]
+        return out
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        r = self.rank if rank is None else rank
+        st = self.strides()
+        return {d: (r // st[d]) % self.degrees[d] for d in DIMS}
+
+    def rank_of(self, **coords: int) -> int:
+        st = self.strides()
+        base = self.coords()
+        base.update(coords)
+        return sum(base[d] * st[d] for d in DIMS)
+
+    def members(self, dims: tuple[str, ...], rank: int | None = None) -> tuple[int, ...]:
+        """Ranks sharing every coordinate of ``rank`` outside ``dims``, in rank order."""
+        c = self.coords(rank)
+        st = self.strides()
+        out = []
+        for combo in itertools.product(*(range(self.degrees[d]) for d in dims)):
+            cc = dict(c)
+            cc.update(zip(dims, combo))
+            out.append(sum(cc[d] * st[d] for d in DIMS))
+        return tuple(sorted(out))
+
+    def partition(self, dims: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """All groups over ``dims``: a partition of the world."""
+        seen, out = set(), []
+        for r in range(self.world_size):
+            m = self.members(dims, r)
+            if m not in seen:
+                seen.add(m)
+                out.append(m)
+        return out
+
+    @staticmethod
+    def named_dims(name: str) -> tuple[str, ...]:
+        return DERIVED.get(name, (name,))
+
+    def group_names(self) -> list[str]:
+        return list(DIMS) + list(DERIVED)
+
+    # ------------------------------------------------------------ process groups
+    def connect(self, traffic: Any, backend: str | None = None) -> Grid:
+        """Create every group (collectively) and keep the ones this rank is in."""
+        import torch.distributed as dist
+
+        for name in self.group_names():
+            dims = self.named_dims(name)
+            parts = self.partition(dims)
+            mine = self.members(dims)
+            if len(mine) == 1:
+                pg = None
+            elif len(mine) == self.world_size:
+                pg = dist.group.WORLD
+            else:
+                pg, _ = dist.new_subgroups_by_enumeration(
+                    [list(p) for p in parts], backend=backend
+                )
+            self.groups[name] = DimGroup(name, mine, mine.index(self.rank), pg, traffic)
+        return self
+
+    def __getitem__(self, name: str) -> DimGroup:
+        if name not in self.groups:
+            mine = self.members(self.named_dims(name))
+            self.groups[name] = DimGroup(name, mine, mine.index(self.rank), None, None)
+        return self.groups[name]
+
+    # ------------------------------------------------------------ pipeline neighbours
+    @property
+    def pp_prev(self) -> int | None:
+        c = self.coords()["pp"]
+        return self.rank_of(pp=c - 1) if c > 0 else None
+
+    @property
+    def pp_next(self) -> int | None:
+        c = self.coords()["pp"]
+        return self.rank_of(pp=c + 1) if c < self.degrees["pp"] - 1 else None
+
+    # ------------------------------------------------------------ topology
+    def crosses_node(self, dims: tuple[str, ...], gpus_per_node: int) -> bool:
+        """True when some group over ``dims`` spans more than one node."""
+        return any(
+            len({r // gpus_per_node for r in part}) > 1 for part in self.partition(dims)
+        )

@@ -1,0 +1,1 @@
+"""The analytic model: pure functions of configs, no torch.distributed."""

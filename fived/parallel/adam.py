@@ -1,0 +1,63 @@
+"""AdamW on flat fp32 tensors, elementwise — so a shard of the flat state steps exactly like the
+same elements of the whole (the property ZeRO relies on).
+
+    m ← β₁ m + (1−β₁) g          v ← β₂ v + (1−β₂) g²
+    θ ← θ − lr · ( m̂ / (√v̂ + ε) + λ θ ),   m̂ = m / (1−β₁ᵗ),  v̂ = v / (1−β₂ᵗ)
+
+(decoupled weight decay, Loshchilov & Hutter 2019). State: m and v, 8 bytes per element.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class FlatAdamW:
+    def __init__(self, params: list[torch.Tensor], beta1: float, beta2: float, eps: float,
+                 weight_decay: float):
+        self.params = params  # fp32 tensors updated in place (masters, or the params themselves)
+        self.m = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        self.v = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        self.beta1, self.beta2, self.eps, self.wd = beta1, beta2, eps, weight_decay
+        self.t = 0
+
+    def step(self, grads: list[torch.Tensor], lr: float) -> None:
+        self.t += 1
+        b1, b2 = self.beta1, self.beta2
+        c1 = 1 - b1**self.t
+        c2 = 1 - b2**self.t
+        for p, g, m, v in zip(self.params, grads, self.m, self.v):
+            g = g.float()
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v / c2).sqrt_().add_(self.eps)
+            if self.wd:
+                p.mul_(1 - lr * self.wd)
+            p.addcdiv_(m, denom, value=-lr / c1)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.m + self.v)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {f"m.{i}": m for i, m in enumerate(self.m)}
+        out.update({f"v.{i}": v for i, v in enumerate(self.v)})
+        out["t"] = torch.tensor(self.t)
+        return out
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for i in range(len(self.m)):
+            self.m[i].copy_(sd[f"m.{i}"])
+            self.v[i].copy_(sd[f"v.{i}"])
+        self.t = int(sd["t"])
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio · lr``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if steps <= warmup:
+        return lr
+    frac = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))

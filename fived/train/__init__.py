@@ -1,0 +1,1 @@
+"""The training loop, data, checkpoints and metrics."""

@@ -1,0 +1,225 @@
+"""The training loop: one optimizer step = the global batch, whatever the layout.
+
+Per step every rank
+1. takes its slice of the global batch (batch group dp·ep) and, with cp, its sequence shard;
+2. runs the micro-batches (through the pipeline executor when pp > 1), each backward of
+   Σ CE(local tokens) / global_tokens — so gradients summed over the data-parallel groups equal
+   the one-rank gradient exactly;
+3. reduces gradients (the engine: DDP or ZeRO), clips by the global norm and steps AdamW;
+4. reports loss, tokens, seconds, model-state bytes and bytes sent per dimension.
+
+``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.launch``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import ops
+from ..comm.ops import Traffic
+from ..config import DIMS, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
+from ..grid import DimGroup, Grid
+from ..ledger.compute import model_flops_per_token
+from ..model import build_model
+from ..parallel.adam import lr_at
+from ..parallel.data import make_engine
+from ..parallel.plan import Plan
+from . import data as D
+
+MEMORY_KEYS = ("params", "grads", "master", "optimizer", "buffers", "padding")
+TRAFFIC_KEYS = DIMS + ("dense", "expert", "batch", "cp_tp")
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def unsupported(model: ModelConfig, par: ParallelConfig) -> list[str]:
+    """Layout features whose runtime is not (yet) in this build, each with what is missing."""
+    need = []
+    if par.tp > 1 and not _has("fived.parallel.tensor"):
+        need.append(f"--tp {par.tp}: tensor parallelism (fived.parallel.tensor) is not built yet")
+    if par.cp > 1 and not _has("fived.parallel.context"):
+        need.append(f"--cp {par.cp}: context parallelism (fived.parallel.context) is not built yet")
+    if par.pp > 1 and not _has("fived.parallel.pipeline.runtime"):
+        need.append(f"--pp {par.pp}: pipeline parallelism (fived.parallel.pipeline.runtime) "
+                    "is not built yet")
+    if (model.is_moe or par.ep > 1) and not _has("fived.model.moe"):
+        need.append("MoE / --ep: the expert layer (fived.model.moe) is not built yet")
+    if par.zero and not _has("fived.parallel.zero"):
+        need.append(f"--zero {par.zero}: ZeRO (fived.parallel.zero) is not built yet")
+    if par.precision != "fp32" and not _has("fived.parallel.precision"):
+        need.append(f"--precision {par.precision}: mixed precision (fived.parallel.precision) "
+                    "is not built yet")
+    return need
+
+
+def check(model: ModelConfig, par: ParallelConfig, train: TrainConfig, world: int | None) -> None:
+    """validate() plus the runtime-availability check: one ConfigError listing everything."""
+    problems: list[str] = []
+    try:
+        validate(model, par, train, world)
+    except ConfigError as e:
+        problems += e.problems
+    problems += unsupported(model, par)
+    if problems:
+        raise ConfigError(problems)
+
+
+def measure_matmul_peak(seconds: float = 0.25, n: int = 512) -> float:
+    """FLOP/s of an fp32 n×n matmul on this process's threads (the MFU denominator on CPU)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+class Trainer:
+    def __init__(self, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig,
+                 rank: int, world: int):
+        self.cfg, self.par, self.tcfg = model_cfg, par, train
+        self.rank, self.world = rank, world
+        self.traffic = Traffic()
+        self.grid = Grid.from_config(par, rank).connect(self.traffic)
+        self.coords = self.grid.coords()
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+            par.precision]
+        self.plan = self.make_plan(dtype)
+        self.stage = self.build_stage()
+        self.engine = make_engine(self.stage, self.grid, par, train)
+        self.metrics_group = replace(self.grid["pp"], name="metrics")
+        self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
+                                      dist.group.WORLD if world > 1 else None, self.traffic)
+
+    def make_plan(self, dtype: torch.dtype) -> Plan:
+        return Plan(self.cfg, self.par, self.tcfg.seed, self.grid, dtype)
+
+    def build_stage(self) -> torch.nn.Module:
+        if self.par.pp > 1:
+            from ..parallel.pipeline import runtime
+
+            self.executor = runtime.PipelineExecutor(self.cfg, self.par, self.plan, self.grid)
+            return self.executor.stage
+        self.executor = None
+        return build_model(self.cfg, self.plan)
+
+    # -------------------------------------------------------------------- one step
+    def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = self.grid["batch"]
+        x, y = D.local_batch(step, self.tcfg.seed, self.tcfg.global_batch, self.cfg.seq_len,
+                             b.rank, b.size, self.tcfg.corpus_mb)
+        positions = torch.arange(self.cfg.seq_len)
+        if self.par.cp > 1:
+            from ..parallel import context
+
+            x, y, positions = context.shard_batch(x, y, self.grid)
+        return x, y, positions
+
+    def forward_backward(self, x, y, positions, scale: float) -> torch.Tensor:
+        """All micro-batches of this step; returns this rank's summed token loss (detached)."""
+        if self.executor is not None:
+            return self.executor.run(x, y, positions, scale, self.engine)
+        total = torch.zeros((), dtype=torch.float32)
+        m = self.par.micro_batches
+        for k, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
+            self.engine.set_last_micro(k == m - 1)
+            loss = self.stage(xm, positions, ym)
+            (loss * scale).backward()
+            total += loss.detach().float()
+        return total
+
+    def step(self, step: int) -> dict[str, Any]:
+        self.traffic.reset()
+        t0 = time.perf_counter()
+        x, y, positions = self.local_data(step)
+        global_tokens = self.tcfg.global_batch * self.cfg.seq_len
+        self.engine.zero_grad()
+        local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
+        self.engine.finish()
+        grad_norm = self.engine.clip(self.tcfg.grad_clip)
+        lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
+        stepped = self.engine.step(lr)
+        seconds = time.perf_counter() - t0
+        loss = self.global_loss(local_loss) / global_tokens
+        return {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
+                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped}
+
+    def global_loss(self, local: torch.Tensor) -> float:
+        """Σ token losses over the world: each token's loss is counted on one tp rank's copy."""
+        t = local.double().reshape(1) / self.grid.degrees["tp"]
+        ops.all_reduce(t, replace(self.grid["dense"], name="metrics"))
+        ops.all_reduce(t, replace(self.grid["tp"], name="metrics"))
+        ops.all_reduce(t, self.metrics_group)  # only the last stage holds a loss
+        return float(t)
+
+    def gather_stats(self, mem: dict[str, int]) -> tuple[list[dict], list[dict]]:
+        """Every rank's memory and traffic, on every rank (a metrics-only collective)."""
+        by_dim = self.traffic.bytes_by_dim()
+        secs = self.traffic.seconds_by_dim()
+        row = [float(mem.get(k, 0)) for k in MEMORY_KEYS]
+        row += [float(by_dim.get(k, 0.0)) for k in TRAFFIC_KEYS]
+        row += [float(secs.get(k, 0.0)) for k in TRAFFIC_KEYS]
+        vec = torch.tensor(row, dtype=torch.float64)
+        out = torch.zeros(self.world * vec.numel(), dtype=torch.float64)
+        ops.all_gather_into(out, vec, self.world_metrics)
+        rows = out.view(self.world, -1).tolist()
+        nm, nt = len(MEMORY_KEYS), len(TRAFFIC_KEYS)
+        mems = [dict(zip(MEMORY_KEYS, map(int, r[:nm]))) for r in rows]
+        traffic = [
+            {"bytes": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm:nm + nt]) if v},
+             "seconds": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm + nt:]) if v}}
+            for r in rows
+        ]
+        return mems, traffic
+
+
+def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig,
+               train: TrainConfig, show: bool = True, peak_flops: float = 0.0) -> dict[str, Any]:
+    """Train on this rank; every rank returns the same summary (losses per step etc.)."""
+    torch.manual_seed(train.seed)
+    trainer = Trainer(model_cfg, par, train, rank, world)
+    display = None
+    if rank == 0 and show:
+        from .metrics import LiveDisplay
+
+        display = LiveDisplay(model_cfg, par, train, world, peak_flops)
+    out_file = open(train.metrics_out, "w") if (rank == 0 and train.metrics_out) else None
+    flops_tok = model_flops_per_token(model_cfg)
+    history: list[dict[str, Any]] = []
+    try:
+        for step in range(train.steps):
+            rec = trainer.step(step)
+            mems, traffic = trainer.gather_stats(trainer.engine.memory())
+            rec["memory"] = mems[0]
+            rec["memory_per_rank"] = mems
+            rec["traffic"] = traffic[0]["bytes"]
+            rec["traffic_per_rank"] = traffic
+            rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
+            rec["mfu"] = flops_tok * rec["tokens_per_s"] / peak_flops if peak_flops else 0.0
+            history.append(rec)
+            if out_file:
+                out_file.write(json.dumps(rec) + "\n")
+                out_file.flush()
+            if display:
+                display.update(rec)
+    finally:
+        if display:
+            display.close()
+        if out_file:
+            out_file.close()
+    summary = {"losses": [h["loss"] for h in history], "history": history,
+               "config": {"model": asdict(model_cfg), "parallel": asdict(par),
+                          "train": asdict(train)}}
+    if display:
+        display.final_table(history)
+    return summary
