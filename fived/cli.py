@@ -123,7 +123,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         rank = int(os.environ["RANK"])
         init_process_group(rank, world, None, args.timeout)
-        peak = measure_matmul_peak() if rank == 0 else 0.0
+        # every rank has its own threads (or device): the aggregate peak is world × one rank's
+        peak = measure_matmul_peak() * world if rank == 0 else 0.0
         try:
             train_rank(rank, world, model, par, train, True, peak)
         finally:
