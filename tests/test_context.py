@@ -98,13 +98,27 @@ def _core_rank(rank: int, world: int, b: int, s: int, h: int, g: int, d: int) ->
         out["bytes"][key] = {"forward": fwd_bytes, "backward": tot - fwd_bytes}
         out["act"][key] = saved.bytes
         out["flops"][key] = fwd_flops
+    if h == MODEL.heads:  # the whole tiny model at cp = world: activation bytes per rank
+        out["model_act"] = _model_activation_bytes(rank, world, ParallelConfig(cp=world))
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+def _model_activation_bytes(rank: int, world: int, par: ParallelConfig) -> int:
+    from fived.train.activations import SavedTensors
+    from fived.train.trainer import Trainer
+
+    trainer = Trainer(MODEL, par, small_train(), rank, world)
+    x, y, positions = trainer.local_data(0)
+    with SavedTensors(exclude=list(trainer.stage.parameters())) as saved:  # not weight views
+        trainer.stage(x, positions, y)
+    return saved.bytes
+
+
+@pytest.fixture(scope="module", params=[(2, 4, 2), (4, 4, 2), (2, 2, 1)],
+                ids=["cp2", "cp4", "cp2-tp2-local-heads"])
 def core(request):
-    n = request.param
-    shape = {"b": 2, "s": 64, "h": 4, "g": 2, "d": 16}
+    n, h, g = request.param  # (2, 2, 1): the heads one rank of tp=2 holds (kv replicated)
+    shape = {"b": 2, "s": 64, "h": h, "g": g, "d": 16}
     return n, shape, run_ranks(_core_rank, n, *shape.values())
 
 
@@ -120,6 +134,8 @@ def test_core_traffic_is_the_formula_exactly(core):
     args = (sh["b"], sh["s"] // n, sh["h"], sh["g"], sh["d"], n)
     for mode in ("ring", "ulysses", "allgather"):
         want = C.traffic_per_layer(mode, *args)
+        if mode == "ulysses" and sh["g"] < n:  # kv heads replicated to cp before the all-to-all
+            assert C.ulysses_kv_heads(sh["h"], sh["g"], n) == n
         for r in ranks:
             assert r["bytes"][f"{mode}/zigzag"] == want, (mode, r["bytes"], want)
     # ring: cp−1 K/V blocks forward; K/V and dK/dV (cp−1 each) backward
@@ -137,6 +153,27 @@ def test_core_activation_bytes_fall_as_one_over_cp(core):
         got = r["act"]["ring/zigzag"]
         assert abs(got - want) <= 0.02 * want, (got, want)
         assert got == want
+
+
+def test_model_activation_bytes_fall_as_one_over_cp(core):
+    """Whole tiny model, one forward of the step-0 batch: every saved tensor is per local token,
+    so bytes(cp) = (bytes(1) − L·core_sdpa(1))/cp + L·core_ring(cp), within 2% (exact here)."""
+    n, sh, ranks = core
+    if sh["h"] != MODEL.heads:
+        pytest.skip("model measured on the tiny shapes only")
+    from fived.model import layers as L
+    from fived.train.activations import SavedTensors
+
+    one = _model_activation_bytes(0, 1, ParallelConfig())
+    b, s, h, g, d = small_train().global_batch, MODEL.seq_len, MODEL.heads, MODEL.kv_heads, 16
+    q, k, v = (torch.randn(b, s, x, d, requires_grad=True) for x in (h, g, g))
+    with SavedTensors() as saved:
+        L.causal_attention(q, k, v)
+    rest = one - MODEL.layers * saved.bytes
+    want = rest / n + MODEL.layers * C.activation_bytes("ring", b, s // n, h, g, d, n)
+    for r in ranks:
+        assert abs(r["model_act"] - want) <= 0.02 * want, (r["model_act"], want, one)
+        assert r["model_act"] < one / n * 1.02
 
 
 def test_zigzag_balances_attention_flops(core):
