@@ -75,8 +75,10 @@ def _core_rank(rank: int, world: int, b: int, s: int, h: int, g: int, d: int) ->
     L.causal_attention(q, k, v).backward(do)
     ref_o = L.causal_attention(q, k, v).detach()
     out: dict = {"err": {}, "bytes": {}, "act": {}, "flops": {}}
-    for mode, layout in (("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "zigzag"),
-                         ("allgather", "zigzag")):
+    for mode, layout, fused in (("ring", "zigzag", True), ("ring", "contiguous", True),
+                                ("ring", "zigzag", False), ("ulysses", "zigzag", True),
+                                ("allgather", "zigzag", True)):
+        C.USE_FUSED = fused  # False: the explicit block math (any device and dtype)
         pos = C.shard_positions(s, world, rank, layout)
         ql, kl, vl = (t.detach()[:, pos].clone().requires_grad_(True) for t in (q, k, v))
         traffic.reset()
@@ -89,7 +91,8 @@ def _core_rank(rank: int, world: int, b: int, s: int, h: int, g: int, d: int) ->
         o.backward(do[:, pos])
         C.STATS.enabled = False
         tot = sum(r.bytes for r in traffic.records.values())
-        key = f"{mode}/{layout}"
+        C.USE_FUSED = True
+        key = f"{mode}/{layout}" + ("" if fused else "/explicit")
         out["err"][key] = max(
             ((o - ref_o[:, pos]).abs().max() / ref_o.abs().max()).item(),
             *(((a.grad - full.grad[:, pos]).abs().max() / full.grad.abs().max()).item()

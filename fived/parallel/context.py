@@ -108,22 +108,61 @@ def _count(q: torch.Tensor, k: torch.Tensor, pairs: int) -> None:
 # ---------------------------------------------------------------------------------- block kernels
 # Internal layouts: q, o (b, g, rep, s, d) — query head h = g_index·rep + rep_index, matching
 # repeat_interleave in ``causal_attention``; k, v (b, g, s, d); lse (b, g, rep, s) in fp32.
-def _scores(q, k, mask, scale):
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+USE_FUSED = True  # the fused CPU kernel for blocks when present; False: the explicit math below
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return USE_FUSED and _FLASH is not None and q.device.type == "cpu" and q.dtype == torch.float32
+
+
+def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+
+
+def _scores(q, k, causal, scale):
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    if causal:
+        s = s.masked_fill(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
     return s
 
 
-def _block_forward(q, k, v, mask, scale):
-    s = _scores(q, k, mask, scale)
+def _heads(q: torch.Tensor, k: torch.Tensor):
+    """(b, g, rep, s, d) q and (b, g, s, d) k → (b, h, s, d) each, kv repeated for the kernel."""
+    b, g, rep, s, d = q.shape
+    qh = q.reshape(b, g * rep, s, d)
+    kh = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+    return qh, kh
+
+
+def _block_forward(q, k, v, causal, scale):
+    """One block: (o, lse) of q (b, g, rep, sq, d) against k, v (b, g, sk, d)."""
+    if _fused(q):
+        b, g, rep, sq, d = q.shape
+        qh, kh = _heads(q, k)
+        vh = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+        o, lse = _FLASH(qh, kh, vh, 0.0, causal, scale=scale)
+        return o.reshape(b, g, rep, sq, d), lse.reshape(b, g, rep, sq).float()
+    s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     return torch.matmul(p, v.unsqueeze(2)), lse
 
 
-def _block_backward(q, k, v, mask, lse, do, delta, scale):
-    p = torch.exp(_scores(q, k, mask, scale) - lse.unsqueeze(-1))
+def _block_backward(q, k, v, causal, lse, do, o, delta, scale):
+    """One block's (dq, dk, dv), with the *merged* output ``o`` and ``lse`` of the whole row."""
+    if _fused(q):
+        b, g, rep, sq, d = q.shape
+        qh, kh = _heads(q, k)
+        vh = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+        dqh, dkh, dvh = _FLASH_BWD(
+            do.reshape(b, g * rep, sq, d), qh, kh, vh, o.reshape(b, g * rep, sq, d),
+            lse.reshape(b, g * rep, sq), 0.0, causal, scale=scale)
+        sk = k.shape[2]
+        return (dqh.reshape(b, g, rep, sq, d), dkh.reshape(b, g, rep, sk, d).sum(2),
+                dvh.reshape(b, g, rep, sk, d).sum(2))
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
     dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))
     ds = p * (dp - delta.unsqueeze(-1))
@@ -142,28 +181,24 @@ def _merge(o_acc, lse_acc, o, lse, rows: slice) -> None:
 
 
 def step_plan(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], c: int
-              ) -> list[tuple[slice, slice | list[int], torch.Tensor | None, int]]:
-    """The attention calls for local q chunks against one K/V block, fully masked pairs skipped.
+              ) -> list[tuple[slice, list[int], bool, int]]:
+    """The attention calls of the local q chunks against one K/V block; masked pairs skipped.
 
-    Returns (q rows, kv local chunk indices, mask or None, chunk pairs) per call. Query chunks
-    that see the same K/V chunks with no causal pair share one call.
+    Returns (q rows, kv local chunk indices, causal, chunk pairs) per call: a K/V chunk before
+    the q chunk is attended whole, the same chunk causally (the diagonal), a later one not at
+    all. Query chunks that see the same earlier K/V chunks share one call.
     """
-    seen: list[list[int]] = []
-    for qc in q_chunks:
-        seen.append([j for j, kc in enumerate(kv_chunks) if kc <= qc])
+    full = [[j for j, kc in enumerate(kv_chunks) if kc < qc] for qc in q_chunks]
+    diag = [[j for j, kc in enumerate(kv_chunks) if kc == qc] for qc in q_chunks]
+    if full[0] and full[0] == full[1] and not (diag[0] or diag[1]):
+        return [(slice(0, 2 * c), full[0], False, 2 * len(full[0]))]
     calls = []
-    diag = [[kv_chunks[j] == qc for j in js] for qc, js in zip(q_chunks, seen)]
-    if seen[0] and seen[0] == seen[1] and not any(diag[0] + diag[1]):
-        return [(slice(0, 2 * c), seen[0], None, 2 * len(seen[0]))]
-    for a, (qc, js) in enumerate(zip(q_chunks, seen)):
-        if not js:
-            continue
-        mask = None
-        if any(diag[a]):
-            qpos = torch.arange(qc * c, (qc + 1) * c)
-            kpos = torch.cat([torch.arange(kv_chunks[j] * c, (kv_chunks[j] + 1) * c) for j in js])
-            mask = qpos[:, None] >= kpos[None, :]
-        calls.append((slice(a * c, (a + 1) * c), js, mask, len(js)))
+    for a in range(len(q_chunks)):
+        rows = slice(a * c, (a + 1) * c)
+        if full[a]:
+            calls.append((rows, full[a], False, len(full[a])))
+        for j in diag[a]:
+            calls.append((rows, [j], True, 1))
     return calls
 
 
@@ -209,10 +244,9 @@ class RingAttention(torch.autograd.Function):
                 handle = ops.exchange(group, [(cur, (r + 1) % n)], [(nxt, (r - 1) % n)],
                                       async_op=True)
             src = (r - t) % n
-            for rows, js, mask, pairs in step_plan(q_chunks, chunk_ids(src, n, layout), c):
+            for rows, js, causal, pairs in step_plan(q_chunks, chunk_ids(src, n, layout), c):
                 kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
-                mk = None if mask is None else mask.to(q.device)
-                o, lse = _block_forward(qi[..., rows, :], kk, vv, mk, scale)
+                o, lse = _block_forward(qi[..., rows, :], kk, vv, causal, scale)
                 _count(qi[..., rows, :], kk, pairs)
                 _merge(o_acc, lse_acc, o, lse, rows)
             if handle is not None:
@@ -253,11 +287,11 @@ class RingAttention(torch.autograd.Function):
             handle = ops.exchange(group, sends, recvs, async_op=True) if sends else None
             src = (r - t) % n
             contrib = dkv_own if t == 0 else torch.zeros_like(kv)
-            for rows, js, mask, pairs in step_plan(q_chunks, chunk_ids(src, n, layout), c):
+            for rows, js, causal, pairs in step_plan(q_chunks, chunk_ids(src, n, layout), c):
                 kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
-                mk = None if mask is None else mask.to(qi.device)
-                dqb, dkb, dvb = _block_backward(qi[..., rows, :], kk, vv, mk, lse[..., rows],
-                                                doi[..., rows, :], delta[..., rows], scale)
+                dqb, dkb, dvb = _block_backward(qi[..., rows, :], kk, vv, causal, lse[..., rows],
+                                                doi[..., rows, :], oi[..., rows, :],
+                                                delta[..., rows], scale)
                 _count(qi[..., rows, :], kk, 2 * pairs)
                 dq[..., rows, :] += dqb
                 for dst, part in ((contrib[0], dkb), (contrib[1], dvb)):
@@ -362,13 +396,15 @@ def allgather_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Te
     full = CA.gather_from(kv.transpose(0, 2).contiguous(), group, 0)  # (n·s, b, 2, g, d)
     kpos = _natural_order(n, s, layout, q.device)
     qpos = shard_positions(n * s, n, group.rank, layout).to(q.device)
-    kf, vf = full[:, :, 0].transpose(0, 1), full[:, :, 1].transpose(0, 1)
-    g = k.shape[2]
-    qi = _to_inner_q(q, g)
+    kf, vf = full[:, :, 0].transpose(0, 1), full[:, :, 1].transpose(0, 1)  # (b, n·s, g, d)
+    rep = h // k.shape[2]
+    if rep > 1:
+        kf, vf = kf.repeat_interleave(rep, dim=2), vf.repeat_interleave(rep, dim=2)
     mask = qpos[:, None] >= kpos[None, :]
-    kk, vv = kf.float().transpose(1, 2), vf.float().transpose(1, 2)
-    o, _ = _block_forward(qi, kk, vv, mask, 1.0 / math.sqrt(d))
-    return _from_inner_q(o, q.dtype)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), attn_mask=mask,
+        scale=1.0 / math.sqrt(d))
+    return o.transpose(1, 2)
 
 
 MODES = {"ring": ring_attention, "ulysses": ulysses_attention, "allgather": allgather_attention}
