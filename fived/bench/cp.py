@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-MODES = ("ring", "ulysses", "allgather")
+MODES = ("ring", "ulysses", "allgather", "ring-contiguous")
+DEFAULT_MODES = ("ring", "ulysses", "allgather", "ring-contiguous")
 
 
 def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
@@ -37,20 +38,28 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
     group = DimGroup("cp", tuple(range(world)), rank, dist.group.WORLD, traffic)
     gen = torch.Generator().manual_seed(0)
     b, s, h, g, d = a["batch"], a["seq"], a["heads"], a["kv_heads"], a["head_dim"]
-    pos = C.shard_positions(s, world, rank)
-    q, k, v = (torch.randn(b, s, x, d, generator=gen)[:, pos].contiguous() for x in (h, g, g))
-    do = torch.randn(b, s, h, d, generator=gen)[:, pos].contiguous()
+    full = [torch.randn(b, s, x, d, generator=gen) for x in (h, g, g)]
+    dfull = torch.randn(b, s, h, d, generator=gen)
     out: dict[str, Any] = {}
     for mode in a["modes"]:
-        fn = C.MODES[mode]
+        base, _, layout = mode.partition("-")
+        layout = layout or "zigzag"
+        fn = C.MODES[base]
+        pos = C.shard_positions(s, world, rank, layout)
+        q, k, v = (x[:, pos].contiguous() for x in full)
+        do = dfull[:, pos].contiguous()
         times, sent, saved_bytes = [], 0.0, 0
         for it in range(a["warmup"] + a["iters"]):
             ql, kl, vl = (t.clone().requires_grad_(True) for t in (q, k, v))
             dist.barrier()
             traffic.reset()
             t0 = time.perf_counter()
+            C.STATS.reset()
+            C.STATS.enabled = True
             with SavedTensors() as saved:
-                o = fn(ql, kl, vl, group)
+                o = fn(ql, kl, vl, group, layout)
+            C.STATS.enabled = False
+            fwd_flops = C.STATS.flops
             o.backward(do)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
@@ -58,11 +67,15 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
                 times.append(float(dt))
             sent = sum(r.bytes for r in traffic.records.values())
             saved_bytes = saved.bytes
-        per = C.traffic_per_layer(mode, b, s // world, h, g, d, world)
+        per = C.traffic_per_layer(base, b, s // world, h, g, d, world)
+        flops = torch.zeros(world, dtype=torch.float64)
+        flops[rank] = fwd_flops
+        dist.all_reduce(flops)
         out[mode] = {"seconds": statistics.median(times), "bytes": sent,
-                     "formula": per["forward"] + per["backward"], "saved": saved_bytes}
+                     "formula": per["forward"] + per["backward"], "saved": saved_bytes,
+                     "flops_per_rank": flops.tolist()}
         if rank == 0:
-            print(f"  {mode:<10} {out[mode]['seconds'] * 1e3:9.2f} ms   "
+            print(f"  {mode:<16} {out[mode]['seconds'] * 1e3:9.2f} ms   "
                   f"{sent / 2**20:8.3f} MiB sent/rank", flush=True)
     return out
 
@@ -85,6 +98,12 @@ def _one_rank(a: dict[str, Any]) -> tuple[float, int]:
     return statistics.median(times), saved.bytes
 
 
+def _imbalance(flops: list[float]) -> str:
+    if not any(flops):
+        return "-"
+    return f"{max(flops) / min(flops):.3f}" if min(flops) else "inf"
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="fived bench cp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,7 +115,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--modes", default=",".join(MODES), help="comma list of ring,ulysses,allgather")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help="comma list of ring, ulysses, allgather, ring-contiguous (no zigzag)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON at the end")
     return ap.parse_args(argv)
 
@@ -130,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
               highlight=False)
     t0 = time.perf_counter()
     one, one_saved = _one_rank(a)
-    con.print(f"  {'1 rank':<10} {one * 1e3:9.2f} ms   (full sequence, causal_attention)")
+    con.print(f"  {'1 rank':<16} {one * 1e3:9.2f} ms   (full sequence, causal_attention)")
     try:
         res = run_local(_bench_rank, args.cp, (a,), timeout=600, collective_timeout=120)[0]
     except RankFailure as e:
@@ -139,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"context-parallel attention, cp={args.cp}, fwd+bwd per step "
                         f"({time.perf_counter() - t0:.1f} s)")
     for col in ("mode", "step (ms)", "vs ring", "vs 1 rank", "sent/rank", "formula",
-                "saved/rank"):
+                "saved/rank", "ring FLOPs max/min"):
         table.add_column(col, justify="left" if col == "mode" else "right")
     ring_t = res.get("ring", {}).get("seconds")
     for mode, r in res.items():
@@ -147,9 +167,21 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['seconds'] / ring_t:.2f}×" if ring_t else "-",
                       f"{r['seconds'] / one:.2f}×", human_bytes(r["bytes"]),
                       "= formula" if r["bytes"] == r["formula"] else human_bytes(r["formula"]),
-                      human_bytes(r["saved"]))
+                      human_bytes(r["saved"]), _imbalance(r["flops_per_rank"]))
     table.add_row("1 rank", f"{one * 1e3:.2f}", "", "1.00×", "0 B", "", human_bytes(one_saved))
     con.print(table)
+    bal = [m for m in ("ring", "ring-contiguous") if m in res]
+    if bal:
+        t2 = Table(title="balance: forward attention FLOPs per cp rank (GFLOP, executed blocks)")
+        t2.add_column("layout")
+        for r in range(args.cp):
+            t2.add_column(f"rank {r}", justify="right")
+        t2.add_column("max/min", justify="right")
+        for m in bal:
+            f = res[m]["flops_per_rank"]
+            t2.add_row("zigzag" if m == "ring" else "contiguous", *(f"{x / 1e9:.3f}" for x in f),
+                       _imbalance(f))
+        con.print(t2)
     if args.json:
         print(json.dumps({"args": vars(args), "one_rank_seconds": one, "modes": res}))
     return 0
