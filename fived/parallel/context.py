@@ -51,20 +51,18 @@ from ..comm import autograd as CA
 from ..comm import ops
 from ..config import ConfigError
 from ..model import layers as L
-
-LAYOUTS = ("zigzag", "contiguous")
+from .context_cost import (  # noqa: F401 - the torch-free formulas, re-exported
+    LAYOUTS,
+    activation_bytes,
+    attention_flops,
+    chunk_ids,
+    step_plan,
+    traffic_per_layer,
+    ulysses_kv_heads,
+)
 
 
 # ---------------------------------------------------------------------------------- sharding
-def chunk_ids(rank: int, n: int, layout: str = "zigzag") -> tuple[int, int]:
-    """The two global chunk indices (of 2·n) that cp rank ``rank`` holds."""
-    if layout == "zigzag":
-        return rank, 2 * n - 1 - rank
-    if layout == "contiguous":
-        return 2 * rank, 2 * rank + 1
-    raise ValueError(f"unknown cp layout {layout!r}; choose one of {LAYOUTS}")
-
-
 def shard_positions(seq_len: int, n: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
     """Global token positions held by cp rank ``rank`` (S/n of them, in local order)."""
     if seq_len % (2 * n):
@@ -178,28 +176,6 @@ def _merge(o_acc, lse_acc, o, lse, rows: slice) -> None:
     o_acc[..., rows, :] = old_o * torch.exp(old_lse - new).unsqueeze(-1) + o * torch.exp(
         lse - new).unsqueeze(-1)
     lse_acc[..., rows] = new
-
-
-def step_plan(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], c: int
-              ) -> list[tuple[slice, list[int], bool, int]]:
-    """The attention calls of the local q chunks against one K/V block; masked pairs skipped.
-
-    Returns (q rows, kv local chunk indices, causal, chunk pairs) per call: a K/V chunk before
-    the q chunk is attended whole, the same chunk causally (the diagonal), a later one not at
-    all. Query chunks that see the same earlier K/V chunks share one call.
-    """
-    full = [[j for j, kc in enumerate(kv_chunks) if kc < qc] for qc in q_chunks]
-    diag = [[j for j, kc in enumerate(kv_chunks) if kc == qc] for qc in q_chunks]
-    if full[0] and full[0] == full[1] and not (diag[0] or diag[1]):
-        return [(slice(0, 2 * c), full[0], False, 2 * len(full[0]))]
-    calls = []
-    for a in range(len(q_chunks)):
-        rows = slice(a * c, (a + 1) * c)
-        if full[a]:
-            calls.append((rows, full[a], False, len(full[a])))
-        for j in diag[a]:
-            calls.append((rows, [j], True, 1))
-    return calls
 
 
 def _kv_rows(t: torch.Tensor, js: list[int], c: int) -> torch.Tensor:
@@ -354,15 +330,6 @@ def _heads_to_seq(y: torch.Tensor, group: Any, layout: str) -> torch.Tensor:
     return t.reshape(n, s, b, hn, d).permute(2, 1, 0, 3, 4).reshape(b, s, n * hn, d)
 
 
-def ulysses_kv_heads(heads: int, kv_heads: int, n: int) -> int:
-    """Local kv heads entering the all-to-all after replication (see the module docstring)."""
-    if kv_heads % n == 0:
-        return kv_heads
-    if n % kv_heads == 0:
-        return n
-    return heads
-
-
 def check_ulysses(heads: int, kv_heads: int, n: int) -> None:
     if heads % n:
         raise ConfigError([
@@ -416,46 +383,3 @@ def attention(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     if mode not in MODES:
         raise ConfigError([f"--cp-mode {mode!r}: choose one of ring, ulysses"])
     return MODES[mode](q, k, v, plan.grid["cp"])
-
-
-# ---------------------------------------------------------------------------------- formulas
-def traffic_per_layer(mode: str, b: int, s_local: int, heads: int, kv_heads: int, d: int, n: int,
-                      nbytes: int = 4) -> dict[str, float]:
-    """Bytes one cp rank sends per attention layer, {"forward", "backward"} (this module's rule).
-
-    ``heads``/``kv_heads`` are the local (tp-cut) counts, ``s_local`` = S/cp.
-    """
-    if n == 1:
-        return {"forward": 0.0, "backward": 0.0}
-    kv = 2.0 * b * s_local * kv_heads * d * nbytes  # K and V of one block
-    if mode == "ring":
-        return {"forward": (n - 1) * kv, "backward": 2 * (n - 1) * kv}
-    if mode == "ulysses":
-        g2 = ulysses_kv_heads(heads, kv_heads, n)
-        local = b * s_local * d * nbytes * (2 * heads + 2 * g2)  # q, k', v', out
-        return {"forward": (n - 1) / n * local, "backward": (n - 1) / n * local}
-    if mode == "allgather":
-        vol = (n - 1) / n * n * kv  # all-gather of the full K/V; reduce-scatter of its grads
-        return {"forward": vol, "backward": vol}
-    raise ValueError(mode)
-
-
-def activation_bytes(mode: str, b: int, s_local: int, heads: int, kv_heads: int, d: int, n: int,
-                     nbytes: int = 4) -> int:
-    """Bytes the attention core saves for backward on one cp rank (ring: q, K/V, out, lse)."""
-    tok = b * s_local
-    if mode == "ring":
-        return tok * d * 4 * (heads + 2 * kv_heads) + tok * d * nbytes * heads + tok * heads * 4
-    raise ValueError(mode)
-
-
-def attention_flops(b: int, seq_len: int, heads: int, d: int, n: int, layout: str = "zigzag"
-                    ) -> list[float]:
-    """Forward attention FLOPs the ring kernel executes on each cp rank (causal pairs whole)."""
-    c = seq_len // (2 * n)
-    out = []
-    for r in range(n):
-        qc = chunk_ids(r, n, layout)
-        pairs = sum(p for src in range(n) for *_, p in step_plan(qc, chunk_ids(src, n, layout), c))
-        out.append(4.0 * b * heads * c * c * d * pairs)
-    return out
