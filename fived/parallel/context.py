@@ -242,7 +242,7 @@ class RingAttention(torch.autograd.Function):
         c = qi.shape[-2] // 2
         doi = _to_inner_q(dout, g)
         oi = _to_inner_q(out, g)
-        delta = (doi * oi).sum(-1)
+        delta = None if _fused(qi) else (doi * oi).sum(-1)  # the fused kernel forms its own
         dq = torch.zeros_like(qi)
         dkv_own = torch.zeros_like(kv)
         q_chunks = chunk_ids(r, n, layout)
@@ -267,7 +267,8 @@ class RingAttention(torch.autograd.Function):
                 kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
                 dqb, dkb, dvb = _block_backward(qi[..., rows, :], kk, vv, causal, lse[..., rows],
                                                 doi[..., rows, :], oi[..., rows, :],
-                                                delta[..., rows], scale)
+                                                None if delta is None else delta[..., rows],
+                                                scale)
                 _count(qi[..., rows, :], kk, 2 * pairs)
                 dq[..., rows, :] += dqb
                 for dst, part in ((contrib[0], dkb), (contrib[1], dvb)):
