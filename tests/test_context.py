@@ -261,7 +261,8 @@ def test_cp_with_tp_matches_one_rank(reference, mode):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp,extra", [(4, {"dp": 2}), (2, {"dp": 2, "zero": 1}),
-                                      (2, {"micro_batches": 2}), (2, {"recompute": "selective"})])
+                                      (2, {"micro_batches": 2}), (2, {"recompute": "selective"}),
+                                      (2, {"recompute": "full"})])
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_cp_matrix(reference, cp, extra, mode):
     if extra.get("zero") and not _has("fived.parallel.zero"):
@@ -304,3 +305,13 @@ def test_cost_module_is_torch_free():
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any(m.startswith("torch") for m in names), names
+
+
+def test_bench_cp_runs(capsys):
+    from fived.bench import cp as bench
+
+    assert bench.main(["--cp", "2", "--seq", "128", "--heads", "4", "--kv-heads", "2",
+                       "--head-dim", "8", "--iters", "1", "--warmup", "0", "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "fived bench cp" in text and "ring-contiguous" in text and "= formula" in text
+    assert bench.main(["--cp", "3", "--seq", "64"]) == 2  # 64 is not divisible by 2·3
