@@ -1,0 +1,386 @@
+"""Context parallelism: the sequence cut across the ``cp`` group — zigzag sharding, ring attention
+(Liu et al. 2023, "Ring Attention with Blockwise Transformers") and Ulysses (Jacobs et al. 2023,
+"DeepSpeed Ulysses").
+
+Sequence sharding (``shard_batch``)
+    The sequence of length S is cut into 2·cp chunks of c = S/(2·cp) tokens; cp rank i holds
+    chunks i and 2·cp−1−i (zigzag, "head-tail"), so every rank holds the same amount of causal
+    attention work. RoPE positions follow the shard. Each rank computes Σ CE over its own tokens;
+    the trainer sums the loss and the engine the gradients over ``dense`` (which holds cp).
+
+Ring attention (``--cp-mode ring``)
+    K/V blocks (the kv heads, never repeated to the query heads) travel around the cp ring with
+    ``fived.comm.ops.exchange``; the transfer of the next block is posted before the current
+    block's attention runs. Partial results merge by log-sum-exp:
+
+        lse = logaddexp(lse₁, lse₂),   o = o₁·exp(lse₁ − lse) + o₂·exp(lse₂ − lse)
+
+    Causal masking is decided per chunk pair: a K/V chunk after the query chunk is skipped, one
+    before it is attended unmasked, the same chunk is causal. With zigzag, step 0 costs 3 chunk
+    pairs and every other step exactly 2 on every rank. The backward recomputes the block
+    probabilities from the saved q, local K/V, output and lse, accumulates dQ locally, rotates
+    K/V around the ring again and sends the dK/dV accumulators along so that they arrive at
+    their owner after cp−1 hops.
+
+    Bytes one rank sends per layer (B = b·(S/cp)·kv_heads·d·bytes, one of K or V):
+        forward  (cp−1)·2B          (K/V)
+        backward (cp−1)·2B + (cp−1)·2B   (K/V again, and dK/dV)
+
+Ulysses (``--cp-mode ulysses``)
+    Four all-to-alls per layer and direction: q, k, v from sequence-sharded to head-sharded
+    (each rank gets the full sequence for heads/cp of its heads), attention, and the output back.
+    Needs (heads/tp) % cp == 0 (``ConfigError`` otherwise). KV heads: when kv_heads/tp < cp, each
+    kv head is *replicated* (cp/kv_heads_local times) before the all-to-all so every rank
+    receives the kv head its query heads read; when neither divides the other, kv heads are
+    repeated to the query heads. Bytes per layer and direction: (cp−1)/cp of q, k', v', out,
+    with k', v' the (replicated) local kv tensors.
+
+The third mode, ``allgather`` (bench only), all-gathers K/V (backward: reduce-scatter of dK/dV)
+and is the baseline the bench compares against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..comm import autograd as CA
+from ..comm import ops
+from ..config import ConfigError
+from ..model import layers as L
+from .context_cost import (  # noqa: F401 - the torch-free formulas, re-exported
+    LAYOUTS,
+    activation_bytes,
+    attention_flops,
+    chunk_ids,
+    step_plan,
+    traffic_per_layer,
+    ulysses_kv_heads,
+)
+
+
+# ---------------------------------------------------------------------------------- sharding
+def shard_positions(seq_len: int, n: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
+    """Global token positions held by cp rank ``rank`` (S/n of them, in local order)."""
+    if seq_len % (2 * n):
+        raise ConfigError([f"seq_len {seq_len} is not divisible by 2·cp = {2 * n} (zigzag)"])
+    c = seq_len // (2 * n)
+    return torch.cat([torch.arange(g * c, (g + 1) * c) for g in chunk_ids(rank, n, layout)])
+
+
+def shard_batch(x: torch.Tensor, y: torch.Tensor, grid: Any, layout: str = "zigzag"
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This cp rank's shard of (tokens, targets) along the sequence, and its RoPE positions."""
+    cp = grid["cp"]
+    pos = shard_positions(x.shape[1], cp.size, cp.rank, layout)
+    return x[:, pos].contiguous(), y[:, pos].contiguous(), pos
+
+
+# ---------------------------------------------------------------------------------- statistics
+@dataclass
+class Stats:
+    """FLOPs the attention kernels of this process executed (for the balance measurement)."""
+
+    enabled: bool = False
+    flops: float = 0.0
+    pairs: int = 0
+    log: list = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.flops, self.pairs, self.log = 0.0, 0, []
+
+
+STATS = Stats()
+
+
+def _count(q: torch.Tensor, k: torch.Tensor, pairs: int) -> None:
+    if STATS.enabled:  # 2 matmuls (q kᵀ and p v), 2 FLOPs per multiply-add
+        b, g, rep, sq, d = q.shape
+        STATS.flops += 4.0 * b * g * rep * sq * k.shape[2] * d
+        STATS.pairs += pairs
+
+
+# ---------------------------------------------------------------------------------- block kernels
+# Internal layouts: q, o (b, g, rep, s, d) — query head h = g_index·rep + rep_index, matching
+# repeat_interleave in ``causal_attention``; k, v (b, g, s, d); lse (b, g, rep, s) in fp32.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+USE_FUSED = True  # the fused CPU kernel for blocks when present; False: the explicit math below
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return USE_FUSED and _FLASH is not None and q.device.type == "cpu" and q.dtype == torch.float32
+
+
+def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+
+
+def _scores(q, k, causal, scale):
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    return s
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor):
+    """(b, g, rep, s, d) q and (b, g, s, d) k → (b, h, s, d) each, kv repeated for the kernel."""
+    b, g, rep, s, d = q.shape
+    qh = q.reshape(b, g * rep, s, d)
+    kh = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+    return qh, kh
+
+
+def _block_forward(q, k, v, causal, scale):
+    """One block: (o, lse) of q (b, g, rep, sq, d) against k, v (b, g, sk, d)."""
+    if _fused(q):
+        b, g, rep, sq, d = q.shape
+        qh, kh = _heads(q, k)
+        vh = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+        o, lse = _FLASH(qh, kh, vh, 0.0, causal, scale=scale)
+        return o.reshape(b, g, rep, sq, d), lse.reshape(b, g, rep, sq).float()
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.matmul(p, v.unsqueeze(2)), lse
+
+
+def _block_backward(q, k, v, causal, lse, do, o, delta, scale):
+    """One block's (dq, dk, dv), with the *merged* output ``o`` and ``lse`` of the whole row."""
+    if _fused(q):
+        b, g, rep, sq, d = q.shape
+        qh, kh = _heads(q, k)
+        vh = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+        dqh, dkh, dvh = _FLASH_BWD(
+            do.reshape(b, g * rep, sq, d), qh, kh, vh, o.reshape(b, g * rep, sq, d),
+            lse.reshape(b, g * rep, sq), 0.0, causal, scale=scale)
+        sk = k.shape[2]
+        return (dqh.reshape(b, g, rep, sq, d), dkh.reshape(b, g, rep, sk, d).sum(2),
+                dvh.reshape(b, g, rep, sk, d).sum(2))
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+    dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
+    return dq, dk, dv
+
+
+def _merge(o_acc, lse_acc, o, lse, rows: slice) -> None:
+    """In place: rows of (o_acc, lse_acc) ← log-sum-exp merge with the partial (o, lse)."""
+    old_o, old_lse = o_acc[..., rows, :], lse_acc[..., rows]
+    new = torch.logaddexp(old_lse, lse)
+    o_acc[..., rows, :] = old_o * torch.exp(old_lse - new).unsqueeze(-1) + o * torch.exp(
+        lse - new).unsqueeze(-1)
+    lse_acc[..., rows] = new
+
+
+def _kv_rows(t: torch.Tensor, js: list[int], c: int) -> torch.Tensor:
+    """Rows of the K/V chunks ``js`` of a (…, 2c, d) tensor (a view when they are contiguous)."""
+    if js == [0, 1]:
+        return t
+    if len(js) == 1:
+        return t[..., js[0] * c:(js[0] + 1) * c, :]
+    return torch.cat([t[..., j * c:(j + 1) * c, :] for j in js], dim=-2)
+
+
+def _to_inner_q(x: torch.Tensor, g: int) -> torch.Tensor:
+    b, s, h, d = x.shape
+    return x.float().permute(0, 2, 1, 3).reshape(b, g, h // g, s, d)
+
+
+def _from_inner_q(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    b, g, rep, s, d = x.shape
+    return x.reshape(b, g * rep, s, d).transpose(1, 2).to(dtype).contiguous()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention over the cp-sharded sequence; q (b, s, h, d), k/v (b, s, g, d) local."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout):
+        n, r = group.size, group.rank
+        b, s, h, d = q.shape
+        g = k.shape[2]
+        c = s // 2
+        scale = 1.0 / math.sqrt(d)
+        qi = _to_inner_q(q, g)
+        kv = torch.stack([k.float().transpose(1, 2), v.float().transpose(1, 2)]).contiguous()
+        o_acc = torch.zeros_like(qi)
+        lse_acc = torch.full(qi.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        q_chunks = chunk_ids(r, n, layout)
+        cur = kv
+        for t in range(n):
+            handle, nxt = None, None
+            if t < n - 1:  # post the next transfer before this block's attention
+                nxt = torch.empty_like(cur)
+                handle = ops.exchange(group, [(cur, (r + 1) % n)], [(nxt, (r - 1) % n)],
+                                      async_op=True)
+            src = (r - t) % n
+            for rows, js, causal, pairs in step_plan(q_chunks, chunk_ids(src, n, layout), c):
+                kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
+                o, lse = _block_forward(qi[..., rows, :], kk, vv, causal, scale)
+                _count(qi[..., rows, :], kk, pairs)
+                _merge(o_acc, lse_acc, o, lse, rows)
+            if handle is not None:
+                handle.wait()
+                cur = nxt
+        out = _from_inner_q(o_acc, q.dtype)
+        ctx.group, ctx.layout, ctx.scale, ctx.g = group, layout, scale, g
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.save_for_backward(qi, kv, out, lse_acc)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qi, kv, out, lse = ctx.saved_tensors
+        group, layout, scale, g = ctx.group, ctx.layout, ctx.scale, ctx.g
+        n, r = group.size, group.rank
+        c = qi.shape[-2] // 2
+        doi = _to_inner_q(dout, g)
+        oi = _to_inner_q(out, g)
+        delta = None if _fused(qi) else (doi * oi).sum(-1)  # the fused kernel forms its own
+        dq = torch.zeros_like(qi)
+        dkv_own = torch.zeros_like(kv)
+        q_chunks = chunk_ids(r, n, layout)
+        cur, acc = kv, None  # acc: the travelling dK/dV accumulator of block (r − t)
+        for t in range(n):
+            sends, recvs, nxt, acc_in = [], [], None, None
+            # one message per step: K/V for step t+1, and (t ≥ 2) the accumulator of step t−1
+            if t < n - 1 and acc is not None and t >= 2:
+                msg = torch.cat([cur, acc])
+                buf = torch.empty_like(msg)
+                sends, recvs = [(msg, (r + 1) % n)], [(buf, (r - 1) % n)]
+            elif t < n - 1:
+                buf = torch.empty_like(cur)
+                sends, recvs = [(cur, (r + 1) % n)], [(buf, (r - 1) % n)]
+            elif t >= 2:
+                buf = torch.empty_like(acc)
+                sends, recvs = [(acc, (r + 1) % n)], [(buf, (r - 1) % n)]
+            handle = ops.exchange(group, sends, recvs, async_op=True) if sends else None
+            src = (r - t) % n
+            contrib = dkv_own if t == 0 else torch.zeros_like(kv)
+            for rows, js, causal, pairs in step_plan(q_chunks, chunk_ids(src, n, layout), c):
+                kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
+                dqb, dkb, dvb = _block_backward(qi[..., rows, :], kk, vv, causal, lse[..., rows],
+                                                doi[..., rows, :], oi[..., rows, :],
+                                                None if delta is None else delta[..., rows],
+                                                scale)
+                _count(qi[..., rows, :], kk, 2 * pairs)
+                dq[..., rows, :] += dqb
+                for dst, part in ((contrib[0], dkb), (contrib[1], dvb)):
+                    if js == [0, 1]:
+                        dst += part
+                    else:
+                        for i, j in enumerate(js):
+                            dst[..., j * c:(j + 1) * c, :] += part[..., i * c:(i + 1) * c, :]
+            if handle is not None:
+                handle.wait()
+                if t < n - 1 and t >= 2:
+                    nxt, acc_in = buf[:2], buf[2:]
+                elif t < n - 1:
+                    nxt = buf
+                else:
+                    acc_in = buf
+            if t >= 1:
+                acc = contrib if acc_in is None else contrib + acc_in
+            if nxt is not None:
+                cur = nxt
+        if n > 1:  # the last accumulator belongs to rank r+1: one more hop home
+            home = torch.empty_like(acc)
+            ops.exchange(group, [(acc, (r + 1) % n)], [(home, (r - 1) % n)])
+            dkv_own += home
+        dq_out = _from_inner_q(dq, ctx.dtypes[0])
+        dk = dkv_own[0].transpose(1, 2).to(ctx.dtypes[1])
+        dv = dkv_own[1].transpose(1, 2).to(ctx.dtypes[2])
+        return dq_out, dk, dv, None, None
+
+
+def ring_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Tensor:
+    if group.size == 1:
+        return L.causal_attention(q, k, v)
+    return RingAttention.apply(q, k, v, group, layout)
+
+
+# ---------------------------------------------------------------------------------- Ulysses
+def _natural_order(n: int, s_local: int, layout: str, device) -> torch.Tensor:
+    """Global positions of the rows of a rank-major concatenation of every rank's shard."""
+    return torch.cat([shard_positions(n * s_local, n, j, layout) for j in range(n)]).to(device)
+
+
+def _seq_to_heads(x: torch.Tensor, group: Any, layout: str) -> torch.Tensor:
+    """(b, s/n, H, d) sequence-sharded → (b, s, H/n, d) head-sharded, natural token order."""
+    n = group.size
+    b, s, hh, d = x.shape
+    t = x.reshape(b, s, n, hh // n, d).permute(2, 1, 0, 3, 4).reshape(n * s, b, hh // n, d)
+    t = CA.all_to_all(t, group)
+    inv = torch.argsort(_natural_order(n, s, layout, x.device))
+    return t[inv].permute(1, 0, 2, 3)
+
+
+def _heads_to_seq(y: torch.Tensor, group: Any, layout: str) -> torch.Tensor:
+    """Inverse of ``_seq_to_heads``: (b, s, H/n, d) → (b, s/n, H, d)."""
+    n = group.size
+    b, full, hn, d = y.shape
+    s = full // n
+    t = y.permute(1, 0, 2, 3)[_natural_order(n, s, layout, y.device)]
+    t = CA.all_to_all(t.contiguous(), group)
+    return t.reshape(n, s, b, hn, d).permute(2, 1, 0, 3, 4).reshape(b, s, n * hn, d)
+
+
+def check_ulysses(heads: int, kv_heads: int, n: int) -> None:
+    if heads % n:
+        raise ConfigError([
+            f"ulysses: local attention heads {heads} (heads/tp) are not divisible by cp={n}; "
+            "use --cp-mode ring or a cp that divides heads/tp"])
+
+
+def ulysses_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Tensor:
+    n = group.size
+    if n == 1:
+        return L.causal_attention(q, k, v)
+    h, g = q.shape[2], k.shape[2]
+    check_ulysses(h, g, n)
+    g2 = ulysses_kv_heads(h, g, n)
+    if g2 != g:  # replicate kv heads so each rank receives those its query heads read
+        k = k.repeat_interleave(g2 // g, dim=2)
+        v = v.repeat_interleave(g2 // g, dim=2)
+    qh, kh, vh = (_seq_to_heads(t, group, layout) for t in (q, k, v))
+    o = L.causal_attention(qh, kh, vh)
+    return _heads_to_seq(o, group, layout)
+
+
+# ---------------------------------------------------------------------------------- all-gather
+def allgather_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Tensor:
+    """Baseline: all-gather K/V (reduce-scatter dK/dV in backward), attend with a position mask."""
+    n = group.size
+    if n == 1:
+        return L.causal_attention(q, k, v)
+    b, s, h, d = q.shape
+    kv = torch.stack([k, v])  # (2, b, s, g, d)
+    full = CA.gather_from(kv.transpose(0, 2).contiguous(), group, 0)  # (n·s, b, 2, g, d)
+    kpos = _natural_order(n, s, layout, q.device)
+    qpos = shard_positions(n * s, n, group.rank, layout).to(q.device)
+    kf, vf = full[:, :, 0].transpose(0, 1), full[:, :, 1].transpose(0, 1)  # (b, n·s, g, d)
+    rep = h // k.shape[2]
+    if rep > 1:
+        kf, vf = kf.repeat_interleave(rep, dim=2), vf.repeat_interleave(rep, dim=2)
+    mask = qpos[:, None] >= kpos[None, :]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), attn_mask=mask,
+        scale=1.0 / math.sqrt(d))
+    return o.transpose(1, 2)
+
+
+MODES = {"ring": ring_attention, "ulysses": ulysses_attention, "allgather": allgather_attention}
+
+
+def attention(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The plan's attention core when cp > 1: dispatch on ``par.cp_mode``."""
+    mode = plan.par.cp_mode
+    if mode not in MODES:
+        raise ConfigError([f"--cp-mode {mode!r}: choose one of ring, ulysses"])
+    return MODES[mode](q, k, v, plan.grid["cp"])
