@@ -22,8 +22,20 @@ from dataclasses import dataclass
 from typing import Any
 
 # torch is imported only after the header is printed: importing it takes seconds.
-from ..comm.bench import (BENCH_OPS, DTYPES, IMPLS, RING_OPS, Row, canonical_op, fit_rows,
-                          format_size, parse_size, plan, result_dict, size_sweep)
+from ..comm.bench import (
+    BENCH_OPS,
+    DTYPES,
+    IMPLS,
+    RING_OPS,
+    Row,
+    canonical_op,
+    fit_rows,
+    format_size,
+    parse_size,
+    plan,
+    result_dict,
+    size_sweep,
+)
 from ..comm.volume import busbw_factor
 
 
