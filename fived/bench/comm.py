@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true",
                     help="print the result as JSON on stdout (tables go to stderr)")
     ap.add_argument("--out", default=None, help="also write the JSON result to this file")
+    ap.add_argument("--markdown", action="store_true",
+                    help="also print a Markdown summary (busbw per size, alpha, beta) for docs")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="collective timeout in seconds: a dead rank stops the others")
     ap.add_argument("--no-progress", dest="progress", action="store_false",
@@ -131,10 +134,18 @@ def rank_main(rank: int, world: int, cfg: Settings) -> dict[str, Any] | None:
         task = progress.add_task("sweeping", total=total)
         progress.start()
 
+        done = [0]
+
         def on_point(row: Row) -> None:
             progress.update(task, advance=1, description=(
                 f"{row.op:<14} {row.impl:<7} {format_size(row.size_bytes):>5}: "
                 f"{row.busbw_GBps:7.3f} GB/s busbw"))
+            done[0] += 1
+            if not progress.console.is_terminal and done[0] % len(cfg.sizes) == 0:
+                # a log, not a terminal: no bar is drawn, so say when each collective is done
+                progress.console.print(f"[{done[0]}/{total}] {row.op}/{row.impl} done: "
+                                       f"{row.busbw_GBps:.3f} GB/s busbw at "
+                                       f"{format_size(row.size_bytes)}")
     try:
         rows = sweep(grid["dp"], traffic, cfg.pairs, cfg.sizes, cfg.dtype, cfg.iters, cfg.warmup,
                      device, on_point)
@@ -148,7 +159,8 @@ def rank_main(rank: int, world: int, cfg: Settings) -> dict[str, Any] | None:
         "warmup": cfg.warmup, "timing": "median over iters of the slowest rank, barrier before each",
         "sizes": cfg.sizes, "ops": list(dict.fromkeys(op for op, _ in cfg.pairs)),
         "impls": list(dict.fromkeys(impl for _, impl in cfg.pairs)),
-        "host": platform.node(), "cpus": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
+        "host": platform.node(), "cpus": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None, "threads_per_rank": torch.get_num_threads(),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     return result_dict(rows, world, meta)
@@ -204,6 +216,26 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
     console.print(s)
 
 
+def markdown_summary(doc: dict[str, Any], columns: int = 6) -> str:
+    """busbw (GB/s) at up to ``columns`` sizes (always the largest) and the fit, one row per
+    (collective, impl) — the table docs/comm.md shows."""
+    sizes = sorted({r["size_bytes"] for r in doc["rows"]})
+    step = max(1, math.ceil((len(sizes) - 1) / max(columns - 1, 1)))
+    pick = sorted(set(sizes[::-1][::step][:columns]))
+    head = ["collective", "impl"] + [format_size(x) for x in pick] + ["alpha (us)", "beta (GB/s)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    at = {(r["op"], r["impl"], r["size_bytes"]): r for r in doc["rows"]}
+    fits_by_impl = doc["fits_by_impl"]
+    for op in doc["ops"]:
+        for impl in (i for i in doc["impls"] if op in fits_by_impl.get(i, {})):
+            f = fits_by_impl[impl][op]
+            cells = [op, impl] + [_num(at[(op, impl, x)]["busbw_GBps"]) if (op, impl, x) in at
+                                  else "-" for x in pick]
+            cells += [_num(f["alpha_us"], 0), _num(f["beta_GBps"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------- entry point
 def main(argv: list[str]) -> int:
     ap = build_parser()
@@ -257,6 +289,8 @@ def main(argv: list[str]) -> int:
             return 1
     doc["command"] = "fived bench comm " + " ".join(argv)
     print_report(doc, con)
+    if args.markdown:
+        con.print(markdown_summary(doc), markup=False, highlight=False, soft_wrap=True)
     text = json.dumps(doc, indent=1)
     if args.out:
         with open(args.out, "w") as fh:
@@ -268,4 +302,4 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["main", "build_parser", "rank_main", "print_report", "fit_rows"]
+__all__ = ["main", "build_parser", "rank_main", "print_report", "markdown_summary", "fit_rows"]
