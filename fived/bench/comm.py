@@ -160,7 +160,8 @@ def rank_main(rank: int, world: int, cfg: Settings) -> dict[str, Any] | None:
         "sizes": cfg.sizes, "ops": list(dict.fromkeys(op for op, _ in cfg.pairs)),
         "impls": list(dict.fromkeys(impl for _, impl in cfg.pairs)),
         "host": platform.node(), "cpus": os.cpu_count(),
-        "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None, "threads_per_rank": torch.get_num_threads(),
+        "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "threads_per_rank": torch.get_num_threads(),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     return result_dict(rows, world, meta)
@@ -251,10 +252,14 @@ def main(argv: list[str]) -> int:
     if world < 2:
         print("fived bench comm: needs at least 2 ranks (--nprocs 2)", file=sys.stderr)
         return 2
-    con.print(f"[bold]fived bench comm[/] · {world} ranks ({'torchrun' if torchrun else 'local'}) · "
-              f"{cfg.dtype} · {format_size(cfg.sizes[0])}..{format_size(cfg.sizes[-1])} "
-              f"×{args.stepfactor:g} ({len(cfg.sizes)} sizes) · {cfg.iters} iters + {cfg.warmup} "
-              f"warm-up · {', '.join(f'{o}/{i}' for o, i in cfg.pairs)}")
+    quiet_rank = torchrun and os.environ.get("RANK", "0") != "0"
+    if quiet_rank:
+        cfg.progress = False
+    else:
+        con.print(f"[bold]fived bench comm[/] · {world} ranks ({'torchrun' if torchrun else 'local'}) · "
+                  f"{cfg.dtype} · {format_size(cfg.sizes[0])}..{format_size(cfg.sizes[-1])} "
+                  f"×{args.stepfactor:g} ({len(cfg.sizes)} sizes) · {cfg.iters} iters + {cfg.warmup} "
+                  f"warm-up · {', '.join(f'{o}/{i}' for o, i in cfg.pairs)}")
     if args.device == "cpu":
         os.environ["FIVED_DEVICE"] = "cpu"
     from .. import launch  # imports torch
