@@ -117,13 +117,17 @@ def ring_all_reduce(t: torch.Tensor, group: Any, op: str = "sum",
     if op not in _ACC:
         raise ValueError(f"ring_all_reduce: op {op!r} not in {sorted(_ACC)}")
     ring = _Ring(group)
-    flat = t.detach().reshape(-1, 1) if t.is_contiguous() else t.detach().contiguous().reshape(-1, 1)
-    buf, _ = _padded(flat, ring.n)
+    in_place = t.is_contiguous() and t.numel() % ring.n == 0
+    if in_place:  # work on t's own storage: no copy in or out
+        buf = t.detach().view(-1, 1)
+    else:
+        buf, _ = _padded(t.detach().contiguous().reshape(-1, 1), ring.n)
     chunks = list(buf.chunk(ring.n))
     _reduce_scatter_steps(ring, chunks, op)
     _all_gather_steps(ring, chunks)
-    with torch.no_grad():
-        t.copy_(buf[: t.numel()].view(t.shape))
+    if not in_place:
+        with torch.no_grad():
+            t.copy_(buf[: t.numel()].view(t.shape))
     ring.record(record_as)
     return t
 
