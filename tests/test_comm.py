@@ -534,3 +534,23 @@ def test_bench_comm_rejects_bad_flags(capsys):
     assert main(["--ops", "broadcast", "--impl", "ring"]) == 2
     assert main(["--nprocs", "1"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def _ring_large(rank: int, world: int) -> None:
+    from fived.comm.ops import Traffic
+
+    traffic = Traffic()
+    g = Grid.from_config(ParallelConfig(dp=world), rank).connect(traffic)["dp"]
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel in ((1 << 20) + 3, 3 << 20):
+            x = data(rank, (numel,), dtype, ints=True, salt=20)
+            assert torch.equal(ring.ring_all_reduce(x.clone(), g), ops.all_reduce(x.clone(), g))
+            assert torch.equal(ring.ring_all_gather(x, g), ops.all_gather(x, g))
+            if numel % world == 0:
+                assert torch.equal(ring.ring_reduce_scatter(x, g), ops.reduce_scatter(x, g))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_large_buffers(world):
+    run_ranks(_ring_large, world, timeout=600)
