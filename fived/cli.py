@@ -193,7 +193,9 @@ def _dispatch(package: str, what: str, argv: list[str]) -> int:
     name = argv[0].replace("-", "_")
     try:
         mod = importlib.import_module(f"{package}.{name}")
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as e:
+        if e.name != f"{package}.{name}":
+            raise  # a real import error inside the module: show it
         print(f"fived {what}: no {what} named {argv[0]!r} in this build", file=sys.stderr)
         return 2
     return int(mod.main(argv[1:]) or 0)

@@ -58,8 +58,22 @@ def init_process_group(rank: int, world: int, port: int | None, timeout_s: float
         )
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A spawned rank must not outlive the process that spawned it (even one killed -9)."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any,
-           threads: int, timeout_s: float) -> None:
+           threads: int, timeout_s: float, parent: int) -> None:
+    _exit_with_parent(parent)
     torch.set_num_threads(threads)
     os.environ.setdefault("LOCAL_RANK", str(rank))
     try:
@@ -90,7 +104,7 @@ def run_local(fn: Callable, nprocs: int, args: tuple = (), timeout: float = 600.
         ctx.Process(
             target=_child,
             args=(r, nprocs, port, fn, args, results, threads_per_rank(nprocs),
-                  collective_timeout),
+                  collective_timeout, os.getpid()),
             daemon=True,
         )
         for r in range(nprocs)

@@ -11,8 +11,8 @@ all_reduce      the buffer              2·(n−1)/n · S   (reduce-scatter + al
 all_gather      the gathered output     (n−1)/n · S
 reduce_scatter  the full input          (n−1)/n · S
 all_to_all      the local input         (n−1)/n · S    (sent to the other n−1 ranks)
-broadcast       the buffer              S              (pipelined ring; nccl-tests factor 1)
-reduce          the buffer              S
+broadcast       the buffer              S on the root, 0 elsewhere (charged to the root)
+reduce          the buffer              S on each non-root, 0 on the root
 scatter, gather the full buffer         (n−1)/n · S    (root side; others S/n)
 send            the message             S
 recv            the message             0              (received, not sent)
@@ -44,6 +44,6 @@ def bytes_sent(op: str, size_bytes: int, n: int) -> float:
     """Bytes one rank sends for collective ``op`` over ``n`` ranks on a buffer of ``size_bytes``."""
     if n <= 1 or op == "recv":
         return 0.0
-    if op == "send":
+    if op in ("send", "broadcast", "reduce"):  # broadcast: the root's bytes; reduce: a non-root's
         return float(size_bytes)
     return busbw_factor(op, n) * size_bytes
