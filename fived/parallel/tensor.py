@@ -57,7 +57,10 @@ def enter_columns(plan: Any, x: torch.Tensor) -> torch.Tensor:
     if cache is not None and cache[0] is x:
         return cache[1]
     group = plan.group("tp")
-    y = R.gather_from(x, group, dim=1) if _sp(plan) else R.copy_to(x, group)
+    if _sp(plan):  # one contiguous copy, not one per consumer's matmul
+        y = R.gather_from(x, group, dim=1).contiguous()
+    else:
+        y = R.copy_to(x, group)
     plan._tp_column_input = (x, y)
     return y
 
