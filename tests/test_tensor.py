@@ -128,7 +128,7 @@ def _activations(rank: int, world: int) -> dict:
         norms = [m for n, m in model.named_modules() if n.endswith("norm")]
         rec: dict[str, SavedTensors] = {}
 
-        def pre(mod, args, rec=rec):
+        def pre(mod, args, rec=rec, model=model):
             rec[id(mod)] = SavedTensors(exclude=list(model.parameters())).__enter__()
 
         def post(mod, args, output, rec=rec):
