@@ -154,6 +154,12 @@ def test_sp_norm_activations_are_one_over_tp(world2):
         assert sp["total"] < plain["total"]
 
 
+@pytest.mark.slow
+def test_sp_norm_activations_tp4():
+    for per_rank in run_ranks(_activations, 4):
+        assert per_rank[True]["norm"] * 4 == per_rank[False]["norm"]
+
+
 # ------------------------------------------------------------------ vocab-parallel loss
 
 
@@ -189,6 +195,7 @@ def test_vocab_parallel_loss_matches_cross_entropy(world2):
 SLOW_2 = [
     (MODEL, ParallelConfig(tp=2, micro_batches=2)),
     (TIED, ParallelConfig(tp=2)),
+    (MODEL, ParallelConfig(tp=2, recompute="full")),
     (MODEL, ParallelConfig(tp=2, sequence_parallel=True, recompute="full")),
 ]
 SLOW_4 = [

@@ -220,7 +220,8 @@ def tp_traffic_bytes(model: Any, par: Any, micro_batch: int, dtype_bytes: int = 
     ``A = micro_batch·s·h·dtype_bytes``. Per micro-batch:
 
     * each block: 2 forward + 2 backward all-reduces of A (SP: 2 all-gathers + 2 reduce-scatters
-      of A each way); full recompute repeats the forward ones;
+      of A each way); full recompute reruns the forward up to its last saved tensor: +1
+      all-reduce (SP: +2 all-gathers, +1 reduce-scatter);
     * replicated kv heads (tp > kv_heads): per block 2 all-reduces of the full (kv_heads·d, h)
       weight gradient (wk, wv);
     * embedding: 1 forward all-reduce of A (SP: reduce-scatter forward, all-gather backward);
@@ -241,13 +242,15 @@ def tp_traffic_bytes(model: Any, par: Any, micro_batch: int, dtype_bytes: int = 
     out: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
     ar, ag, rs = (lambda n: bytes_sent("all_reduce", n, tp), lambda n: bytes_sent("all_gather", n, tp),
                   lambda n: bytes_sent("reduce_scatter", n, tp))
-    fwd = 2 if par.recompute == "full" else 1
+    # full recompute reruns a block's forward up to its last saved tensor (torch's checkpoint
+    # stops early): the gathers and the attention's reduction again, not the MLP's reduction
+    again = par.recompute == "full"
     per_micro = dict.fromkeys(out, 0.0)
     if sp:
-        per_micro["all_gather"] += n_layers * (2 * fwd + 2) * ag(a)
-        per_micro["reduce_scatter"] += n_layers * (2 * fwd + 2) * rs(a)
+        per_micro["all_gather"] += n_layers * (4 + 2 * again) * ag(a)
+        per_micro["reduce_scatter"] += n_layers * (4 + again) * rs(a)
     else:
-        per_micro["all_reduce"] += n_layers * (2 * fwd + 2) * ar(a)
+        per_micro["all_reduce"] += n_layers * (4 + again) * ar(a)
     if tp > model.kv_heads:
         kv_weight = model.kv_heads * model.head_dim * model.hidden * dtype_bytes
         per_micro["all_reduce"] += n_layers * 2 * ar(kv_weight)
