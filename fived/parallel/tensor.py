@@ -65,6 +65,56 @@ def enter_columns(plan: Any, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+class _Region:
+    """One column region with overlap: the full input, and the dX of its consumers summed."""
+
+    def __init__(self, plan: Any, x: torch.Tensor):
+        self.group, self.sp = plan.group("tp"), _sp(plan)
+        self.pending, self.acc = 0, None
+        with torch.no_grad():
+            self.full = (ops.all_gather(x, self.group, dim=1).contiguous() if self.sp
+                         else x.detach())
+
+
+class _ColumnMatmul(torch.autograd.Function):
+    """y = x_full Wᵀ inside a shared region. Backward: dX of every consumer is summed; the last
+    consumer to run starts the all-reduce (SP: reduce-scatter) of the sum asynchronously, then
+    computes its own weight gradient while the collective is in flight (Megatron's overlap)."""
+
+    @staticmethod
+    def forward(ctx, x, w, region):
+        region.pending += 1
+        ctx.region = region
+        ctx.save_for_backward(region.full, w)
+        return F.linear(region.full, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        full, w = ctx.saved_tensors
+        r = ctx.region
+        dx = g.matmul(w)
+        r.acc = dx if r.acc is None else r.acc.add_(dx)
+        r.pending -= 1
+        handle = None
+        if r.pending == 0:
+            acc, r.acc = r.acc, None
+            handle = (ops.reduce_scatter(acc, r.group, dim=1, async_op=True) if r.sp
+                      else ops.all_reduce(acc, r.group, async_op=True))
+        dw = g.flatten(0, -2).t().matmul(full.flatten(0, -2))
+        return (handle.wait() if handle is not None else None), dw, None
+
+
+def column_matmul(plan: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x Wᵀ for a column-cut W, x the (shard of the) input; overlapped when ``par.overlap``."""
+    if not getattr(plan.par, "overlap", False):
+        return F.linear(enter_columns(plan, x), w)
+    cache = getattr(plan, "_tp_region", None)
+    if cache is None or cache[0] is not x:
+        cache = (x, _Region(plan, x))
+        plan._tp_region = cache
+    return _ColumnMatmul.apply(x, w, cache[1])
+
+
 def exit_rows(plan: Any, y: torch.Tensor) -> torch.Tensor:
     """The output of a row-parallel layer: partial sums reduced (to the sequence shard with SP)."""
     group = plan.group("tp")
@@ -107,7 +157,7 @@ class ColumnLinear(nn.Module):
         w = self.weight
         if self.shards < self.plan.tp:
             w = _ReplicaGradSum.apply(w, self.plan.group("tp"), self.shards, self.index)
-        return F.linear(enter_columns(self.plan, x), w)
+        return column_matmul(self.plan, x, w)
 
 
 class RowLinear(nn.Module):
@@ -163,7 +213,7 @@ class VocabHead(nn.Module):
 
 def vocab_logits(plan: Any, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Local logits h Wᵀ for this rank's vocab slice (the tied head reuses the embedding's)."""
-    return F.linear(enter_columns(plan, h), weight)
+    return column_matmul(plan, h, weight)
 
 
 class _VocabParallelCE(torch.autograd.Function):
