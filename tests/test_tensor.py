@@ -228,3 +228,12 @@ def test_zero_dp2_tp2(reference):
     for (model, par), out in zip(ZERO, train_many(ZERO)):
         check_parity(out, reference[False])
         check_traffic(out, model, par)
+
+
+@pytest.mark.slow
+def test_bench_tp_runs(capsys):
+    from fived.bench import tp
+
+    assert tp.main(["--model", "tiny", "--reps", "1", "--warmup", "0", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fived/DTensor" in out and "tp+sp" in out

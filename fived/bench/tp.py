@@ -37,6 +37,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions per variant")
     ap.add_argument("--sp", choices=("both", "on", "off"), default="both",
                     help="sequence parallelism: off, on, or both (default)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="fived without the dX-collective / weight-gradient overlap")
     ap.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     return ap.parse_args(argv)
 
@@ -124,7 +126,8 @@ def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str
     first: dict[str, float] = {}
     for sp in sps:
         tag = "+sp" if sp else ""
-        fm = build_model(cfg, Plan(cfg, ParallelConfig(tp=world, sequence_parallel=sp), seed, grid))
+        fpar = ParallelConfig(tp=world, sequence_parallel=sp, overlap=not args.no_overlap)
+        fm = build_model(cfg, Plan(cfg, fpar, seed, grid))
         dm = dtensor_model(cfg, seed, world, sp)
 
         def fived_step(fm=fm):
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"fived bench tp — {cfg.name} (h{cfg.hidden}, {cfg.layers} layers, seq {cfg.seq_len}), "
           f"batch {args.batch}, tp={args.tp}, {args.reps} reps (+{args.warmup} warmup), "
-          f"fwd+bwd per step; fived vs DTensor parallelize_module", flush=True)
+          f"fwd+bwd per step; fived (overlap {'off' if args.no_overlap else 'on'}) vs DTensor "
+          "parallelize_module", flush=True)
     t0 = time.perf_counter()
     out = run_local(_rank, args.tp, (cfg, args), timeout=600)
     times = out[0]["times"]
