@@ -71,7 +71,12 @@ class Plan:
         return L.Linear(name, in_f, out_f, std, self.seed, dtype=self.dtype)
 
     def norm(self, name: str, hidden: int) -> nn.Module:
-        return L.RMSNorm(name, hidden, self.model.norm_eps, dtype=self.dtype)
+        norm = L.RMSNorm(name, hidden, self.model.norm_eps, dtype=self.dtype)
+        if self.tp > 1 and self.par.sequence_parallel:  # runs on the sequence shard
+            from . import tensor
+
+            tensor.mark_norm(self, norm)
+        return norm
 
     def embedding(self, name: str, std: float) -> nn.Module:
         if self.tp > 1:
@@ -88,6 +93,14 @@ class Plan:
             return tensor.VocabHead(self, name, self.model.hidden, self.model.vocab, std)
         return L.Linear(name, self.model.hidden, self.model.vocab, std, self.seed,
                         dtype=self.dtype)
+
+    def tied_logits(self, h: torch.Tensor, embed: nn.Module) -> torch.Tensor:
+        """Logits from the (vocab-cut) embedding matrix: tied input and output embeddings."""
+        if self.tp > 1:
+            from . import tensor
+
+            return tensor.vocab_logits(self, h, embed.weight)
+        return torch.nn.functional.linear(h, embed.weight)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies over this rank's tokens (vocab-parallel when tp > 1)."""
