@@ -1,0 +1,262 @@
+"""Traffic: bytes each rank sends per optimizer step, for every collective of every dimension.
+
+Units are the runtime's ``fived.comm.ops.Traffic``: per *group name* (``dense``, ``expert``,
+``tp``, ``cp``, ``ep``, ``pp``), the sum over calls of ``fived.comm.volume.bytes_sent(op, S, n)``
+— the ring bytes this rank puts on the wire. Every function here returns a list of
+``Collective`` (group, op, S, n, count); ``bytes_by_group`` sums them the way the runtime does,
+call by call, so a test can compare with ``summary["history"][-1]["traffic"]`` exactly.
+
+Per dimension (b = micro-batch sequences, s_l = seq_len/cp local tokens, e = activation bytes,
+m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over group g):
+
+* DP / ZeRO (``dp_traffic``), per group g ∈ {dense, expert} of N ranks, L = ⌈Ψ_g/N⌉:
+    ZeRO-0  all_reduce(grad_bytes·Ψ_g)                         once per step
+    ZeRO-1  reduce_scatter(grad_bytes·N·L) + all_gather(param_bytes·N·L)   once per step
+    ZeRO-2  reduce_scatter(grad_bytes·N·L) per micro-batch + all_gather(param_bytes·N·L) once
+    ZeRO-3  per micro-batch: all_gather(param_bytes·N·L) forward, again backward, and
+            reduce_scatter(grad_bytes·N·L)  →  3(N−1)/N · param bytes when grads match params
+* TP (``tp_traffic``), per layer per micro-batch, X = b·s_l·h·e:
+    no SP:  forward 2 all_reduce(X) (after wo, after w_down), backward 2 all_reduce(X)
+    SP:     forward 2 all_gather(X) + 2 reduce_scatter(X), backward the same — equal bytes
+    plus the vocab-parallel ends: embedding forward all_reduce(X) (SP: reduce_scatter, backward
+    all_gather), head input backward all_reduce(X) (SP: forward all_gather, backward
+    reduce_scatter), cross-entropy 3 all_reduce(b·s_l·4) (max, Σexp, target logit); and under
+    SP the replicated norm gains' gradients: all_reduce(grad_bytes·h) per norm on this rank.
+* PP (``pp_traffic``), per micro-batch per (virtual) stage boundary, Y = b·s_l·h·e (/tp under
+  SP): a stage sends Y forward unless it is the last, and Y backward unless it is the first.
+* CP ring (``cp_traffic``), per layer per micro-batch, B = b·s_l·kv_local·d·e (one of K or V):
+  forward (cp−1) sends of K and V (2B each), backward (cp−1)·2B again plus (cp−1)·2B of dK/dV.
+  Ulysses: per layer and direction 4 all_to_all of q, k', v', out.
+* EP (``ep_traffic``), per MoE layer per micro-batch, T = b·s_l·top_k·h·e routed token bytes:
+  forward dispatch and combine all_to_all(T), backward the same two (uniform routing: the
+  runtime's bytes depend on the router, so this is the expectation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..comm.volume import bytes_sent
+from ..config import ModelConfig, ParallelConfig
+from .memory import act_bytes, grad_bytes, group_sizes, param_bytes, shard_len
+from .params import rank_params, rank_stages, stage_layers
+
+
+@dataclass(frozen=True)
+class Collective:
+    group: str  # the runtime's group name the bytes are charged to
+    op: str  # a fived.comm.volume op
+    size: float  # S: the buffer the collective is named by, in bytes
+    n: int  # ranks in the group
+    count: int  # calls per optimizer step
+    what: str = ""  # human label
+    phase: str = "step"  # fwd | bwd | step
+
+    @property
+    def bytes_per_call(self) -> float:
+        return bytes_sent(self.op, self.size, self.n)
+
+    @property
+    def bytes(self) -> float:
+        return _repeat_sum(self.bytes_per_call, self.count)
+
+    def as_dict(self) -> dict:
+        return {"group": self.group, "op": self.op, "size": self.size, "n": self.n,
+                "count": self.count, "what": self.what, "phase": self.phase,
+                "bytes": self.bytes}
+
+
+def _repeat_sum(x: float, count: int) -> float:
+    """x added ``count`` times, as the runtime's counters add each call (bit-identical)."""
+    if count > 100_000:
+        return x * count
+    total = 0.0
+    for _ in range(count):
+        total += x
+    return total
+
+
+def bytes_by_group(colls: list[Collective]) -> dict[str, float]:
+    """The runtime's ``traffic`` dict: group name -> bytes sent, zero groups left out."""
+    out: dict[str, float] = {}
+    for c in colls:
+        if c.n <= 1 or c.count == 0:
+            continue
+        out[c.group] = out.get(c.group, 0.0) + c.bytes
+    return {k: v for k, v in out.items() if v}
+
+
+def micro_batch_size(par: ParallelConfig, global_batch: int) -> int:
+    """Sequences per micro-batch: the global batch over the batch group (dp·ep), over m."""
+    return global_batch // (par.dp * par.ep) // par.micro_batches
+
+
+def _local(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, bool, bool]:
+    stages = rank_stages(par, pp_rank)
+    n = par.pp * max(1, par.virtual_stages)
+    layers = sum(len(stage_layers(m, par)[k]) for k in stages)
+    return layers, 0 in stages, n - 1 in stages
+
+
+# ------------------------------------------------------------------------ data parallel
+def dp_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Collective]:
+    """Gradient reduction / ZeRO collectives over ``dense`` and ``expert`` for one step."""
+    rp = rank_params(m, par, pp_rank)
+    sizes = group_sizes(par)
+    gb, pb, mb = grad_bytes(par), param_bytes(par), par.micro_batches
+    out: list[Collective] = []
+    for group, numel in (("dense", rp.dense), ("expert", rp.expert)):
+        n = sizes[group]
+        if numel == 0 or n <= 1:
+            continue
+        if par.zero == 0:
+            out.append(Collective(group, "all_reduce", gb * numel, n, 1, "gradients", "bwd"))
+            continue
+        padded = n * shard_len(numel, n)
+        if par.zero == 1:
+            out.append(Collective(group, "reduce_scatter", gb * padded, n, 1, "gradients", "bwd"))
+            out.append(Collective(group, "all_gather", pb * padded, n, 1, "updated params",
+                                  "step"))
+        elif par.zero == 2:
+            out.append(Collective(group, "reduce_scatter", gb * padded, n, mb, "gradients", "bwd"))
+            out.append(Collective(group, "all_gather", pb * padded, n, 1, "updated params",
+                                  "step"))
+        else:
+            out.append(Collective(group, "all_gather", pb * padded, n, mb, "params (forward)",
+                                  "fwd"))
+            out.append(Collective(group, "all_gather", pb * padded, n, mb, "params (backward)",
+                                  "bwd"))
+            out.append(Collective(group, "reduce_scatter", gb * padded, n, mb, "gradients", "bwd"))
+    return out
+
+
+# ------------------------------------------------------------------------ tensor parallel
+def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+               dtype_bytes: int | None = None) -> list[Collective]:
+    """Tensor-parallel (and SP) collectives over ``tp`` for one step on one pipeline rank."""
+    t = par.tp
+    if t <= 1:
+        return []
+    e = dtype_bytes or act_bytes(par)
+    layers, first, last = _local(m, par, pp_rank)
+    mb = par.micro_batches
+    tokens = micro_batch * m.seq_len // par.cp
+    x = tokens * m.hidden * e
+    sp = par.sequence_parallel
+    per = layers * mb
+    out: list[Collective] = []
+    if sp:
+        out += [Collective("tp", "all_gather", x, t, 2 * per, "SP gather before attn/mlp", "fwd"),
+                Collective("tp", "reduce_scatter", x, t, 2 * per, "SP scatter after wo/w_down",
+                           "fwd"),
+                Collective("tp", "all_gather", x, t, 2 * per, "grad of SP scatter", "bwd"),
+                Collective("tp", "reduce_scatter", x, t, 2 * per, "grad of SP gather", "bwd")]
+    else:
+        out += [Collective("tp", "all_reduce", x, t, 2 * per, "after wo, w_down", "fwd"),
+                Collective("tp", "all_reduce", x, t, 2 * per, "input grads of attn, mlp", "bwd")]
+    if first:
+        if sp:
+            out += [Collective("tp", "reduce_scatter", x, t, mb, "vocab embedding", "fwd"),
+                    Collective("tp", "all_gather", x, t, mb, "grad of embedding", "bwd")]
+        else:
+            out.append(Collective("tp", "all_reduce", x, t, mb, "vocab embedding", "fwd"))
+    if last:
+        if sp:
+            out += [Collective("tp", "all_gather", x, t, mb, "head input", "fwd"),
+                    Collective("tp", "reduce_scatter", x, t, mb, "grad of head input", "bwd")]
+        else:
+            out.append(Collective("tp", "all_reduce", x, t, mb, "grad of head input", "bwd"))
+        out.append(Collective("tp", "all_reduce", tokens * 4, t, 3 * mb,
+                              "vocab-parallel CE (max, sum-exp, target)", "fwd"))
+    if sp:
+        norms = 2 * layers + (1 if last else 0)
+        out.append(Collective("tp", "all_reduce", m.hidden * grad_bytes(par), t, norms,
+                              "replicated norm-gain grads", "step"))
+    return out
+
+
+# ------------------------------------------------------------------------ pipeline
+def pp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+               dtype_bytes: int | None = None) -> list[Collective]:
+    """Point-to-point sends over ``pp`` for one step on pipeline rank ``pp_rank``."""
+    if par.pp <= 1:
+        return []
+    e = dtype_bytes or act_bytes(par)
+    tokens = micro_batch * m.seq_len // par.cp
+    sp = par.sequence_parallel and par.tp > 1
+    y = tokens * m.hidden * e // (par.tp if sp else 1)
+    n_stages = par.pp * max(1, par.virtual_stages)
+    stages = rank_stages(par, pp_rank)
+    fwd = sum(1 for k in stages if k < n_stages - 1)
+    bwd = sum(1 for k in stages if k > 0)
+    mb = par.micro_batches
+    out = []
+    if fwd:
+        out.append(Collective("pp", "send", y, par.pp, fwd * mb, "activations", "fwd"))
+    if bwd:
+        out.append(Collective("pp", "send", y, par.pp, bwd * mb, "activation grads", "bwd"))
+    return out
+
+
+# ------------------------------------------------------------------------ context parallel
+def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+               dtype_bytes: int | None = None) -> list[Collective]:
+    """Ring (or Ulysses) exchange over ``cp`` for one step on one pipeline rank."""
+    c = par.cp
+    if c <= 1:
+        return []
+    e = dtype_bytes or act_bytes(par)
+    layers, _, _ = _local(m, par, pp_rank)
+    per = layers * par.micro_batches
+    tokens = micro_batch * m.seq_len // c
+    d = m.head_dim
+    kv_local = max(1, m.kv_heads // par.tp)
+    if par.cp_mode == "ulysses":
+        q = tokens * (m.heads // par.tp) * d * e
+        # kv heads as the all-to-all sees them: as they are when cp divides them, replicated up
+        # to cp when they divide cp, otherwise repeated to the query heads
+        if kv_local % c == 0:
+            kv_rep = kv_local
+        elif c % kv_local == 0:
+            kv_rep = c
+        else:
+            kv_rep = m.heads // par.tp
+        k = tokens * kv_rep * d * e
+        return [Collective("cp", "all_to_all", q, c, 2 * per, "q and out", "fwd"),
+                Collective("cp", "all_to_all", k, c, 2 * per, "k and v", "fwd"),
+                Collective("cp", "all_to_all", q, c, 2 * per, "grads of q and out", "bwd"),
+                Collective("cp", "all_to_all", k, c, 2 * per, "grads of k and v", "bwd")]
+    b = tokens * kv_local * d * e  # one of K or V
+    hops = (c - 1) * per
+    return [Collective("cp", "send", 2 * b, c, hops, "K/V ring", "fwd"),
+            Collective("cp", "send", 2 * b, c, hops, "K/V ring again", "bwd"),
+            Collective("cp", "send", 2 * b, c, hops, "dK/dV ring", "bwd")]
+
+
+# ------------------------------------------------------------------------ expert parallel
+def ep_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+               dtype_bytes: int | None = None) -> list[Collective]:
+    """Token all-to-alls over ``ep`` for one step (uniform routing) on one pipeline rank."""
+    if par.ep <= 1 or not m.is_moe:
+        return []
+    e = dtype_bytes or act_bytes(par)
+    layers, _, _ = _local(m, par, pp_rank)
+    per = layers * par.micro_batches
+    tokens = micro_batch * m.seq_len // par.cp
+    size = tokens * m.top_k * m.hidden * e
+    return [Collective("ep", "all_to_all", size, par.ep, 2 * per, "dispatch + combine", "fwd"),
+            Collective("ep", "all_to_all", size, par.ep, 2 * per, "their grads", "bwd")]
+
+
+# ------------------------------------------------------------------------ everything
+def step_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0
+                 ) -> list[Collective]:
+    """Every collective one rank at pipeline coordinate ``pp_rank`` runs in one step."""
+    return (dp_traffic(m, par, pp_rank) + tp_traffic(m, par, micro_batch, pp_rank)
+            + pp_traffic(m, par, micro_batch, pp_rank) + cp_traffic(m, par, micro_batch, pp_rank)
+            + ep_traffic(m, par, micro_batch, pp_rank))
+
+
+def step_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0
+               ) -> dict[str, float]:
+    return bytes_by_group(step_traffic(m, par, micro_batch, pp_rank))
