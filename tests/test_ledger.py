@@ -283,7 +283,7 @@ def test_ddp_runtime_memory_and_traffic_equal_the_ledger():
     train = small_train(steps=2)
     out = train_layout(m, par, train)
     b = traffic.micro_batch_size(par, train.global_batch)
-    for rank, s in enumerate(out):
+    for s in out:
         last = s["history"][-1]
         assert last["memory"] == memory.model_states(m, par)
         assert last["traffic"] == traffic.step_bytes(m, par, b)

@@ -23,6 +23,7 @@ Per layer and per token of a micro-batch (e = activation bytes, h hidden, hq = h
 hkv = kv_heads·d, f ffn, a heads), what autograd saves in the fived runtime:
 
     2 RMSNorms      2·(4h + 4h + e·h + 4)   fp32 input copy, fp32 normalised, output, fp32 rsqrt
+                                            (a fused kernel: 2·(2e·h + 4), ``fused_norm``)
     q, k, v         e·(hq + 2·hkv')         hkv' = hq when K/V are repeated to the query heads
                                             (the runtime's ``repeat_interleave``), else hkv
     softmax         flash: 4·a (fp32 log-sum-exp)   materialised: e·a·s_kv (probabilities)
@@ -160,10 +161,22 @@ def checkpoint_bytes(m: ModelConfig, dtype_bytes: int = 2) -> int:
 class ActivationOptions:
     attention: str = "flash"  # flash | materialised
     kv_repeat: bool = True  # K/V repeated to the query heads before attention (fived runtime)
+    fused_norm: bool = False  # a fused RMSNorm kernel saves only its input and rsqrt
+
+
+EAGER = ActivationOptions()  # what the fived runtime's eager PyTorch saves (tests measure it)
+FUSED = ActivationOptions("flash", kv_repeat=False, fused_norm=True)  # GPU kernels (planner)
+
+
+def norm_bytes_per_token(h: int, e: int, fused: bool) -> float:
+    """One RMSNorm's saved bytes per token, its output included (the next linear saves it):
+    eager fp32 math saves the fp32 input copy, the fp32 normalised tensor, the output and the
+    fp32 rsqrt (8h + e·h + 4); a fused kernel the input, the output and the rsqrt (2e·h + 4)."""
+    return (2 * e * h + 4) if fused else (8 * h + e * h + 4)
 
 
 def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
-                      opts: ActivationOptions = ActivationOptions()) -> dict[str, float]:
+                      opts: ActivationOptions = EAGER) -> dict[str, float]:
     """Bytes one transformer block saves for backward, for ``micro_batch`` sequences on one
     rank (before recompute). Keys are the terms of the module docstring."""
     e = act_bytes(par)
@@ -179,7 +192,7 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         hkv = m.kv_heads * d / min(tp, m.kv_heads)
     norm_div = tp if sp else 1
     out = {
-        "norms": tokens * 2 * (8 * h + e * h + 4) / norm_div,
+        "norms": tokens * 2 * norm_bytes_per_token(h, e, opts.fused_norm) / norm_div,
         "qkv": tokens * e * (hq + 2 * hkv),
     }
     if opts.attention == "materialised":
@@ -198,7 +211,7 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
 
 
 def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
-                    opts: ActivationOptions = ActivationOptions()) -> dict[str, float]:
+                    opts: ActivationOptions = EAGER) -> dict[str, float]:
     """The block under selective recompute: the attention core is recomputed."""
     out = layer_activations(m, par, micro_batch, opts)
     e = act_bytes(par)
@@ -217,7 +230,7 @@ def block_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> 
 
 
 def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, first: bool,
-                            last: bool) -> dict[str, float]:
+                            last: bool, opts: ActivationOptions = EAGER) -> dict[str, float]:
     """Token ids on the first stage; final norm, fp32 log-softmax and targets on the last."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
@@ -228,7 +241,8 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
     if first:
         out["token_ids"] = tokens * 8
     if last:
-        out["final_norm"] = tokens * (8 * m.hidden + e * m.hidden + 4) / (par.tp if sp else 1)
+        out["final_norm"] = tokens * norm_bytes_per_token(m.hidden, e, opts.fused_norm) / (
+            par.tp if sp else 1)
         out["log_softmax"] = tokens * 4 * m.vocab / par.tp
         out["targets"] = tokens * 8
     return out
@@ -249,7 +263,7 @@ def inflight_microbatches(par: ParallelConfig, pp_rank: int = 0) -> float:
 
 
 def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
-                opts: ActivationOptions = ActivationOptions()) -> dict[str, float]:
+                opts: ActivationOptions = EAGER) -> dict[str, float]:
     """Activation bytes at the peak of one pipeline rank, by term (in-flight factor applied)."""
     stages = rank_stages(par, pp_rank)
     n_stages = par.pp * max(1, par.virtual_stages)
@@ -266,7 +280,7 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             m, par, micro_batch, opts)
         for name, v in per.items():
             out[name] = k * layers * v
-    for name, v in stage_extra_activations(m, par, micro_batch, first, last).items():
+    for name, v in stage_extra_activations(m, par, micro_batch, first, last, opts).items():
         out[name] = k * v
     return out
 
@@ -331,7 +345,7 @@ class RankMemory:
 
 
 def rank_memory(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
-                opts: ActivationOptions = ActivationOptions()) -> RankMemory:
+                opts: ActivationOptions = EAGER) -> RankMemory:
     return RankMemory(pp_rank, model_states(m, par, pp_rank),
                       activations(m, par, micro_batch, pp_rank, opts),
                       comm_buffers(m, par, micro_batch, pp_rank),
@@ -339,7 +353,7 @@ def rank_memory(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
 
 def largest_rank(m: ModelConfig, par: ParallelConfig, micro_batch: int,
-                 opts: ActivationOptions = ActivationOptions()) -> RankMemory:
+                 opts: ActivationOptions = EAGER) -> RankMemory:
     """The pipeline rank with the most bytes (ties: the lowest rank)."""
     ranks = sorted({0, par.pp - 1} | ({1} if par.pp > 2 else set()))
     if par.pp <= 8:

@@ -42,11 +42,11 @@ from ..config import ConfigError, ModelConfig, ParallelConfig, validate
 from . import bubble as B
 from . import compute as C
 from .hardware import Hardware, collective_seconds
-from .memory import ActivationOptions, RankMemory, largest_rank
+from .memory import FUSED, ActivationOptions, RankMemory, largest_rank
 from .params import rank_layers, rank_stages
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
-GPU_ACTIVATIONS = ActivationOptions(attention="flash", kv_repeat=False)
+GPU_ACTIVATIONS = FUSED
 
 _GROUP_DIMS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp"), "batch": ("dp", "ep"),
                "cp_tp": ("cp", "tp")}
@@ -301,11 +301,33 @@ def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
             counts["out_of_memory"] = counts.get("out_of_memory", 0) + 1
             if smallest is None or pr.memory.total < smallest.memory.total:
                 smallest = pr
-    fits.sort(key=lambda p: (p.step_seconds, p.memory.total))
+    fits = rank_layouts(fits)
     counts["fit"] = len(fits)
     res = PlanResult(fits, counts, smallest)
     res.reasons = explain(fits)
     return res
+
+
+TIE = 0.002  # step times within 0.2 % are a tie for the model
+
+
+def rank_layouts(preds: list[Prediction]) -> list[Prediction]:
+    """Fastest first; runs of layouts within ``TIE`` of the run's fastest are a tie, ordered
+    by the bytes they send per step, then by memory."""
+    preds = sorted(preds, key=lambda p: p.step_seconds)
+    out: list[Prediction] = []
+    i = 0
+    while i < len(preds):
+        j = i
+        while j < len(preds) and preds[j].step_seconds <= preds[i].step_seconds * (1 + TIE):
+            j += 1
+        out += sorted(preds[i:j], key=lambda p: (sum(p.traffic.values()), p.memory.total))
+        i = j
+    return out
+
+
+def _shape(p: ParallelConfig) -> tuple:
+    return (p.tp, p.cp, p.ep, p.pp, p.dp)
 
 
 def _family_best(ranked: list[Prediction], pred, label: str) -> str | None:
@@ -333,9 +355,22 @@ def explain(ranked: list[Prediction]) -> list[str]:
                         key=lambda kv: -kv[1])
         gains = [f"{k} −{d * 1e3:.1f} ms" for k, d in deltas if d > 0][:3]
         losses = [f"{k} +{-d * 1e3:.1f} ms" for k, d in deltas[::-1] if d < 0][:2]
-        out.append(f"runner-up {run.name()} is {run.step_seconds / best.step_seconds - 1:.1%} "
-                   f"slower; the winner saves {', '.join(gains) or 'nothing'}"
-                   + (f" and pays {', '.join(losses)}" if losses else "") + ".")
+        if abs(run.step_seconds / best.step_seconds - 1) <= TIE:
+            saved = sum(run.traffic.values()) - sum(best.traffic.values())
+            out.append(f"runner-up {run.name()} ties within {TIE:.1%} of the step time; the "
+                       f"winner sends {saved / 1e9:.1f} GB less per rank per step "
+                       f"(memory {best.memory.total / 1e9:.1f} GB against "
+                       f"{run.memory.total / 1e9:.1f} GB).")
+        else:
+            out.append(f"runner-up {run.name()} is "
+                       f"{run.step_seconds / best.step_seconds - 1:.1%} slower; the winner saves "
+                       f"{', '.join(gains) or 'nothing'}"
+                       + (f" and pays {', '.join(losses)}" if losses else "") + ".")
+    other = next((p for p in ranked if _shape(p.par) != _shape(best.par)), None)
+    if other is not None and other is not ranked[1]:
+        out.append(f"best other shape: {other.name()} is "
+                   f"{other.step_seconds / best.step_seconds - 1:.1%} slower "
+                   f"(largest rank {other.memory.total / 1e9:.1f} GB).")
     for pred, label in ((lambda p: p.pp == 1, "without pipeline parallelism"),
                         (lambda p: p.tp == 1, "without tensor parallelism"),
                         (lambda p: p.recompute == "none", "without recompute")):
