@@ -250,8 +250,9 @@ def test_planner_never_returns_a_layout_that_does_not_fit():
         assert p.memory.total <= hw.memory * 0.9
         assert p.par.tp * p.par.cp <= 8
     assert res.counts["out_of_memory"] > 0  # e.g. plain DDP: 18Ψ does not fit
+    # fastest first; layouts within planner.TIE of each other are ties (fewer bytes first)
     times = [p.step_seconds for p in res.ranked]
-    assert times == sorted(times)
+    assert all(later >= t / (1 + planner.TIE) for i, t in enumerate(times) for later in times[i:])
     assert res.reasons and "fits" in res.reasons[0]
 
 
