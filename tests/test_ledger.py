@@ -276,13 +276,23 @@ def test_predict_mfu_bounded():
 # ------------------------------------------------------------------ the runtime, measured
 
 
-def test_ddp_runtime_memory_and_traffic_equal_the_ledger():
+def test_ddp_runtime_memory_and_traffic_equal_the_ledger(tmp_path, capsys):
+    from fived.cli import main
+    from fived.ledger import verify
     from fived.testing import small_train, train_layout
 
     m = preset("tiny")
     par = ParallelConfig(dp=2)
-    train = small_train(steps=2)
+    metrics = tmp_path / "m.jsonl"
+    train = small_train(steps=2, metrics_out=str(metrics))
     out = train_layout(m, par, train)
+    # what `fived train --metrics-out` wrote, checked by `fived ledger --check`
+    assert verify.compare_file(m, par, train.global_batch, str(metrics)) == []
+    assert main(["ledger", "--model", "tiny", "--gpus", "2", "--precision", "fp32",
+                 "--global-batch", str(train.global_batch), "--check", str(metrics)]) == 0
+    assert "exact" in capsys.readouterr().out
+    assert main(["ledger", "--model", "tiny", "--gpus", "2", "--precision", "bf16",
+                 "--global-batch", str(train.global_batch), "--check", str(metrics)]) == 1
     b = traffic.micro_batch_size(par, train.global_batch)
     for s in out:
         last = s["history"][-1]
@@ -291,3 +301,28 @@ def test_ddp_runtime_memory_and_traffic_equal_the_ledger():
         for r, (mem, tr) in enumerate(zip(last["memory_per_rank"], last["traffic_per_rank"])):
             assert mem == memory.model_states(m, par), r
             assert tr["bytes"] == traffic.step_bytes(m, par, b), r
+
+
+def test_runtime_tied_micro_batches_equal_the_ledger():
+    """A second layout the runtime runs: tied embeddings, 2 micro-batches, dp=2."""
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = replace(preset("tiny"), tied_embeddings=True)
+    par = ParallelConfig(dp=2, micro_batches=2)
+    train = small_train(steps=1)
+    out = train_layout(m, par, train)
+    for s in out:
+        assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
+
+
+def test_grid_coordinates_match_the_grid():
+    from fived.grid import Grid
+    from fived.ledger import verify
+
+    par = ParallelConfig(tp=2, cp=2, ep=1, dp=2, pp=2)
+    for r in range(par.world_size):
+        g = Grid.from_config(par, r)
+        assert verify.coords(par, r) == g.coords()
+        assert verify.group_index(par, "dense", r) == g.members(("dp", "ep", "cp")).index(r)
+        assert verify.group_index(par, "expert", r) == g.members(("dp", "cp")).index(r)

@@ -264,6 +264,10 @@ def main_ledger(argv: list[str]) -> int:
                    help="activations as the fived runtime's eager PyTorch saves them (K/V "
                         "repeated to the heads, fp32 RMSNorm intermediates); default: fused "
                         "GPU kernels (flash attention, fused RMSNorm)")
+    g.add_argument("--check", default=None, metavar="METRICS_JSONL",
+                   help="compare the ledger with a `fived train --metrics-out` file (give the "
+                        "same layout, --precision and --global-batch as the run); exit 1 on any "
+                        "byte of difference")
     g.add_argument("--train-tokens", default="1T",
                    help="token budget for the time wall, decimal (default 1T = 1e12)")
     args = ap.parse_args(argv)
@@ -288,6 +292,8 @@ def main_ledger(argv: list[str]) -> int:
     if gb % (par.dp * par.ep) or (gb // (par.dp * par.ep)) % par.micro_batches:
         raise ConfigError([f"global batch {gb} sequences does not split over dp·ep = "
                            f"{par.dp * par.ep} replicas × {par.micro_batches} micro-batches"])
+    if args.check:
+        return _check(m, par, gb, args.check, args.json)
     if args.eager_activations:
         opts = M.ActivationOptions(args.attention, kv_repeat=True, fused_norm=False)
     else:
@@ -299,6 +305,25 @@ def main_ledger(argv: list[str]) -> int:
         return 0
     print_ledger(doc, m, par, hw)
     return 0
+
+
+def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: bool) -> int:
+    from .verify import compare_file
+
+    bad = compare_file(m, par, gb, path)
+    if as_json:
+        print(json.dumps({"metrics": path, "layout": par.describe(), "exact": not bad,
+                          "mismatches": bad}, indent=2))
+    else:
+        con = _console()
+        if bad:
+            con.print(f"[bold red]{len(bad)} mismatch(es)[/] between the ledger and {path}:")
+            for line in bad:
+                con.print(f"  {line}")
+        else:
+            con.print(f"[green]exact[/]: every rank's model-state bytes and traffic bytes in "
+                      f"{path} equal the ledger's ({par.describe()}, {m.name})")
+    return 1 if bad else 0
 
 
 def ledger_document(m: ModelConfig, par: ParallelConfig, hw: H.Hardware, global_batch: int,
