@@ -219,6 +219,8 @@ def _flags(p: PL.Prediction) -> str:
         out.append(f"--schedule {par.schedule}")
     if par.virtual_stages > 1:
         out.append(f"--virtual-stages {par.virtual_stages}")
+    if par.pp_layers:
+        out.append("--pp-layers " + ",".join(map(str, par.pp_layers)))
     if par.sequence_parallel:
         out.append("--sequence-parallel")
     if par.recompute != "none":
@@ -259,6 +261,8 @@ def main_ledger(argv: list[str]) -> int:
     g.add_argument("--sequence-parallel", action="store_true", help="SP with tp")
     g.add_argument("--recompute", default="none", help="none | selective | full")
     g.add_argument("--cp-mode", default="ring", help="ring | ulysses")
+    g.add_argument("--pp-layers", default=None,
+                   help="layers per (virtual) stage by hand, e.g. 33,31,31,31")
     g.add_argument("--no-overlap", action="store_true", help="expose all data-parallel comm")
     g.add_argument("--eager-activations", action="store_true",
                    help="activations as the fived runtime's eager PyTorch saves them (K/V "
@@ -286,7 +290,8 @@ def main_ledger(argv: list[str]) -> int:
         virtual_stages=args.virtual_stages, micro_batches=args.micro_batches,
         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
         precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
-        cp_mode=args.cp_mode, overlap=not args.no_overlap)
+        cp_mode=args.cp_mode, overlap=not args.no_overlap,
+        pp_layers=tuple(int(x) for x in args.pp_layers.split(",")) if args.pp_layers else ())
     gb = _global_batch(args, m, par.dp * par.ep * par.micro_batches)
     validate(m, par, world_size=args.gpus)
     if gb % (par.dp * par.ep) or (gb // (par.dp * par.ep)) % par.micro_batches:

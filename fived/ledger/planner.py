@@ -265,6 +265,14 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                             else:
                                 scheds.append((s, 1))
                     for sched, v in scheds:
+                        stages = pp * v
+                        if stages > m.layers:
+                            continue
+                        # an uneven split when pp·v does not divide the layers (first stages
+                        # take one more), as ``--pp-layers`` would give it
+                        split = () if m.layers % stages == 0 else tuple(
+                            m.layers // stages + (1 if i < m.layers % stages else 0)
+                            for i in range(stages))
                         for b in micro_batch_sizes:
                             if per_replica % b:
                                 continue
@@ -275,7 +283,8 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                         tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, zero=zero,
                                         schedule=sched, virtual_stages=v, micro_batches=mbs,
                                         sequence_parallel=tp > 1, recompute=rc,
-                                        precision=precision, grad_reduce_dtype=grad_reduce_dtype)
+                                        precision=precision, grad_reduce_dtype=grad_reduce_dtype,
+                                        pp_layers=split)
                                     try:
                                         validate(m, par)
                                     except ConfigError:
