@@ -79,3 +79,14 @@ def test_this_machine_fits_bench_rows(tmp_path):
     assert hw.intra_bw == pytest.approx(1e9, rel=1e-6)
     assert hw.intra_latency == pytest.approx(20e-6, rel=1e-6)
     assert hw.peak_flops > 0
+
+
+def test_this_machine_reads_the_bench_fits(tmp_path):
+    doc = {"schema": 1, "world": 4, "rows": [],
+           "fits": {"all_reduce": {"alpha_us": 60.0, "beta_GBps": 2.0, "points": 5,
+                                   "max_rel_err": 0.1}}}
+    p = tmp_path / "bench.json"
+    p.write_text(json.dumps(doc))
+    hw = hardware.this_machine(str(p))
+    assert hw.intra_bw == 2e9
+    assert hw.intra_latency == pytest.approx(60e-6 / 6)  # 2(n−1) = 6 ring steps

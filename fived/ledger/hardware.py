@@ -122,16 +122,18 @@ def fit_alpha_beta(rows: list[tuple[str, float, int, float]]) -> tuple[float, fl
 
 
 def _rows_from_bench(data) -> list[tuple[str, float, int, float]]:
-    """Accept a list of rows or {"results": [...]} with size/bytes, n/nprocs/world, and
-    seconds/time/time_us fields (``fived bench comm --json``)."""
+    """Accept a list of rows or {"rows"|"results": [...], "world": n} with size/size_bytes,
+    n/world, and seconds/time_us fields (``fived bench comm --json``; rows of impl "backend")."""
+    world = 2
     if isinstance(data, dict):
-        data = data.get("results") or data.get("rows") or data.get("data") or []
+        world = int(data.get("world", 2))
+        data = data.get("rows") or data.get("results") or data.get("data") or []
     rows = []
     for r in data:
-        if not isinstance(r, dict):
+        if not isinstance(r, dict) or r.get("impl", "backend") != "backend":
             continue
-        size = r.get("size", r.get("bytes", r.get("size_bytes")))
-        n = r.get("n", r.get("nprocs", r.get("world", r.get("ranks", 2))))
+        size = r.get("size", r.get("size_bytes", r.get("bytes")))
+        n = r.get("n", r.get("nprocs", r.get("world", r.get("ranks", world))))
         sec = r.get("seconds", r.get("time"))
         if sec is None and "time_us" in r:
             sec = r["time_us"] * 1e-6
@@ -161,8 +163,16 @@ def this_machine(bench_json: str | None = None, gpus_per_node: int | None = None
         with open(bench_json) as f:
             data = json.load(f)
         fit = data.get("fit") if isinstance(data, dict) else None
+        fits = data.get("fits") if isinstance(data, dict) else None
         if isinstance(fit, dict) and "alpha" in fit and "beta" in fit:
             alpha, beta = float(fit["alpha"]), float(fit["beta"])
+        elif isinstance(fits, dict) and fits.get("all_reduce", {}).get("beta_GBps"):
+            # the bench fits t = alpha + bus_bytes/beta per collective; the ledger's alpha is
+            # per ring step, so divide by the all-reduce's 2(n−1) steps
+            f = fits["all_reduce"]
+            world = int(data.get("world", 2))
+            alpha = float(f["alpha_us"]) * 1e-6 / max(1, steps("all_reduce", world))
+            beta = float(f["beta_GBps"]) * 1e9
         else:
             rows = _rows_from_bench(data)
             if len(rows) >= 2:
