@@ -108,12 +108,30 @@ def test_zero_stages_hand_computed():
     # 18Ψ with the fp32 gradient buffer
     z0 = memory.model_states(m, ParallelConfig(dp=8, precision="bf16"))
     assert sum(z0.values()) == 18 * n
-    # padding: 7 ranks do not divide Ψ; every rank's total is equal, the padding shows
-    z3p = [memory.model_states(m, ParallelConfig(dp=7, zero=3, **bf), dense_index=i)
-           for i in range(7)]
-    totals = {sum(s.values()) for s in z3p}
-    assert len(totals) == 1 and totals.pop() == 16 * memory.shard_len(n, 7)
-    assert z3p[6]["padding"] == 16 * (7 * memory.shard_len(n, 7) - n)
+
+
+
+def test_zero3_buckets_and_padding_hand_computed():
+    """tiny, fp32, ZeRO-3 over 3 ranks: one bucket per block (46,208 elements -> padded 46,209,
+    shards of 15,403) and the root (embed 16,384 + norm 64 + head 16,384 = 32,832, no pad)."""
+    m = preset("tiny")
+    par = ParallelConfig(dp=3, zero=3)
+    bks = memory.buckets(m, par)
+    assert [b.numel for b in bks] == [46_208] * 4 + [32_832]
+    assert [b.unit for b in bks] == [3, 2, 1, 0, -1]
+    assert [b.pad for b in bks] == [1, 1, 1, 1, 0]
+    ms = memory.model_states(m, par)
+    shard = 4 * 15_403 + 10_944
+    assert ms["params"] == 4 * shard and ms["grads"] == 4 * shard
+    assert ms["master"] == 0 and ms["optimizer"] == 8 * shard
+    assert ms["padding"] == pytest.approx(4 * 16 / 3)  # a shard's pad counts pad/N
+    psi = params.total_params(m)
+    rest = sum(v for k, v in ms.items() if k != "padding")
+    assert rest == pytest.approx(16 * psi / 3 + ms["padding"])  # keys = formula + padding
+    # DDP buckets: reverse registration order, at most bucket_mb MiB each
+    small = memory.buckets(m, ParallelConfig(dp=2, bucket_mb=0.1))  # cap 26,214 elements
+    assert sum(b.numel for b in small) == psi and max(b.numel for b in small) <= 26_214
+    assert small[0].numel == 16_384 + 64  # head, final norm: the first grads backward makes
 
 
 def test_seven_b_headline():

@@ -10,11 +10,12 @@ bf16/fp16, grad_reduce_dtype fp32 2       4      4       8          18Ψ  (fp32 
 
 ZeRO over the data-parallel group of N ranks (``dense`` = dp·ep·cp for dense parameters,
 ``expert`` = dp·cp for expert parameters): stage 1 shards master + optimizer, stage 2 also the
-gradients, stage 3 also the parameters. A sharded flat buffer of Ψ elements is padded to N·⌈Ψ/N⌉
-so all shards are equal; the padding elements are reported under ``padding`` (the keys hold real
-elements only), and the full-size flat buffers ZeRO-1/2 keep (grads for ZeRO-1, params for 1/2)
-carry the same N·⌈Ψ/N⌉ − Ψ tail. ZeRO-0 (DDP) has no padding. The keys match the runtime's
-``engine.memory()``: params, grads, master, optimizer, buffers, padding.
+gradients, stage 3 also the parameters. The engine lays parameters out in flat *buckets*
+(``buckets``: reverse registration order, ≤ ``bucket_mb`` MiB each; ZeRO-3 one per block); under
+ZeRO each bucket is padded to a multiple of N so all shards are equal. The keys count the
+tensors as held (padded), ``padding`` the padding's share (full buffer: its pad; a shard: pad/N),
+so keys = formula(Ψ) + padding. The keys match the runtime's ``engine.memory()``: params, grads,
+master, optimizer, buffers, padding.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", redone for the Llama block: RMSNorm, RoPE, GQA, SwiGLU, no dropout, no biases)
@@ -48,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, ParallelConfig
-from .params import rank_params, rank_stages, stage_layers
+from .params import rank_stages, stage_layers
 
 GB = 1e9
 GIB = 2**30
@@ -102,51 +103,109 @@ def group_sizes(par: ParallelConfig) -> dict[str, int]:
     return {"dense": par.dp * par.ep * par.cp, "expert": par.dp * par.cp}
 
 
-def _group_states(numel: int, n: int, index: int, par: ParallelConfig) -> dict[str, int]:
-    pb, gb, mb = param_bytes(par), grad_bytes(par), master_bytes(par)
-    z = par.zero if n > 1 else 0
-    out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "buffers": 0, "padding": 0}
-    if numel == 0:
+@dataclass(frozen=True)
+class Bucket:
+    """One flat buffer of the data-parallel engine: ``numel`` parameters reduced over ``group``,
+    padded to ``padded`` (a multiple of ``shards`` = N under ZeRO, else numel)."""
+
+    group: str
+    numel: int
+    shards: int
+    unit: int = -1  # ZeRO-3: the block it gathers with (-1: the root — embedding, norm, head)
+
+    @property
+    def padded(self) -> int:
+        return -(-self.numel // self.shards) * self.shards
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.shards
+
+    @property
+    def pad(self) -> int:
+        return self.padded - self.numel
+
+
+def _split(sizes: list[int], cap: int) -> list[list[int]]:
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for n in sizes:
+        if cur and size + n > cap:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(n)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Bucket]:
+    """The engine's flat buckets, in launch order (``fived.parallel.data``): parameters in
+    reverse registration order, split by reduction group, then (ZeRO 0–2) into runs of at most
+    ``bucket_mb`` MiB of gradient; ZeRO-3 makes one bucket per (block, group), last block first,
+    then the root (embedding, final norm, head)."""
+    from .params import block_of, param_list
+
+    plist = list(reversed(param_list(m, par, pp_rank)))
+    sizes = group_sizes(par)
+
+    def shards(g: str) -> int:
+        return sizes[g] if par.zero and sizes[g] > 1 else 1
+
+    out: list[Bucket] = []
+    if par.zero == 3:
+        units: dict[int, list[tuple[str, int, bool]]] = {}
+        for name, n, ex in plist:
+            b = block_of(name)
+            units.setdefault(-1 if b is None else b, []).append((name, n, ex))
+        order = sorted((u for u in units if u >= 0), reverse=True) + ([-1] if -1 in units else [])
+        for u in order:
+            by: dict[str, int] = {}
+            for _, n, ex in units[u]:
+                g = "expert" if ex else "dense"
+                by[g] = by.get(g, 0) + n
+            out += [Bucket(g, n, shards(g), u) for g, n in by.items()]
         return out
-    if z == 0:
-        out.update(params=pb * numel, grads=gb * numel, master=mb * numel,
-                   optimizer=OPTIMIZER_BYTES * numel)
-        return out
-    k = shard_len(numel, n)
-    real = shard_real(numel, n, index)
-    pad_shard = k - real
-    pad_full = n * k - numel
-    pad = 0
-    # master and optimizer: sharded from stage 1 on
-    out["master"] = mb * real
-    out["optimizer"] = OPTIMIZER_BYTES * real
-    pad += (mb + OPTIMIZER_BYTES) * pad_shard
-    if z >= 2:
-        out["grads"] = gb * real
-        pad += gb * pad_shard
-    else:
-        out["grads"] = gb * numel
-        pad += gb * pad_full
-    if z >= 3:
-        out["params"] = pb * real
-        pad += pb * pad_shard
-    else:
-        out["params"] = pb * numel
-        pad += pb * pad_full
-    out["padding"] = pad
+    cap = max(1, int(par.bucket_mb * 2**20 / grad_bytes(par)))
+    groups: dict[str, list[int]] = {}
+    for _, n, ex in plist:
+        groups.setdefault("expert" if ex else "dense", []).append(n)
+    for g, ns in groups.items():
+        out += [Bucket(g, sum(piece), shards(g)) for piece in _split(ns, cap)]
     return out
 
 
 def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_index: int = 0,
-                 expert_index: int = 0) -> dict[str, int]:
-    """Bytes of params, grads, master, optimizer, buffers, padding on one rank — the runtime's
-    ``engine.memory()``. ``dense_index``/``expert_index``: the rank's index in its dense/expert
-    group (only the ZeRO padding split depends on it)."""
-    rp = rank_params(m, par, pp_rank)
-    g = group_sizes(par)
-    d = _group_states(rp.dense, g["dense"], dense_index, par)
-    e = _group_states(rp.expert, g["expert"], expert_index, par)
-    return {k: d[k] + e[k] for k in d}
+                 expert_index: int = 0) -> dict[str, float]:
+    """Bytes of params, grads, master, optimizer, buffers, padding on one rank — what the
+    runtime's ``engine.memory()`` reports from its tensors. Each key counts the tensors as held
+    (padded flat buffers and equal shards); ``padding`` is the padding's share of them (a full
+    buffer's pad, a shard's pad/N), so that a rank's keys = formula(Ψ) + padding.
+    ``buffers`` (transient full gradient buffers of ZeRO-2, gathered ZeRO-3 units) is the
+    engine's measured peak and is predicted as 0 here; ``comm_buffers`` estimates it.
+    ``dense_index``/``expert_index`` are accepted for callers that pass a rank's place in its
+    group; with equal shards no key depends on it."""
+    del dense_index, expert_index
+    pb, gb, mb = param_bytes(par), grad_bytes(par), master_bytes(par)
+    z = par.zero
+    out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "buffers": 0, "padding": 0.0}
+    for b in buckets(m, par, pp_rank):
+        full, shard, pad, n = b.padded, b.shard, b.pad, b.shards
+        p_full = z < 3
+        g_full = z <= 1
+        s_full = z == 0  # master and Adam state
+        out["params"] += pb * (full if p_full else shard)
+        out["grads"] += gb * (full if g_full else shard)
+        out["master"] += mb * (full if s_full else shard)
+        out["optimizer"] += OPTIMIZER_BYTES * (full if s_full else shard)
+        if pad:
+            for per, is_full in ((pb, p_full), (gb, g_full), (mb, s_full),
+                                 (OPTIMIZER_BYTES // 2, s_full), (OPTIMIZER_BYTES // 2, s_full)):
+                if per:
+                    out["padding"] += pad * per if is_full else pad * per / n
+    return out
 
 
 def checkpoint_bytes(m: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -201,10 +260,11 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         out["softmax"] = tokens * 4 * heads_local
     out["attn_out"] = tokens * e * hq
     if m.is_moe:
-        f = m.expert_ffn / tp
-        routed = m.top_k + (1 if m.shared_expert else 0)
-        out["mlp"] = tokens * 4 * e * f * routed
-        out["router"] = tokens * (4 * m.experts + e * h * m.top_k)
+        # experts are whole on every tp rank (replicated), the shared expert is tp-cut
+        out["mlp"] = tokens * 4 * e * m.expert_ffn * m.top_k / norm_div
+        if m.shared_expert:
+            out["mlp"] += tokens * 4 * e * m.expert_ffn / tp
+        out["router"] = tokens * (4 * m.experts + e * h * m.top_k) / norm_div
     else:
         out["mlp"] = tokens * 4 * e * m.ffn / tp
     return out

@@ -20,8 +20,14 @@ One rank's share (``rank_params``) follows the runtime's cuts:
   r holds virtual stages r, r+pp, r+2·pp, ... The embedding sits on virtual stage 0 (rank 0),
   the final norm and head on the last virtual stage (rank pp−1). With tied embeddings and pp > 1
   the last stage holds its own head matrix (the runtime builds one), so the count grows by V·h.
-* ep: each ep rank holds E/ep experts. Expert parameters are reduced over the ``expert`` group,
-  everything else over ``dense``.
+* ep: each ep rank holds E/ep experts, each a full SwiGLU (experts are never cut across tp:
+  they are replicated over tp, as ``fived.model.moe`` builds them). Expert parameters are reduced
+  over the ``expert`` group, everything else over ``dense``.
+
+``param_list`` lists one rank's parameters in the runtime's registration order (embedding,
+blocks — attn_norm, wq, wk, wv, wo, mlp_norm, then w_gate, w_up, w_down or router, experts,
+shared expert — final norm, head), which is what the data-parallel engine lays its flat buckets
+out from.
 """
 
 from __future__ import annotations
@@ -138,7 +144,7 @@ def block_params_local(m: ModelConfig, tp: int, ep: int) -> dict[str, int]:
     }
     if m.is_moe:
         out["router"] = h * m.experts
-        out["experts"] = (m.experts // ep) * 3 * h * m.expert_ffn // tp
+        out["experts"] = (m.experts // ep) * 3 * h * m.expert_ffn  # replicated over tp
         if m.shared_expert:
             out["shared_expert"] = 3 * h * m.expert_ffn // tp
     else:
@@ -164,7 +170,8 @@ def rank_params(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> RankPa
     bd: dict[str, int] = {}
     for k, v in blk.items():
         bd[k] = v * layers
-    rep = (blk["attn_norm"] + blk["mlp_norm"] + blk.get("router", 0)) * layers
+    rep = (blk["attn_norm"] + blk["mlp_norm"] + blk.get("router", 0)
+           + blk.get("experts", 0)) * layers
     if tp > m.kv_heads:
         rep += (blk["wk"] + blk["wv"]) * layers
     if 0 in stages:
@@ -185,3 +192,56 @@ def all_rank_params(m: ModelConfig, par: ParallelConfig) -> list[RankParams]:
 
 def largest_rank_params(m: ModelConfig, par: ParallelConfig) -> RankParams:
     return max(all_rank_params(m, par), key=lambda r: r.total)
+
+
+def _block_list(m: ModelConfig, par: ParallelConfig, i: int) -> list[tuple[str, int, bool]]:
+    tp = par.tp
+    h, d = m.hidden, m.head_dim
+    kv_shards = min(tp, m.kv_heads)
+    p = f"layers.{i}."
+    out = [(p + "attn_norm.weight", h, False),
+           (p + "attn.wq.weight", h * m.heads * d // tp, False),
+           (p + "attn.wk.weight", h * m.kv_heads * d // kv_shards, False),
+           (p + "attn.wv.weight", h * m.kv_heads * d // kv_shards, False),
+           (p + "attn.wo.weight", m.heads * d * h // tp, False),
+           (p + "mlp_norm.weight", h, False)]
+    if m.is_moe:
+        f = m.expert_ffn
+        out.append((p + "mlp.router.weight", h * m.experts, False))
+        per = m.experts // par.ep
+        for e in range(per):  # this rank's experts (the count is what matters)
+            q = f"{p}mlp.experts.{e}."
+            out += [(q + "w_gate.weight", h * f, True), (q + "w_up.weight", h * f, True),
+                    (q + "w_down.weight", f * h, True)]
+        if m.shared_expert:
+            q = p + "mlp.shared_expert."
+            out += [(q + "w_gate.weight", h * f // tp, False), (q + "w_up.weight", h * f // tp, False),
+                    (q + "w_down.weight", f * h // tp, False)]
+    else:
+        out += [(p + "mlp.w_gate.weight", h * m.ffn // tp, False),
+                (p + "mlp.w_up.weight", h * m.ffn // tp, False),
+                (p + "mlp.w_down.weight", m.ffn * h // tp, False)]
+    return out
+
+
+def param_list(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
+               ) -> list[tuple[str, int, bool]]:
+    """(name, elements on this rank, is_expert) in registration order, virtual stages in order."""
+    n = par.pp * max(1, par.virtual_stages)
+    st = stage_layers(m, par)
+    out: list[tuple[str, int, bool]] = []
+    for k in rank_stages(par, pp_rank):
+        if k == 0:
+            out.append(("embed.weight", m.vocab * m.hidden // par.tp, False))
+        for i in st[k]:
+            out += _block_list(m, par, i)
+        if k == n - 1:
+            out.append(("norm.weight", m.hidden, False))
+            if has_head(m, par):
+                out.append(("head.weight", m.hidden * m.vocab // par.tp, False))
+    return out
+
+
+def block_of(name: str) -> int | None:
+    """The block index of a parameter name, None for the root (embedding, norm, head)."""
+    return int(name.split(".")[1]) if name.startswith("layers.") else None

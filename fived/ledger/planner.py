@@ -150,6 +150,10 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
         layers = rank_layers(m, par, r)
         last = (n_stages - 1) in rank_stages(par, r)
         f = C.stage_forward_flops_per_token(m, layers, last) * tokens_mb / par.tp
+        if m.is_moe:  # experts are replicated over tp: without SP each tp rank runs all tokens
+            sp_div = par.tp if par.sequence_parallel else 1
+            ex = 2.0 * 3 * m.hidden * m.expert_ffn * m.top_k * layers * tokens_mb
+            f += ex / sp_div - ex / par.tp
         if best is None or f > best[1]:
             best = (r, f, layers)
     r, fwd_flops, layers = best

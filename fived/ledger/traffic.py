@@ -9,12 +9,14 @@ call by call, so a test can compare with ``summary["history"][-1]["traffic"]`` e
 Per dimension (b = micro-batch sequences, s_l = seq_len/cp local tokens, e = activation bytes,
 m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over group g):
 
-* DP / ZeRO (``dp_traffic``), per group g ∈ {dense, expert} of N ranks, L = ⌈Ψ_g/N⌉:
-    ZeRO-0  all_reduce(grad_bytes·Ψ_g)                         once per step
-    ZeRO-1  reduce_scatter(grad_bytes·N·L) + all_gather(param_bytes·N·L)   once per step
-    ZeRO-2  reduce_scatter(grad_bytes·N·L) per micro-batch + all_gather(param_bytes·N·L) once
-    ZeRO-3  per micro-batch: all_gather(param_bytes·N·L) forward, again backward, and
-            reduce_scatter(grad_bytes·N·L)  →  3(N−1)/N · param bytes when grads match params
+* DP / ZeRO (``dp_traffic``), per flat bucket of Ψ_b elements padded to P_b (a multiple of the
+  group size N under ZeRO) — the buckets add up to the group's Ψ_g:
+    ZeRO-0   all_reduce(grad_bytes·Ψ_b)                                  once per step
+    ZeRO-1/2 reduce_scatter(grad_bytes·P_b) on the last micro-batch, all_gather(param_bytes·P_b)
+             after the step
+    ZeRO-3   all_gather(param_bytes·P_b) before each micro-batch's forward and again before its
+             backward; reduce_scatter(grad_bytes·P_b) once per step
+             →  3(N−1)/N · param bytes per step with one micro-batch and grads in the param dtype
 * TP (``tp_traffic``), per layer per micro-batch, X = b·s_l·h·e:
     no SP:  forward 2 all_reduce(X) (after wo, after w_down), backward 2 all_reduce(X)
     SP:     forward 2 all_gather(X) + 2 reduce_scatter(X), backward the same — equal bytes
@@ -27,9 +29,10 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
 * CP ring (``cp_traffic``), per layer per micro-batch, B = b·s_l·kv_local·d·e (one of K or V):
   forward (cp−1) sends of K and V (2B each), backward (cp−1)·2B again plus (cp−1)·2B of dK/dV.
   Ulysses: per layer and direction 4 all_to_all of q, k', v', out.
-* EP (``ep_traffic``), per MoE layer per micro-batch, T = b·s_l·top_k·h·e routed token bytes:
-  forward dispatch and combine all_to_all(T), backward the same two (uniform routing: the
-  runtime's bytes depend on the router, so this is the expectation).
+* EP (``ep_traffic``), per MoE layer per micro-batch, T = b·s_l·top_k·h·e routed token bytes
+  (s_l/tp under SP): the routing counts all_to_all(E·8 bytes), forward dispatch and combine
+  all_to_all(T), backward the same two — (E − E/n)·8 + 4·(n−1)/n·T, the uniform-routing
+  expectation of ``fived.parallel.expert``'s exact count (the runtime's bytes follow the router).
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from dataclasses import dataclass
 
 from ..comm.volume import bytes_sent
 from ..config import ModelConfig, ParallelConfig
-from .memory import act_bytes, grad_bytes, group_sizes, param_bytes, shard_len
-from .params import rank_params, rank_stages, stage_layers
+from .memory import act_bytes, buckets, grad_bytes, group_sizes, param_bytes
+from .params import rank_stages, stage_layers
 
 
 @dataclass(frozen=True)
@@ -100,33 +103,31 @@ def _local(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, bool
 
 # ------------------------------------------------------------------------ data parallel
 def dp_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Collective]:
-    """Gradient reduction / ZeRO collectives over ``dense`` and ``expert`` for one step."""
-    rp = rank_params(m, par, pp_rank)
-    sizes = group_sizes(par)
+    """Gradient reduction / ZeRO collectives over ``dense`` and ``expert`` for one step, one
+    entry per flat bucket (``memory.buckets``) in launch order."""
     gb, pb, mb = grad_bytes(par), param_bytes(par), par.micro_batches
     out: list[Collective] = []
-    for group, numel in (("dense", rp.dense), ("expert", rp.expert)):
-        n = sizes[group]
-        if numel == 0 or n <= 1:
-            continue
+    bks = [b for b in buckets(m, par, pp_rank) if group_sizes(par)[b.group] > 1]
+    if par.zero == 3:
+        for b in bks:
+            out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
+                                  "params (forward)", "fwd"))
+            out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
+                                  "params (backward)", "bwd"))
+        out += [Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1, "gradients",
+                           "bwd") for b in bks]
+        return out
+    n = group_sizes(par)
+    for b in bks:
         if par.zero == 0:
-            out.append(Collective(group, "all_reduce", gb * numel, n, 1, "gradients", "bwd"))
-            continue
-        padded = n * shard_len(numel, n)
-        if par.zero == 1:
-            out.append(Collective(group, "reduce_scatter", gb * padded, n, 1, "gradients", "bwd"))
-            out.append(Collective(group, "all_gather", pb * padded, n, 1, "updated params",
-                                  "step"))
-        elif par.zero == 2:
-            out.append(Collective(group, "reduce_scatter", gb * padded, n, mb, "gradients", "bwd"))
-            out.append(Collective(group, "all_gather", pb * padded, n, 1, "updated params",
-                                  "step"))
-        else:
-            out.append(Collective(group, "all_gather", pb * padded, n, mb, "params (forward)",
-                                  "fwd"))
-            out.append(Collective(group, "all_gather", pb * padded, n, mb, "params (backward)",
+            out.append(Collective(b.group, "all_reduce", gb * b.numel, n[b.group], 1, "gradients",
                                   "bwd"))
-            out.append(Collective(group, "reduce_scatter", gb * padded, n, mb, "gradients", "bwd"))
+        else:
+            out.append(Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1,
+                                  "gradients", "bwd"))
+    if par.zero in (1, 2):
+        out += [Collective(b.group, "all_gather", pb * b.padded, b.shards, 1, "updated params",
+                           "step") for b in bks]
     return out
 
 
@@ -172,6 +173,12 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
         norms = 2 * layers + (1 if last else 0)
         out.append(Collective("tp", "all_reduce", m.hidden * grad_bytes(par), t, norms,
                               "replicated norm-gain grads", "step"))
+        if m.is_moe:  # router and experts are replicated over tp and see different tokens
+            gb = grad_bytes(par)
+            out.append(Collective("tp", "all_reduce", m.hidden * m.experts * gb, t, layers,
+                                  "router grads", "step"))
+            out.append(Collective("tp", "all_reduce", m.hidden * m.expert_ffn * gb, t,
+                                  3 * layers * (m.experts // par.ep), "expert grads", "step"))
     return out
 
 
@@ -242,9 +249,12 @@ def ep_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     e = dtype_bytes or act_bytes(par)
     layers, _, _ = _local(m, par, pp_rank)
     per = layers * par.micro_batches
-    tokens = micro_batch * m.seq_len // par.cp
+    sp = par.sequence_parallel and par.tp > 1
+    tokens = micro_batch * m.seq_len // par.cp // (par.tp if sp else 1)
     size = tokens * m.top_k * m.hidden * e
-    return [Collective("ep", "all_to_all", size, par.ep, 2 * per, "dispatch + combine", "fwd"),
+    return [Collective("ep", "all_to_all", m.experts * 8, par.ep, per,
+                       "routing counts (E int64)", "fwd"),
+            Collective("ep", "all_to_all", size, par.ep, 2 * per, "dispatch + combine", "fwd"),
             Collective("ep", "all_to_all", size, par.ep, 2 * per, "their grads", "bwd")]
 
 
