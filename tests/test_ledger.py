@@ -344,3 +344,26 @@ def test_grid_coordinates_match_the_grid():
         assert verify.coords(par, r) == g.coords()
         assert verify.group_index(par, "dense", r) == g.members(("dp", "ep", "cp")).index(r)
         assert verify.group_index(par, "expert", r) == g.members(("dp", "cp")).index(r)
+
+
+ZERO_LAYOUTS = [
+    ParallelConfig(dp=2, zero=1),
+    ParallelConfig(dp=2, zero=2, micro_batches=2),
+    ParallelConfig(dp=3, zero=3),  # padding: 3 does not divide a block
+    ParallelConfig(dp=2, zero=1, precision="bf16"),  # 18Ψ: fp32 grads, fp32 master
+    ParallelConfig(dp=3, precision="bf16", grad_reduce_dtype="bf16", bucket_mb=0.05),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", ZERO_LAYOUTS, ids=lambda p: f"{p.describe()}-{p.precision}")
+def test_zero_and_precision_runtime_equal_the_ledger(par):
+    """Runs where the ZeRO / mixed-precision engine is built (``-m slow``)."""
+    pytest.importorskip("fived.parallel.zero")
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny")
+    train = small_train(steps=1, global_batch=6 if par.dp == 3 else 8)
+    for s in train_layout(m, par, train):
+        assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []

@@ -47,14 +47,26 @@ def predict_rank(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: i
     return mem, step_bytes(m, par, micro_batch_size(par, global_batch), c["pp"])
 
 
-def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict
-                   ) -> list[str]:
-    """Mismatches between one step record and the ledger, one line each ([] = exact)."""
+def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,
+                   skip_buffers: bool | None = None) -> list[str]:
+    """Mismatches between one step record and the ledger, one line each ([] = exact).
+
+    ``buffers`` is the engine's measured peak of transient buffers (ZeRO-2 full gradient
+    buckets, ZeRO-3 gathered units), which depends on the order hooks fire; it is skipped by
+    default for ZeRO-2/3 (``skip_buffers``) and compared (it is 0) otherwise."""
+    if skip_buffers is None:
+        skip_buffers = par.zero >= 2
     out = []
+    # the trainer records memory as integers (``int`` of each key: a ZeRO shard's padding
+    # share pad/N is fractional), so the prediction is truncated the same way
     mems = rec.get("memory_per_rank") or [rec["memory"]]
     trs = rec.get("traffic_per_rank") or [{"bytes": rec["traffic"]}]
     for rank, (mem, tr) in enumerate(zip(mems, trs)):
         pm, pt = predict_rank(m, par, global_batch, rank)
+        pm = {k: int(v) for k, v in pm.items()}
+        if skip_buffers:
+            pm.pop("buffers", None)
+            mem = {k: v for k, v in mem.items() if k != "buffers"}
         for k in sorted(set(pm) | set(mem)):
             if pm.get(k, 0) != mem.get(k, 0):
                 out.append(f"rank {rank} memory[{k}]: ledger {pm.get(k, 0)} != "
@@ -68,10 +80,10 @@ def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: 
 
 
 def compare_file(m: ModelConfig, par: ParallelConfig, global_batch: int, path: str,
-                 step: int = -1) -> list[str]:
+                 step: int = -1, skip_buffers: bool | None = None) -> list[str]:
     """``compare_record`` on one step (default: the last) of a ``--metrics-out`` JSONL file."""
     with open(path) as f:
         recs = [json.loads(line) for line in f if line.strip()]
     if not recs:
         return [f"{path}: no step records"]
-    return compare_record(m, par, global_batch, recs[step])
+    return compare_record(m, par, global_batch, recs[step], skip_buffers)
