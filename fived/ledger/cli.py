@@ -180,8 +180,9 @@ def main_plan(argv: list[str]) -> int:
     c = res.counts
     con.print(f"considered {c.get('evaluated', 0)} layouts: {c.get('fit', 0)} fit, "
               f"{c.get('out_of_memory', 0)} do not fit in {fmt_b(hw.memory * args.mem_fraction)}, "
-              f"{c.get('invalid', 0)} invalid for the model, {c.get('iron_rule', 0)} (tp, cp) "
-              f"pairs break the iron rule (tp·cp > {gpn} GPUs per node)")
+              f"{c.get('invalid', 0)} invalid for the model, {c.get('zero3_pp', 0)} skipped as "
+              f"ZeRO-3 with pp, {c.get('iron_rule', 0)} (tp, cp) pairs break the iron rule "
+              f"(tp·cp > {gpn} GPUs per node)")
     if not top:
         s = res.smallest_unfit
         con.print("[bold red]no layout fits[/]" + (

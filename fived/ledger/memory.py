@@ -348,17 +348,31 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 # ------------------------------------------------------------------------ buffers
 def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0
                  ) -> dict[str, float]:
-    """Transient communication buffers (not part of ``engine.memory()``), by dimension."""
-    from .params import block_params_local
+    """Transient buffers, by dimension (the engine reports the ZeRO ones as ``buffers``).
 
+    ZeRO-2/3 hold a bucket's full-size gradient buffer from its first gradient until its
+    reduce-scatter; the reduce-scatter runs on the last micro-batch, so with m > 1 every bucket's
+    full buffer lives through the accumulation (as large as ZeRO-1's grads), with m = 1 about
+    three buckets are in flight. ZeRO-3 also holds the gathered unit in use and the prefetched
+    next one."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
     out: dict[str, float] = {}
-    if par.zero >= 3 and group_sizes(par)["dense"] > 1:
-        blk = sum(block_params_local(m, par.tp, par.ep).values())
-        # the gathered layer being used, the prefetched next one, and the full grads of one layer
-        out["zero3_gather"] = 2 * blk * param_bytes(par) + blk * grad_bytes(par)
+    if par.zero >= 2 and max(group_sizes(par).values()) > 1:
+        bks = buckets(m, par, pp_rank)
+        gb = grad_bytes(par)
+        if par.micro_batches > 1:
+            out["zero_full_grads"] = float(sum(b.padded for b in bks) * gb)
+        else:
+            out["zero_full_grads"] = float(sum(sorted((b.padded for b in bks),
+                                                      reverse=True)[:3]) * gb)
+        if par.zero == 3:
+            units: dict[int, int] = {}
+            for b in bks:
+                units[b.unit] = units.get(b.unit, 0) + b.padded
+            out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:2])
+                                        * param_bytes(par))
     if par.pp > 1:
         out["pp_p2p"] = 2 * tokens * m.hidden * e / (par.tp if sp else 1)
     if sp:

@@ -282,6 +282,12 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                 continue
                             mbs = per_replica // b
                             for zero in zeros if dp * ep * cp > 1 else (0,):
+                                if zero == 3 and pp > 1:
+                                    # ZeRO-3 gathers each block around every micro-batch's
+                                    # forward and backward; the engine refuses it under a
+                                    # pipeline schedule (fived.parallel.zero.Zero3)
+                                    counts["zero3_pp"] = counts.get("zero3_pp", 0) + 1
+                                    continue
                                 for rc in recomputes:
                                     par = ParallelConfig(
                                         tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, zero=zero,
