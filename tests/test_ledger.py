@@ -367,3 +367,23 @@ def test_zero_and_precision_runtime_equal_the_ledger(par):
     train = small_train(steps=1, global_batch=6 if par.dp == 3 else 8)
     for s in train_layout(m, par, train):
         assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
+
+
+TP_LAYOUTS = [
+    ParallelConfig(tp=2, dp=2),
+    ParallelConfig(tp=2, sequence_parallel=True, recompute="full"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", TP_LAYOUTS, ids=lambda p: f"{p.describe()}-{p.recompute}")
+def test_tp_runtime_equal_the_ledger(par):
+    """Where tensor parallelism is built (``-m slow``): memory and every group's bytes exact."""
+    pytest.importorskip("fived.parallel.tensor")
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny")
+    train = small_train(steps=1)
+    for s in train_layout(m, par, train):
+        assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []

@@ -20,14 +20,19 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
 * TP (``tp_traffic``), per layer per micro-batch, X = b·s_l·h·e:
     no SP:  forward 2 all_reduce(X) (after wo, after w_down), backward 2 all_reduce(X)
     SP:     forward 2 all_gather(X) + 2 reduce_scatter(X), backward the same — equal bytes
-    plus the vocab-parallel ends: embedding forward all_reduce(X) (SP: reduce_scatter, backward
-    all_gather), head input backward all_reduce(X) (SP: forward all_gather, backward
-    reduce_scatter), cross-entropy 3 all_reduce(b·s_l·4) (max, Σexp, target logit); and under
-    SP the replicated norm gains' gradients: all_reduce(grad_bytes·h) per norm on this rank.
+    full recompute: + 1 all_reduce(X) per layer (SP: + 2 all_gather + 1 reduce_scatter), the
+    rerun forward stopping at the block's last saved tensor; tp > kv_heads: + 2 all_reduce of
+    the (kv_heads·d, h) weight gradient per layer; plus the vocab-parallel ends: embedding
+    forward all_reduce(X) (SP: reduce_scatter, backward all_gather), head input backward
+    all_reduce(X) (SP: forward all_gather, backward reduce_scatter), cross-entropy
+    all_reduce(b·s_l·4) (max) and all_reduce(2·b·s_l·4) (Σexp, target logit); and under SP the
+    replicated norm gains' gradients: all_reduce(grad_bytes·h) per norm on this rank (and the
+    MoE router's and experts' gradients). This is ``fived.parallel.tensor.tp_traffic_bytes``.
 * PP (``pp_traffic``), per micro-batch per (virtual) stage boundary, Y = b·s_l·h·e (/tp under
   SP): a stage sends Y forward unless it is the last, and Y backward unless it is the first.
 * CP ring (``cp_traffic``), per layer per micro-batch, B = b·s_l·kv_local·d·e (one of K or V):
-  forward (cp−1) sends of K and V (2B each), backward (cp−1)·2B again plus (cp−1)·2B of dK/dV.
+  forward (cp−1) sends of K and V (2B each), backward (cp−1)·2B again plus (cp−1)·2B of dK/dV;
+  selective or full recompute reruns the forward ring once more.
   Ulysses: per layer and direction 4 all_to_all of q, k', v', out.
 * EP (``ep_traffic``), per MoE layer per micro-batch, T = b·s_l·top_k·h·e routed token bytes
   (s_l/tp under SP): the routing counts all_to_all(E·8 bytes), forward dispatch and combine
@@ -146,15 +151,28 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     sp = par.sequence_parallel
     per = layers * mb
     out: list[Collective] = []
+    # full recompute reruns each block's forward up to its last saved tensor (torch's
+    # checkpoint stops early): the gathers and the attention's reduction again, not the MLP's
+    again = par.recompute == "full"
     if sp:
+        if again:
+            out += [Collective("tp", "all_gather", x, t, 2 * per, "recompute: SP gathers", "bwd"),
+                    Collective("tp", "reduce_scatter", x, t, per, "recompute: SP scatter after wo",
+                               "bwd")]
         out += [Collective("tp", "all_gather", x, t, 2 * per, "SP gather before attn/mlp", "fwd"),
                 Collective("tp", "reduce_scatter", x, t, 2 * per, "SP scatter after wo/w_down",
                            "fwd"),
                 Collective("tp", "all_gather", x, t, 2 * per, "grad of SP scatter", "bwd"),
                 Collective("tp", "reduce_scatter", x, t, 2 * per, "grad of SP gather", "bwd")]
     else:
+        if again:
+            out.append(Collective("tp", "all_reduce", x, t, per, "recompute: after wo", "bwd"))
         out += [Collective("tp", "all_reduce", x, t, 2 * per, "after wo, w_down", "fwd"),
                 Collective("tp", "all_reduce", x, t, 2 * per, "input grads of attn, mlp", "bwd")]
+    if t > m.kv_heads:  # replicated kv chunks: the wk, wv gradients summed over tp in backward
+        kv_weight = m.kv_heads * m.head_dim * m.hidden * e
+        out.append(Collective("tp", "all_reduce", kv_weight, t, 2 * per,
+                              "replicated kv-head weight grads", "bwd"))
     if first:
         if sp:
             out += [Collective("tp", "reduce_scatter", x, t, mb, "vocab embedding", "fwd"),
@@ -167,8 +185,10 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                     Collective("tp", "reduce_scatter", x, t, mb, "grad of head input", "bwd")]
         else:
             out.append(Collective("tp", "all_reduce", x, t, mb, "grad of head input", "bwd"))
-        out.append(Collective("tp", "all_reduce", tokens * 4, t, 3 * mb,
-                              "vocab-parallel CE (max, sum-exp, target)", "fwd"))
+        out.append(Collective("tp", "all_reduce", tokens * 4, t, mb, "vocab-parallel CE max",
+                              "fwd"))
+        out.append(Collective("tp", "all_reduce", 2 * tokens * 4, t, mb,
+                              "vocab-parallel CE sum-exp + target logit", "fwd"))
     if sp:
         norms = 2 * layers + (1 if last else 0)
         out.append(Collective("tp", "all_reduce", m.hidden * grad_bytes(par), t, norms,
@@ -235,9 +255,12 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                 Collective("cp", "all_to_all", k, c, 2 * per, "grads of k and v", "bwd")]
     b = tokens * kv_local * d * e  # one of K or V
     hops = (c - 1) * per
-    return [Collective("cp", "send", 2 * b, c, hops, "K/V ring", "fwd"),
-            Collective("cp", "send", 2 * b, c, hops, "K/V ring again", "bwd"),
-            Collective("cp", "send", 2 * b, c, hops, "dK/dV ring", "bwd")]
+    out = [Collective("cp", "send", 2 * b, c, hops, "K/V ring", "fwd"),
+           Collective("cp", "send", 2 * b, c, hops, "K/V ring again", "bwd"),
+           Collective("cp", "send", 2 * b, c, hops, "dK/dV ring", "bwd")]
+    if par.recompute in ("full", "selective"):  # the attention core's forward runs again
+        out.append(Collective("cp", "send", 2 * b, c, hops, "recompute: K/V ring", "bwd"))
+    return out
 
 
 # ------------------------------------------------------------------------ expert parallel
@@ -252,10 +275,16 @@ def ep_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     sp = par.sequence_parallel and par.tp > 1
     tokens = micro_batch * m.seq_len // par.cp // (par.tp if sp else 1)
     size = tokens * m.top_k * m.hidden * e
-    return [Collective("ep", "all_to_all", m.experts * 8, par.ep, per,
-                       "routing counts (E int64)", "fwd"),
-            Collective("ep", "all_to_all", size, par.ep, 2 * per, "dispatch + combine", "fwd"),
-            Collective("ep", "all_to_all", size, par.ep, 2 * per, "their grads", "bwd")]
+    out = [Collective("ep", "all_to_all", m.experts * 8, par.ep, per,
+                      "routing counts (E int64)", "fwd"),
+           Collective("ep", "all_to_all", size, par.ep, 2 * per, "dispatch + combine", "fwd"),
+           Collective("ep", "all_to_all", size, par.ep, 2 * per, "their grads", "bwd")]
+    if par.recompute == "full":  # the block's forward reruns through the combine
+        out += [Collective("ep", "all_to_all", m.experts * 8, par.ep, per,
+                           "recompute: routing counts", "bwd"),
+                Collective("ep", "all_to_all", size, par.ep, 2 * per,
+                           "recompute: dispatch + combine", "bwd")]
+    return out
 
 
 # ------------------------------------------------------------------------ everything
