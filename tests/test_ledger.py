@@ -387,3 +387,29 @@ def test_tp_runtime_equal_the_ledger(par):
     train = small_train(steps=1)
     for s in train_layout(m, par, train):
         assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
+
+
+PP_LAYOUTS = [
+    ParallelConfig(pp=2, micro_batches=2),
+    ParallelConfig(pp=2, dp=2, micro_batches=4, schedule="interleaved", virtual_stages=2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", PP_LAYOUTS, ids=lambda p: f"{p.describe()}-{p.schedule}")
+def test_pp_runtime_equal_the_ledger(par):
+    """Where the pipeline is built (``-m slow``): every rank's states and bytes exact."""
+    pytest.importorskip("fived.parallel.pipeline.runtime")
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny")
+    train = small_train(steps=1)
+    for s in train_layout(m, par, train):
+        assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
+
+
+def test_balanced_split_puts_the_head_on_a_lighter_stage():
+    m = preset("llama3-70b")
+    assert params.balanced_split(m, 8) == (10, 10, 10, 10, 10, 10, 11, 9)
+    assert sum(params.balanced_split(preset("llama3-405b"), 16)) == 126

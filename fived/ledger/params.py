@@ -16,8 +16,9 @@ One rank's share (``rank_params``) follows the runtime's cuts:
 * tp: wq, wo, w_gate, w_up, w_down, embed and head are cut tp ways; wk, wv are cut
   ``min(tp, kv_heads)`` ways (replicated beyond that); norms and the MoE router are replicated.
   Experts' matrices are cut tp ways along the expert ffn.
-* pp: (virtual) stage k holds its layers (balanced ``L/(pp·v)`` or ``pp_layers``); pipeline rank
-  r holds virtual stages r, r+pp, r+2·pp, ... The embedding sits on virtual stage 0 (rank 0),
+* pp: (virtual) stage k holds its layers (``pp_layers``, or ``balanced_split``: the split that
+  minimises the costliest stage, head and embedding included, as the pipeline partitions);
+  pipeline rank r holds virtual stages r, r+pp, r+2·pp, ... The embedding sits on virtual stage 0 (rank 0),
   the final norm and head on the last virtual stage (rank pp−1). With tied embeddings and pp > 1
   the last stage holds its own head matrix (the runtime builds one), so the count grows by V·h.
 * ep: each ep rank holds E/ep experts, each a full SwiGLU (experts are never cut across tp:
@@ -33,6 +34,7 @@ out from.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ..config import ModelConfig, ParallelConfig
 
@@ -87,14 +89,63 @@ def active_params(m: ModelConfig) -> int:
 
 
 # ------------------------------------------------------------------------ pipeline split
+def _layer_cost(m: ModelConfig) -> float:
+    hd = m.head_dim
+    attn = m.hidden * (m.heads + 2 * m.kv_heads) * hd + m.heads * hd * m.hidden
+    if m.is_moe:
+        mlp = 3 * m.hidden * m.expert_ffn * m.top_k + m.hidden * m.experts
+        if m.shared_expert:
+            mlp += 3 * m.hidden * m.expert_ffn
+    else:
+        mlp = 3 * m.hidden * m.ffn
+    return 2.0 * (attn + mlp) + 4.0 * m.seq_len * m.hidden
+
+
+@lru_cache(maxsize=4096)
+def balanced_split(m: ModelConfig, stages: int) -> tuple[int, ...]:
+    """Layers per stage minimising the most expensive stage in forward FLOPs per token, ties to
+    the most even split — the pipeline's own rule (``fived.parallel.pipeline.stage``): a layer
+    costs 2·(matmul params) + 4·s·h, the last stage adds the head 2·h·V + 5·V, the first the
+    embedding h."""
+    L, lc = m.layers, _layer_cost(m)
+    hc, ec = 2.0 * m.hidden * m.vocab + 5.0 * m.vocab, float(m.hidden)
+    if stages > L:
+        raise ValueError(f"{stages} pipeline stages for {L} layers")
+
+    def cost(s: int, n: int) -> float:
+        return n * lc + (ec if s == 0 else 0.0) + (hc if s == stages - 1 else 0.0)
+
+    memo: dict[tuple[int, int], tuple[float, float, tuple[int, ...]]] = {}
+
+    def best(s: int, left: int) -> tuple[float, float, tuple[int, ...]]:
+        key = (s, left)
+        if key in memo:
+            return memo[key]
+        if s == stages - 1:
+            out = (cost(s, left), float(left * left), (left,))
+        else:
+            out = None
+            for n in range(1, left - (stages - s - 1) + 1):
+                mx, sq, rest = best(s + 1, left - n)
+                cand = (max(mx, cost(s, n)), sq + n * n, (n,) + rest)
+                if out is None or cand[:2] < out[:2]:
+                    out = cand
+        memo[key] = out
+        return out
+
+    return best(0, L)[2]
+
+
 def stage_layers(m: ModelConfig, par: ParallelConfig) -> list[list[int]]:
-    """Global layer ids of each virtual stage 0 .. pp·v−1 (balanced, or ``pp_layers``)."""
+    """Global layer ids of each virtual stage 0 .. pp·v−1 (``pp_layers``, or the pipeline's
+    balanced split)."""
     n = par.pp * max(1, par.virtual_stages)
     if par.pp_layers:
         sizes = list(par.pp_layers)
+    elif n == 1:
+        sizes = [m.layers]
     else:
-        base, extra = divmod(m.layers, n)
-        sizes = [base + (1 if i < extra else 0) for i in range(n)]
+        sizes = list(balanced_split(m, n))
     out, start = [], 0
     for k in sizes:
         out.append(list(range(start, start + k)))

@@ -43,7 +43,7 @@ from . import bubble as B
 from . import compute as C
 from .hardware import Hardware, collective_seconds
 from .memory import FUSED, ActivationOptions, RankMemory, largest_rank
-from .params import rank_layers, rank_stages
+from .params import balanced_split, rank_layers, rank_stages
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
 GPU_ACTIVATIONS = FUSED
@@ -272,11 +272,9 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                         stages = pp * v
                         if stages > m.layers:
                             continue
-                        # an uneven split when pp·v does not divide the layers (first stages
-                        # take one more), as ``--pp-layers`` would give it
-                        split = () if m.layers % stages == 0 else tuple(
-                            m.layers // stages + (1 if i < m.layers % stages else 0)
-                            for i in range(stages))
+                        # pp·v not dividing the layers: the pipeline's balanced split, given
+                        # as ``--pp-layers`` (validate asks for it)
+                        split = () if m.layers % stages == 0 else balanced_split(m, stages)
                         for b in micro_batch_sizes:
                             if per_replica % b:
                                 continue
