@@ -46,7 +46,8 @@ rank r holds at its peak — GPipe m; 1F1B and ZB-H1 min(p − r, m); interleave
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from ..config import ModelConfig, ParallelConfig
 from .params import rank_stages, stage_layers
@@ -141,7 +142,19 @@ def _split(sizes: list[int], cap: int) -> list[list[int]]:
     return out
 
 
+def _state_key(par: ParallelConfig) -> ParallelConfig:
+    """``par`` without the fields model states do not depend on (a cache key)."""
+    return replace(par, recompute="none", micro_batches=1, sequence_parallel=False,
+                   overlap=True, cp_mode="ring",
+                   schedule="interleaved" if par.virtual_stages > 1 else "1f1b")
+
+
 def buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Bucket]:
+    return list(_buckets(m, _state_key(par), pp_rank))
+
+
+@lru_cache(maxsize=8192)
+def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket, ...]:
     """The engine's flat buckets, in launch order (``fived.parallel.data``): parameters in
     reverse registration order, split by reduction group, then (ZeRO 0–2) into runs of at most
     ``bucket_mb`` MiB of gradient; ZeRO-3 makes one bucket per (block, group), last block first,
@@ -167,14 +180,14 @@ def buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Bucke
                 g = "expert" if ex else "dense"
                 by[g] = by.get(g, 0) + n
             out += [Bucket(g, n, shards(g), u) for g, n in by.items()]
-        return out
+        return tuple(out)
     cap = max(1, int(par.bucket_mb * 2**20 / grad_bytes(par)))
     groups: dict[str, list[int]] = {}
     for _, n, ex in plist:
         groups.setdefault("expert" if ex else "dense", []).append(n)
     for g, ns in groups.items():
         out += [Bucket(g, sum(piece), shards(g)) for piece in _split(ns, cap)]
-    return out
+    return tuple(out)
 
 
 def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_index: int = 0,
@@ -188,6 +201,11 @@ def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_in
     ``dense_index``/``expert_index`` are accepted for callers that pass a rank's place in its
     group; with equal shards no key depends on it."""
     del dense_index, expert_index
+    return dict(_model_states(m, _state_key(par), pp_rank))
+
+
+@lru_cache(maxsize=8192)
+def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple:
     pb, gb, mb = param_bytes(par), grad_bytes(par), master_bytes(par)
     z = par.zero
     out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "buffers": 0, "padding": 0.0}
@@ -205,7 +223,7 @@ def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_in
                                  (OPTIMIZER_BYTES // 2, s_full), (OPTIMIZER_BYTES // 2, s_full)):
                 if per:
                     out["padding"] += pad * per if is_full else pad * per / n
-    return out
+    return tuple(out.items())
 
 
 def checkpoint_bytes(m: ModelConfig, dtype_bytes: int = 2) -> int:

@@ -139,18 +139,24 @@ def balanced_split(m: ModelConfig, stages: int) -> tuple[int, ...]:
 def stage_layers(m: ModelConfig, par: ParallelConfig) -> list[list[int]]:
     """Global layer ids of each virtual stage 0 .. pp·v−1 (``pp_layers``, or the pipeline's
     balanced split)."""
-    n = par.pp * max(1, par.virtual_stages)
-    if par.pp_layers:
-        sizes = list(par.pp_layers)
+    return [list(x) for x in _stage_layers(m, par.pp * max(1, par.virtual_stages),
+                                           tuple(par.pp_layers))]
+
+
+@lru_cache(maxsize=4096)
+def _stage_layers(m: ModelConfig, n: int, pp_layers: tuple[int, ...]
+                  ) -> tuple[tuple[int, ...], ...]:
+    if pp_layers:
+        sizes = list(pp_layers)
     elif n == 1:
         sizes = [m.layers]
     else:
         sizes = list(balanced_split(m, n))
     out, start = [], 0
     for k in sizes:
-        out.append(list(range(start, start + k)))
+        out.append(tuple(range(start, start + k)))
         start += k
-    return out
+    return tuple(out)
 
 
 def rank_stages(par: ParallelConfig, pp_rank: int) -> list[int]:

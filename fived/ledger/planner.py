@@ -133,6 +133,17 @@ def layout_name(par: ParallelConfig, micro_batch: int) -> str:
     return "·".join(parts)
 
 
+def aggregate(colls: list[Collective]) -> list[Collective]:
+    """Merge collectives that differ only in their count (e.g. equal buckets, one per layer)."""
+    out: dict[tuple, Collective] = {}
+    for c in colls:
+        key = (c.group, c.op, c.size, c.n, c.what, c.phase)
+        prev = out.get(key)
+        out[key] = c if prev is None else Collective(c.group, c.op, c.size, c.n,
+                                                    prev.count + c.count, c.what, c.phase)
+    return list(out.values())
+
+
 def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int,
             gpus_per_node: int | None = None, efficiency: float = 0.7,
             memory_fraction: float = 0.9,
@@ -167,11 +178,14 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
         t_rc = attn_core
     else:
         t_rc = 0.0
-    colls = step_traffic(m, par, b, r)
+    colls = aggregate(step_traffic(m, par, b, r))
     timed: list[tuple[Collective, str, float]] = []
     per: dict[tuple[str, str], float] = {}
+    links: dict[str, tuple[float, float, str]] = {}
     for c in colls:
-        bw, lat, lk = link(hw, par, c.group, gpn)
+        if c.group not in links:
+            links[c.group] = link(hw, par, c.group, gpn)
+        bw, lat, lk = links[c.group]
         s = c.count * collective_seconds(c.op, c.size, c.n, bw, lat)
         timed.append((c, lk, s))
         key = (c.group, c.phase)

@@ -43,10 +43,11 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..comm.volume import bytes_sent
 from ..config import ModelConfig, ParallelConfig
-from .memory import act_bytes, buckets, grad_bytes, group_sizes, param_bytes
+from .memory import _state_key, act_bytes, buckets, grad_bytes, group_sizes, param_bytes
 from .params import rank_stages, stage_layers
 
 
@@ -76,6 +77,8 @@ class Collective:
 
 def _repeat_sum(x: float, count: int) -> float:
     """x added ``count`` times, as the runtime's counters add each call (bit-identical)."""
+    if x == int(x) and abs(x) * count < 2**53:  # integer sums are exact: the product is equal
+        return x * count
     if count > 100_000:
         return x * count
     total = 0.0
@@ -110,7 +113,13 @@ def _local(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, bool
 def dp_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Collective]:
     """Gradient reduction / ZeRO collectives over ``dense`` and ``expert`` for one step, one
     entry per flat bucket (``memory.buckets``) in launch order."""
-    gb, pb, mb = grad_bytes(par), param_bytes(par), par.micro_batches
+    return list(_dp_traffic(m, _state_key(par), par.micro_batches, pp_rank))
+
+
+@lru_cache(maxsize=8192)
+def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
+                ) -> tuple[Collective, ...]:
+    gb, pb = grad_bytes(par), param_bytes(par)
     out: list[Collective] = []
     bks = [b for b in buckets(m, par, pp_rank) if group_sizes(par)[b.group] > 1]
     if par.zero == 3:
@@ -121,7 +130,7 @@ def dp_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Co
                                   "params (backward)", "bwd"))
         out += [Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1, "gradients",
                            "bwd") for b in bks]
-        return out
+        return tuple(out)
     n = group_sizes(par)
     for b in bks:
         if par.zero == 0:
@@ -133,7 +142,7 @@ def dp_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Co
     if par.zero in (1, 2):
         out += [Collective(b.group, "all_gather", pb * b.padded, b.shards, 1, "updated params",
                            "step") for b in bks]
-    return out
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------ tensor parallel
