@@ -413,3 +413,23 @@ def test_balanced_split_puts_the_head_on_a_lighter_stage():
     m = preset("llama3-70b")
     assert params.balanced_split(m, 8) == (10, 10, 10, 10, 10, 10, 11, 9)
     assert sum(params.balanced_split(preset("llama3-405b"), 16)) == 126
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", [ParallelConfig(ep=2), ParallelConfig(ep=2, dp=2)],
+                         ids=lambda p: p.describe())
+def test_ep_runtime_equal_the_ledger(par):
+    """Where MoE is built (``-m slow``): states, dense and expert bytes exact; the ep all-to-all
+    bytes follow the router, so they are compared with the uniform-routing expectation (10 %)."""
+    pytest.importorskip("fived.model.moe")
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny-moe")
+    train = small_train(steps=1)
+    rec = train_layout(m, par, train)[0]["history"][-1]
+    bad = verify.compare_record(m, par, train.global_batch, rec)
+    assert [b for b in bad if "traffic[ep]" not in b] == []
+    want = verify.predict_rank(m, par, train.global_batch, 0)[1]["ep"]
+    for tr in rec["traffic_per_rank"]:
+        assert tr["bytes"]["ep"] == pytest.approx(want, rel=0.10)
