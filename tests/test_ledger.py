@@ -433,3 +433,22 @@ def test_ep_runtime_equal_the_ledger(par):
     want = verify.predict_rank(m, par, train.global_batch, 0)[1]["ep"]
     for tr in rec["traffic_per_rank"]:
         assert tr["bytes"]["ep"] == pytest.approx(want, rel=0.10)
+
+
+CP_LAYOUTS = [ParallelConfig(cp=2), ParallelConfig(cp=2, recompute="selective"),
+              ParallelConfig(cp=2, cp_mode="ulysses")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", CP_LAYOUTS, ids=lambda p: f"{p.cp_mode}-{p.recompute}")
+def test_cp_runtime_equal_the_ledger(par):
+    """Where context parallelism is built (``-m slow``): states and every group's bytes exact
+    (selective recompute reruns the forward ring)."""
+    pytest.importorskip("fived.parallel.context")
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny")
+    train = small_train(steps=1)
+    for s in train_layout(m, par, train):
+        assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
