@@ -321,6 +321,7 @@ def test_ddp_runtime_memory_and_traffic_equal_the_ledger(tmp_path, capsys):
             assert tr["bytes"] == traffic.step_bytes(m, par, b), r
 
 
+@pytest.mark.slow
 def test_runtime_tied_micro_batches_equal_the_ledger():
     """A second layout the runtime runs: tied embeddings, 2 micro-batches, dp=2."""
     from fived.ledger import verify
