@@ -1,14 +1,22 @@
-"""FLOPs of the Llama-style decoder.
+"""FLOPs of the Llama-style decoder, and the time wall.
 
 Convention: a multiply-add is 2 FLOPs; attention is *not* causal-halved (the PaLM / Megatron
-MFU convention), so per token, forward:
+MFU convention: the scores and the score-weighted values cost 2·2·s·(heads·head_dim) per token
+per layer as if no position were masked), so per token, forward:
 
     F_fwd = 2·Ψ_matmul + 4·L·s·(heads·head_dim)
 
 with Ψ_matmul the parameters used in matrix multiplies per token (every linear, the head, and
-for MoE only the top-k experts; the embedding lookup is free). Backward is twice forward, so
-model FLOPs per token = 3·F_fwd = 6·Ψ_matmul + 12·L·s·h_attn. Recompute FLOPs are extra
-hardware work and are not model FLOPs.
+for MoE only the top-k experts plus the router; the embedding lookup is free). Backward is
+twice forward, so model FLOPs per token = 3·F_fwd = 6·Ψ_matmul + 12·L·s·h_attn. Pass
+``causal=True`` for the halved attention term (the work a causal kernel actually does).
+
+Recompute FLOPs are extra hardware work and are *not* model FLOPs: ``full`` recompute adds one
+forward (F_fwd per token), ``selective`` adds the attention core's forward (4·L·s·h_attn).
+
+The time wall (Kaplan et al. 2020; Hoffmann et al. 2022): training on D tokens costs ≈ 6·Ψ·D
+FLOPs; a 7B model on 1T tokens is 6·7e9·1e12 = 4.2e22 FLOPs — at 400 TFLOP/s sustained,
+1.05e8 s ≈ 3.3 GPU-years.
 """
 
 from __future__ import annotations
@@ -29,11 +37,61 @@ def matmul_params(m: ModelConfig) -> int:
     return m.layers * (attn + mlp) + m.hidden * m.vocab
 
 
-def forward_flops_per_token(m: ModelConfig, seq_len: int | None = None) -> float:
+def layer_matmul_params(m: ModelConfig) -> int:
+    """Matmul parameters of one block (active experts only)."""
+    return (matmul_params(m) - m.hidden * m.vocab) // m.layers
+
+
+def attention_flops_per_token(m: ModelConfig, seq_len: int | None = None, causal: bool = False,
+                              layers: int | None = None) -> float:
+    """Forward FLOPs of QKᵀ and PV per token (all layers, or ``layers`` of them)."""
     s = seq_len or m.seq_len
-    return 2.0 * matmul_params(m) + 4.0 * m.layers * s * m.heads * m.head_dim
+    n = m.layers if layers is None else layers
+    full = 4.0 * n * s * m.heads * m.head_dim
+    return full / 2 if causal else full
+
+
+def forward_flops_per_token(m: ModelConfig, seq_len: int | None = None,
+                            causal: bool = False) -> float:
+    return 2.0 * matmul_params(m) + attention_flops_per_token(m, seq_len, causal)
 
 
 def model_flops_per_token(m: ModelConfig, seq_len: int | None = None) -> float:
-    """Forward + backward model FLOPs per token (3× forward)."""
+    """Forward + backward model FLOPs per token (3× forward, attention not causal-halved)."""
     return 3.0 * forward_flops_per_token(m, seq_len)
+
+
+def recompute_flops_per_token(m: ModelConfig, recompute: str, seq_len: int | None = None,
+                              causal: bool = False) -> float:
+    """Extra (hardware, not model) FLOPs per token that recompute costs."""
+    if recompute == "full":
+        return forward_flops_per_token(m, seq_len, causal)
+    if recompute == "selective":
+        return attention_flops_per_token(m, seq_len, causal)
+    return 0.0
+
+
+def hardware_flops_per_token(m: ModelConfig, recompute: str = "none",
+                             seq_len: int | None = None, causal: bool = False) -> float:
+    return 3.0 * forward_flops_per_token(m, seq_len, causal) + recompute_flops_per_token(
+        m, recompute, seq_len, causal)
+
+
+def training_flops(params: float, tokens: float) -> float:
+    """The 6ΨD rule: FLOPs to train ``params`` parameters on ``tokens`` tokens."""
+    return 6.0 * params * tokens
+
+
+def training_seconds(flops: float, gpus: int, peak_flops: float, mfu: float = 1.0) -> float:
+    """Wall-clock seconds for ``flops`` on ``gpus`` devices at ``mfu`` of ``peak_flops`` each."""
+    return flops / (gpus * peak_flops * mfu)
+
+
+def stage_forward_flops_per_token(m: ModelConfig, layers: int, last: bool,
+                                  seq_len: int | None = None, causal: bool = False) -> float:
+    """Forward FLOPs per token for a pipeline piece of ``layers`` blocks (+ head when last)."""
+    f = 2.0 * layer_matmul_params(m) * layers + attention_flops_per_token(m, seq_len, causal,
+                                                                         layers)
+    if last:
+        f += 2.0 * m.hidden * m.vocab
+    return f

@@ -1,0 +1,184 @@
+"""Hardware presets and the alpha-beta cost of a collective.
+
+A collective of ``op`` on ``n`` ranks over a link with latency α (seconds per step) and
+bandwidth β (bytes per second each rank can put on the wire, nccl-tests' bus bandwidth) costs
+
+    t = steps(op, n)·α + bytes_sent(op, S, n) / β
+
+with ring steps 2(n−1) for all_reduce, n−1 for all_gather / reduce_scatter / all_to_all, 1 for
+a send (Hockney 1994; Thakur et al. 2005). A group whose ranks all sit on one node uses the
+intra-node link; any other group the inter-node link (the NIC is the ring's bottleneck).
+
+The presets are nominal vendor figures, rounded (dense bf16 tensor FLOP/s without sparsity,
+memory, HBM bandwidth; intra-node = achievable NVLink bus bandwidth, inter-node = one NIC per
+GPU). They are starting points to plan with, not measurements: calibrate with
+``this_machine`` (``fived bench comm --json`` + a matmul) where the machine is at hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+
+from ..comm.volume import bytes_sent
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s per device
+    memory: float  # bytes per device
+    hbm_bw: float  # bytes/s device memory bandwidth
+    intra_bw: float  # bytes/s per rank, inside a node
+    intra_latency: float  # seconds per ring step, inside a node
+    inter_bw: float  # bytes/s per rank, between nodes
+    inter_latency: float  # seconds per ring step, between nodes
+    gpus_per_node: int = 8
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, Hardware] = {
+    "h100-sxm": Hardware(
+        "h100-sxm", 989e12, 80 * GB, 3.35e12, 360 * GB, 5e-6, 45 * GB, 10e-6, 8,
+        "NVLink 4 (450 GB/s per direction), one 400 Gb/s NIC per GPU"),
+    "h200": Hardware(
+        "h200", 989e12, 141 * GB, 4.8e12, 360 * GB, 5e-6, 45 * GB, 10e-6, 8,
+        "H100 compute with 141 GB HBM3e; NVLink 4, 400 Gb/s NIC per GPU"),
+    "a100-80gb": Hardware(
+        "a100-80gb", 312e12, 80 * GB, 2.0e12, 230 * GB, 6e-6, 22 * GB, 12e-6, 8,
+        "NVLink 3 (300 GB/s per direction), one 200 Gb/s NIC per GPU"),
+    "b200": Hardware(
+        "b200", 2.25e15, 180 * GB, 8.0e12, 720 * GB, 5e-6, 45 * GB, 10e-6, 8,
+        "NVLink 5 (900 GB/s per direction), one 400 Gb/s NIC per GPU"),
+    "rtx-pro-6000": Hardware(
+        "rtx-pro-6000", 250e12, 96 * GB, 1.8e12, 25 * GB, 10e-6, 12 * GB, 15e-6, 8,
+        "Blackwell workstation/server card, no NVLink: peer traffic over PCIe Gen5 x16 "
+        "(~50 GB/s per direction nominal, ~25 GB/s ring bus bandwidth), 100 Gb/s between nodes"),
+}
+
+
+def steps(op: str, n: int) -> int:
+    """Latency steps of the ring algorithm."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1)
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "gather",
+              "reduce"):
+        return n - 1
+    return 1
+
+
+def collective_seconds(op: str, size: float, n: int, bw: float, latency: float) -> float:
+    """Alpha-beta time of one collective."""
+    if n <= 1:
+        return 0.0
+    return steps(op, n) * latency + bytes_sent(op, size, n) / bw
+
+
+def get(name: str, bench_json: str | None = None) -> Hardware:
+    if name == "this-machine":
+        return this_machine(bench_json)
+    if name not in PRESETS:
+        from ..config import ConfigError
+
+        raise ConfigError([f"unknown --gpu {name!r}; choose one of "
+                           f"{', '.join(list(PRESETS) + ['this-machine'])}"])
+    return PRESETS[name]
+
+
+# ------------------------------------------------------------------------ this machine
+def measure_matmul_flops(n: int = 512, seconds: float = 0.2) -> float:
+    """FLOP/s of an n×n fp32 matmul (numpy) on this process."""
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    b = a.copy()
+    a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def fit_alpha_beta(rows: list[tuple[str, float, int, float]]) -> tuple[float, float]:
+    """Least-squares fit of t = steps·α + bytes_sent/β to (op, size, n, seconds) rows."""
+    import numpy as np
+
+    a = np.array([[steps(op, n), bytes_sent(op, s, n)] for op, s, n, _ in rows], dtype=float)
+    t = np.array([r[3] for r in rows], dtype=float)
+    coef, *_ = np.linalg.lstsq(a, t, rcond=None)
+    alpha = max(float(coef[0]), 1e-7)
+    inv_beta = max(float(coef[1]), 1e-13)
+    return alpha, 1.0 / inv_beta
+
+
+def _rows_from_bench(data) -> list[tuple[str, float, int, float]]:
+    """Accept a list of rows or {"rows"|"results": [...], "world": n} with size/size_bytes,
+    n/world, and seconds/time_us fields (``fived bench comm --json``; rows of impl "backend")."""
+    world = 2
+    if isinstance(data, dict):
+        world = int(data.get("world", 2))
+        data = data.get("rows") or data.get("results") or data.get("data") or []
+    rows = []
+    for r in data:
+        if not isinstance(r, dict) or r.get("impl", "backend") != "backend":
+            continue
+        size = r.get("size", r.get("size_bytes", r.get("bytes")))
+        n = r.get("n", r.get("nprocs", r.get("world", r.get("ranks", world))))
+        sec = r.get("seconds", r.get("time"))
+        if sec is None and "time_us" in r:
+            sec = r["time_us"] * 1e-6
+        op = r.get("op", r.get("collective", "all_reduce"))
+        if size is None or sec is None or op not in ("all_reduce", "all_gather", "reduce_scatter",
+                                                     "all_to_all", "send", "broadcast"):
+            continue
+        rows.append((op, float(size), int(n), float(sec)))
+    return rows
+
+
+def this_machine(bench_json: str | None = None, gpus_per_node: int | None = None) -> Hardware:
+    """A preset for the machine we run on: a measured matmul for the peak, and the link fitted
+    from ``fived bench comm --json`` output when given (else gloo-like 1 GB/s, 50 µs)."""
+    peak = measure_matmul_flops()
+    mem = 16 * GB
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal"):
+                    mem = float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    alpha, beta = 50e-6, 1 * GB
+    note = "link: default gloo-like guess (give --bench-json from `fived bench comm --json`)"
+    if bench_json:
+        with open(bench_json) as f:
+            data = json.load(f)
+        fit = data.get("fit") if isinstance(data, dict) else None
+        fits = data.get("fits") if isinstance(data, dict) else None
+        if isinstance(fit, dict) and "alpha" in fit and "beta" in fit:
+            alpha, beta = float(fit["alpha"]), float(fit["beta"])
+        elif isinstance(fits, dict) and fits.get("all_reduce", {}).get("beta_GBps"):
+            # the bench fits t = alpha + bus_bytes/beta per collective; the ledger's alpha is
+            # per ring step, so divide by the all-reduce's 2(n−1) steps
+            f = fits["all_reduce"]
+            world = int(data.get("world", 2))
+            alpha = float(f["alpha_us"]) * 1e-6 / max(1, steps("all_reduce", world))
+            beta = float(f["beta_GBps"]) * 1e9
+        else:
+            rows = _rows_from_bench(data)
+            if len(rows) >= 2:
+                alpha, beta = fit_alpha_beta(rows)
+        note = f"link fitted from {bench_json}"
+    cores = os.cpu_count() or 1
+    hw = Hardware("this-machine", peak, mem, 20 * GB, beta, alpha, beta, alpha,
+                  gpus_per_node or cores, note + f"; peak = measured fp32 matmul, {cores} cores")
+    return replace(hw)

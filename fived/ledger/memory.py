@@ -1,0 +1,467 @@
+"""Memory per rank: model states (by precision and ZeRO stage), activations, pipeline in-flight
+factor and communication buffers — every term listed, never only a total.
+
+Model states (Rajbhandari et al. 2020, "ZeRO"; Ψ = parameters this rank holds)
+--------------------------------------------------------------------------------
+bytes per element                 params  grads  master  Adam m,v   total
+fp32                              4       4      0       8          16Ψ  (params are the master)
+bf16/fp16, grad_reduce_dtype bf16 2       2      4       8          16Ψ
+bf16/fp16, grad_reduce_dtype fp32 2       4      4       8          18Ψ  (fp32 gradient buffer)
+
+ZeRO over the data-parallel group of N ranks (``dense`` = dp·ep·cp for dense parameters,
+``expert`` = dp·cp for expert parameters): stage 1 shards master + optimizer, stage 2 also the
+gradients, stage 3 also the parameters. The engine lays parameters out in flat *buckets*
+(``buckets``: reverse registration order, ≤ ``bucket_mb`` MiB each; ZeRO-3 one per block); under
+ZeRO each bucket is padded to a multiple of N so all shards are equal. The keys count the
+tensors as held (padded), ``padding`` the padding's share (full buffer: its pad; a shard: pad/N),
+so keys = formula(Ψ) + padding. The keys match the runtime's ``engine.memory()``: params, grads,
+master, optimizer, buffers, padding.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", redone for the Llama block: RMSNorm, RoPE, GQA, SwiGLU, no dropout, no biases)
+------------------------------------------------------------------------------------------
+Per layer and per token of a micro-batch (e = activation bytes, h hidden, hq = heads·d,
+hkv = kv_heads·d, f ffn, a heads), what autograd saves in the fived runtime:
+
+    2 RMSNorms      2·(4h + 4h + e·h + 4)   fp32 input copy, fp32 normalised, output, fp32 rsqrt
+                                            (a fused kernel: 2·(2e·h + 4), ``fused_norm``)
+    q, k, v         e·(hq + 2·hkv')         hkv' = hq when K/V are repeated to the query heads
+                                            (the runtime's ``repeat_interleave``), else hkv
+    softmax         flash: 4·a (fp32 log-sum-exp)   materialised: e·a·s_kv (probabilities)
+    attention out   e·hq                    (also the input of wo)
+    SwiGLU          4·e·f                   gate out, silu(gate), up out, their product
+
+With tp the q/k/v/attention/SwiGLU terms divide by tp (k, v by min(tp, kv_heads)); the norm
+terms divide by tp only under sequence parallelism. With cp each rank holds s/cp tokens (the
+materialised scores are (s/cp)×s). Recompute: ``selective`` checkpoints the attention core
+(keeps q, k, v with kv heads unrepeated and the output; drops the softmax term); ``full`` keeps
+only each block's input (e·h per token) plus one layer's full activations while it recomputes.
+The first stage also keeps the token ids (8 B/token); the last stage the final norm, the fp32
+log-softmax of the logits (4·V/tp per token) and the targets (8 B/token).
+
+Pipeline in-flight factor (Narayanan et al. 2021): micro-batches whose activations a pipeline
+rank r holds at its peak — GPipe m; 1F1B and ZB-H1 min(p − r, m); interleaved with v chunks
+(2(p−r−1) + (v−1)p + 1)/v, which for r = 0 is p·(1 + (p−1)/(p·v)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from ..config import ModelConfig, ParallelConfig
+from .params import rank_stages, stage_layers
+
+GB = 1e9
+GIB = 2**30
+
+
+# ------------------------------------------------------------------------ precision
+def param_bytes(par: ParallelConfig) -> int:
+    return 4 if par.precision == "fp32" else 2
+
+
+def grad_bytes(par: ParallelConfig) -> int:
+    """The gradient buffer's element size: fp32 training 4; mixed precision follows
+    ``grad_reduce_dtype`` (fp32: 4 → 18Ψ, bf16: 2 → 16Ψ)."""
+    if par.precision == "fp32":
+        return 4
+    return 4 if par.grad_reduce_dtype == "fp32" else 2
+
+
+def master_bytes(par: ParallelConfig) -> int:
+    return 0 if par.precision == "fp32" else 4
+
+
+OPTIMIZER_BYTES = 8  # Adam m and v in fp32
+
+
+def act_bytes(par: ParallelConfig) -> int:
+    return 4 if par.precision == "fp32" else 2
+
+
+def bytes_per_param(par: ParallelConfig) -> int:
+    """Model-state bytes per parameter without ZeRO: 16 or 18."""
+    return param_bytes(par) + grad_bytes(par) + master_bytes(par) + OPTIMIZER_BYTES
+
+
+# ------------------------------------------------------------------------ ZeRO shards
+def shard_len(numel: int, n: int) -> int:
+    """Elements of one shard of a flat buffer of ``numel`` padded to n·⌈numel/n⌉."""
+    return -(-numel // n) if n > 1 else numel
+
+
+def shard_real(numel: int, n: int, index: int) -> int:
+    """Real (non-padding) elements in shard ``index`` of ``n``."""
+    if n <= 1:
+        return numel
+    k = shard_len(numel, n)
+    return max(0, min(numel, (index + 1) * k) - index * k)
+
+
+def group_sizes(par: ParallelConfig) -> dict[str, int]:
+    """Sizes of the derived gradient groups: dense = dp·ep·cp, expert = dp·cp."""
+    return {"dense": par.dp * par.ep * par.cp, "expert": par.dp * par.cp}
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat buffer of the data-parallel engine: ``numel`` parameters reduced over ``group``,
+    padded to ``padded`` (a multiple of ``shards`` = N under ZeRO, else numel)."""
+
+    group: str
+    numel: int
+    shards: int
+    unit: int = -1  # ZeRO-3: the block it gathers with (-1: the root — embedding, norm, head)
+
+    @property
+    def padded(self) -> int:
+        return -(-self.numel // self.shards) * self.shards
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.shards
+
+    @property
+    def pad(self) -> int:
+        return self.padded - self.numel
+
+
+def _split(sizes: list[int], cap: int) -> list[list[int]]:
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for n in sizes:
+        if cur and size + n > cap:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(n)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _state_key(par: ParallelConfig) -> ParallelConfig:
+    """``par`` without the fields model states do not depend on (a cache key)."""
+    return replace(par, recompute="none", micro_batches=1, sequence_parallel=False,
+                   overlap=True, cp_mode="ring",
+                   schedule="interleaved" if par.virtual_stages > 1 else "1f1b")
+
+
+def buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Bucket]:
+    return list(_buckets(m, _state_key(par), pp_rank))
+
+
+@lru_cache(maxsize=8192)
+def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket, ...]:
+    """The engine's flat buckets, in launch order (``fived.parallel.data``): parameters in
+    reverse registration order, split by reduction group, then (ZeRO 0–2) into runs of at most
+    ``bucket_mb`` MiB of gradient; ZeRO-3 makes one bucket per (block, group), last block first,
+    then the root (embedding, final norm, head)."""
+    from .params import block_of, param_list
+
+    plist = list(reversed(param_list(m, par, pp_rank)))
+    sizes = group_sizes(par)
+
+    def shards(g: str) -> int:
+        return sizes[g] if par.zero and sizes[g] > 1 else 1
+
+    out: list[Bucket] = []
+    if par.zero == 3:
+        units: dict[int, list[tuple[str, int, bool]]] = {}
+        for name, n, ex in plist:
+            b = block_of(name)
+            units.setdefault(-1 if b is None else b, []).append((name, n, ex))
+        order = sorted((u for u in units if u >= 0), reverse=True) + ([-1] if -1 in units else [])
+        for u in order:
+            by: dict[str, int] = {}
+            for _, n, ex in units[u]:
+                g = "expert" if ex else "dense"
+                by[g] = by.get(g, 0) + n
+            out += [Bucket(g, n, shards(g), u) for g, n in by.items()]
+        return tuple(out)
+    cap = max(1, int(par.bucket_mb * 2**20 / grad_bytes(par)))
+    groups: dict[str, list[int]] = {}
+    for _, n, ex in plist:
+        groups.setdefault("expert" if ex else "dense", []).append(n)
+    for g, ns in groups.items():
+        out += [Bucket(g, sum(piece), shards(g)) for piece in _split(ns, cap)]
+    return tuple(out)
+
+
+def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_index: int = 0,
+                 expert_index: int = 0) -> dict[str, float]:
+    """Bytes of params, grads, master, optimizer, buffers, padding on one rank — what the
+    runtime's ``engine.memory()`` reports from its tensors. Each key counts the tensors as held
+    (padded flat buffers and equal shards); ``padding`` is the padding's share of them (a full
+    buffer's pad, a shard's pad/N), so that a rank's keys = formula(Ψ) + padding.
+    ``buffers`` (transient full gradient buffers of ZeRO-2, gathered ZeRO-3 units) is the
+    engine's measured peak and is predicted as 0 here; ``comm_buffers`` estimates it.
+    ``dense_index``/``expert_index`` are accepted for callers that pass a rank's place in its
+    group; with equal shards no key depends on it."""
+    del dense_index, expert_index
+    return dict(_model_states(m, _state_key(par), pp_rank))
+
+
+@lru_cache(maxsize=8192)
+def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple:
+    pb, gb, mb = param_bytes(par), grad_bytes(par), master_bytes(par)
+    z = par.zero
+    out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "buffers": 0, "padding": 0.0}
+    for b in buckets(m, par, pp_rank):
+        full, shard, pad, n = b.padded, b.shard, b.pad, b.shards
+        p_full = z < 3
+        g_full = z <= 1
+        s_full = z == 0  # master and Adam state
+        out["params"] += pb * (full if p_full else shard)
+        out["grads"] += gb * (full if g_full else shard)
+        out["master"] += mb * (full if s_full else shard)
+        out["optimizer"] += OPTIMIZER_BYTES * (full if s_full else shard)
+        if pad:
+            for per, is_full in ((pb, p_full), (gb, g_full), (mb, s_full),
+                                 (OPTIMIZER_BYTES // 2, s_full), (OPTIMIZER_BYTES // 2, s_full)):
+                if per:
+                    out["padding"] += pad * per if is_full else pad * per / n
+    return tuple(out.items())
+
+
+def checkpoint_bytes(m: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Weights only (what a bf16 checkpoint for inference holds)."""
+    from .params import total_params
+
+    return total_params(m) * dtype_bytes
+
+
+# ------------------------------------------------------------------------ activations
+@dataclass(frozen=True)
+class ActivationOptions:
+    attention: str = "flash"  # flash | materialised
+    kv_repeat: bool = True  # K/V repeated to the query heads before attention (fived runtime)
+    fused_norm: bool = False  # a fused RMSNorm kernel saves only its input and rsqrt
+
+
+EAGER = ActivationOptions()  # what the fived runtime's eager PyTorch saves (tests measure it)
+FUSED = ActivationOptions("flash", kv_repeat=False, fused_norm=True)  # GPU kernels (planner)
+
+
+def norm_bytes_per_token(h: int, e: int, fused: bool) -> float:
+    """One RMSNorm's saved bytes per token, its output included (the next linear saves it):
+    eager fp32 math saves the fp32 input copy, the fp32 normalised tensor, the output and the
+    fp32 rsqrt (8h + e·h + 4); a fused kernel the input, the output and the rsqrt (2e·h + 4)."""
+    return (2 * e * h + 4) if fused else (8 * h + e * h + 4)
+
+
+def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
+                      opts: ActivationOptions = EAGER) -> dict[str, float]:
+    """Bytes one transformer block saves for backward, for ``micro_batch`` sequences on one
+    rank (before recompute). Keys are the terms of the module docstring."""
+    e = act_bytes(par)
+    tp, cp = par.tp, par.cp
+    sp = par.sequence_parallel and tp > 1
+    tokens = micro_batch * m.seq_len / cp
+    h, d = m.hidden, m.head_dim
+    hq = m.heads * d / tp
+    heads_local = m.heads / tp
+    if opts.kv_repeat:
+        hkv = hq
+    else:
+        hkv = m.kv_heads * d / min(tp, m.kv_heads)
+    norm_div = tp if sp else 1
+    out = {
+        "norms": tokens * 2 * norm_bytes_per_token(h, e, opts.fused_norm) / norm_div,
+        "qkv": tokens * e * (hq + 2 * hkv),
+    }
+    if opts.attention == "materialised":
+        out["softmax"] = tokens * e * heads_local * m.seq_len
+    else:
+        out["softmax"] = tokens * 4 * heads_local
+    out["attn_out"] = tokens * e * hq
+    if m.is_moe:
+        # experts are whole on every tp rank (replicated), the shared expert is tp-cut
+        out["mlp"] = tokens * 4 * e * m.expert_ffn * m.top_k / norm_div
+        if m.shared_expert:
+            out["mlp"] += tokens * 4 * e * m.expert_ffn / tp
+        out["router"] = tokens * (4 * m.experts + e * h * m.top_k) / norm_div
+    else:
+        out["mlp"] = tokens * 4 * e * m.ffn / tp
+    return out
+
+
+def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
+                    opts: ActivationOptions = EAGER) -> dict[str, float]:
+    """The block under selective recompute: the attention core is recomputed."""
+    out = layer_activations(m, par, micro_batch, opts)
+    e = act_bytes(par)
+    tokens = micro_batch * m.seq_len / par.cp
+    d = m.head_dim
+    hq = m.heads * d / par.tp
+    hkv = m.kv_heads * d / min(par.tp, m.kv_heads)
+    out["qkv"] = tokens * e * (hq + 2 * hkv)
+    out["softmax"] = 0.0
+    return out
+
+
+def block_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
+    sp = par.sequence_parallel and par.tp > 1
+    return micro_batch * m.seq_len / par.cp * act_bytes(par) * m.hidden / (par.tp if sp else 1)
+
+
+def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, first: bool,
+                            last: bool, opts: ActivationOptions = EAGER) -> dict[str, float]:
+    """Token ids on the first stage; final norm, fp32 log-softmax and targets on the last."""
+    e = act_bytes(par)
+    tokens = micro_batch * m.seq_len / par.cp
+    sp = par.sequence_parallel and par.tp > 1
+    out: dict[str, float] = {}
+    # RoPE cos/sin tables (fp32, s_local × d/2 each), one pair per forward
+    out["rope_tables"] = m.seq_len / par.cp * m.head_dim * 4
+    if first:
+        out["token_ids"] = tokens * 8
+    if last:
+        out["final_norm"] = tokens * norm_bytes_per_token(m.hidden, e, opts.fused_norm) / (
+            par.tp if sp else 1)
+        out["log_softmax"] = tokens * 4 * m.vocab / par.tp
+        out["targets"] = tokens * 8
+    return out
+
+
+def inflight_microbatches(par: ParallelConfig, pp_rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at its peak."""
+    p, mb = par.pp, par.micro_batches
+    if p == 1:
+        return 1.0
+    if par.schedule == "gpipe":
+        return float(mb)
+    if par.schedule == "interleaved" and par.virtual_stages > 1:
+        v = par.virtual_stages
+        chunks = 2 * (p - pp_rank - 1) + (v - 1) * p + 1
+        return min(chunks / v, float(mb))
+    return float(min(p - pp_rank, mb))
+
+
+def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+                opts: ActivationOptions = EAGER) -> dict[str, float]:
+    """Activation bytes at the peak of one pipeline rank, by term (in-flight factor applied)."""
+    stages = rank_stages(par, pp_rank)
+    n_stages = par.pp * max(1, par.virtual_stages)
+    layers = sum(len(stage_layers(m, par)[k]) for k in stages)
+    first, last = 0 in stages, n_stages - 1 in stages
+    k = inflight_microbatches(par, pp_rank)
+    out: dict[str, float] = {}
+    if par.recompute == "full":
+        out["block_inputs"] = k * layers * block_input_bytes(m, par, micro_batch)
+        one = layer_activations(m, par, micro_batch, opts)
+        out["recompute_layer"] = sum(one.values()) if layers else 0.0
+    else:
+        per = (selective_layer if par.recompute == "selective" else layer_activations)(
+            m, par, micro_batch, opts)
+        for name, v in per.items():
+            out[name] = k * layers * v
+    for name, v in stage_extra_activations(m, par, micro_batch, first, last, opts).items():
+        out[name] = k * v
+    return out
+
+
+# ------------------------------------------------------------------------ buffers
+def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0
+                 ) -> dict[str, float]:
+    """Transient buffers, by dimension (the engine reports the ZeRO ones as ``buffers``).
+
+    ZeRO-2/3 hold a bucket's full-size gradient buffer from its first gradient until its
+    reduce-scatter; the reduce-scatter runs on the last micro-batch, so with m > 1 every bucket's
+    full buffer lives through the accumulation (as large as ZeRO-1's grads), with m = 1 about
+    three buckets are in flight. ZeRO-3 also holds the gathered unit in use and the prefetched
+    next one."""
+    e = act_bytes(par)
+    tokens = micro_batch * m.seq_len / par.cp
+    sp = par.sequence_parallel and par.tp > 1
+    out: dict[str, float] = {}
+    if par.zero >= 2 and max(group_sizes(par).values()) > 1:
+        bks = buckets(m, par, pp_rank)
+        gb = grad_bytes(par)
+        if par.micro_batches > 1:
+            out["zero_full_grads"] = float(sum(b.padded for b in bks) * gb)
+        else:
+            out["zero_full_grads"] = float(sum(sorted((b.padded for b in bks),
+                                                      reverse=True)[:3]) * gb)
+        if par.zero == 3:
+            units: dict[int, int] = {}
+            for b in bks:
+                units[b.unit] = units.get(b.unit, 0) + b.padded
+            out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:2])
+                                        * param_bytes(par))
+    if par.pp > 1:
+        out["pp_p2p"] = 2 * tokens * m.hidden * e / (par.tp if sp else 1)
+    if sp:
+        out["sp_gather"] = tokens * m.hidden * e
+    if par.cp > 1:
+        kv = tokens * 2 * max(1, m.kv_heads // par.tp) * m.head_dim * e
+        out["cp_ring"] = 2 * kv * 2  # K/V in flight + dK/dV in flight, double-buffered
+    if par.ep > 1 and m.is_moe:
+        out["ep_a2a"] = 2 * tokens * m.top_k * m.hidden * e
+    return out
+
+
+# ------------------------------------------------------------------------ the whole rank
+@dataclass
+class RankMemory:
+    pp_rank: int
+    states: dict[str, int]
+    activations: dict[str, float]
+    buffers: dict[str, float]
+    inflight: float
+    terms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def states_total(self) -> int:
+        return sum(self.states.values())
+
+    @property
+    def activations_total(self) -> float:
+        return sum(self.activations.values())
+
+    @property
+    def buffers_total(self) -> float:
+        return sum(self.buffers.values())
+
+    @property
+    def total(self) -> float:
+        return self.states_total + self.activations_total + self.buffers_total
+
+    def as_dict(self) -> dict:
+        return {"pp_rank": self.pp_rank, "states": self.states, "activations": self.activations,
+                "buffers": self.buffers, "inflight_microbatches": self.inflight,
+                "states_total": self.states_total, "activations_total": self.activations_total,
+                "buffers_total": self.buffers_total, "total": self.total}
+
+
+def rank_memory(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+                opts: ActivationOptions = EAGER) -> RankMemory:
+    return RankMemory(pp_rank, model_states(m, par, pp_rank),
+                      activations(m, par, micro_batch, pp_rank, opts),
+                      comm_buffers(m, par, micro_batch, pp_rank),
+                      inflight_microbatches(par, pp_rank))
+
+
+def largest_rank(m: ModelConfig, par: ParallelConfig, micro_batch: int,
+                 opts: ActivationOptions = EAGER) -> RankMemory:
+    """The pipeline rank with the most bytes (ties: the lowest rank)."""
+    ranks = sorted({0, par.pp - 1} | ({1} if par.pp > 2 else set()))
+    if par.pp <= 8:
+        ranks = list(range(par.pp))
+    return max((rank_memory(m, par, micro_batch, r, opts) for r in ranks), key=lambda r: r.total)
+
+
+def fmt_bytes(n: float) -> str:
+    if n >= 1e12:
+        return f"{n / 1e12:.2f} TB"
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    if n >= 1e6:
+        return f"{n / 1e6:.2f} MB"
+    if n >= 1e3:
+        return f"{n / 1e3:.1f} kB"
+    return f"{n:.0f} B"
+
+

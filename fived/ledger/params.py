@@ -1,0 +1,304 @@
+"""Parameter counts: the whole Llama-style model (dense or MoE), and one rank's share of a layout.
+
+Every weight of ``fived.model.llama`` is counted by name (no biases anywhere):
+
+    per block    attn_norm h, mlp_norm h                         (RMSNorm gains, replicated)
+                 wq h·(heads·d), wk h·(kv·d), wv h·(kv·d), wo (heads·d)·h
+                 dense MLP: w_gate h·f, w_up h·f, w_down f·h     (SwiGLU)
+                 MoE MLP:   router h·E + E·3·h·f_e (+ 3·h·f_e shared expert)
+    once         embed V·h, final norm h, head h·V (absent when tied_embeddings and pp == 1)
+
+Known totals (tests): Llama-2-7B 6,738,415,616; Llama-3-8B 8,030,261,248; Llama-3-70B
+70,553,706,496.
+
+One rank's share (``rank_params``) follows the runtime's cuts:
+
+* tp: wq, wo, w_gate, w_up, w_down, embed and head are cut tp ways; wk, wv are cut
+  ``min(tp, kv_heads)`` ways (replicated beyond that); norms and the MoE router are replicated.
+  Experts' matrices are cut tp ways along the expert ffn.
+* pp: (virtual) stage k holds its layers (``pp_layers``, or ``balanced_split``: the split that
+  minimises the costliest stage, head and embedding included, as the pipeline partitions);
+  pipeline rank r holds virtual stages r, r+pp, r+2·pp, ... The embedding sits on virtual stage 0 (rank 0),
+  the final norm and head on the last virtual stage (rank pp−1). With tied embeddings and pp > 1
+  the last stage holds its own head matrix (the runtime builds one), so the count grows by V·h.
+* ep: each ep rank holds E/ep experts, each a full SwiGLU (experts are never cut across tp:
+  they are replicated over tp, as ``fived.model.moe`` builds them). Expert parameters are reduced
+  over the ``expert`` group, everything else over ``dense``.
+
+``param_list`` lists one rank's parameters in the runtime's registration order (embedding,
+blocks — attn_norm, wq, wk, wv, wo, mlp_norm, then w_gate, w_up, w_down or router, experts,
+shared expert — final norm, head), which is what the data-parallel engine lays its flat buckets
+out from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..config import ModelConfig, ParallelConfig
+
+
+# ------------------------------------------------------------------------ whole model
+def block_params(m: ModelConfig) -> dict[str, int]:
+    """Parameters of one transformer block, by weight name (unsharded)."""
+    h, d = m.hidden, m.head_dim
+    out = {
+        "attn_norm": h,
+        "wq": h * m.heads * d,
+        "wk": h * m.kv_heads * d,
+        "wv": h * m.kv_heads * d,
+        "wo": m.heads * d * h,
+        "mlp_norm": h,
+    }
+    if m.is_moe:
+        out["router"] = h * m.experts
+        out["experts"] = m.experts * 3 * h * m.expert_ffn
+        if m.shared_expert:
+            out["shared_expert"] = 3 * h * m.expert_ffn
+    else:
+        out["w_gate"] = h * m.ffn
+        out["w_up"] = h * m.ffn
+        out["w_down"] = m.ffn * h
+    return out
+
+
+def param_counts(m: ModelConfig) -> dict[str, int]:
+    """Whole-model parameters by kind: embed, blocks (all layers), norm, head, and total."""
+    blocks = sum(block_params(m).values()) * m.layers
+    embed = m.vocab * m.hidden
+    head = 0 if m.tied_embeddings else m.hidden * m.vocab
+    out = {"embed": embed, "blocks": blocks, "norm": m.hidden, "head": head}
+    out["total"] = embed + blocks + m.hidden + head
+    b = block_params(m)
+    out["expert"] = b.get("experts", 0) * m.layers
+    out["dense"] = out["total"] - out["expert"]
+    return out
+
+
+def total_params(m: ModelConfig) -> int:
+    return param_counts(m)["total"]
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters one token touches (MoE: top_k of the experts)."""
+    c = param_counts(m)
+    if not m.is_moe:
+        return c["total"]
+    return c["total"] - c["expert"] + m.layers * m.top_k * 3 * m.hidden * m.expert_ffn
+
+
+# ------------------------------------------------------------------------ pipeline split
+def _layer_cost(m: ModelConfig) -> float:
+    hd = m.head_dim
+    attn = m.hidden * (m.heads + 2 * m.kv_heads) * hd + m.heads * hd * m.hidden
+    if m.is_moe:
+        mlp = 3 * m.hidden * m.expert_ffn * m.top_k + m.hidden * m.experts
+        if m.shared_expert:
+            mlp += 3 * m.hidden * m.expert_ffn
+    else:
+        mlp = 3 * m.hidden * m.ffn
+    return 2.0 * (attn + mlp) + 4.0 * m.seq_len * m.hidden
+
+
+@lru_cache(maxsize=4096)
+def balanced_split(m: ModelConfig, stages: int) -> tuple[int, ...]:
+    """Layers per stage minimising the most expensive stage in forward FLOPs per token, ties to
+    the most even split — the pipeline's own rule (``fived.parallel.pipeline.stage``): a layer
+    costs 2·(matmul params) + 4·s·h, the last stage adds the head 2·h·V + 5·V, the first the
+    embedding h."""
+    L, lc = m.layers, _layer_cost(m)
+    hc, ec = 2.0 * m.hidden * m.vocab + 5.0 * m.vocab, float(m.hidden)
+    if stages > L:
+        raise ValueError(f"{stages} pipeline stages for {L} layers")
+
+    def cost(s: int, n: int) -> float:
+        return n * lc + (ec if s == 0 else 0.0) + (hc if s == stages - 1 else 0.0)
+
+    memo: dict[tuple[int, int], tuple[float, float, tuple[int, ...]]] = {}
+
+    def best(s: int, left: int) -> tuple[float, float, tuple[int, ...]]:
+        key = (s, left)
+        if key in memo:
+            return memo[key]
+        if s == stages - 1:
+            out = (cost(s, left), float(left * left), (left,))
+        else:
+            out = None
+            for n in range(1, left - (stages - s - 1) + 1):
+                mx, sq, rest = best(s + 1, left - n)
+                cand = (max(mx, cost(s, n)), sq + n * n, (n,) + rest)
+                if out is None or cand[:2] < out[:2]:
+                    out = cand
+        memo[key] = out
+        return out
+
+    return best(0, L)[2]
+
+
+def stage_layers(m: ModelConfig, par: ParallelConfig) -> list[list[int]]:
+    """Global layer ids of each virtual stage 0 .. pp·v−1 (``pp_layers``, or the pipeline's
+    balanced split)."""
+    return [list(x) for x in _stage_layers(m, par.pp * max(1, par.virtual_stages),
+                                           tuple(par.pp_layers))]
+
+
+@lru_cache(maxsize=4096)
+def _stage_layers(m: ModelConfig, n: int, pp_layers: tuple[int, ...]
+                  ) -> tuple[tuple[int, ...], ...]:
+    if pp_layers:
+        sizes = list(pp_layers)
+    elif n == 1:
+        sizes = [m.layers]
+    else:
+        sizes = list(balanced_split(m, n))
+    out, start = [], 0
+    for k in sizes:
+        out.append(tuple(range(start, start + k)))
+        start += k
+    return tuple(out)
+
+
+def rank_stages(par: ParallelConfig, pp_rank: int) -> list[int]:
+    """Virtual stages held by pipeline rank ``pp_rank`` (r, r+pp, r+2·pp, ...)."""
+    v = max(1, par.virtual_stages)
+    return [pp_rank + c * par.pp for c in range(v)]
+
+
+def rank_layers(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> int:
+    st = stage_layers(m, par)
+    return sum(len(st[k]) for k in rank_stages(par, pp_rank))
+
+
+# ------------------------------------------------------------------------ one rank's share
+@dataclass
+class RankParams:
+    """Parameter elements held by one rank, split by the group their gradients reduce over."""
+
+    pp_rank: int
+    layers: int
+    dense: int  # reduced over ``dense`` (dp·ep·cp)
+    expert: int  # reduced over ``expert`` (dp·cp)
+    breakdown: dict[str, int] = field(default_factory=dict)  # element counts by kind
+    replicated_in_tp: int = 0  # elements every tp rank holds whole (norms, router, kv beyond kv_heads)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def block_params_local(m: ModelConfig, tp: int, ep: int) -> dict[str, int]:
+    """One block's elements on one (tp, ep) rank, by weight name."""
+    h, d = m.hidden, m.head_dim
+    kv_shards = min(tp, m.kv_heads)
+    out = {
+        "attn_norm": h,
+        "wq": h * m.heads * d // tp,
+        "wk": h * m.kv_heads * d // kv_shards,
+        "wv": h * m.kv_heads * d // kv_shards,
+        "wo": m.heads * d * h // tp,
+        "mlp_norm": h,
+    }
+    if m.is_moe:
+        out["router"] = h * m.experts
+        out["experts"] = (m.experts // ep) * 3 * h * m.expert_ffn  # replicated over tp
+        if m.shared_expert:
+            out["shared_expert"] = 3 * h * m.expert_ffn // tp
+    else:
+        out["w_gate"] = h * m.ffn // tp
+        out["w_up"] = h * m.ffn // tp
+        out["w_down"] = m.ffn * h // tp
+    return out
+
+
+def has_head(m: ModelConfig, par: ParallelConfig) -> bool:
+    """The runtime builds a separate head unless embeddings are tied on a one-stage model."""
+    return not (m.tied_embeddings and par.pp * max(1, par.virtual_stages) == 1)
+
+
+def rank_params(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> RankParams:
+    """Elements held by a rank at pipeline coordinate ``pp_rank`` (any tp/ep/cp/dp coordinate:
+    every such rank holds the same number)."""
+    tp, ep = par.tp, par.ep
+    stages = rank_stages(par, pp_rank)
+    n_stages = par.pp * max(1, par.virtual_stages)
+    layers = rank_layers(m, par, pp_rank)
+    blk = block_params_local(m, tp, ep)
+    bd: dict[str, int] = {}
+    for k, v in blk.items():
+        bd[k] = v * layers
+    rep = (blk["attn_norm"] + blk["mlp_norm"] + blk.get("router", 0)
+           + blk.get("experts", 0)) * layers
+    if tp > m.kv_heads:
+        rep += (blk["wk"] + blk["wv"]) * layers
+    if 0 in stages:
+        bd["embed"] = m.vocab * m.hidden // tp
+    if n_stages - 1 in stages:
+        bd["norm"] = m.hidden
+        rep += m.hidden
+        if has_head(m, par):
+            bd["head"] = m.hidden * m.vocab // tp
+    expert = bd.get("experts", 0)
+    dense = sum(bd.values()) - expert
+    return RankParams(pp_rank, layers, dense, expert, bd, rep)
+
+
+def all_rank_params(m: ModelConfig, par: ParallelConfig) -> list[RankParams]:
+    return [rank_params(m, par, r) for r in range(par.pp)]
+
+
+def largest_rank_params(m: ModelConfig, par: ParallelConfig) -> RankParams:
+    return max(all_rank_params(m, par), key=lambda r: r.total)
+
+
+def _block_list(m: ModelConfig, par: ParallelConfig, i: int) -> list[tuple[str, int, bool]]:
+    tp = par.tp
+    h, d = m.hidden, m.head_dim
+    kv_shards = min(tp, m.kv_heads)
+    p = f"layers.{i}."
+    out = [(p + "attn_norm.weight", h, False),
+           (p + "attn.wq.weight", h * m.heads * d // tp, False),
+           (p + "attn.wk.weight", h * m.kv_heads * d // kv_shards, False),
+           (p + "attn.wv.weight", h * m.kv_heads * d // kv_shards, False),
+           (p + "attn.wo.weight", m.heads * d * h // tp, False),
+           (p + "mlp_norm.weight", h, False)]
+    if m.is_moe:
+        f = m.expert_ffn
+        out.append((p + "mlp.router.weight", h * m.experts, False))
+        per = m.experts // par.ep
+        for e in range(per):  # this rank's experts (the count is what matters)
+            q = f"{p}mlp.experts.{e}."
+            out += [(q + "w_gate.weight", h * f, True), (q + "w_up.weight", h * f, True),
+                    (q + "w_down.weight", f * h, True)]
+        if m.shared_expert:
+            q = p + "mlp.shared_expert."
+            out += [(q + "w_gate.weight", h * f // tp, False), (q + "w_up.weight", h * f // tp, False),
+                    (q + "w_down.weight", f * h // tp, False)]
+    else:
+        out += [(p + "mlp.w_gate.weight", h * m.ffn // tp, False),
+                (p + "mlp.w_up.weight", h * m.ffn // tp, False),
+                (p + "mlp.w_down.weight", m.ffn * h // tp, False)]
+    return out
+
+
+def param_list(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
+               ) -> list[tuple[str, int, bool]]:
+    """(name, elements on this rank, is_expert) in registration order, virtual stages in order."""
+    n = par.pp * max(1, par.virtual_stages)
+    st = stage_layers(m, par)
+    out: list[tuple[str, int, bool]] = []
+    for k in rank_stages(par, pp_rank):
+        if k == 0:
+            out.append(("embed.weight", m.vocab * m.hidden // par.tp, False))
+        for i in st[k]:
+            out += _block_list(m, par, i)
+        if k == n - 1:
+            out.append(("norm.weight", m.hidden, False))
+            if has_head(m, par):
+                out.append(("head.weight", m.hidden * m.vocab // par.tp, False))
+    return out
+
+
+def block_of(name: str) -> int | None:
+    """The block index of a parameter name, None for the root (embedding, norm, head)."""
+    return int(name.split(".")[1]) if name.startswith("layers.") else None

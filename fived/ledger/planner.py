@@ -1,0 +1,414 @@
+"""Step time, tokens/s and MFU of a layout, and the search over layouts (``fived plan``).
+
+Time model of one optimizer step on the slowest pipeline rank (every term is reported):
+
+    t_f      forward FLOPs of the rank's micro-batch / (peak · efficiency)   (model convention,
+             attention not causal-halved, so MFU ≤ efficiency by construction)
+    t_b      2·t_f;   t_rc  the recompute FLOPs (full: + the layers' forward; selective: + the
+             attention core's forward) at the same rate
+    per micro-batch, exposed (not overlapped) communication:
+      tp     every TP/SP collective (it sits between two matmuls that need its result)
+      ep     every all-to-all (dispatch and combine block the experts)
+      cp     max(0, ring time − attention-core time): the next K/V block moves while this one
+             is used
+      pp     the sends of the rank's stage boundaries (on the critical path of the schedule)
+      zero3  max(0, gather − t_f) forward and max(0, gather + reduce-scatter − t_b) backward
+             (prefetch overlaps the parameter gathers with compute)
+      zero2  max(0, reduce-scatter − t_b) per micro-batch
+    T_mb   = t_f + t_b + t_rc + exposed per micro-batch
+    T_pipe = (m + bubble_ticks)·T_mb          (``bubble.bubble_ticks``: p−1, (p−1)/v, (p−1)/3)
+    dp     gradient all-reduce / reduce-scatter overlaps the last micro-batch's backward, the
+           ZeRO-1/2 parameter all-gather the first micro-batch's forward (``--no-overlap``:
+           fully exposed); exposed = max(0, comm − window)
+    opt    optimizer step: 2 · model-state bytes / HBM bandwidth (read and write once)
+    T_step = T_pipe + dp + opt;  tokens/s = global tokens / T_step;
+    MFU    = model FLOPs per token · tokens/s / (world · peak)
+
+Each collective costs ``hardware.collective_seconds`` on the intra-node link when its group
+sits inside one node, else on the inter-node link.
+
+The planner enumerates (tp, cp, pp, v, dp, ep, zero, micro-batch size, recompute), keeps what
+``fived.config.validate`` accepts, discards what breaks the iron rule (tp·cp ranks — the groups
+that talk every layer — must sit inside one node) or does not fit the device's memory (largest
+rank, ``memory.largest_rank``, against ``memory_fraction`` of the device), and ranks the rest
+by predicted step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import ConfigError, ModelConfig, ParallelConfig, validate
+from . import bubble as B
+from . import compute as C
+from .hardware import Hardware, collective_seconds
+from .memory import FUSED, ActivationOptions, RankMemory, largest_rank
+from .params import balanced_split, rank_layers, rank_stages
+from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
+
+GPU_ACTIVATIONS = FUSED
+
+_GROUP_DIMS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp"), "batch": ("dp", "ep"),
+               "cp_tp": ("cp", "tp")}
+
+
+def group_dims(name: str) -> tuple[str, ...]:
+    return _GROUP_DIMS.get(name, (name,))
+
+
+def inside_node(par: ParallelConfig, group: str, gpus_per_node: int) -> bool:
+    """Whether the group over ``group``'s dims (grid order ``par.order``) stays on one node:
+    the span of rank 0's group, Σ stride·(degree−1), is below ``gpus_per_node``."""
+    stride, strides = 1, {}
+    for d in reversed(par.order):
+        strides[d] = stride
+        stride *= par.degree(d)
+    span = sum(strides[d] * (par.degree(d) - 1) for d in group_dims(group))
+    return span < gpus_per_node
+
+
+def link(hw: Hardware, par: ParallelConfig, group: str, gpus_per_node: int) -> tuple[float, float,
+                                                                                    str]:
+    if inside_node(par, group, gpus_per_node):
+        return hw.intra_bw, hw.intra_latency, "intra"
+    return hw.inter_bw, hw.inter_latency, "inter"
+
+
+@dataclass
+class Prediction:
+    par: ParallelConfig
+    micro_batch: int
+    global_batch: int
+    memory: RankMemory
+    device_memory: float
+    times: dict[str, float]  # seconds per step by component
+    step_seconds: float
+    tokens_per_s: float
+    mfu: float
+    bubble: float  # fraction of the step
+    traffic: dict[str, float]  # bytes per step by group (slowest rank)
+    collectives: list[tuple[Collective, str, float]] = field(default_factory=list)
+    slow_rank: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.device_memory
+
+    def name(self) -> str:
+        return layout_name(self.par, self.micro_batch)
+
+    def as_dict(self) -> dict:
+        p = self.par
+        return {
+            "layout": self.name(),
+            "parallel": {"tp": p.tp, "cp": p.cp, "ep": p.ep, "dp": p.dp, "pp": p.pp,
+                         "virtual_stages": p.virtual_stages, "schedule": p.schedule,
+                         "zero": p.zero, "sequence_parallel": p.sequence_parallel,
+                         "recompute": p.recompute, "precision": p.precision,
+                         "grad_reduce_dtype": p.grad_reduce_dtype,
+                         "micro_batches": p.micro_batches},
+            "micro_batch_size": self.micro_batch, "global_batch": self.global_batch,
+            "memory": self.memory.as_dict(), "device_memory": self.device_memory,
+            "fits": self.fits, "times": self.times, "step_seconds": self.step_seconds,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble,
+            "traffic_bytes": self.traffic, "slowest_pp_rank": self.slow_rank,
+            "collectives": [dict(c.as_dict(), link=lk, seconds=s)
+                            for c, lk, s in self.collectives],
+        }
+
+
+def layout_name(par: ParallelConfig, micro_batch: int) -> str:
+    parts = [f"{d}{par.degree(d)}" for d in ("tp", "cp", "ep", "pp", "dp") if par.degree(d) > 1]
+    if par.pp > 1 and par.schedule == "interleaved":
+        parts.append(f"v{par.virtual_stages}")
+    elif par.pp > 1 and par.schedule != "1f1b":
+        parts.append(par.schedule)
+    if par.zero:
+        parts.append(f"zero{par.zero}")
+    if par.sequence_parallel:
+        parts.append("sp")
+    parts.append(f"b{micro_batch}")
+    if par.recompute != "none":
+        parts.append(f"rc-{par.recompute}")
+    return "·".join(parts)
+
+
+def aggregate(colls: list[Collective]) -> list[Collective]:
+    """Merge collectives that differ only in their count (e.g. equal buckets, one per layer)."""
+    out: dict[tuple, Collective] = {}
+    for c in colls:
+        key = (c.group, c.op, c.size, c.n, c.what, c.phase)
+        prev = out.get(key)
+        out[key] = c if prev is None else Collective(c.group, c.op, c.size, c.n,
+                                                    prev.count + c.count, c.what, c.phase)
+    return list(out.values())
+
+
+def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int,
+            gpus_per_node: int | None = None, efficiency: float = 0.7,
+            memory_fraction: float = 0.9,
+            opts: ActivationOptions = GPU_ACTIVATIONS) -> Prediction:
+    """Memory, traffic and time of one layout (see the module docstring)."""
+    gpn = gpus_per_node or hw.gpus_per_node
+    b = micro_batch_size(par, global_batch)
+    mem = largest_rank(m, par, b, opts)
+    rate = hw.peak_flops * efficiency
+    tokens_mb = b * m.seq_len / par.cp
+    mb = par.micro_batches
+    n_stages = par.pp * max(1, par.virtual_stages)
+    best = None
+    for r in range(par.pp) if par.pp <= 64 else (0, par.pp - 1):
+        layers = rank_layers(m, par, r)
+        last = (n_stages - 1) in rank_stages(par, r)
+        f = C.stage_forward_flops_per_token(m, layers, last) * tokens_mb / par.tp
+        if m.is_moe:  # experts are replicated over tp: without SP each tp rank runs all tokens
+            sp_div = par.tp if par.sequence_parallel else 1
+            ex = 2.0 * 3 * m.hidden * m.expert_ffn * m.top_k * layers * tokens_mb
+            f += ex / sp_div - ex / par.tp
+        if best is None or f > best[1]:
+            best = (r, f, layers)
+    r, fwd_flops, layers = best
+    t_f = fwd_flops / rate
+    t_b = 2 * t_f
+    attn_core = C.attention_flops_per_token(m, layers=layers) * tokens_mb / par.tp / rate
+    if par.recompute == "full":
+        t_rc = (fwd_flops - (2.0 * m.hidden * m.vocab * tokens_mb / par.tp
+                             if (n_stages - 1) in rank_stages(par, r) else 0.0)) / rate
+    elif par.recompute == "selective":
+        t_rc = attn_core
+    else:
+        t_rc = 0.0
+    colls = aggregate(step_traffic(m, par, b, r))
+    timed: list[tuple[Collective, str, float]] = []
+    per: dict[tuple[str, str], float] = {}
+    links: dict[str, tuple[float, float, str]] = {}
+    for c in colls:
+        if c.group not in links:
+            links[c.group] = link(hw, par, c.group, gpn)
+        bw, lat, lk = links[c.group]
+        s = c.count * collective_seconds(c.op, c.size, c.n, bw, lat)
+        timed.append((c, lk, s))
+        key = (c.group, c.phase)
+        per[key] = per.get(key, 0.0) + s
+    tp = sum(v for (g, _), v in per.items() if g == "tp") / mb
+    ep = sum(v for (g, _), v in per.items() if g == "ep") / mb
+    cp = max(0.0, sum(v for (g, _), v in per.items() if g == "cp") / mb - 3 * attn_core)
+    pp = sum(v for (g, _), v in per.items() if g == "pp") / mb
+    dp_groups = ("dense", "expert")
+    overlap = par.overlap
+    zero_mb = 0.0
+    dp_step = 0.0
+    if par.zero == 3:
+        fwd_g = sum(per.get((g, "fwd"), 0.0) for g in dp_groups) / mb
+        bwd_g = sum(per.get((g, "bwd"), 0.0) for g in dp_groups) / mb
+        zero_mb = (max(0.0, fwd_g - t_f) + max(0.0, bwd_g - t_b)) if overlap else fwd_g + bwd_g
+    elif par.zero == 2:
+        rs = sum(per.get((g, "bwd"), 0.0) for g in dp_groups) / mb
+        zero_mb = max(0.0, rs - t_b) if overlap else rs
+        ag = sum(per.get((g, "step"), 0.0) for g in dp_groups)
+        dp_step = max(0.0, ag - t_f) if overlap else ag
+    else:
+        red = sum(per.get((g, "bwd"), 0.0) for g in dp_groups)
+        ag = sum(per.get((g, "step"), 0.0) for g in dp_groups)
+        dp_step = (max(0.0, red - t_b) + max(0.0, ag - t_f)) if overlap else red + ag
+    t_mb = t_f + t_b + t_rc + tp + ep + cp + pp + zero_mb
+    ticks = B.bubble_ticks(par)
+    t_opt = 2.0 * mem.states_total / hw.hbm_bw
+    step = (mb + ticks) * t_mb + dp_step + t_opt
+    times = {
+        "compute": mb * (t_f + t_b), "recompute": mb * t_rc, "tp": mb * tp, "ep": mb * ep,
+        "cp": mb * cp, "pp_p2p": mb * pp, "zero_per_micro": mb * zero_mb,
+        "bubble": ticks * t_mb, "dp": dp_step, "optimizer": t_opt,
+    }
+    tokens = global_batch * m.seq_len
+    tps = tokens / step
+    mfu = C.model_flops_per_token(m) * tps / (par.world_size * hw.peak_flops)
+    return Prediction(par, b, global_batch, mem, hw.memory * memory_fraction, times, step, tps,
+                      mfu, B.bubble_fraction(par), bytes_by_group(colls), timed, r)
+
+
+# ------------------------------------------------------------------------ the search
+def _pow2_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass
+class PlanResult:
+    ranked: list[Prediction]
+    counts: dict[str, int]
+    smallest_unfit: Prediction | None = None
+    reasons: list[str] = field(default_factory=list)
+
+
+def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
+               precision: str = "bf16", grad_reduce_dtype: str = "fp32",
+               schedules: tuple[str, ...] = ("1f1b", "interleaved"),
+               micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+               recomputes: tuple[str, ...] = ("none", "selective", "full"),
+               zeros: tuple[int, ...] = (0, 1, 2, 3), max_virtual: int = 4,
+               counts: dict[str, int] | None = None):
+    """Yield every (ParallelConfig, micro-batch size) the search considers; ``counts`` tallies
+    what is discarded before any prediction (invalid, iron rule)."""
+    counts = counts if counts is not None else {}
+    tps = _pow2_upto(min(gpus, max(gpus_per_node, 1) * 2))
+    eps = _divisors(m.experts) if m.is_moe else [1]
+    for tp in tps:
+        for cp in _pow2_upto(gpus // tp):
+            if tp * cp > gpus_per_node:
+                counts["iron_rule"] = counts.get("iron_rule", 0) + 1
+                continue
+            for ep in eps:
+                rest = gpus // (tp * cp)
+                if rest * tp * cp != gpus or rest % ep:
+                    continue
+                for pp in _divisors(rest // ep):
+                    dp = rest // ep // pp
+                    if global_batch % (dp * ep):
+                        counts["batch"] = counts.get("batch", 0) + 1
+                        continue
+                    per_replica = global_batch // (dp * ep)
+                    scheds = [("1f1b", 1)] if pp == 1 else []
+                    if pp > 1:
+                        for s in schedules:
+                            if s == "interleaved":
+                                scheds += [(s, v) for v in (2, 4, 8) if v <= max_virtual]
+                            else:
+                                scheds.append((s, 1))
+                    for sched, v in scheds:
+                        stages = pp * v
+                        if stages > m.layers:
+                            continue
+                        # pp·v not dividing the layers: the pipeline's balanced split, given
+                        # as ``--pp-layers`` (validate asks for it)
+                        split = () if m.layers % stages == 0 else balanced_split(m, stages)
+                        for b in micro_batch_sizes:
+                            if per_replica % b:
+                                continue
+                            mbs = per_replica // b
+                            for zero in zeros if dp * ep * cp > 1 else (0,):
+                                if zero == 3 and pp > 1:
+                                    # ZeRO-3 gathers each block around every micro-batch's
+                                    # forward and backward; the engine refuses it under a
+                                    # pipeline schedule (fived.parallel.zero.Zero3)
+                                    counts["zero3_pp"] = counts.get("zero3_pp", 0) + 1
+                                    continue
+                                for rc in recomputes:
+                                    par = ParallelConfig(
+                                        tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, zero=zero,
+                                        schedule=sched, virtual_stages=v, micro_batches=mbs,
+                                        sequence_parallel=tp > 1, recompute=rc,
+                                        precision=precision, grad_reduce_dtype=grad_reduce_dtype,
+                                        pp_layers=split)
+                                    try:
+                                        validate(m, par)
+                                    except ConfigError:
+                                        counts["invalid"] = counts.get("invalid", 0) + 1
+                                        continue
+                                    yield par, b
+
+
+def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
+         gpus_per_node: int | None = None, efficiency: float = 0.7, memory_fraction: float = 0.9,
+         top: int = 10, **space) -> PlanResult:
+    """Every layout that fits, fastest first (``ranked``), with what was discarded."""
+    gpn = gpus_per_node or hw.gpus_per_node
+    counts: dict[str, int] = {}
+    fits: list[Prediction] = []
+    smallest: Prediction | None = None
+    for par, _b in candidates(m, gpus, gpn, global_batch, counts=counts, **space):
+        pr = predict(m, par, hw, global_batch, gpn, efficiency, memory_fraction)
+        counts["evaluated"] = counts.get("evaluated", 0) + 1
+        if pr.fits:
+            fits.append(pr)
+        else:
+            counts["out_of_memory"] = counts.get("out_of_memory", 0) + 1
+            if smallest is None or pr.memory.total < smallest.memory.total:
+                smallest = pr
+    fits = rank_layouts(fits)
+    counts["fit"] = len(fits)
+    res = PlanResult(fits, counts, smallest)
+    res.reasons = explain(fits)
+    return res
+
+
+TIE = 0.002  # step times within 0.2 % are a tie for the model
+
+
+def rank_layouts(preds: list[Prediction]) -> list[Prediction]:
+    """Fastest first; runs of layouts within ``TIE`` of the run's fastest are a tie, ordered
+    by the bytes they send per step, then by memory."""
+    preds = sorted(preds, key=lambda p: p.step_seconds)
+    out: list[Prediction] = []
+    i = 0
+    while i < len(preds):
+        j = i
+        while j < len(preds) and preds[j].step_seconds <= preds[i].step_seconds * (1 + TIE):
+            j += 1
+        out += sorted(preds[i:j], key=lambda p: (sum(p.traffic.values()), p.memory.total))
+        i = j
+    return out
+
+
+def _shape(p: ParallelConfig) -> tuple:
+    return (p.tp, p.cp, p.ep, p.pp, p.dp)
+
+
+def _family_best(ranked: list[Prediction], pred, label: str) -> str | None:
+    for p in ranked:
+        if pred(p.par):
+            return f"best {label}: {p.name()} at {p.step_seconds:.3f} s/step " \
+                   f"({ranked[0].step_seconds / p.step_seconds:.0%} of the winner's speed)"
+    return f"no layout {label} fits"
+
+
+def explain(ranked: list[Prediction]) -> list[str]:
+    """Why the best layout wins, in sentences built from the time components."""
+    if not ranked:
+        return ["no layout fits: add GPUs, raise ZeRO/tp/pp, or recompute"]
+    best = ranked[0]
+    t = best.times
+    out = [f"{best.name()} fits: largest rank (pp rank {best.memory.pp_rank}) needs "
+           f"{best.memory.total / 1e9:.1f} GB of {best.device_memory / 1e9:.1f} GB usable."]
+    parts = sorted(((k, v) for k, v in t.items() if v > 0), key=lambda kv: -kv[1])
+    share = ", ".join(f"{k} {v / best.step_seconds:.0%}" for k, v in parts[:5])
+    out.append(f"its step ({best.step_seconds:.3f} s) is {share}; MFU {best.mfu:.1%}.")
+    if len(ranked) > 1:
+        run = ranked[1]
+        deltas = sorted(((k, run.times.get(k, 0.0) - v) for k, v in t.items()),
+                        key=lambda kv: -kv[1])
+        gains = [f"{k} −{d * 1e3:.1f} ms" for k, d in deltas if d > 0][:3]
+        losses = [f"{k} +{-d * 1e3:.1f} ms" for k, d in deltas[::-1] if d < 0][:2]
+        if abs(run.step_seconds / best.step_seconds - 1) <= TIE:
+            saved = sum(run.traffic.values()) - sum(best.traffic.values())
+            out.append(f"runner-up {run.name()} ties within {TIE:.1%} of the step time; the "
+                       f"winner sends {saved / 1e9:.1f} GB less per rank per step "
+                       f"(memory {best.memory.total / 1e9:.1f} GB against "
+                       f"{run.memory.total / 1e9:.1f} GB).")
+        else:
+            out.append(f"runner-up {run.name()} is "
+                       f"{run.step_seconds / best.step_seconds - 1:.1%} slower; the winner saves "
+                       f"{', '.join(gains) or 'nothing'}"
+                       + (f" and pays {', '.join(losses)}" if losses else "") + ".")
+    other = next((p for p in ranked if _shape(p.par) != _shape(best.par)), None)
+    if other is not None and other is not ranked[1]:
+        out.append(f"best other shape: {other.name()} is "
+                   f"{other.step_seconds / best.step_seconds - 1:.1%} slower "
+                   f"(largest rank {other.memory.total / 1e9:.1f} GB).")
+    for pred, label in ((lambda p: p.pp == 1, "without pipeline parallelism"),
+                        (lambda p: p.tp == 1, "without tensor parallelism"),
+                        (lambda p: p.recompute == "none", "without recompute")):
+        if not pred(best.par):
+            s = _family_best(ranked, pred, label)
+            if s:
+                out.append(s + ".")
+    return out
+
+

@@ -1,0 +1,310 @@
+"""Traffic: bytes each rank sends per optimizer step, for every collective of every dimension.
+
+Units are the runtime's ``fived.comm.ops.Traffic``: per *group name* (``dense``, ``expert``,
+``tp``, ``cp``, ``ep``, ``pp``), the sum over calls of ``fived.comm.volume.bytes_sent(op, S, n)``
+— the ring bytes this rank puts on the wire. Every function here returns a list of
+``Collective`` (group, op, S, n, count); ``bytes_by_group`` sums them the way the runtime does,
+call by call, so a test can compare with ``summary["history"][-1]["traffic"]`` exactly.
+
+Per dimension (b = micro-batch sequences, s_l = seq_len/cp local tokens, e = activation bytes,
+m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over group g):
+
+* DP / ZeRO (``dp_traffic``), per flat bucket of Ψ_b elements padded to P_b (a multiple of the
+  group size N under ZeRO) — the buckets add up to the group's Ψ_g:
+    ZeRO-0   all_reduce(grad_bytes·Ψ_b)                                  once per step
+    ZeRO-1/2 reduce_scatter(grad_bytes·P_b) on the last micro-batch, all_gather(param_bytes·P_b)
+             after the step
+    ZeRO-3   all_gather(param_bytes·P_b) before each micro-batch's forward and again before its
+             backward; reduce_scatter(grad_bytes·P_b) once per step
+             →  3(N−1)/N · param bytes per step with one micro-batch and grads in the param dtype
+* TP (``tp_traffic``), per layer per micro-batch, X = b·s_l·h·e:
+    no SP:  forward 2 all_reduce(X) (after wo, after w_down), backward 2 all_reduce(X)
+    SP:     forward 2 all_gather(X) + 2 reduce_scatter(X), backward the same — equal bytes
+    full recompute: + 1 all_reduce(X) per layer (SP: + 2 all_gather + 1 reduce_scatter), the
+    rerun forward stopping at the block's last saved tensor; tp > kv_heads: + 2 all_reduce of
+    the (kv_heads·d, h) weight gradient per layer; plus the vocab-parallel ends: embedding
+    forward all_reduce(X) (SP: reduce_scatter, backward all_gather), head input backward
+    all_reduce(X) (SP: forward all_gather, backward reduce_scatter), cross-entropy
+    all_reduce(b·s_l·4) (max) and all_reduce(2·b·s_l·4) (Σexp, target logit); and under SP the
+    replicated norm gains' gradients: all_reduce(grad_bytes·h) per norm on this rank (and the
+    MoE router's and experts' gradients). This is ``fived.parallel.tensor.tp_traffic_bytes``.
+* PP (``pp_traffic``), per micro-batch per (virtual) stage boundary, Y = b·s_l·h·e (/tp under
+  SP): a stage sends Y forward unless it is the last, and Y backward unless it is the first.
+* CP ring (``cp_traffic``), per layer per micro-batch, B = b·s_l·kv_local·d·e (one of K or V):
+  forward (cp−1) sends of K and V (2B each), backward (cp−1)·2B again plus (cp−1)·2B of dK/dV;
+  selective or full recompute reruns the forward ring once more.
+  Ulysses: per layer and direction 4 all_to_all of q, k', v', out.
+* EP (``ep_traffic``), per MoE layer per micro-batch, T = b·s_l·top_k·h·e routed token bytes
+  (s_l/tp under SP): the routing counts all_to_all(E·8 bytes), forward dispatch and combine
+  all_to_all(T), backward the same two — (E − E/n)·8 + 4·(n−1)/n·T, the uniform-routing
+  expectation of ``fived.parallel.expert``'s exact count (the runtime's bytes follow the router).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..comm.volume import bytes_sent
+from ..config import ModelConfig, ParallelConfig
+from .memory import _state_key, act_bytes, buckets, grad_bytes, group_sizes, param_bytes
+from .params import rank_stages, stage_layers
+
+
+@dataclass(frozen=True)
+class Collective:
+    group: str  # the runtime's group name the bytes are charged to
+    op: str  # a fived.comm.volume op
+    size: float  # S: the buffer the collective is named by, in bytes
+    n: int  # ranks in the group
+    count: int  # calls per optimizer step
+    what: str = ""  # human label
+    phase: str = "step"  # fwd | bwd | step
+
+    @property
+    def bytes_per_call(self) -> float:
+        return bytes_sent(self.op, self.size, self.n)
+
+    @property
+    def bytes(self) -> float:
+        return _repeat_sum(self.bytes_per_call, self.count)
+
+    def as_dict(self) -> dict:
+        return {"group": self.group, "op": self.op, "size": self.size, "n": self.n,
+                "count": self.count, "what": self.what, "phase": self.phase,
+                "bytes": self.bytes}
+
+
+def _repeat_sum(x: float, count: int) -> float:
+    """x added ``count`` times, as the runtime's counters add each call (bit-identical)."""
+    if x == int(x) and abs(x) * count < 2**53:  # integer sums are exact: the product is equal
+        return x * count
+    if count > 100_000:
+        return x * count
+    total = 0.0
+    for _ in range(count):
+        total += x
+    return total
+
+
+def bytes_by_group(colls: list[Collective]) -> dict[str, float]:
+    """The runtime's ``traffic`` dict: group name -> bytes sent, zero groups left out."""
+    out: dict[str, float] = {}
+    for c in colls:
+        if c.n <= 1 or c.count == 0:
+            continue
+        out[c.group] = out.get(c.group, 0.0) + c.bytes
+    return {k: v for k, v in out.items() if v}
+
+
+def micro_batch_size(par: ParallelConfig, global_batch: int) -> int:
+    """Sequences per micro-batch: the global batch over the batch group (dp·ep), over m."""
+    return global_batch // (par.dp * par.ep) // par.micro_batches
+
+
+def _local(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, bool, bool]:
+    stages = rank_stages(par, pp_rank)
+    n = par.pp * max(1, par.virtual_stages)
+    layers = sum(len(stage_layers(m, par)[k]) for k in stages)
+    return layers, 0 in stages, n - 1 in stages
+
+
+# ------------------------------------------------------------------------ data parallel
+def dp_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Collective]:
+    """Gradient reduction / ZeRO collectives over ``dense`` and ``expert`` for one step, one
+    entry per flat bucket (``memory.buckets``) in launch order."""
+    return list(_dp_traffic(m, _state_key(par), par.micro_batches, pp_rank))
+
+
+@lru_cache(maxsize=8192)
+def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
+                ) -> tuple[Collective, ...]:
+    gb, pb = grad_bytes(par), param_bytes(par)
+    out: list[Collective] = []
+    bks = [b for b in buckets(m, par, pp_rank) if group_sizes(par)[b.group] > 1]
+    if par.zero == 3:
+        for b in bks:
+            out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
+                                  "params (forward)", "fwd"))
+            out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
+                                  "params (backward)", "bwd"))
+        out += [Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1, "gradients",
+                           "bwd") for b in bks]
+        return tuple(out)
+    n = group_sizes(par)
+    for b in bks:
+        if par.zero == 0:
+            out.append(Collective(b.group, "all_reduce", gb * b.numel, n[b.group], 1, "gradients",
+                                  "bwd"))
+        else:
+            out.append(Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1,
+                                  "gradients", "bwd"))
+    if par.zero in (1, 2):
+        out += [Collective(b.group, "all_gather", pb * b.padded, b.shards, 1, "updated params",
+                           "step") for b in bks]
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------ tensor parallel
+def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+               dtype_bytes: int | None = None) -> list[Collective]:
+    """Tensor-parallel (and SP) collectives over ``tp`` for one step on one pipeline rank."""
+    t = par.tp
+    if t <= 1:
+        return []
+    e = dtype_bytes or act_bytes(par)
+    layers, first, last = _local(m, par, pp_rank)
+    mb = par.micro_batches
+    tokens = micro_batch * m.seq_len // par.cp
+    x = tokens * m.hidden * e
+    sp = par.sequence_parallel
+    per = layers * mb
+    out: list[Collective] = []
+    # full recompute reruns each block's forward up to its last saved tensor (torch's
+    # checkpoint stops early): the gathers and the attention's reduction again, not the MLP's
+    again = par.recompute == "full"
+    if sp:
+        if again:
+            out += [Collective("tp", "all_gather", x, t, 2 * per, "recompute: SP gathers", "bwd"),
+                    Collective("tp", "reduce_scatter", x, t, per, "recompute: SP scatter after wo",
+                               "bwd")]
+        out += [Collective("tp", "all_gather", x, t, 2 * per, "SP gather before attn/mlp", "fwd"),
+                Collective("tp", "reduce_scatter", x, t, 2 * per, "SP scatter after wo/w_down",
+                           "fwd"),
+                Collective("tp", "all_gather", x, t, 2 * per, "grad of SP scatter", "bwd"),
+                Collective("tp", "reduce_scatter", x, t, 2 * per, "grad of SP gather", "bwd")]
+    else:
+        if again:
+            out.append(Collective("tp", "all_reduce", x, t, per, "recompute: after wo", "bwd"))
+        out += [Collective("tp", "all_reduce", x, t, 2 * per, "after wo, w_down", "fwd"),
+                Collective("tp", "all_reduce", x, t, 2 * per, "input grads of attn, mlp", "bwd")]
+    if t > m.kv_heads:  # replicated kv chunks: the wk, wv gradients summed over tp in backward
+        kv_weight = m.kv_heads * m.head_dim * m.hidden * e
+        out.append(Collective("tp", "all_reduce", kv_weight, t, 2 * per,
+                              "replicated kv-head weight grads", "bwd"))
+    if first:
+        if sp:
+            out += [Collective("tp", "reduce_scatter", x, t, mb, "vocab embedding", "fwd"),
+                    Collective("tp", "all_gather", x, t, mb, "grad of embedding", "bwd")]
+        else:
+            out.append(Collective("tp", "all_reduce", x, t, mb, "vocab embedding", "fwd"))
+    if last:
+        if sp:
+            out += [Collective("tp", "all_gather", x, t, mb, "head input", "fwd"),
+                    Collective("tp", "reduce_scatter", x, t, mb, "grad of head input", "bwd")]
+        else:
+            out.append(Collective("tp", "all_reduce", x, t, mb, "grad of head input", "bwd"))
+        out.append(Collective("tp", "all_reduce", tokens * 4, t, mb, "vocab-parallel CE max",
+                              "fwd"))
+        out.append(Collective("tp", "all_reduce", 2 * tokens * 4, t, mb,
+                              "vocab-parallel CE sum-exp + target logit", "fwd"))
+    if sp:
+        norms = 2 * layers + (1 if last else 0)
+        out.append(Collective("tp", "all_reduce", m.hidden * grad_bytes(par), t, norms,
+                              "replicated norm-gain grads", "step"))
+        if m.is_moe:  # router and experts are replicated over tp and see different tokens
+            gb = grad_bytes(par)
+            out.append(Collective("tp", "all_reduce", m.hidden * m.experts * gb, t, layers,
+                                  "router grads", "step"))
+            out.append(Collective("tp", "all_reduce", m.hidden * m.expert_ffn * gb, t,
+                                  3 * layers * (m.experts // par.ep), "expert grads", "step"))
+    return out
+
+
+# ------------------------------------------------------------------------ pipeline
+def pp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+               dtype_bytes: int | None = None) -> list[Collective]:
+    """Point-to-point sends over ``pp`` for one step on pipeline rank ``pp_rank``."""
+    if par.pp <= 1:
+        return []
+    e = dtype_bytes or act_bytes(par)
+    tokens = micro_batch * m.seq_len // par.cp
+    sp = par.sequence_parallel and par.tp > 1
+    y = tokens * m.hidden * e // (par.tp if sp else 1)
+    n_stages = par.pp * max(1, par.virtual_stages)
+    stages = rank_stages(par, pp_rank)
+    fwd = sum(1 for k in stages if k < n_stages - 1)
+    bwd = sum(1 for k in stages if k > 0)
+    mb = par.micro_batches
+    out = []
+    if fwd:
+        out.append(Collective("pp", "send", y, par.pp, fwd * mb, "activations", "fwd"))
+    if bwd:
+        out.append(Collective("pp", "send", y, par.pp, bwd * mb, "activation grads", "bwd"))
+    return out
+
+
+# ------------------------------------------------------------------------ context parallel
+def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+               dtype_bytes: int | None = None) -> list[Collective]:
+    """Ring (or Ulysses) exchange over ``cp`` for one step on one pipeline rank."""
+    c = par.cp
+    if c <= 1:
+        return []
+    e = dtype_bytes or act_bytes(par)
+    layers, _, _ = _local(m, par, pp_rank)
+    per = layers * par.micro_batches
+    tokens = micro_batch * m.seq_len // c
+    d = m.head_dim
+    kv_local = max(1, m.kv_heads // par.tp)
+    if par.cp_mode == "ulysses":
+        q = tokens * (m.heads // par.tp) * d * e
+        # kv heads as the all-to-all sees them: as they are when cp divides them, replicated up
+        # to cp when they divide cp, otherwise repeated to the query heads
+        if kv_local % c == 0:
+            kv_rep = kv_local
+        elif c % kv_local == 0:
+            kv_rep = c
+        else:
+            kv_rep = m.heads // par.tp
+        k = tokens * kv_rep * d * e
+        return [Collective("cp", "all_to_all", q, c, 2 * per, "q and out", "fwd"),
+                Collective("cp", "all_to_all", k, c, 2 * per, "k and v", "fwd"),
+                Collective("cp", "all_to_all", q, c, 2 * per, "grads of q and out", "bwd"),
+                Collective("cp", "all_to_all", k, c, 2 * per, "grads of k and v", "bwd")]
+    b = tokens * kv_local * d * e  # one of K or V
+    hops = (c - 1) * per
+    out = [Collective("cp", "send", 2 * b, c, hops, "K/V ring", "fwd"),
+           Collective("cp", "send", 2 * b, c, hops, "K/V ring again", "bwd"),
+           Collective("cp", "send", 2 * b, c, hops, "dK/dV ring", "bwd")]
+    if par.recompute in ("full", "selective"):  # the attention core's forward runs again
+        out.append(Collective("cp", "send", 2 * b, c, hops, "recompute: K/V ring", "bwd"))
+    return out
+
+
+# ------------------------------------------------------------------------ expert parallel
+def ep_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+               dtype_bytes: int | None = None) -> list[Collective]:
+    """Token all-to-alls over ``ep`` for one step (uniform routing) on one pipeline rank."""
+    if par.ep <= 1 or not m.is_moe:
+        return []
+    e = dtype_bytes or act_bytes(par)
+    layers, _, _ = _local(m, par, pp_rank)
+    per = layers * par.micro_batches
+    sp = par.sequence_parallel and par.tp > 1
+    tokens = micro_batch * m.seq_len // par.cp // (par.tp if sp else 1)
+    size = tokens * m.top_k * m.hidden * e
+    out = [Collective("ep", "all_to_all", m.experts * 8, par.ep, per,
+                      "routing counts (E int64)", "fwd"),
+           Collective("ep", "all_to_all", size, par.ep, 2 * per, "dispatch + combine", "fwd"),
+           Collective("ep", "all_to_all", size, par.ep, 2 * per, "their grads", "bwd")]
+    if par.recompute == "full":  # the block's forward reruns through the combine
+        out += [Collective("ep", "all_to_all", m.experts * 8, par.ep, per,
+                           "recompute: routing counts", "bwd"),
+                Collective("ep", "all_to_all", size, par.ep, 2 * per,
+                           "recompute: dispatch + combine", "bwd")]
+    return out
+
+
+# ------------------------------------------------------------------------ everything
+def step_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0
+                 ) -> list[Collective]:
+    """Every collective one rank at pipeline coordinate ``pp_rank`` runs in one step."""
+    return (dp_traffic(m, par, pp_rank) + tp_traffic(m, par, micro_batch, pp_rank)
+            + pp_traffic(m, par, micro_batch, pp_rank) + cp_traffic(m, par, micro_batch, pp_rank)
+            + ep_traffic(m, par, micro_batch, pp_rank))
+
+
+def step_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0
+               ) -> dict[str, float]:
+    return bytes_by_group(step_traffic(m, par, micro_batch, pp_rank))

@@ -1,0 +1,455 @@
+"""The ledger: parameter counts, model states by precision and ZeRO stage, activations, bubble,
+traffic formulas, the planner's promise (it never returns a layout that does not fit), and the
+runtime measured against the prediction."""
+
+from dataclasses import replace
+
+import pytest
+
+from fived.comm.volume import bytes_sent
+from fived.config import ParallelConfig, preset
+from fived.ledger import bubble, compute, hardware, memory, params, planner, traffic
+
+# ------------------------------------------------------------------ parameters
+
+
+@pytest.mark.parametrize("name,count", [
+    ("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496),
+])
+def test_parameter_counts_match_the_real_models(name, count):
+    assert params.total_params(preset(name)) == count
+
+
+def test_mixtral_count_and_active():
+    m = preset("mixtral-8x7b")
+    assert params.total_params(m) == 46_702_792_704  # the published 46.7B
+    assert params.active_params(m) == 12_879_925_248  # ~12.9B active with top-2
+
+
+def test_tiny_matches_the_runtime_model():
+    torch = pytest.importorskip("torch")
+    from fived.model import build_model
+    from fived.parallel.plan import Plan
+
+    for name in ("tiny", "tiny-moe"):
+        m = preset(name)
+        try:
+            model = build_model(m, Plan(m, ParallelConfig(), 1))
+        except ModuleNotFoundError:
+            continue  # the MoE layer is not in this build
+        assert sum(p.numel() for p in model.parameters()) == params.total_params(m)
+    del torch
+
+
+def test_rank_share_tp_pp_ep():
+    m = preset("llama2-7b")
+    full = params.total_params(m)
+    # tp: everything but the replicated norms is cut tp ways
+    r = params.rank_params(m, ParallelConfig(tp=4))
+    norms = (2 * m.layers + 1) * m.hidden
+    assert r.total == (full - norms) // 4 + norms
+    assert r.replicated_in_tp == norms
+    # pp: the stages add up to the model; embedding on the first, head + norm on the last
+    par = ParallelConfig(pp=4)
+    ranks = params.all_rank_params(m, par)
+    assert sum(x.total for x in ranks) == full
+    assert "embed" in ranks[0].breakdown and "head" not in ranks[0].breakdown
+    assert "head" in ranks[3].breakdown and "norm" in ranks[3].breakdown
+    # interleaved: rank r holds virtual stages r, r+pp
+    par = ParallelConfig(pp=2, virtual_stages=2, schedule="interleaved", micro_batches=2)
+    assert params.rank_stages(par, 1) == [1, 3]
+    assert sum(x.total for x in params.all_rank_params(m, par)) == full
+    # ep: experts divide, the router and attention do not
+    mx = preset("mixtral-8x7b")
+    e1 = params.rank_params(mx, ParallelConfig(ep=1))
+    e8 = params.rank_params(mx, ParallelConfig(ep=8, dp=1))
+    assert e8.expert * 8 == e1.expert and e8.dense == e1.dense
+
+
+def test_tied_embeddings_head_placement():
+    m = replace(preset("tiny"), tied_embeddings=True)
+    assert params.total_params(m) == params.total_params(preset("tiny")) - m.vocab * m.hidden
+    # with pp > 1 the runtime builds a separate head on the last stage
+    two = params.all_rank_params(m, ParallelConfig(pp=2))
+    assert "head" in two[1].breakdown
+
+
+# ------------------------------------------------------------------ model states
+
+
+def test_bytes_per_param():
+    assert memory.bytes_per_param(ParallelConfig(precision="fp32")) == 16
+    assert memory.bytes_per_param(ParallelConfig(precision="bf16", grad_reduce_dtype="bf16")) == 16
+    assert memory.bytes_per_param(ParallelConfig(precision="bf16", grad_reduce_dtype="fp32")) == 18
+
+
+def test_fp32_ddp_is_4_4_0_8():
+    m = preset("llama2-7b")
+    n = params.total_params(m)
+    s = memory.model_states(m, ParallelConfig(dp=8))
+    assert s == {"params": 4 * n, "grads": 4 * n, "master": 0, "optimizer": 8 * n,
+                 "buffers": 0, "padding": 0}
+
+
+def test_zero_stages_hand_computed():
+    # 10 elements over 4 ranks: shards of 3, padded buffer 12, last shard holds 1 real element
+    assert memory.shard_len(10, 4) == 3
+    assert [memory.shard_real(10, 4, i) for i in range(4)] == [3, 3, 3, 1]
+    m = preset("llama2-7b")
+    n = params.total_params(m)  # 6,738,415,616 = 8 · 842,301,952: no padding on 8 ranks
+    bf = dict(precision="bf16", grad_reduce_dtype="bf16")
+    z1 = memory.model_states(m, ParallelConfig(dp=8, zero=1, **bf))
+    assert z1 == {"params": 2 * n, "grads": 2 * n, "master": 4 * n // 8,
+                  "optimizer": 8 * n // 8, "buffers": 0, "padding": 0}
+    z2 = memory.model_states(m, ParallelConfig(dp=8, zero=2, **bf))
+    assert z2["grads"] == 2 * n // 8 and z2["params"] == 2 * n
+    z3 = memory.model_states(m, ParallelConfig(dp=8, zero=3, **bf))
+    assert sum(z3.values()) == 16 * n // 8
+    # 18Ψ with the fp32 gradient buffer
+    z0 = memory.model_states(m, ParallelConfig(dp=8, precision="bf16"))
+    assert sum(z0.values()) == 18 * n
+
+
+
+def test_zero3_buckets_and_padding_hand_computed():
+    """tiny, fp32, ZeRO-3 over 3 ranks: one bucket per block (46,208 elements -> padded 46,209,
+    shards of 15,403) and the root (embed 16,384 + norm 64 + head 16,384 = 32,832, no pad)."""
+    m = preset("tiny")
+    par = ParallelConfig(dp=3, zero=3)
+    bks = memory.buckets(m, par)
+    assert [b.numel for b in bks] == [46_208] * 4 + [32_832]
+    assert [b.unit for b in bks] == [3, 2, 1, 0, -1]
+    assert [b.pad for b in bks] == [1, 1, 1, 1, 0]
+    ms = memory.model_states(m, par)
+    shard = 4 * 15_403 + 10_944
+    assert ms["params"] == 4 * shard and ms["grads"] == 4 * shard
+    assert ms["master"] == 0 and ms["optimizer"] == 8 * shard
+    assert ms["padding"] == pytest.approx(4 * 16 / 3)  # a shard's pad counts pad/N
+    psi = params.total_params(m)
+    rest = sum(v for k, v in ms.items() if k != "padding")
+    assert rest == pytest.approx(16 * psi / 3 + ms["padding"])  # keys = formula + padding
+    # DDP buckets: reverse registration order, at most bucket_mb MiB each
+    small = memory.buckets(m, ParallelConfig(dp=2, bucket_mb=0.1))  # cap 26,214 elements
+    assert sum(b.numel for b in small) == psi and max(b.numel for b in small) <= 26_214
+    assert small[0].numel == 16_384 + 64  # head, final norm: the first grads backward makes
+
+
+def test_seven_b_headline():
+    m = preset("llama2-7b")
+    assert memory.checkpoint_bytes(m) == 2 * 6_738_415_616  # 13.5 GB ("14 GB" for 7e9)
+    assert 16 * params.total_params(m) > 96e9  # the training state does not fit one 96 GB card
+
+
+# ------------------------------------------------------------------ activations
+
+
+def test_activation_terms_hand_computed():
+    m = replace(preset("llama2-7b"), seq_len=4096)
+    par = ParallelConfig(precision="bf16")
+    a = memory.layer_activations(m, par, 1, memory.ActivationOptions("flash", kv_repeat=False))
+    s, h, f = 4096, 4096, 11008
+    assert a["norms"] == s * 2 * (8 * h + 2 * h + 4)
+    assert a["qkv"] == s * 2 * 3 * h
+    assert a["softmax"] == s * 4 * 32
+    assert a["mlp"] == s * 4 * 2 * f
+    mat = memory.layer_activations(m, par, 1, memory.ActivationOptions("materialised"))
+    assert mat["softmax"] == s * 2 * 32 * s
+    # tp divides the inner terms; sp also the norms; cp divides tokens
+    t = memory.layer_activations(m, replace(par, tp=4), 1)
+    assert t["mlp"] == a["mlp"] / 4 and t["norms"] == a["norms"]
+    t = memory.layer_activations(m, replace(par, tp=4, sequence_parallel=True), 1)
+    assert t["norms"] == a["norms"] / 4
+    c = memory.layer_activations(m, replace(par, cp=2), 1)
+    assert c["mlp"] == a["mlp"] / 2
+
+
+def test_pipeline_inflight_factor():
+    p = ParallelConfig(pp=4, micro_batches=16)
+    assert [memory.inflight_microbatches(p, r) for r in range(4)] == [4, 3, 2, 1]
+    g = replace(p, schedule="gpipe")
+    assert memory.inflight_microbatches(g, 0) == 16
+    i = replace(p, schedule="interleaved", virtual_stages=2)
+    assert memory.inflight_microbatches(i, 0) == pytest.approx(4 * (1 + 3 / (4 * 2)))
+    assert memory.inflight_microbatches(ParallelConfig(pp=4, micro_batches=2), 0) == 2
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activations_match_saved_tensors(recompute):
+    """fp32 one-rank forward: the ledger's activation bytes vs autograd's saved tensors."""
+    torch = pytest.importorskip("torch")
+    from fived.model import build_model
+    from fived.parallel.plan import Plan
+    from fived.train.activations import SavedTensors
+
+    m = preset("tiny")
+    par = ParallelConfig(recompute=recompute)
+    model = build_model(m, Plan(m, par, 1))
+    b = 2
+    x = torch.randint(0, m.vocab, (b, m.seq_len))
+    with SavedTensors(list(model.parameters())) as s:
+        model(x, torch.arange(m.seq_len), x)
+    pred = memory.activations(m, par, b)
+    pred.pop("recompute_layer", None)  # backward-time transient of full recompute
+    if recompute == "full":
+        pred.pop("rope_tables")  # held by the checkpoint, not saved by autograd
+    # stated tolerance: 1 % (the runtime also saves a 4-byte loss scalar)
+    assert sum(pred.values()) == pytest.approx(s.bytes, rel=0.01)
+
+
+# ------------------------------------------------------------------ compute
+
+
+def test_compute_conventions():
+    m = preset("llama2-7b")
+    fwd = compute.forward_flops_per_token(m)
+    assert compute.model_flops_per_token(m) == 3 * fwd
+    attn = compute.attention_flops_per_token(m)
+    assert attn == 4 * 32 * 4096 * 4096
+    assert compute.forward_flops_per_token(m, causal=True) == fwd - attn / 2
+    assert compute.recompute_flops_per_token(m, "full") == fwd
+    assert compute.recompute_flops_per_token(m, "selective") == attn
+    assert compute.training_flops(7e9, 1e12) == pytest.approx(4.2e22)
+
+
+# ------------------------------------------------------------------ bubble
+
+
+def test_bubble_hand_computed():
+    assert bubble.bubble_fraction(ParallelConfig(pp=4, micro_batches=8)) == pytest.approx(3 / 11)
+    assert bubble.bubble_ratio(ParallelConfig(pp=4, micro_batches=8)) == pytest.approx(3 / 8)
+    i = ParallelConfig(pp=4, micro_batches=8, schedule="interleaved", virtual_stages=2)
+    assert bubble.bubble_fraction(i) == pytest.approx(3 / 19)
+    z = ParallelConfig(pp=4, micro_batches=8, schedule="zb-h1")
+    assert bubble.bubble_ticks(z) == pytest.approx(1.0)
+    assert bubble.bubble_fraction(ParallelConfig(dp=8)) == 0.0
+
+
+# ------------------------------------------------------------------ traffic
+
+
+def test_traffic_formulas():
+    m = preset("llama2-7b")
+    n = params.total_params(m)
+    bf = dict(precision="bf16", grad_reduce_dtype="bf16")
+    ddp = traffic.step_bytes(m, ParallelConfig(dp=8, **bf), 1)
+    assert ddp == {"dense": bytes_sent("all_reduce", 2 * n, 8)}
+    z3 = traffic.step_bytes(m, ParallelConfig(dp=8, zero=3, **bf), 1)
+    assert z3["dense"] == pytest.approx(3 * 7 / 8 * 2 * n)
+    z1 = traffic.step_bytes(m, ParallelConfig(dp=8, zero=1, **bf), 1)
+    assert z1["dense"] == pytest.approx(ddp["dense"])  # RS + AG = AR
+    # TP: 4 all-reduces of b·s·h per layer; SP moves the same bytes
+    par = ParallelConfig(tp=4, **bf)
+    layer = [c for c in traffic.tp_traffic(m, par, 1) if "wo" in c.what or "attn" in c.what]
+    x = 4096 * 4096 * 2
+    assert sum(c.bytes for c in layer) == 32 * 4 * bytes_sent("all_reduce", x, 4)
+    sp = replace(par, sequence_parallel=True)
+    core = [c for c in traffic.tp_traffic(m, sp, 1) if c.what.startswith(("SP", "grad of SP"))]
+    assert sum(c.bytes for c in core) == pytest.approx(sum(c.bytes for c in layer))
+    # PP: first stage sends activations only, last stage grads only
+    pp = ParallelConfig(pp=4, micro_batches=8, **bf)
+    first, last = traffic.pp_traffic(m, pp, 1, 0), traffic.pp_traffic(m, pp, 1, 3)
+    assert [c.phase for c in first] == ["fwd"] and [c.phase for c in last] == ["bwd"]
+    assert traffic.bytes_by_group(first)["pp"] == 8 * x
+    # CP ring: 3·(cp−1) hops of K+V per layer
+    cp = ParallelConfig(cp=2, **bf)
+    kv = 4096 // 2 * 32 * 128 * 2
+    assert traffic.bytes_by_group(traffic.cp_traffic(m, cp, 1))["cp"] == 32 * 3 * 1 * 2 * kv
+
+
+# ------------------------------------------------------------------ planner
+
+
+def test_planner_never_returns_a_layout_that_does_not_fit():
+    m = preset("llama2-7b")
+    hw = hardware.PRESETS["rtx-pro-6000"]
+    res = planner.plan(m, 8, hw, 64, 8, micro_batch_sizes=(1, 2), recomputes=("none", "full"))
+    assert res.ranked, res.counts
+    for p in res.ranked:
+        assert p.memory.total <= hw.memory * 0.9
+        assert p.par.tp * p.par.cp <= 8
+    assert res.counts["out_of_memory"] > 0  # e.g. plain DDP: 18Ψ does not fit
+    # fastest first; layouts within planner.TIE of each other are ties (fewer bytes first)
+    times = [p.step_seconds for p in res.ranked]
+    assert all(later >= t / (1 + planner.TIE) for i, t in enumerate(times) for later in times[i:])
+    assert res.reasons and "fits" in res.reasons[0]
+
+
+def test_iron_rule_and_links():
+    par = ParallelConfig(tp=8, dp=8)
+    assert planner.inside_node(par, "tp", 8)
+    assert not planner.inside_node(par, "dense", 8)
+    assert not planner.inside_node(ParallelConfig(tp=16), "tp", 8)
+
+
+def test_predict_mfu_bounded():
+    m = preset("llama3-70b")
+    hw = hardware.PRESETS["h100-sxm"]
+    par = ParallelConfig(tp=8, pp=4, dp=2, zero=1, sequence_parallel=True, micro_batches=256,
+                         precision="bf16")
+    pr = planner.predict(m, par, hw, 512, 8)
+    assert 0 < pr.mfu <= 0.7
+    assert pr.step_seconds == pytest.approx(sum(pr.times.values()))
+
+
+# ------------------------------------------------------------------ the runtime, measured
+
+
+def test_ddp_runtime_memory_and_traffic_equal_the_ledger(tmp_path, capsys):
+    from fived.cli import main
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny")
+    par = ParallelConfig(dp=2)
+    metrics = tmp_path / "m.jsonl"
+    train = small_train(steps=2, metrics_out=str(metrics))
+    out = train_layout(m, par, train)
+    # what `fived train --metrics-out` wrote, checked by `fived ledger --check`
+    assert verify.compare_file(m, par, train.global_batch, str(metrics)) == []
+    assert main(["ledger", "--model", "tiny", "--gpus", "2", "--precision", "fp32",
+                 "--global-batch", str(train.global_batch), "--check", str(metrics)]) == 0
+    assert "exact" in capsys.readouterr().out
+    assert main(["ledger", "--model", "tiny", "--gpus", "2", "--precision", "bf16",
+                 "--global-batch", str(train.global_batch), "--check", str(metrics)]) == 1
+    b = traffic.micro_batch_size(par, train.global_batch)
+    for s in out:
+        last = s["history"][-1]
+        assert last["memory"] == memory.model_states(m, par)
+        assert last["traffic"] == traffic.step_bytes(m, par, b)
+        for r, (mem, tr) in enumerate(zip(last["memory_per_rank"], last["traffic_per_rank"])):
+            assert mem == memory.model_states(m, par), r
+            assert tr["bytes"] == traffic.step_bytes(m, par, b), r
+
+
+@pytest.mark.slow
+def test_runtime_tied_micro_batches_equal_the_ledger():
+    """A second layout the runtime runs: tied embeddings, 2 micro-batches, dp=2."""
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = replace(preset("tiny"), tied_embeddings=True)
+    par = ParallelConfig(dp=2, micro_batches=2)
+    train = small_train(steps=1)
+    out = train_layout(m, par, train)
+    for s in out:
+        assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
+
+
+def test_grid_coordinates_match_the_grid():
+    from fived.grid import Grid
+    from fived.ledger import verify
+
+    par = ParallelConfig(tp=2, cp=2, ep=1, dp=2, pp=2)
+    for r in range(par.world_size):
+        g = Grid.from_config(par, r)
+        assert verify.coords(par, r) == g.coords()
+        assert verify.group_index(par, "dense", r) == g.members(("dp", "ep", "cp")).index(r)
+        assert verify.group_index(par, "expert", r) == g.members(("dp", "cp")).index(r)
+
+
+ZERO_LAYOUTS = [
+    ParallelConfig(dp=2, zero=1),
+    ParallelConfig(dp=2, zero=2, micro_batches=2),
+    ParallelConfig(dp=3, zero=3),  # padding: 3 does not divide a block
+    ParallelConfig(dp=2, zero=1, precision="bf16"),  # 18Ψ: fp32 grads, fp32 master
+    ParallelConfig(dp=3, precision="bf16", grad_reduce_dtype="bf16", bucket_mb=0.05),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", ZERO_LAYOUTS, ids=lambda p: f"{p.describe()}-{p.precision}")
+def test_zero_and_precision_runtime_equal_the_ledger(par):
+    """Runs where the ZeRO / mixed-precision engine is built (``-m slow``)."""
+    pytest.importorskip("fived.parallel.zero")
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny")
+    train = small_train(steps=1, global_batch=6 if par.dp == 3 else 8)
+    for s in train_layout(m, par, train):
+        assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
+
+
+TP_LAYOUTS = [
+    ParallelConfig(tp=2, dp=2),
+    ParallelConfig(tp=2, sequence_parallel=True, recompute="full"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", TP_LAYOUTS, ids=lambda p: f"{p.describe()}-{p.recompute}")
+def test_tp_runtime_equal_the_ledger(par):
+    """Where tensor parallelism is built (``-m slow``): memory and every group's bytes exact."""
+    pytest.importorskip("fived.parallel.tensor")
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny")
+    train = small_train(steps=1)
+    for s in train_layout(m, par, train):
+        assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
+
+
+PP_LAYOUTS = [
+    ParallelConfig(pp=2, micro_batches=2),
+    ParallelConfig(pp=2, dp=2, micro_batches=4, schedule="interleaved", virtual_stages=2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", PP_LAYOUTS, ids=lambda p: f"{p.describe()}-{p.schedule}")
+def test_pp_runtime_equal_the_ledger(par):
+    """Where the pipeline is built (``-m slow``): every rank's states and bytes exact."""
+    pytest.importorskip("fived.parallel.pipeline.runtime")
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny")
+    train = small_train(steps=1)
+    for s in train_layout(m, par, train):
+        assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
+
+
+def test_balanced_split_puts_the_head_on_a_lighter_stage():
+    m = preset("llama3-70b")
+    assert params.balanced_split(m, 8) == (10, 10, 10, 10, 10, 10, 11, 9)
+    assert sum(params.balanced_split(preset("llama3-405b"), 16)) == 126
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", [ParallelConfig(ep=2), ParallelConfig(ep=2, dp=2)],
+                         ids=lambda p: p.describe())
+def test_ep_runtime_equal_the_ledger(par):
+    """Where MoE is built (``-m slow``): states, dense and expert bytes exact; the ep all-to-all
+    bytes follow the router, so they are compared with the uniform-routing expectation (10 %)."""
+    pytest.importorskip("fived.model.moe")
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny-moe")
+    train = small_train(steps=1)
+    rec = train_layout(m, par, train)[0]["history"][-1]
+    bad = verify.compare_record(m, par, train.global_batch, rec)
+    assert [b for b in bad if "traffic[ep]" not in b] == []
+    want = verify.predict_rank(m, par, train.global_batch, 0)[1]["ep"]
+    for tr in rec["traffic_per_rank"]:
+        assert tr["bytes"]["ep"] == pytest.approx(want, rel=0.10)
+
+
+CP_LAYOUTS = [ParallelConfig(cp=2), ParallelConfig(cp=2, recompute="selective"),
+              ParallelConfig(cp=2, cp_mode="ulysses")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", CP_LAYOUTS, ids=lambda p: f"{p.cp_mode}-{p.recompute}")
+def test_cp_runtime_equal_the_ledger(par):
+    """Where context parallelism is built (``-m slow``): states and every group's bytes exact
+    (selective recompute reruns the forward ring)."""
+    pytest.importorskip("fived.parallel.context")
+    from fived.ledger import verify
+    from fived.testing import small_train, train_layout
+
+    m = preset("tiny")
+    train = small_train(steps=1)
+    for s in train_layout(m, par, train):
+        assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
