@@ -91,6 +91,7 @@ class Zero3(DataParallel):
         for u in self.units + [self.root]:
             for b in u.buckets:
                 self.unit_of[b.index] = u
+            u.state = "full"  # built gathered (the flat copies of the model's parameters)
             self.free(u)
         for i, blk in enumerate(self.blocks):
             blk.register_forward_pre_hook(self._pre_forward(i))
