@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fived.comm.volume import bytes_sent
 from fived.config import ConfigError, ModelConfig, ParallelConfig, preset
 from fived.testing import rel_diff, run_ranks, small_train, train_layout
 
@@ -33,14 +32,14 @@ def _check_parity(reference, dp, zero, micro, **kw):
     return out
 
 
-# a default subset touching every stage, dp 2 and 4, accumulation on/off, small buckets
+# a default subset touching every stage (dp 4: the slow matrix and the bytes test),
+# accumulation on/off, small buckets
 # (several buckets in flight), and --no-overlap
 @pytest.mark.parametrize("dp,zero,micro,kw", [
     (2, 0, 2, {"bucket_mb": 0.05}),
     (2, 1, 1, {"bucket_mb": 0.1, "overlap": False}),
-    (4, 2, 2, {"bucket_mb": 0.05}),
+    (2, 2, 2, {"bucket_mb": 0.05}),
     (2, 3, 1, {}),
-    (4, 3, 2, {}),
 ])
 def test_zero_parity(reference, dp, zero, micro, kw):
     _check_parity(reference, dp, zero, micro, **kw)
@@ -126,16 +125,8 @@ def test_model_state_bytes_and_traffic_match_formulas(n):
                     assert total == pytest.approx(3 * f * full_params, rel=1e-12)
     # the same first-step loss in every mode of one precision
     losses = {r["case"]: r["loss"] for r in results[0]}
-    for (z, p, g), loss in losses.items():
+    for (_z, p, g), loss in losses.items():
         assert loss == pytest.approx(losses[(0, p, g)], rel=1e-5 if p == "fp32" else 1e-2)
-
-
-def test_ddp_traffic_equals_ring_formula():
-    """DDP bytes per step = 2(N−1)/N · gradient bytes (one micro-batch), via the trainer's
-    metrics (the JSONL record)."""
-    out = train_layout(MODEL, ParallelConfig(dp=2, bucket_mb=0.1), small_train(steps=1))
-    last = out[0]["history"][-1]
-    assert last["traffic"]["dense"] == bytes_sent("all_reduce", last["memory"]["grads"], 2)
 
 
 # ---------------------------------------------------------------- overlap
