@@ -132,8 +132,9 @@ class Zero3(DataParallel):
         self.live_buffers = sum(nbytes(b.param_full) for b in self.buckets)
 
     # ------------------------------------------------------------------ gather / free
-    def prefetch(self, u: Unit) -> None:
-        if u.state != "free":
+    def prefetch(self, u: Unit, ahead: bool = False) -> None:
+        """Start unit u's all-gather asynchronously; ``ahead`` (a prefetch) is off with --no-overlap."""
+        if u.state != "free" or (ahead and not self.overlap):
             return
         for b in u.buckets:
             b.param_full.untyped_storage().resize_(b.padded * b.param_full.element_size())
@@ -168,7 +169,7 @@ class Zero3(DataParallel):
             return
         self.gather(self.root)
         if self.units:
-            self.prefetch(self.units[0])
+            self.prefetch(self.units[0], ahead=True)
 
     def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
         if in_backward():
@@ -181,7 +182,7 @@ class Zero3(DataParallel):
         def hook(module: nn.Module, args: Any) -> None:
             self.gather(self.units[i])
             if not in_backward() and i + 1 < len(self.units):
-                self.prefetch(self.units[i + 1])
+                self.prefetch(self.units[i + 1], ahead=True)
         return hook
 
     def _post_forward(self, i: int):
@@ -199,11 +200,11 @@ class Zero3(DataParallel):
             if i == len(self.units):
                 self.gather(self.root)
                 if self.units:
-                    self.prefetch(self.units[-1])
+                    self.prefetch(self.units[-1], ahead=True)
             else:
                 self.gather(self.units[i])
                 if i > 0:
-                    self.prefetch(self.units[i - 1])
+                    self.prefetch(self.units[i - 1], ahead=True)
         return hook
 
     def after_grad(self, b: Bucket, j: int) -> None:
