@@ -1,0 +1,64 @@
+"""``fived bench zero``: fived ZeRO-1/2/3 against PyTorch FSDP2 (``fully_shard`` per block and
+on the root, its default ``reshard_after_forward=True``: the ZeRO-3 schedule), plus PyTorch DDP
+for scale, on the same model, ranks and data in one run (alternating, medians; see
+``fived.bench.ddp`` for the method). The "comm hidden" column for fived ZeRO-3 compares its
+wait for collectives with prefetch and overlapped reduce-scatters against ``--no-overlap``
+(gathers on demand, reductions after backward).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from .ddp import Runner, fived_runner, hidden_fraction, state_bytes_torch, torch_ddp_runner
+from .ddp import main as _main
+
+
+def fsdp2_runner(cfg: Any, train: Any, world: int, batch: Callable[[int], tuple]) -> Runner:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ..config import ParallelConfig
+    from ..model import build_model
+    from ..parallel.plan import Plan
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model(cfg, Plan(cfg, ParallelConfig(), train.seed, None))
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(train.beta1, train.beta2),
+                            eps=train.eps, weight_decay=0.0)
+    scale = world / (train.global_batch * cfg.seq_len)  # FSDP averages; fived sums
+
+    def step(i: int) -> None:
+        x, y, pos = batch(i)
+        opt.zero_grad(set_to_none=True)
+        (model(x, pos, y) * scale).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        opt.step()
+
+    return Runner("torch FSDP2", step, lambda: state_bytes_torch(model, opt))
+
+
+def zero_runners(cfg: Any, par: Any, train: Any, args: Any, rank: int, world: int,
+                 batch: Callable) -> list[Runner]:
+    runners = [fived_runner(f"fived ZeRO-{z}", cfg, replace(par, zero=z), train, rank, world,
+                            batch) for z in (1, 2, 3)]
+    runners.append(fived_runner("fived ZeRO-3 no-overlap", cfg,
+                                replace(par, zero=3, overlap=False), train, rank, world, batch))
+    runners.append(fsdp2_runner(cfg, train, world, batch))
+    runners.append(torch_ddp_runner(cfg, train, args.bucket_mb, world, batch))
+    return runners
+
+
+def hidden_for(rows: list[dict]) -> dict[str, float | None]:
+    return {"fived ZeRO-3": hidden_fraction(rows, "fived ZeRO-3", "fived ZeRO-3 no-overlap")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _main(sys.argv[1:] if argv is None else argv, kind="zero")

@@ -1,0 +1,84 @@
+"""Mixed precision: bf16/fp16 compute, fp32 master weights and optimizer state, fp16 loss scaling.
+
+Policy (Micikevicius et al. 2018, "Mixed Precision Training"):
+
+* the model is built in the compute dtype (``Plan.dtype``) — forward and backward run in it;
+* every rank keeps an fp32 *master* copy of the parameters it updates (all of them with
+  ZeRO-0, its 1/N shard with ZeRO-1/2/3); AdamW's m and v are fp32; after the step the master
+  is rounded into the compute-dtype parameters;
+* gradients are reduced and accumulated in fp32 by default (an fp32 gradient buffer, 18Ψ bytes
+  of model state with ZeRO-0), or in the compute dtype with ``grad_reduce_dtype = "bf16"``
+  (16Ψ bytes: 2 params + 2 grads + 4 master + 8 Adam);
+* fp16 only: a dynamic loss scaler. The loss is multiplied by S in backward (an identity in
+  forward, so the reported loss is unscaled), gradients are unscaled by 1/S before the global
+  norm; a non-finite norm means an overflow somewhere: the step is skipped (``engine.step``
+  returns False, the trainer logs ``skipped``) and S halves; after ``growth_interval`` clean
+  steps S doubles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .data import DataParallel
+
+
+class LossScaler:
+    def __init__(self, init_scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
+                 growth_interval: int = 1000, min_scale: float = 1.0):
+        self.scale = float(init_scale)
+        self.growth, self.backoff = growth, backoff
+        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self.good_steps = 0
+        self.skipped = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.min_scale, self.scale * self.backoff)
+            self.good_steps = 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= self.growth
+            self.good_steps = 0
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the incoming gradient by the current loss scale."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
+        ctx.scale = scaler.scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        return g * ctx.scale, None
+
+
+def install_loss_scaling(model: nn.Module, scaler: LossScaler) -> None:
+    """Scale the backward of the model's scalar loss output (the last pipeline stage's)."""
+
+    def hook(module: nn.Module, args: Any, out: Any) -> Any:
+        if isinstance(out, torch.Tensor) and out.dim() == 0 and out.requires_grad:
+            return _ScaleGrad.apply(out, scaler)
+        return out
+
+    model.register_forward_hook(hook)
+
+
+class MixedPrecisionDataParallel(DataParallel):
+    """DDP with bf16/fp16 compute: the shared engine already keeps fp32 masters whenever the
+    parameters are not fp32 (``separate_master``) and reduces in ``grad_reduce_dtype``."""
+
+
+def bytes_per_param(precision: str, grad_reduce_dtype: str = "fp32") -> dict[str, int]:
+    """What the engine allocates per parameter with ZeRO-0 (divide the sharded ones by N)."""
+    if precision == "fp32":
+        return {"params": 4, "grads": 4, "master": 0, "optimizer": 8}
+    return {"params": 2, "grads": 4 if grad_reduce_dtype == "fp32" else 2, "master": 4,
+            "optimizer": 8}
