@@ -138,8 +138,9 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, grid: Any, world_g
         row[4] += m.z_sum
         row[5] += m.dropped
         row[head + m.layer * E: head + (m.layer + 1) * E] += m.tokens_per_expert
+    fwd = float(sum(m.forwards for m in layers))
+    for m in layers:
         m.reset_stats()
-    fwd = float(sum(m.forwards for m in layers)) if layers else 0.0
     vec = torch.cat([row, torch.tensor([fwd], dtype=torch.float64)])
     world = world_group.size
     allrows = torch.zeros(world * vec.numel(), dtype=torch.float64)
