@@ -128,6 +128,8 @@ class MoE(nn.Module):
                 p._fived_grad_reduce = ("tp",)
         self.shared = (MLP(cfg, plan, prefix + "shared_expert.", ffn=cfg.expert_ffn)
                        if cfg.shared_expert else None)
+        self.keep_aux = False  # tests: keep the last aux tensor (with its graph) in last_aux
+        self.last_aux: torch.Tensor | None = None
         self.reset_stats()
 
     # ------------------------------------------------------------------ statistics
@@ -191,6 +193,8 @@ class MoE(nn.Module):
             self.balance_sum += float(balance.detach())
             self.z_sum += float(z.detach())
         aux = cfg.aux_loss_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
+        if self.keep_aux:
+            self.last_aux = aux
         if torch.is_grad_enabled() and aux.requires_grad:
             out = _AuxGrad.apply(out, aux, float(getattr(self.plan, "loss_scale", 1.0)))
         return out
