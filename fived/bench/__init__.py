@@ -1,0 +1,1 @@
+"""Benchmarks: ``fived bench NAME`` runs ``fived.bench.NAME.main(argv)``."""
