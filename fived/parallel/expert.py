@@ -22,7 +22,8 @@ and the backward repeats the two row all-to-alls with splits swapped (R·h·b th
 
     ep bytes per rank = Σ_{layers, micro-batches} [ (E − E/n)·8 + 2·(S + R)·h·b ]
 
-(``a2a_bytes`` evaluates it exactly from the measured routing; ``a2a_bytes_uniform`` is the
+(full recompute runs the forward once more: (1+1)·counts + (2+1)·(S+R)·h·b;
+``a2a_bytes`` evaluates it exactly from the measured routing; ``a2a_bytes_uniform`` is the
 balanced-routing estimate the ledger can use without data). Expert parameters per rank:
 
     expert bytes = layers_on_rank · (E/n) · 3 · h · ffn_e · b        (replicated over tp)
@@ -71,13 +72,16 @@ def expert_param_bytes(cfg: Any, ep: int, layers_on_rank: int | None = None,
 
 
 def a2a_bytes(counts: list[list[list[float]]], ep_groups: list[tuple[int, ...]], cfg: Any,
-              forwards: list[int], dtype_bytes: int = 4) -> list[float]:
+              forwards: list[int], dtype_bytes: int = 4, recompute_full: bool = False
+              ) -> list[float]:
     """Exact ep bytes each rank sends in one step, from the routing.
 
     ``counts[r][l][e]``: rows rank r routed to expert e in layer l (summed over micro-batches);
     ``ep_groups``: the ep groups (member ranks in ep order); ``forwards[r]``: MoE layer forwards
-    rank r ran (layers held × micro-batches), each with one counts exchange.
+    rank r ran (layers held × micro-batches), each with one counts exchange. With full
+    recompute the forward (counts and both row all-to-alls) runs once more inside backward.
     """
+    again = 1 if recompute_full else 0
     E = cfg.experts
     out = [0.0] * len(counts)
     for members in ep_groups:
@@ -91,8 +95,8 @@ def a2a_bytes(counts: list[list[list[float]]], ep_groups: list[tuple[int, ...]],
             for layer in range(len(counts[r])):
                 sent += sum(c for e, c in enumerate(counts[r][layer]) if e not in mine)
                 recv += sum(counts[q][layer][e] for q in members if q != r for e in mine)
-            out[r] = (forwards[r] * (E - per) * COUNT_BYTES
-                      + 2 * (sent + recv) * cfg.hidden * dtype_bytes)
+            out[r] = ((1 + again) * forwards[r] * (E - per) * COUNT_BYTES
+                      + (2 + again) * (sent + recv) * cfg.hidden * dtype_bytes)
     return out
 
 
