@@ -127,15 +127,19 @@ def test_ep_zero_parity(zero):
     check_parity(2, ParallelConfig(ep=2, dp=2, zero=zero))
 
 
-@pytest.mark.slow
-def test_ep_sequence_parallel_runs():
-    """With SP each tp rank routes its own sequence shard: the balance loss and capacity are
-    per shard, so only the CE-dominated losses are compared (loosely)."""
-    if not HAS_TP:
-        pytest.skip("fived.parallel.tensor is not built in this tree")
-    ref = one_rank(2)
-    out = run(2, ParallelConfig(ep=2, tp=2, sequence_parallel=True))
-    assert rel_diff(out[0]["losses"], ref["losses"]) < 1e-3
+@pytest.mark.skipif(not HAS_TP, reason="fived.parallel.tensor is not built in this tree")
+def test_ep_sequence_parallel_parity():
+    """With SP the MoE gathers the sequence over tp, so routing and aux losses are exact."""
+    check_parity(2, ParallelConfig(ep=2, tp=2, sequence_parallel=True))
+
+
+HAS_CP = importlib.util.find_spec("fived.parallel.context") is not None
+
+
+@pytest.mark.skipif(not HAS_CP, reason="fived.parallel.context is not built in this tree")
+def test_ep_cp_parity_dropless():
+    """cp shards each sequence: the balance loss sums the routed counts over cp (exact)."""
+    check_parity(2, ParallelConfig(ep=2, cp=2))
 
 
 # ------------------------------------------------------------------------ model-level checks

@@ -28,10 +28,19 @@ the trainer; global_sequences = global_tokens / seq_len, hence the factor seq_le
 "aux-loss auto-scaler" trick. An fp16 loss scaler must multiply ``plan.loss_scale`` too.
 
 Expert parallelism (``fived.parallel.expert``): with ep > 1 an ep rank builds only its E/ep
-contiguous experts, and routed rows travel by all-to-all to their owners and back. Expert
-weights are replicated over tp (each tp rank holds full experts; without sequence parallelism
-every tp rank routes identical tokens, so nothing is reduced over tp; with SP the tokens differ
-per tp rank and router/expert gradients are summed over tp via ``_fived_grad_reduce``).
+contiguous experts, and routed rows travel by all-to-all to their owners and back.
+
+Expert weights are replicated over tp: each tp rank holds full experts and the full router and
+routes the same tokens, so nothing is reduced over tp (like a norm weight). With sequence
+parallelism the layer first all-gathers the sequence shards over tp (``gather_to``: backward keeps
+the own chunk) and returns its own shard (``split_to``), so routing, capacity and the balance
+loss are the one-rank ones; the cost is one all-gather of (b, s, h) forward and one backward,
+charged to tp.
+
+With context parallelism a rank holds a shard of each sequence: the balance loss stays exact by
+summing the per-sequence routed counts over cp (an all-reduce of b·E fp32 per layer forward,
+charged to cp) and normalising P by the full sequence length; capacity is then applied per
+local shard with C from the local length (not layout-independent).
 
 The module keeps per-step statistics (tokens per expert, dropped assignments, the local aux
 sums) that ``fived.parallel.expert.collect_stats`` reads and resets once per step.
@@ -46,6 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm import autograd as A
+from ..comm import ops
 from ..config import ModelConfig
 from . import layers as L
 from .llama import MLP, STD
@@ -123,9 +134,9 @@ class MoE(nn.Module):
         for p in self.experts.parameters():
             p._fived_expert = True
         self.sequence_parallel = bool(plan.par.sequence_parallel and plan.tp > 1)
-        if self.sequence_parallel:  # tokens differ per tp rank; replicated weights sum over tp
-            for p in list(self.experts.parameters()) + list(self.router.parameters()):
-                p._fived_grad_reduce = ("tp",)
+        self.tp_group = plan.group("tp") if self.sequence_parallel else None
+        cp = plan.group("cp")
+        self.cp_group = cp if cp is not None and cp.size > 1 else None
         self.shared = (MLP(cfg, plan, prefix + "shared_expert.", ffn=cfg.expert_ffn)
                        if cfg.shared_expert else None)
         self.keep_aux = False  # tests: keep the last aux tensor (with its graph) in last_aux
@@ -148,9 +159,18 @@ class MoE(nn.Module):
         return torch.cat(outs) if outs else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return self.moe(x) if self.shared is None else self.moe(x) + self.shared(x)
+        # SP: route the whole sequence (replicated over tp), keep this rank's shard
+        out = A.split_to(self.moe(A.gather_to(x, self.tp_group, dim=1)), self.tp_group, dim=1)
+        return out if self.shared is None else out + self.shared(x)
+
+    def moe(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts on (b, s, h) -> (b, s, h)."""
         cfg = self.cfg
         E, k = cfg.experts, cfg.top_k
         b, s, h = x.shape
+        s_full = s * (1 if self.cp_group is None else self.cp_group.size)
         flat = x.reshape(b * s, h)
         logits = F.linear(flat.float(), self.router.weight.float())  # (N, E) fp32
         probs = logits.softmax(dim=-1)
@@ -160,8 +180,10 @@ class MoE(nn.Module):
 
         # auxiliary losses (local sums; see the module docstring for the normalisation)
         routed = F.one_hot(top_i.view(b, s * k), E).sum(1).float()  # (b, E), before dropping
-        f = routed / (s * k)
-        P = probs.view(b, s, E).mean(1)
+        if self.cp_group is not None:  # the whole sequence's counts
+            ops.all_reduce(routed, self.cp_group)
+        f = routed / (s_full * k)
+        P = probs.view(b, s, E).sum(1) / s_full  # this shard's part of the sequence mean
         balance = E * (f * P).sum()
         z = torch.logsumexp(logits, dim=-1).pow(2).sum()
 
@@ -183,8 +205,6 @@ class MoE(nn.Module):
         slots = y.new_zeros(b * s * k, h).index_copy(0, sel, y)
         out = (slots.view(b * s, k, h) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
         out = out.view(b, s, h).to(x.dtype)
-        if self.shared is not None:
-            out = out + self.shared(x)
 
         if not _in_backward():
             self.forwards += 1
