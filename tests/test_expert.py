@@ -127,6 +127,7 @@ def test_ep_zero_parity(zero):
     check_parity(2, ParallelConfig(ep=2, dp=2, zero=zero))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TP, reason="fived.parallel.tensor is not built in this tree")
 def test_ep_sequence_parallel_parity():
     """With SP the MoE gathers the sequence over tp, so routing and aux losses are exact."""
@@ -136,6 +137,7 @@ def test_ep_sequence_parallel_parity():
 HAS_CP = importlib.util.find_spec("fived.parallel.context") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_CP, reason="fived.parallel.context is not built in this tree")
 def test_ep_cp_parity_dropless():
     """cp shards each sequence: the balance loss sums the routed counts over cp (exact)."""
