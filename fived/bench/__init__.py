@@ -1,1 +1,1 @@
-"""Benchmarks: ``fived bench NAME`` runs ``fived.bench.NAME.main(argv)``."""
+"""Benchmarks: each fived dimension against its PyTorch-native peer, in one run, as ratios."""
