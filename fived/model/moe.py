@@ -30,17 +30,16 @@ the trainer; global_sequences = global_tokens / seq_len, hence the factor seq_le
 Expert parallelism (``fived.parallel.expert``): with ep > 1 an ep rank builds only its E/ep
 contiguous experts, and routed rows travel by all-to-all to their owners and back.
 
-Expert weights are replicated over tp: each tp rank holds full experts and the full router and
-routes the same tokens, so nothing is reduced over tp (like a norm weight). With sequence
-parallelism the layer first all-gathers the sequence shards over tp (``gather_to``: backward keeps
-the own chunk) and returns its own shard (``split_to``), so routing, capacity and the balance
-loss are the one-rank ones; the cost is one all-gather of (b, s, h) forward and one backward,
-charged to tp.
+Expert weights are replicated over tp (never cut): each tp rank holds full experts and the full
+router. Without sequence parallelism every tp rank routes the same tokens and gets the same full
+gradients, so nothing is reduced over tp (like a norm weight). With SP each tp rank routes its
+own sequence shard, so router and expert gradients are summed over tp (``_fived_grad_reduce``).
 
-With context parallelism a rank holds a shard of each sequence: the balance loss stays exact by
-summing the per-sequence routed counts over cp (an all-reduce of b·E fp32 per layer forward,
-charged to cp) and normalising P by the full sequence length; capacity is then applied per
-local shard with C from the local length (not layout-independent).
+When a sequence is cut across ranks (cp, and tp under SP) the balance loss stays exact: the
+per-sequence routed counts are summed over those groups (an all-reduce of b·E fp32 per layer
+forward, charged to cp / tp) and P is normalised by the full sequence length, so the shards'
+E·Σ_e f·P_local add up to B_q. Capacity is then applied per local shard, with C from the local
+length (exact only when dropless).
 
 The module keeps per-step statistics (tokens per expert, dropped assignments, the local aux
 sums) that ``fived.parallel.expert.collect_stats`` reads and resets once per step.
@@ -55,7 +54,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import autograd as A
 from ..comm import ops
 from ..config import ModelConfig
 from . import layers as L
@@ -134,9 +132,12 @@ class MoE(nn.Module):
         for p in self.experts.parameters():
             p._fived_expert = True
         self.sequence_parallel = bool(plan.par.sequence_parallel and plan.tp > 1)
-        self.tp_group = plan.group("tp") if self.sequence_parallel else None
-        cp = plan.group("cp")
-        self.cp_group = cp if cp is not None and cp.size > 1 else None
+        if self.sequence_parallel:  # tokens differ per tp rank; replicated weights sum over tp
+            for p in list(self.experts.parameters()) + list(self.router.parameters()):
+                p._fived_grad_reduce = ("tp",)
+        # the groups across which one sequence is cut (its routed counts are summed there)
+        names = ["cp"] + (["tp"] if self.sequence_parallel else [])
+        self.seq_groups = [g for g in map(plan.group, names) if g is not None and g.size > 1]
         self.shared = (MLP(cfg, plan, prefix + "shared_expert.", ffn=cfg.expert_ffn)
                        if cfg.shared_expert else None)
         self.keep_aux = False  # tests: keep the last aux tensor (with its graph) in last_aux
@@ -159,18 +160,16 @@ class MoE(nn.Module):
         return torch.cat(outs) if outs else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_group is None:
-            return self.moe(x) if self.shared is None else self.moe(x) + self.shared(x)
-        # SP: route the whole sequence (replicated over tp), keep this rank's shard
-        out = A.split_to(self.moe(A.gather_to(x, self.tp_group, dim=1)), self.tp_group, dim=1)
+        """(b, s, h) -> (b, s, h); s is this rank's part of the sequence (cp, SP)."""
+        out = self.moe(x)
         return out if self.shared is None else out + self.shared(x)
 
     def moe(self, x: torch.Tensor) -> torch.Tensor:
-        """The routed experts on (b, s, h) -> (b, s, h)."""
+        """The routed experts."""
         cfg = self.cfg
         E, k = cfg.experts, cfg.top_k
         b, s, h = x.shape
-        s_full = s * (1 if self.cp_group is None else self.cp_group.size)
+        s_full = s * math.prod(g.size for g in self.seq_groups)
         flat = x.reshape(b * s, h)
         logits = F.linear(flat.float(), self.router.weight.float())  # (N, E) fp32
         probs = logits.softmax(dim=-1)
@@ -180,8 +179,8 @@ class MoE(nn.Module):
 
         # auxiliary losses (local sums; see the module docstring for the normalisation)
         routed = F.one_hot(top_i.view(b, s * k), E).sum(1).float()  # (b, E), before dropping
-        if self.cp_group is not None:  # the whole sequence's counts
-            ops.all_reduce(routed, self.cp_group)
+        for g in self.seq_groups:  # the whole sequence's counts
+            ops.all_reduce(routed, g)
         f = routed / (s_full * k)
         P = probs.view(b, s, E).sum(1) / s_full  # this shard's part of the sequence mean
         balance = E * (f * P).sum()

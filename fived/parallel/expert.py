@@ -150,8 +150,8 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, grid: Any, world_g
     allrows = torch.zeros(world * vec.numel(), dtype=torch.float64)
     ops.all_gather_into(allrows, vec, world_group)
     rows = allrows.view(world, -1)
-    # every tp rank routes the same tokens (with SP too: the MoE gathers the sequence over tp)
-    copies = par.tp
+    # without SP every tp rank routes the same tokens: count each token once
+    copies = 1 if (par.sequence_parallel and par.tp > 1) else par.tp
     tot = rows.sum(0) / copies
     global_seqs = global_tokens / cfg.seq_len
     counts = tot[head:head + Lyr * E].view(Lyr, E)
