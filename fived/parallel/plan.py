@@ -33,6 +33,9 @@ class Plan:
     seed: int
     grid: Any = None  # fived.grid.Grid (None: one rank)
     dtype: torch.dtype = torch.float32
+    # d(step loss)/d(local loss sum) = 1/global_tokens, set by the trainer each step; MoE layers
+    # give their auxiliary losses this gradient (fived.model.moe._AuxGrad).
+    loss_scale: float = 1.0
 
     # --------------------------------------------------------------- groups
     def group(self, name: str) -> Any:

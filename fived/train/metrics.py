@@ -28,12 +28,14 @@ class LiveDisplay:
             TextColumn("loss [cyan]{task.fields[loss]}"),
             TextColumn("tok/s {task.fields[tps]}"),
             TextColumn("MFU {task.fields[mfu]}"),
+            *([TextColumn("a2a {task.fields[moe]}")] if getattr(model, "is_moe", False) else []),
             TimeRemainingColumn(),
             console=self.console,
             transient=False,
         )
         self.progress.start()
-        self.task = self.progress.add_task("train", total=train.steps, loss="-", tps="-", mfu="-")
+        self.task = self.progress.add_task("train", total=train.steps, loss="-", tps="-", mfu="-",
+                                           moe="")
         self.first_loss: float | None = None
 
     def update(self, rec: dict[str, Any]) -> None:
@@ -42,7 +44,10 @@ class LiveDisplay:
         self.progress.update(
             self.task, advance=1, loss=f"{rec['loss']:.4f}", tps=f"{rec['tokens_per_s']:.0f}",
             mfu=f"{100 * rec['mfu']:.1f}%",
+            moe=f"{100 * rec['moe']['a2a_share']:.0f}%" if rec.get("moe") else "",
         )
+        if rec.get("moe"):
+            self.progress.console.print(f"step {rec['step']}: {moe_line(rec['moe'])}")
         if rec.get("skipped"):
             self.progress.console.print(f"step {rec['step']}: overflow, step skipped")
 
@@ -55,6 +60,18 @@ class LiveDisplay:
         self.console.print(summary_table(history))
 
 
+def moe_line(moe: dict[str, Any] | None) -> str:
+    """One step's MoE line: aux + z loss, dropped assignments, tokens per expert (summed over
+    layers, as % of the routed rows) and the all-to-all's share of step time."""
+    if not moe:
+        return ""
+    per = [sum(col) for col in zip(*moe["tokens_per_expert"])]
+    total = max(sum(per), 1)
+    spread = "/".join(f"{100 * c / total:.0f}" for c in per)
+    return (f"aux {moe['aux_loss']:.4f} z {moe['z_loss']:.4f} drop {moe['dropped']} "
+            f"tokens/expert% {spread} a2a {100 * moe['a2a_share']:.0f}% of step")
+
+
 def summary_table(history: list[dict[str, Any]]) -> Table:
     """Median over the steps after the first (warm-up) of what the run measured."""
     steady = history[1:] or history
@@ -65,6 +82,14 @@ def summary_table(history: list[dict[str, Any]]) -> Table:
     t.add_row("tokens/s (median)", f"{statistics.median(h['tokens_per_s'] for h in steady):.0f}")
     t.add_row("MFU (median)", f"{100 * statistics.median(h['mfu'] for h in steady):.2f}%")
     t.add_row("step time (median)", f"{1000 * statistics.median(h['seconds'] for h in steady):.1f} ms")
+    if history[-1].get("moe"):
+        moe = history[-1]["moe"]
+        t.add_row("MoE aux / z loss (last)", f"{moe['aux_loss']:.5f} / {moe['z_loss']:.5f}")
+        t.add_row("MoE dropped assignments (total)", f"{sum(h['moe']['dropped'] for h in history)}")
+        per = [sum(col) for col in zip(*moe["tokens_per_expert"])]
+        t.add_row("MoE tokens per expert (last, all layers)", " ".join(map(str, per)))
+        t.add_row("all-to-all share of step (median)",
+                  f"{100 * statistics.median(h['moe']['a2a_share'] for h in steady):.1f}%")
     mems = history[-1]["memory_per_rank"]
     worst = max(range(len(mems)), key=lambda r: sum(mems[r][k] for k in
                                                     ("params", "grads", "master", "optimizer")))

@@ -144,6 +144,7 @@ class Trainer:
         x, y, positions = self.local_data(step)
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
         self.engine.zero_grad()
+        self.plan.loss_scale = 1.0 / global_tokens  # the MoE aux-loss gradient scale
         local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
         self.engine.finish()
         grad_norm = self.engine.clip(self.tcfg.grad_clip)
@@ -151,8 +152,14 @@ class Trainer:
         stepped = self.engine.step(lr)
         seconds = time.perf_counter() - t0
         loss = self.global_loss(local_loss) / global_tokens
-        return {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
-                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped}
+        rec = {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
+               "lr": lr, "grad_norm": grad_norm, "skipped": not stepped}
+        if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
+            from ..parallel.expert import collect_stats
+
+            rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.grid,
+                                       self.world_metrics, global_tokens, seconds, self.traffic)
+        return rec
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Σ token losses over the world: each token's loss is counted on one tp rank's copy."""

@@ -1,0 +1,137 @@
+"""``fived bench ep``: step time of ep ∈ {1, 2, 4} on the same global batch, and the
+all-to-all's share of it.
+
+Each layout trains the same MoE model on the same global batch (ep ranks read different
+sequences, so ep = n is also n-way data parallel for the dense part) for ``--steps`` steps on
+``ep`` local gloo ranks. The table gives, per ep: the median step time after the first step,
+tokens/s, the all-to-all seconds per step (max over ranks) and their share of the step (mean
+over ranks), the ep bytes one rank sent (measured) against the balanced-routing estimate
+``fived.parallel.expert.a2a_bytes_uniform``, the expert-parameter bytes per rank, and the last
+loss (the same on every layout: parity). Times on a shared CPU are noise; the shares and the
+bytes are the result.
+
+    fived bench ep                         # tiny-moe, ep 1,2,4, 6 steps, global batch 16
+    fived bench ep --eps 1,2 --steps 10 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+
+def _rank(rank: int, world: int, model: Any, par: Any, train: Any) -> dict[str, Any]:
+    from ..train.trainer import train_rank
+
+    return train_rank(rank, world, model, par, train, show=False)
+
+
+def measure(model: Any, ep: int, train: Any, timeout: float = 600.0) -> dict[str, Any]:
+    """Train one layout; the row of the closing table."""
+    from ..config import ParallelConfig
+    from ..launch import run_local
+    from ..parallel.expert import a2a_bytes_uniform, expert_param_bytes
+
+    par = ParallelConfig(ep=ep)
+    t0 = time.perf_counter()
+    out = run_local(_rank, ep, (model, par, train), timeout=timeout)
+    wall = time.perf_counter() - t0
+    hist = out[0]["history"]
+    steady = hist[1:] or hist
+    step_s = statistics.median(h["seconds"] for h in steady)
+    tokens = train.global_batch * model.seq_len
+    ep_bytes = max(t["bytes"].get("ep", 0.0) for t in hist[-1]["traffic_per_rank"])
+    return {
+        "ep": ep,
+        "ranks": ep,
+        "step_ms": 1000 * step_s,
+        "tokens_per_s": tokens / step_s,
+        "a2a_ms": 1000 * statistics.median(h["moe"]["a2a_seconds"] for h in steady),
+        "a2a_share": statistics.median(h["moe"]["a2a_share"] for h in steady),
+        "ep_bytes_per_rank": ep_bytes,
+        "ep_bytes_uniform": a2a_bytes_uniform(model, ep, tokens / ep, model.layers),
+        "expert_bytes_per_rank": expert_param_bytes(model, ep),
+        "dropped": sum(h["moe"]["dropped"] for h in hist),
+        "loss_last": hist[-1]["loss"],
+        "wall_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from ..config import ConfigError, ParallelConfig, TrainConfig, preset, validate
+
+    ap = argparse.ArgumentParser(prog="fived bench ep", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-moe", help="a MoE preset (default tiny-moe)")
+    ap.add_argument("--eps", default="1,2,4", help="ep degrees to compare (default 1,2,4)")
+    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per layout")
+    ap.add_argument("--global-batch", type=int, default=16, help="sequences per step (all layouts)")
+    ap.add_argument("--seq-len", type=int, default=None, help="override the model's seq_len")
+    ap.add_argument("--top-k", type=int, default=None, help="override the model's top_k")
+    ap.add_argument("--capacity-factor", type=float, default=None, help="0: dropless")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON at the end")
+    a = ap.parse_args(argv)
+    model = preset(a.model)
+    over = {k: v for k, v in (("seq_len", a.seq_len), ("top_k", a.top_k),
+                              ("capacity_factor", a.capacity_factor)) if v is not None}
+    model = replace(model, **over)
+    try:
+        eps = [int(x) for x in a.eps.split(",")]
+        train = TrainConfig(model=model.name, steps=a.steps, global_batch=a.global_batch,
+                            warmup=1, seed=1234)
+        for ep in eps:
+            validate(model, ParallelConfig(ep=ep), train, ep)
+    except (ValueError, ConfigError) as e:
+        print(f"fived bench ep: {e}", file=sys.stderr)
+        return 2
+    con = Console()
+    con.width = max(con.width, 100)
+    con.print(f"[bold]fived bench ep[/]: {model.name} ({model.experts} experts, top-{model.top_k}, "
+              f"{'dropless' if model.capacity_factor <= 0 else f'capacity {model.capacity_factor}'}"
+              f") · ep {', '.join(map(str, eps))} · {a.steps} steps · global batch "
+              f"{a.global_batch}×{model.seq_len} tokens · gloo on this CPU", highlight=False)
+    rows = []
+    with Progress(TextColumn("{task.description}"), BarColumn(bar_width=20),
+                  TextColumn("{task.completed}/{task.total} layouts"), TimeElapsedColumn(),
+                  console=con, transient=False) as prog:
+        task = prog.add_task("ep 1", total=len(eps))
+        for ep in eps:
+            prog.update(task, description=f"training ep {ep} on {ep} rank(s)")
+            r = measure(model, ep, train)
+            rows.append(r)
+            prog.console.print(f"  ep {ep}: step {r['step_ms']:.1f} ms, all-to-all "
+                               f"{100 * r['a2a_share']:.1f}% of it, loss {r['loss_last']:.5f}",
+                               highlight=False)
+            prog.advance(task)
+    t = Table(title=f"fived bench ep — {model.name}, same global batch", header_style="bold")
+    for c in ("ep", "step ms", "vs ep1", "tok/s", "a2a ms", "a2a %", "ep KiB", "bal. KiB",
+              "exp. KiB", "loss"):
+        t.add_column(c, justify="right")
+    base = rows[0]["step_ms"]
+    for r in rows:
+        t.add_row(str(r["ep"]), f"{r['step_ms']:.1f}", f"{r['step_ms'] / base:.2f}×",
+                  f"{r['tokens_per_s']:.0f}", f"{r['a2a_ms']:.1f}", f"{100 * r['a2a_share']:.1f}",
+                  f"{r['ep_bytes_per_rank'] / 1024:.0f}", f"{r['ep_bytes_uniform'] / 1024:.0f}",
+                  f"{r['expert_bytes_per_rank'] / 1024:.0f}", f"{r['loss_last']:.4f}")
+    con.print(t)
+    con.print("a2a % = all-to-all seconds (counts + dispatch + combine, forward and backward) / "
+              "step seconds, mean over ranks; ep sent = bytes one rank sent on ep per step (max "
+              "rank), bal. = the uniform-routing estimate; exp. = expert-parameter bytes per rank; "
+              f"dropped assignments: {[r['dropped'] for r in rows]}. ep = n also splits the "
+              "batch n ways.", highlight=False)
+    if a.json:
+        print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
