@@ -50,3 +50,13 @@ def timed_run(rank: int, world: int, model: ModelConfig, par: ParallelConfig,
         t.forward_backward(x, y, pos, 1.0 / (train.global_batch * model.seq_len))
         out.append(dict(t.executor.stats))
     return out
+
+
+def suite(rank: int, world: int, model: ModelConfig, pars: list[ParallelConfig],
+          train: TrainConfig, grad_pars: list[ParallelConfig] = (),
+          timed: list[tuple[ParallelConfig, dict[str, float], int]] = ()) -> dict[str, Any]:
+    """Everything one world size tests, in one spawn: trained layouts, one-step gradients and
+    sleep-timed runs."""
+    return {"train": train_many(rank, world, model, pars, train),
+            "grads": [grads_one_step(rank, world, model, p, train) for p in grad_pars],
+            "timed": [timed_run(rank, world, model, p, train, d, n) for p, d, n in timed]}

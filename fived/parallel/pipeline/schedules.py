@@ -187,18 +187,15 @@ def zb_h1_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
         order: list[tuple[str, int, int]] = [("F", i, r) for i in range(warm)]
         pending_w: list[int] = []
         lag = r  # W's kept back: the stage's position in the pipeline
-
-        def backward(i: int) -> None:
-            order.append(("B", i, r))
-            pending_w.append(i)
+        backwards = [(warm + i, i) for i in range(m - warm)] + [(None, i)
+                                                               for i in range(m - warm, m)]
+        for f, b in backwards:
+            if f is not None:
+                order.append(("F", f, r))
+            order.append(("B", b, r))
+            pending_w.append(b)
             if len(pending_w) > lag:
                 order.append(("W", pending_w.pop(0), r))
-
-        for i in range(m - warm):
-            order.append(("F", warm + i, r))
-            backward(i)
-        for i in range(m - warm, m):
-            backward(i)
         order += [("W", i, r) for i in pending_w]
         out.append(order)
     return out

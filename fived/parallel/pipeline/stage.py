@@ -15,7 +15,7 @@ parameter is drawn from (seed, name), so any split builds the same model.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ def balanced_split(cfg: ModelConfig, stages: int) -> list[int]:
     def cost(s: int, n: int) -> float:
         return n * lc + (ec if s == 0 else 0.0) + (hc if s == stages - 1 else 0.0)
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(s: int, left: int) -> tuple[float, float, tuple[int, ...]]:
         # stages s.. take ``left`` layers: (max cost, sum of squared counts, split)
         if s == stages - 1:
