@@ -39,7 +39,7 @@ class SavedTensors:
     def _unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def __enter__(self) -> "SavedTensors":
+    def __enter__(self) -> SavedTensors:
         self._ctx.__enter__()
         return self
 
