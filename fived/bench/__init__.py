@@ -1,0 +1,1 @@
+"""Benchmarks against the PyTorch-native peers (``fived bench NAME``)."""
