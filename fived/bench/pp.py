@@ -62,10 +62,10 @@ def _rank(rank: int, world: int, model_name: str, m: int, batch: int, reps: int)
                                  group=grid["pp"].pg)
         sched = getattr(tp, theirs)(stage, m, loss_fn=lambda o, t: token_losses(o, t) * scale)
 
-        def run_fived():
+        def run_fived(ex=ex):
             ex.run(x, y, pos, scale, _NoEngine())
 
-        def run_torch():
+        def run_torch(sched=sched):
             if rank == 0:
                 sched.step(x)
             elif rank == world - 1:
