@@ -69,6 +69,10 @@ def check(model: ModelConfig, par: ParallelConfig, train: TrainConfig, world: in
     except ConfigError as e:
         problems += e.problems
     problems += unsupported(model, par)
+    if par.pp > 1 and _has("fived.parallel.pipeline.runtime"):
+        from ..parallel.pipeline.runtime import check_config
+
+        problems += check_config(model, par)
     if problems:
         raise ConfigError(problems)
 

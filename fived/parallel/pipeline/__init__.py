@@ -1,0 +1,1 @@
+"""Pipeline parallelism: partition (stage.py), schedules as data (schedules.py), executor (runtime.py)."""

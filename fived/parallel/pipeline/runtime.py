@@ -1,0 +1,328 @@
+"""The pipeline executor: runs this rank's action list (``schedules.py``) once per step.
+
+* **p2p without metadata.** Every message between stages is a (micro_batch, seq_local, hidden)
+  tensor in the model dtype, ``seq_local = seq_len / cp (/ tp with sequence parallelism)``, so
+  receive buffers are allocated from the config. Sends are posted asynchronously through
+  ``fived.comm.ops.exchange`` on ``grid["pp"]`` (bytes charged to ``pp``); the wire is FIFO per
+  (sender, receiver) pair, and since every rank knows every rank's list, a receiver posts its
+  receives in the order its peer sends them and keeps one receive in flight per peer (the
+  next message is prefetched while it computes). ``schedules.check`` proves the lists are
+  deadlock-free under exactly this model (sends never block, receives wait for their send).
+* **Freeing.** A stage output's storage is released (``untyped_storage().resize_(0)``; the
+  autograd graph keeps its metadata) as soon as its send has completed: the last op of a
+  stage is a residual add, which saves nothing for backward. Input gradients likewise.
+* **Loss.** The last stage computes Σ CE over the micro-batch's local tokens and backpropagates
+  ``loss · scale`` (scale = 1/global_tokens): the summed gradients equal the one-rank gradient
+  for any number of micro-batches and any schedule.
+* **dp / ZeRO.** ``engine.set_last_micro(last)`` is called before every backward action;
+  ``last`` is True on the action that does the final gradient accumulation of a chunk's
+  parameters (its last B; for split backwards also its last W), so the engine's bucketed
+  reduction counts each parameter once and starts only after the step's last backward.
+* **Zero-bubble split (ZB-H1).** During a split schedule's forward a ``TorchFunctionMode``
+  routes every ``F.linear(x, W)`` with W a stage parameter to ``F.linear(x, W.detach())`` and
+  records (x, y, W). B is ``torch.autograd.backward(root, grad, inputs=[stage input, every y,
+  every parameter])``: it computes the input gradient, dL/dy of each linear and the gradients
+  of the parameters that are not linear weights (norms, embedding), but no weight gradient
+  (the weights are detached from the graph). W computes dW = dyᵀ·x for each recorded linear
+  and accumulates it with ``torch.autograd.backward(W, dW)`` so post-accumulate hooks fire.
+  Under recompute the recomputed graph uses the real weights; W then has nothing to do.
+* **Measurement.** Per step: compute seconds (F/B/W), comm seconds (posting sends, and
+  receive waits after the peer had sent), idle (the rest of the pipeline makespan, which is
+  max(end) − min(start) over the pp ranks), measured bubble = 1 − compute/makespan, and peak
+  live micro-batches per stage. Send timestamps are exchanged on a ``metrics`` group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ...comm import ops
+from ...config import ConfigError, ModelConfig, ParallelConfig
+from . import schedules as S
+from .stage import build_stage
+
+
+def check_config(cfg: ModelConfig, par: ParallelConfig) -> list[str]:
+    """What a pipeline layout cannot do (empty: fine)."""
+    out = []
+    if par.pp > 1 and cfg.tied_embeddings:
+        out.append("--pp > 1 with tied embeddings: the embedding (first stage) and the head (last "
+                   "stage) would need their gradients all-reduced between stages; use an untied "
+                   "model (tied_embeddings = false)")
+    if par.pp > 1 and par.zero == 3 and par.schedule == "zb-h1":
+        out.append("--zero 3 with --schedule zb-h1: ZeRO-3 frees a unit's parameters when its "
+                   "backward ends, but ZB-H1's deferred W would re-gather every layer once more "
+                   "per micro-batch (one more all-gather of the stage's parameters per W); use "
+                   "--zero 2 or --schedule 1f1b")
+    return out
+
+
+class _SplitLinear(TorchFunctionMode):
+    """Detach stage weights inside F.linear and record (x, y, W) for the deferred W pass."""
+
+    def __init__(self, weights: set[int]):
+        super().__init__()
+        self.weights = weights
+        self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            x = args[0]
+            w = args[1] if len(args) > 1 else kwargs.get("weight")
+            if w is not None and id(w) in self.weights:
+                b = args[2] if len(args) > 2 else kwargs.get("bias")
+                y = func(x, w.detach(), b)
+                if y.requires_grad:
+                    self.records.append((x.detach(), y, w))
+                    return y
+        return func(*args, **kwargs)
+
+
+class _P2P:
+    """Activation/gradient messages on the pp group; FIFO per peer, one receive in flight."""
+
+    def __init__(self, group: Any, sched: S.Schedule, rank: int, shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device):
+        self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
+        self.expected: dict[int, list[tuple]] = defaultdict(list)
+        for src, acts in enumerate(sched.ranks):
+            for a in acts:
+                if a.kind in ("SEND_F", "SEND_B") and S.peer(a, sched.pp) == rank:
+                    self.expected[src].append(S.message(a))
+        self.reset()
+
+    def reset(self) -> None:
+        self.next = defaultdict(int)  # next message index to post, per peer
+        self.posted: dict[int, deque] = defaultdict(deque)
+        self.arrived: dict[tuple, torch.Tensor] = {}
+        self.sends: list[tuple[Any, list[torch.Tensor]]] = []
+        self.send_times: list[float] = []
+        self.waits: list[tuple[tuple, float, float]] = []  # (message, start, end)
+
+    def _post(self, src: int) -> bool:
+        i = self.next[src]
+        if i >= len(self.expected[src]):
+            return False
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        h = ops.exchange(self.group, [], [(buf, src)], async_op=True)
+        self.posted[src].append((self.expected[src][i], buf, h))
+        self.next[src] = i + 1
+        return True
+
+    def recv(self, msg: tuple, src: int) -> torch.Tensor:
+        t0 = time.time()
+        while msg not in self.arrived:
+            if not self.posted[src] and not self._post(src):
+                raise RuntimeError(f"pipeline: {msg} is not among the messages from rank {src}")
+            key, buf, h = self.posted[src].popleft()
+            h.wait()
+            self.arrived[key] = buf
+        self.waits.append((msg, t0, time.time()))
+        if not self.posted[src]:
+            self._post(src)  # prefetch the next message from this peer
+        return self.arrived.pop(msg)
+
+    def send(self, t: torch.Tensor, dst: int, free: list[torch.Tensor]) -> None:
+        self.send_times.append(time.time())
+        h = ops.exchange(self.group, [(t, dst)], [], async_op=True)
+        self.sends.append((h, free))
+        self.poll()
+
+    def poll(self) -> None:
+        """Free the storage of every tensor whose send has completed."""
+        keep = []
+        for h, free in self.sends:
+            if h.work is None or all(w.is_completed() for w in h.work):
+                h.wait()
+                for t in free:
+                    t.untyped_storage().resize_(0)
+            else:
+                keep.append((h, free))
+        self.sends = keep
+
+    def drain(self) -> None:
+        for h, free in self.sends:
+            h.wait()
+            for t in free:
+                t.untyped_storage().resize_(0)
+        self.sends = []
+
+
+class PipelineExecutor:
+    """Builds this rank's stage model and runs its schedule every step."""
+
+    def __init__(self, cfg: ModelConfig, par: ParallelConfig, plan: Any, grid: Any,
+                 sched: S.Schedule | None = None):
+        problems = check_config(cfg, par)
+        if problems:
+            raise ConfigError(problems)
+        self.cfg, self.par, self.plan, self.grid = cfg, par, plan, grid
+        self.group = grid["pp"]
+        self.pp = grid.degrees["pp"]
+        self.rank = grid.coords()["pp"]
+        v = par.virtual_stages if par.schedule == "interleaved" else 1
+        self.schedule = sched or S.build(par.schedule, self.pp, par.micro_batches, v)
+        S.check(self.schedule)
+        self.actions = self.schedule.ranks[self.rank]
+        self.num_stages = self.schedule.stages
+        self.stage = build_stage(cfg, replace(par, virtual_stages=v), plan, self.rank)
+        self.chunk_of = {s: c for c, s in enumerate(self.stage.stage_ids)}
+        self.split = self.schedule.split_backward
+        self.measure = True
+        self.delay: dict[str, float] = {}  # test knob: extra seconds slept per F/B/W action
+        self.stats: dict[str, Any] = {}
+        # the final accumulation of each chunk's parameters (set_last_micro True there)
+        self.final = set()
+        for kind in ("B", "W") if self.split else ("B",):
+            for s in self.stage.stage_ids:
+                idx = [i for i, a in enumerate(self.actions) if a.kind == kind and a.stage == s]
+                self.final.add(idx[-1])
+        self.metrics = replace(self.group, name="metrics")
+
+    # ------------------------------------------------------------------ shapes
+    def activation_shape(self, micro_batch: int) -> tuple[int, int, int]:
+        seq = self.cfg.seq_len // self.par.cp
+        if self.par.sequence_parallel:
+            seq //= self.par.tp
+        return (micro_batch, seq, self.cfg.hidden)
+
+    def activation_bytes(self, micro_batch: int) -> int:
+        n = 1
+        for d in self.activation_shape(micro_batch):
+            n *= d
+        return n * torch.empty((), dtype=self.plan.dtype).element_size()
+
+    # ------------------------------------------------------------------ one step
+    def run(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor, scale: float,
+            engine: Any) -> torch.Tensor:
+        """All micro-batches of the step; returns this rank's summed token loss (0 unless it
+        holds the last stage)."""
+        m = self.par.micro_batches
+        xs, ys = x.chunk(m), y.chunk(m)
+        mbs = xs[0].shape[0]
+        p2p = getattr(self, "_p2p", None)
+        if p2p is None:
+            p2p = self._p2p = _P2P(self.group, self.schedule, self.rank,
+                                   self.activation_shape(mbs), self.plan.dtype, x.device)
+        p2p.reset()
+        pp, S_ = self.pp, self.num_stages
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        grads: dict[tuple[int, int], torch.Tensor] = {}
+        records: dict[tuple[int, int], list] = {}
+        total = torch.zeros((), dtype=torch.float32)
+        weights = {id(p) for p in self.stage.parameters() if p.requires_grad}
+        chunk_params = [[p for p in c.parameters() if p.requires_grad]
+                        for c in self.stage.chunk_models]
+        compute = 0.0
+        live: dict[int, int] = defaultdict(int)
+        peak: dict[int, int] = defaultdict(int)
+        if self.measure:
+            ops.barrier(self.metrics)
+        start = time.time()
+        for i, a in enumerate(self.actions):
+            key = (a.mb, a.stage)
+            c = self.chunk_of[a.stage]
+            if a.kind == "RECV_F":
+                inputs[key] = p2p.recv(S.message(a), S.peer(a, pp)).requires_grad_()
+            elif a.kind == "RECV_B":
+                grads[key] = p2p.recv(S.message(a), S.peer(a, pp))
+            elif a.kind == "SEND_F":
+                out = outputs[key]
+                p2p.send(out.detach(), S.peer(a, pp), [out])
+            elif a.kind == "SEND_B":
+                g = inputs.pop(key).grad
+                p2p.send(g, S.peer(a, pp), [g])
+            else:
+                t0 = time.time()
+                if a.kind == "F":
+                    inp = xs[a.mb] if a.stage == 0 else inputs[key]
+                    last = a.stage == S_ - 1
+                    if self.split:
+                        mode = _SplitLinear(weights)
+                        with mode:
+                            out = self.stage(inp, positions, ys[a.mb] if last else None, chunk=c)
+                        records[key] = mode.records
+                    else:
+                        out = self.stage(inp, positions, ys[a.mb] if last else None, chunk=c)
+                    if last:
+                        total += out.detach().float()
+                        out = out * scale
+                    outputs[key] = out
+                    live[a.stage] += 1
+                    peak[a.stage] = max(peak[a.stage], live[a.stage])
+                elif a.kind == "B":
+                    engine.set_last_micro(i in self.final)
+                    out = outputs.pop(key)
+                    g = grads.pop(key, None)
+                    if self.split:
+                        rec = records[key]
+                        extra = [t for t in ([inputs[key]] if key in inputs else [])]
+                        extra += [r[1] for r in rec] + chunk_params[c]
+                        torch.autograd.backward(out, g, inputs=extra)
+                    else:
+                        torch.autograd.backward(out, g)
+                        live[a.stage] -= 1
+                    if a.stage > 0 and inputs[key].grad is None:
+                        inputs[key].grad = torch.zeros_like(inputs[key])
+                    del out, g
+                elif a.kind == "W":
+                    engine.set_last_micro(i in self.final)
+                    rec = records.pop(key)
+                    ws, dws = [], []
+                    for xin, yout, w in rec:
+                        if yout.grad is None:
+                            continue
+                        dws.append(yout.grad.reshape(-1, yout.shape[-1]).t()
+                                   @ xin.reshape(-1, xin.shape[-1]).to(yout.dtype))
+                        ws.append(w)
+                    if ws:
+                        torch.autograd.backward(ws, dws)
+                    del rec, ws, dws
+                    live[a.stage] -= 1
+                if self.delay.get(a.kind):
+                    time.sleep(self.delay[a.kind])
+                compute += time.time() - t0
+            p2p.poll()
+        p2p.drain()
+        end = time.time()
+        if self.measure:
+            self.stats = self._measure(p2p, start, end, compute, dict(peak))
+        return total
+
+    # ------------------------------------------------------------------ measurement
+    def _measure(self, p2p: _P2P, start: float, end: float, compute: float,
+                 peak: dict[int, int]) -> dict[str, Any]:
+        n_send = max(sum(a.kind in ("SEND_F", "SEND_B") for a in acts)
+                     for acts in self.schedule.ranks)
+        vec = torch.full((2 + n_send,), float("nan"), dtype=torch.float64)
+        vec[0], vec[1] = start, end
+        if p2p.send_times:
+            vec[2:2 + len(p2p.send_times)] = torch.tensor(p2p.send_times, dtype=torch.float64)
+        out = torch.zeros(self.pp * vec.numel(), dtype=torch.float64)
+        ops.all_gather_into(out, vec, self.metrics)
+        rows = out.view(self.pp, -1)
+        t_begin, t_end = float(rows[:, 0].min()), float(rows[:, 1].max())
+        makespan = max(t_end - t_begin, 1e-12)
+        sent_at: dict[tuple, float] = {}
+        for r, acts in enumerate(self.schedule.ranks):
+            k = 0
+            for a in acts:
+                if a.kind in ("SEND_F", "SEND_B"):
+                    sent_at[S.message(a)] = float(rows[r, 2 + k])
+                    k += 1
+        comm = 0.0
+        for msg, t0, t1 in p2p.waits:
+            comm += max(0.0, t1 - max(t0, sent_at.get(msg, t0)))
+        idle = max(0.0, makespan - compute - comm)
+        return {"compute_s": compute, "comm_s": comm, "idle_s": idle, "makespan_s": makespan,
+                "bubble": 1.0 - compute / makespan, "peak_live": peak,
+                "peak_live_rank": max(S.peak_live_rank(self.schedule)[self.rank], 0)}

@@ -1,0 +1,122 @@
+"""The partition: the layer stack cut into S = pp·v (virtual) stages.
+
+Stage 0 holds the embedding, stage S−1 the final norm, head and loss. The balanced split
+minimises the largest stage cost, in forward FLOPs per token:
+
+    layer   = 2·(attention + MLP parameters) + 4·seq·hidden     (QKᵀ and AV, causal ~ half of
+                                                                 the full 2·2·s·h, kept full)
+    head    = 2·hidden·vocab + 5·vocab                          (matmul + softmax/CE)
+    embed   = hidden                                            (a lookup: ~free, but not 0)
+
+by dynamic programming over contiguous splits (``balanced_split``). ``--pp-layers a,b,...``
+gives the split by hand. Parameter names are global (``layers.5.attn.wq.weight``) and every
+parameter is drawn from (seed, name), so any split builds the same model.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+from torch import nn
+
+from ...config import ConfigError, ModelConfig, ParallelConfig
+from ...model import build_model
+
+
+def layer_cost(cfg: ModelConfig) -> float:
+    hd = cfg.head_dim
+    attn = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * hd + cfg.heads * hd * cfg.hidden
+    if cfg.is_moe:
+        mlp = 3 * cfg.hidden * cfg.expert_ffn * cfg.top_k + cfg.hidden * cfg.experts
+        if cfg.shared_expert:
+            mlp += 3 * cfg.hidden * cfg.expert_ffn
+    else:
+        mlp = 3 * cfg.hidden * cfg.ffn
+    return 2.0 * (attn + mlp) + 4.0 * cfg.seq_len * cfg.hidden
+
+
+def head_cost(cfg: ModelConfig) -> float:
+    return 2.0 * cfg.hidden * cfg.vocab + 5.0 * cfg.vocab
+
+
+def embed_cost(cfg: ModelConfig) -> float:
+    return float(cfg.hidden)
+
+
+def balanced_split(cfg: ModelConfig, stages: int) -> list[int]:
+    """Layers per stage minimising the most expensive stage (ties: the most even split)."""
+    L, lc, hc, ec = cfg.layers, layer_cost(cfg), head_cost(cfg), embed_cost(cfg)
+    if stages > L:
+        raise ConfigError([f"{stages} pipeline stages for {L} layers: each stage needs a layer"])
+
+    def cost(s: int, n: int) -> float:
+        return n * lc + (ec if s == 0 else 0.0) + (hc if s == stages - 1 else 0.0)
+
+    @cache
+    def best(s: int, left: int) -> tuple[float, float, tuple[int, ...]]:
+        # stages s.. take ``left`` layers: (max cost, sum of squared counts, split)
+        if s == stages - 1:
+            return cost(s, left), float(left * left), (left,)
+        out = None
+        for n in range(1, left - (stages - s - 1) + 1):
+            mx, sq, rest = best(s + 1, left - n)
+            cand = (max(mx, cost(s, n)), sq + n * n, (n,) + rest)
+            if out is None or cand[:2] < out[:2]:
+                out = cand
+        return out
+
+    return list(best(0, L)[2])
+
+
+def partition(cfg: ModelConfig, par: ParallelConfig) -> list[list[int]]:
+    """Global layer ids of each (virtual) stage 0..S−1."""
+    S = par.pp * par.virtual_stages
+    counts = list(par.pp_layers) if par.pp_layers else balanced_split(cfg, S)
+    if len(counts) != S or sum(counts) != cfg.layers or min(counts) < 0:
+        raise ConfigError([f"--pp-layers {counts} must give {S} stages summing to {cfg.layers}"])
+    out, start = [], 0
+    for n in counts:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+class StageModel(nn.Module):
+    """This rank's model: its v chunks (stages r, r+p, ...) under global parameter names.
+
+    The chunks are ``Transformer`` stages sharing their blocks with this container, whose
+    ``embed`` / ``layers`` / ``norm`` / ``head`` give every parameter the name it has in the
+    one-rank model. ``forward(x, positions, targets, chunk=c)`` runs chunk c.
+    """
+
+    def __init__(self, cfg: ModelConfig, plan, layer_ids: list[list[int]], stage_ids: list[int],
+                 stages: int):
+        super().__init__()
+        self.cfg, self.plan = cfg, plan
+        self.stage_ids = stage_ids
+        self.chunk_models = [build_model(cfg, plan, ids, first=s == 0, last=s == stages - 1)
+                             for ids, s in zip(layer_ids, stage_ids)]
+        self.first = self.chunk_models[0].first
+        self.last = self.chunk_models[-1].last
+        self.layer_ids = [i for ids in layer_ids for i in ids]
+        if self.first:
+            self.embed = self.chunk_models[0].embed
+        self.layers = nn.ModuleDict()
+        for c in self.chunk_models:
+            for k, blk in c.layers.items():
+                self.layers[k] = blk
+        if self.last:
+            self.norm = self.chunk_models[-1].norm
+            self.head = self.chunk_models[-1].head
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        return self.chunk_models[chunk](x, positions, targets)
+
+
+def build_stage(cfg: ModelConfig, par: ParallelConfig, plan, pp_rank: int) -> StageModel:
+    parts = partition(cfg, par)
+    S = par.pp * par.virtual_stages
+    ids = list(range(pp_rank, S, par.pp))
+    return StageModel(cfg, plan, [parts[s] for s in ids], ids, S)

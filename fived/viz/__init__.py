@@ -1,0 +1,1 @@
+"""Figures: matplotlib pictures of what fived runs (``fived figures NAME``)."""

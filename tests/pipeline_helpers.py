@@ -1,0 +1,62 @@
+"""Rank functions shared by the pipeline tests (spawned ranks need importable functions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fived.config import ModelConfig, ParallelConfig, TrainConfig
+
+
+def train_many(rank: int, world: int, model: ModelConfig, pars: list[ParallelConfig],
+               train: TrainConfig) -> list[dict[str, Any]]:
+    """Train several layouts of the same world size in one spawn (saves process start-ups)."""
+    from fived.train.trainer import train_rank
+
+    return [train_rank(rank, world, model, par, train, show=False) for par in pars]
+
+
+def grads_one_step(rank: int, world: int, model: ModelConfig, par: ParallelConfig,
+                   train: TrainConfig) -> dict[str, Any]:
+    """One step's reduced gradients by global parameter name, this rank's local loss, stats."""
+    from fived.train.trainer import Trainer
+
+    torch.manual_seed(train.seed)
+    t = Trainer(model, par, train, rank, world)
+    x, y, pos = t.local_data(0)
+    t.engine.zero_grad()
+    loss = t.forward_backward(x, y, pos, 1.0 / (train.global_batch * model.seq_len))
+    t.engine.finish()
+    grads = {n: p.grad.detach().double().numpy().copy() for n, p in t.stage.named_parameters()
+             if p.grad is not None}
+    stats = t.executor.stats if t.executor is not None else {}
+    return {"grads": grads, "loss": float(loss), "stats": stats,
+            "traffic": t.traffic.as_dict()}
+
+
+def timed_run(rank: int, world: int, model: ModelConfig, par: ParallelConfig,
+              train: TrainConfig, delay: dict[str, float], steps: int) -> list[dict[str, Any]]:
+    """Run ``steps`` pipeline steps with a sleep-dominated stage cost; every step's stats."""
+    from fived.train.trainer import Trainer
+
+    torch.manual_seed(train.seed)
+    t = Trainer(model, par, train, rank, world)
+    t.executor.delay = delay
+    out = []
+    for step in range(steps):
+        x, y, pos = t.local_data(step)
+        t.engine.zero_grad()
+        t.forward_backward(x, y, pos, 1.0 / (train.global_batch * model.seq_len))
+        out.append(dict(t.executor.stats))
+    return out
+
+
+def suite(rank: int, world: int, model: ModelConfig, pars: list[ParallelConfig],
+          train: TrainConfig, grad_pars: list[ParallelConfig] = (),
+          timed: list[tuple[ParallelConfig, dict[str, float], int]] = ()) -> dict[str, Any]:
+    """Everything one world size tests, in one spawn: trained layouts, one-step gradients and
+    sleep-timed runs."""
+    return {"train": train_many(rank, world, model, pars, train),
+            "grads": [grads_one_step(rank, world, model, p, train) for p in grad_pars],
+            "timed": [timed_run(rank, world, model, p, train, d, n) for p, d, n in timed]}

@@ -1,0 +1,183 @@
+"""Pipeline parity, traffic and measurement on gloo ranks.
+
+Default (fast): pp=2 × every schedule, pp=4 × 1F1B and ZB-H1, pp=2 × dp=2, each equal to the
+one-rank run to 1e-5 relative over 5 steps; pp bytes = activation + gradient bytes per boundary
+per micro-batch; gradients of one step equal the one-rank gradients; the measured bubble of a
+sleep-dominated stage cost is within 15% of the formula. ``-m slow``: the full matrix
+pp ∈ {2, 4} × every schedule × m ∈ {pp, 2pp}, alone, with dp=2 and with tp=2.
+
+Several layouts of one world size run in one spawn (``train_many``) to save process start-ups.
+"""
+
+import importlib.util
+import os
+import statistics
+import sys
+from dataclasses import replace
+
+import pytest
+
+from fived.config import ParallelConfig, preset
+from fived.parallel.pipeline import schedules as S
+from fived.testing import rel_diff, run_ranks, small_train
+
+sys.path.insert(0, os.path.dirname(__file__))
+from pipeline_helpers import suite, train_many  # noqa: E402
+
+MODEL = preset("tiny")
+HAS_TP = importlib.util.find_spec("fived.parallel.tensor") is not None
+
+
+def _par(schedule: str, pp: int, m: int, **kw) -> ParallelConfig:
+    v = 2 if schedule == "interleaved" else 1
+    return ParallelConfig(pp=pp, micro_batches=m, schedule=schedule, virtual_stages=v, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    out = run_ranks(suite, 1, MODEL, [ParallelConfig()], small_train(), [ParallelConfig()])[0]
+    return {"losses": out["train"][0]["losses"], "grads": out["grads"][0]}
+
+
+def _assert_parity(pars, out, reference):
+    for i, par in enumerate(pars):
+        for rank_out in out:
+            d = rel_diff(rank_out[i]["losses"], reference["losses"])
+            assert d < 1e-5, (par.describe(), par.schedule, par.micro_batches, d)
+
+
+def _assert_pp_bytes(pars, out, tr=None):
+    """Each rank sends, per micro-batch, one activation per outgoing forward boundary and one
+    gradient per incoming one: act_bytes × (#stages it holds that are not last + not first)."""
+    tr = tr or small_train()
+    for i, par in enumerate(pars):
+        v = par.virtual_stages
+        nstages = par.pp * v
+        mb = tr.global_batch // (par.dp * par.ep) // par.micro_batches
+        act = mb * MODEL.seq_len * MODEL.hidden * 4
+        for r, per_rank in enumerate(out[0][i]["history"][-1]["traffic_per_rank"]):
+            pp_rank = r // (par.world_size // par.pp)
+            stages = range(pp_rank, nstages, par.pp)
+            boundaries = sum((s < nstages - 1) + (s > 0) for s in stages)
+            assert per_rank["bytes"]["pp"] == boundaries * par.micro_batches * act, (par, r)
+
+
+def _assert_grads(out, reference):
+    names = set()
+    for o in out:
+        for n, g in o["grads"].items():
+            r = reference["grads"]["grads"][n]
+            names.add(n)
+            assert abs(g - r).max() <= 1e-5 * abs(r).max() + 1e-12, n
+    assert names == set(reference["grads"]["grads"])
+    assert out[-1]["loss"] == pytest.approx(reference["grads"]["loss"], rel=1e-6)
+    assert all(o["loss"] == 0.0 for o in out[:-1])
+
+
+# Stage cost is a sleep (50 ms per F, 100 ms per B; 50 ms each for ZB's B and W) that dominates
+# the tiny model's compute, so the measured bubble is robust on a loaded 2-core machine.
+DELAY = {"F": 0.05, "B": 0.10}
+DELAY_ZB = {"F": 0.05, "B": 0.05, "W": 0.05}
+STEPS = 4
+
+
+def _timed(schedule: str, pp: int, m: int):
+    return (_par(schedule, pp, m), DELAY_ZB if schedule == "zb-h1" else DELAY, STEPS)
+
+
+def _measured(per_rank_steps: list[list[dict]]) -> float:
+    """Median over steps 1.. (step 0 warms up) of the mean over ranks of the measured bubble."""
+    pp = len(per_rank_steps)
+    per_step = [statistics.mean(per_rank_steps[r][k]["bubble"] for r in range(pp))
+                for k in range(1, STEPS)]
+    return statistics.median(per_step)
+
+
+def _col(out, key, i):
+    return [o[key][i] for o in out]
+
+
+def test_pp2(reference):
+    """pp=2: every schedule equals one rank over 5 steps; pp bytes; one step's gradients
+    (ZB-H1, 4 micro-batches) equal one rank's; measured 1F1B bubble within 15% of the formula."""
+    pars = [_par(s, 2, 2) for s in S.NAMES] + [_par("zb-h1", 2, 4)]
+    out = run_ranks(suite, 2, MODEL, pars, small_train(), [_par("zb-h1", 2, 4)],
+                    [_timed("1f1b", 2, 4)])
+    trained = [o["train"] for o in out]
+    _assert_parity(pars, trained, reference)
+    _assert_pp_bytes(pars, trained)
+    grads = _col(out, "grads", 0)
+    _assert_grads(grads, reference)
+    assert grads[0]["stats"]["peak_live"] == {0: 2} and grads[1]["stats"]["peak_live"] == {1: 2}
+    want = S.bubble_formula("1f1b", 2, 4)
+    got = _measured(_col(out, "timed", 0))
+    assert abs(got - want) <= 0.15 * want, (got, want)
+
+
+def test_pp4(reference):
+    """pp=4: 1F1B and ZB-H1 equal one rank; 1F1B's measured live micro-batches are p − r."""
+    pars = [_par("1f1b", 4, 4), _par("zb-h1", 4, 8)]
+    out = run_ranks(suite, 4, MODEL, pars, small_train(), [_par("1f1b", 4, 8)])
+    trained = [o["train"] for o in out]
+    _assert_parity(pars, trained, reference)
+    _assert_pp_bytes(pars, trained)
+    grads = _col(out, "grads", 0)
+    _assert_grads(grads, reference)
+    assert [g["stats"]["peak_live"] for g in grads] == [{r: 4 - r} for r in range(4)]
+
+
+# ---------------------------------------------------------------- the full matrix (slow)
+# 8 layers so that interleaved pp=4 has a layer per virtual stage; 16 sequences so that
+# dp=2 × 2·pp micro-batches divide the batch.
+
+MODEL8 = replace(MODEL, layers=8)
+TRAIN16 = small_train(global_batch=16)
+
+
+@pytest.fixture(scope="module")
+def reference8():
+    out = run_ranks(suite, 1, MODEL8, [ParallelConfig()], TRAIN16, [ParallelConfig()])[0]
+    return {"losses": out["train"][0]["losses"], "grads": out["grads"][0]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [2, 4])
+def test_matrix_pp_alone(reference8, pp):
+    pars = [_par(s, pp, m) for s in S.NAMES for m in (pp, 2 * pp)]
+    out = run_ranks(train_many, pp, MODEL8, pars, TRAIN16, timeout=1800)
+    _assert_parity(pars, out, reference8)
+    _assert_pp_bytes(pars, out, TRAIN16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [2, 4])
+def test_matrix_pp_dp2(reference8, pp):
+    pars = [_par(s, pp, m, dp=2) for s in S.NAMES for m in (pp, 2 * pp)]
+    out = run_ranks(train_many, 2 * pp, MODEL8, pars, TRAIN16, timeout=1800)
+    _assert_parity(pars, out, reference8)
+    _assert_pp_bytes(pars, out, TRAIN16)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TP, reason="tensor parallelism (fived.parallel.tensor) not built")
+@pytest.mark.parametrize("pp,dp,sp", [(2, 1, False), (4, 1, False), (2, 1, True), (2, 2, False),
+                                      (2, 2, True)])
+def test_matrix_pp_tp2(reference8, pp, dp, sp):
+    pars = [_par(s, pp, m, dp=dp, tp=2, sequence_parallel=sp) for s in S.NAMES
+            for m in (pp, 2 * pp)]
+    out = run_ranks(train_many, pp * dp * 2, MODEL8, pars, TRAIN16, timeout=1800)
+    _assert_parity(pars, out, reference8)
+
+
+@pytest.mark.slow
+def test_measured_bubble_pp4_every_schedule():
+    timed = []
+    for name in S.NAMES:
+        v = 2 if name == "interleaved" else 1
+        timed.append((_par(name, 4, 8), DELAY_ZB if name == "zb-h1" else DELAY, STEPS))
+    out = run_ranks(suite, 4, MODEL8, [], TRAIN16, [], timed, timeout=1800)
+    for i, name in enumerate(S.NAMES):
+        v = 2 if name == "interleaved" else 1
+        want = S.bubble_formula(name, 4, 8, v)
+        got = _measured(_col(out, "timed", i))
+        assert abs(got - want) <= 0.15 * want, (name, got, want)

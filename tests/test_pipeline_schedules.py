@@ -1,0 +1,166 @@
+"""Schedules as data, the checker, the bubble arithmetic and the partition (no processes)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fived.config import ConfigError, ParallelConfig, preset
+from fived.parallel.pipeline import schedules as S
+from fived.parallel.pipeline.stage import balanced_split, build_stage, partition
+from fived.parallel.plan import Plan
+
+MATRIX = [(name, p, m) for name in S.NAMES for p in (2, 4) for m in (p, 2 * p)]
+
+
+def _v(name: str) -> int:
+    return 2 if name == "interleaved" else 1
+
+
+@pytest.mark.parametrize("name,p,m", MATRIX)
+def test_every_schedule_passes_the_checker(name, p, m):
+    S.check(S.build(name, p, m, _v(name)))
+
+
+@pytest.mark.parametrize("name,p,m", MATRIX + [("1f1b", 4, 16), ("zb-h1", 3, 5),
+                                                ("interleaved", 4, 16), ("gpipe", 3, 7)])
+def test_idle_slots_of_the_action_lists_equal_the_formula(name, p, m):
+    v = _v(name)
+    t = S.simulate(S.build(name, p, m, v))
+    assert t.bubble_fraction() == pytest.approx(S.bubble_formula(name, p, m, v), abs=1e-12)
+    assert t.bubble_relative() == pytest.approx(S.bubble_relative_formula(name, p, m, v),
+                                                abs=1e-12)
+
+
+def test_bubble_formulas():
+    p, m = 4, 8
+    assert S.bubble_formula("gpipe", p, m) == (p - 1) / (m + p - 1)
+    assert S.bubble_formula("1f1b", p, m) == (p - 1) / (m + p - 1)
+    assert S.bubble_relative_formula("interleaved", p, m, 2) == pytest.approx((p - 1) / (2 * m))
+    # ZB-H1: bubble (p-1)(F+B-W) instead of (p-1)(F+B+W): a third of 1F1B's idle slots
+    zb = S.simulate(S.build("zb-h1", p, m))
+    one = S.simulate(S.build("1f1b", p, m))
+    assert sum(zb.idle) * 3 == sum(one.idle)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_peak_live_micro_batches(p, m):
+    assert max(S.peak_live_rank(S.build("1f1b", p, m))) == p
+    assert S.peak_live_rank(S.build("1f1b", p, m)) == [p - r for r in range(p)]
+    assert S.peak_live_rank(S.build("gpipe", p, m)) == [m] * p
+    assert max(S.peak_live_rank(S.build("zb-h1", p, m))) <= p
+
+
+def _broken(name="1f1b", p=4, m=8):
+    return S.build(name, p, m, _v(name))
+
+
+def test_checker_names_a_forward_before_its_receive():
+    s = _broken()
+    acts = s.ranks[1]
+    i = acts.index(S.Action("RECV_F", 0, 1))
+    acts[i], acts[i + 1] = acts[i + 1], acts[i]
+    with pytest.raises(S.ScheduleError, match=r"rank 1 action 0 F\(mb=0, stage=1\) needs "
+                                              r"RECV_F\(mb=0, stage=1\) \(input activation"):
+        S.check(s)
+
+
+def test_checker_names_a_backward_before_its_forward():
+    s = _broken("gpipe", 2, 2)
+    s.ranks[0].remove(S.Action("F", 1, 0))
+    s.ranks[0].append(S.Action("F", 1, 0))
+    with pytest.raises(S.ScheduleError, match=r"SEND_F\(mb=1, stage=0\) needs F\(mb=1, stage=0\)"):
+        S.check(s)
+
+
+def test_checker_rejects_an_unmatched_send_and_a_missing_action():
+    s = _broken("gpipe", 2, 2)
+    s.ranks[1].remove(S.Action("RECV_F", 1, 1))
+    s.ranks[1].remove(S.Action("F", 1, 1))
+    with pytest.raises(S.ScheduleError, match=r"rank 1 action \d+ B\(mb=1, stage=1\) needs "
+                                              r"F\(mb=1, stage=1\)"):
+        S.check(s)
+    s = _broken("zb-h1", 2, 2)
+    s.ranks[0] = [a for a in s.ranks[0] if a != S.Action("W", 1, 0)]
+    with pytest.raises(S.ScheduleError, match=r"rank 0 never runs W\(mb=1, stage=0\)"):
+        S.check(s)
+
+
+def test_checker_finds_a_deadlock():
+    # rank 0 waits for the gradient of mb 0 before it sends mb 1's activation, rank 1 (GPipe)
+    # runs both forwards before any backward: every dependency is local-consistent, but stuck
+    s = S.build("gpipe", 2, 2)
+    r0 = [S.Action("F", 0, 0), S.Action("SEND_F", 0, 0), S.Action("F", 1, 0),
+          S.Action("RECV_B", 0, 0), S.Action("SEND_F", 1, 0), S.Action("B", 0, 0),
+          S.Action("RECV_B", 1, 0), S.Action("B", 1, 0)]
+    s.ranks[0] = r0
+    with pytest.raises(S.ScheduleError, match=r"deadlock: rank 0 action 3 RECV_B\(mb=0, "
+                                              r"stage=0\) waits for the gradient of stage 1"):
+        S.check(s)
+
+
+def test_executor_refuses_a_broken_schedule_before_running():
+    from fived.parallel.pipeline.runtime import PipelineExecutor
+
+    s = _broken("1f1b", 2, 2)
+    s.ranks[1].reverse()
+    with pytest.raises(S.ScheduleError):
+        PipelineExecutor(preset("tiny"), ParallelConfig(pp=2, micro_batches=2), None,
+                         _FakeGrid(), sched=s)
+
+
+class _FakeGrid:
+    degrees = {"pp": 2, "dp": 1, "ep": 1, "cp": 1, "tp": 1}
+
+    def coords(self):
+        return {"pp": 0, "dp": 0, "ep": 0, "cp": 0, "tp": 0}
+
+    def __getitem__(self, name):
+        return None
+
+
+# ---------------------------------------------------------------- partition
+
+def test_balanced_split_accounts_for_the_head():
+    tiny = preset("tiny")
+    assert balanced_split(tiny, 2) == [2, 2]
+    assert balanced_split(tiny, 4) == [1, 1, 1, 1]
+    big_vocab = replace(preset("small"), vocab=32768)  # the head costs ~2.6 layers
+    split = balanced_split(big_vocab, 2)
+    assert sum(split) == 8 and split[0] > split[1]
+    assert balanced_split(preset("llama3-8b"), 4)[-1] < 8
+
+
+def test_pp_layers_by_hand():
+    par = ParallelConfig(pp=2, pp_layers=(3, 1))
+    assert partition(preset("tiny"), par) == [[0, 1, 2], [3]]
+    with pytest.raises(ConfigError):
+        partition(preset("tiny"), ParallelConfig(pp=2, pp_layers=(3, 3)))
+
+
+@pytest.mark.parametrize("pp,v,layers", [(2, 1, ()), (4, 1, ()), (2, 2, ()), (2, 1, (3, 1))])
+def test_any_split_builds_the_same_model(pp, v, layers):
+    cfg = preset("tiny")
+    one = Plan(cfg, ParallelConfig(), 7)
+    from fived.model import build_model
+
+    ref = dict(build_model(cfg, one).named_parameters())
+    par = ParallelConfig(pp=pp, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b",
+                         pp_layers=layers)
+    seen = {}
+    for r in range(pp):
+        stage = build_stage(cfg, par, Plan(cfg, par, 7), r)
+        for n, p in stage.named_parameters():
+            assert n not in seen, n
+            seen[n] = p
+    assert sorted(seen) == sorted(ref)
+    for n, p in ref.items():
+        assert torch.equal(seen[n], p), n
+
+
+def test_tied_embeddings_are_rejected_with_pp():
+    from fived.parallel.pipeline.runtime import check_config
+
+    msg = check_config(replace(preset("tiny"), tied_embeddings=True), ParallelConfig(pp=2))
+    assert msg and "tied" in msg[0]
+    assert not check_config(preset("tiny"), ParallelConfig(pp=2))
