@@ -1,23 +1,30 @@
 """fived's pipeline schedules against ``torch.distributed.pipelining`` on the same stages.
 
-``fived bench pp [--pp 4] [--micro-batches 8] [--reps 5]``: one spawn of pp gloo ranks; for
-GPipe and 1F1B both implementations run forward+backward of the same stage modules on the same
-micro-batches; the step time is the slowest rank's, the median over repetitions (after one
-warm-up). Prints a header at once, one progress line per run, and a closing ratio table
-(fived / torch; ≤ 1.0 is the target). Interleaved is not compared yet.
+``fived bench pp [--pp 4] [--micro-batches 8] [--layers 8] [--reps 5]``: one spawn of pp gloo ranks; for
+GPipe, 1F1B and interleaved 1F1B (v=2 virtual stages per rank) both implementations run
+forward+backward of the same stage modules on the same micro-batches, alternating fived and
+torch repetition by repetition so that machine noise hits both alike; the step time is the
+slowest rank's, the median over repetitions (after one warm-up each). Prints a header at once,
+one progress line per schedule, and a closing ratio table (fived / torch; ≤ 1.0 is the target)
+with the relative gap between the two implementations' gradients (the same work, checked).
+ZB-H1 has no same-shape torch peer (torch's zero-bubble schedules are interleaved/V-shaped) and
+is not compared.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-PAIRS = (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"))
+PAIRS = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
+         ("interleaved", "ScheduleInterleaved1F1B", 2))
 
 
 class _NoEngine:
@@ -34,7 +41,8 @@ class _Wrap(nn.Module):
         return self.m(x, self.positions)
 
 
-def _rank(rank: int, world: int, model_name: str, m: int, batch: int, reps: int) -> list:
+def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: int,
+          reps: int) -> list:
     import torch.distributed as dist
     from torch.distributed import pipelining as tp
 
@@ -45,22 +53,27 @@ def _rank(rank: int, world: int, model_name: str, m: int, batch: int, reps: int)
     from ..parallel.pipeline.runtime import PipelineExecutor
     from ..parallel.plan import Plan
 
-    cfg = preset(model_name)
+    cfg = replace(preset(model_name), layers=layers)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen)
     pos = torch.arange(cfg.seq_len)
     scale = 1.0 / (batch * cfg.seq_len)
     rows = []
-    for ours, theirs in PAIRS:
-        par = ParallelConfig(pp=world, micro_batches=m, schedule=ours)
+    for ours, theirs, v in PAIRS:
+        if cfg.layers % (world * v):
+            continue
+        par = ParallelConfig(pp=world, micro_batches=m, schedule=ours, virtual_stages=v)
         grid = Grid.from_config(par, rank).connect(Traffic())
         ex = PipelineExecutor(cfg, par, Plan(cfg, par, 7, grid), grid)
         ex.measure = False
-        chunk = ex.stage.chunk_models[0]
-        stage = tp.PipelineStage(_Wrap(chunk, pos), rank, world, torch.device("cpu"),
-                                 group=grid["pp"].pg)
-        sched = getattr(tp, theirs)(stage, m, loss_fn=lambda o, t: token_losses(o, t) * scale)
+        stages = [tp.PipelineStage(_Wrap(chunk, pos), rank + k * world, world * v,
+                                   torch.device("cpu"), group=grid["pp"].pg)
+                  for k, chunk in enumerate(ex.stage.chunk_models)]
+        loss_fn = lambda o, t: token_losses(o, t) * scale  # noqa: E731
+        cls = getattr(tp, theirs)
+        sched = (cls(stages, m, loss_fn=loss_fn, scale_grads=False) if v > 1
+                 else cls(stages[0], m, loss_fn=loss_fn, scale_grads=False))
 
         def run_fived(ex=ex):
             ex.run(x, y, pos, scale, _NoEngine())
@@ -73,9 +86,9 @@ def _rank(rank: int, world: int, model_name: str, m: int, batch: int, reps: int)
             else:
                 sched.step()
 
-        for label, fn in (("fived", run_fived), ("torch", run_torch)):
-            times = []
-            for k in range(reps + 1):
+        times: dict[str, list[float]] = {"fived": [], "torch": []}
+        for k in range(reps + 1):
+            for label, fn in (("fived", run_fived), ("torch", run_torch)):
                 ex.stage.zero_grad(set_to_none=True)
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -83,12 +96,21 @@ def _rank(rank: int, world: int, model_name: str, m: int, batch: int, reps: int)
                 t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if k:
-                    times.append(float(t))
-            med = statistics.median(times)
-            rows.append((ours, label, theirs if label == "torch" else ours, med))
-            if rank == 0:
-                print(f"  {ours:6s} {label:5s} median {med * 1e3:8.1f} ms over {reps} reps",
-                      flush=True)
+                    times[label].append(float(t))
+        med = {label: statistics.median(ts) for label, ts in times.items()}
+        grads = []
+        for fn in (run_fived, run_torch):  # the same work: both give the same gradients
+            ex.stage.zero_grad(set_to_none=True)
+            fn()
+            grads.append([p.grad.clone() for p in ex.stage.parameters()])
+        gap = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                  for a, b in zip(*grads))
+        gap_t = torch.tensor([gap], dtype=torch.float64)
+        dist.all_reduce(gap_t, op=dist.ReduceOp.MAX)
+        rows.append((ours, theirs, med["fived"], med["torch"], float(gap_t)))
+        if rank == 0:
+            print(f"  {ours:11s} fived {med['fived'] * 1e3:8.1f} ms   torch {med['torch'] * 1e3:8.1f} ms"
+                  f"   (median of {reps})", flush=True)
     return rows
 
 
@@ -99,23 +121,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--layers", type=int, default=8,
+                    help="layers of the model (default 8: pp=4 × v=2 interleaved has one per stage)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     a = ap.parse_args(argv)
     from ..launch import run_local
 
-    print(f"fived bench pp: {a.model}, pp={a.pp}, m={a.micro_batches}, batch {a.global_batch}; "
+    print(f"fived bench pp: {a.model} with {a.layers} layers, pp={a.pp}, m={a.micro_batches}, "
+          f"batch {a.global_batch}; "
           f"fived vs torch.distributed.pipelining, median of {a.reps} reps", flush=True)
-    rows: Any = run_local(_rank, a.pp, (a.model, a.micro_batches, a.global_batch, a.reps),
+    rows: Any = run_local(_rank, a.pp, (a.model, a.layers, a.micro_batches, a.global_batch, a.reps),
                           timeout=600, collective_timeout=120)[0]
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title="pipeline step (forward+backward), slowest rank")
-    for c in ("schedule", "fived ms", "torch ms", "torch schedule", "fived / torch"):
+    for c in ("schedule", "fived ms", "torch ms", "torch schedule", "fived / torch", "grad gap"):
         t.add_column(c)
-    by = {(s, lab): (name, ms) for s, lab, name, ms in rows}
-    for ours, theirs in PAIRS:
-        f, tt = by[(ours, "fived")][1], by[(ours, "torch")][1]
-        t.add_row(ours, f"{f * 1e3:.1f}", f"{tt * 1e3:.1f}", theirs, f"{f / tt:.2f}×")
+    for ours, theirs, f, tt, gap in rows:
+        t.add_row(ours, f"{f * 1e3:.1f}", f"{tt * 1e3:.1f}", theirs, f"{f / tt:.2f}×", f"{gap:.1e}")
     Console().print(t)
+    if a.json:
+        print(json.dumps({"schema": "fived.bench.pp/1", "pp": a.pp, "micro_batches": a.micro_batches,
+                          "rows": [dict(zip(("schedule", "torch_schedule", "fived_s", "torch_s",
+                                             "grad_rel_gap"), r)) for r in rows]}))
     return 0
