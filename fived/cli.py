@@ -112,9 +112,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     par = fill_dp(par, world, args.dp is not None)
     from .train.trainer import check, measure_matmul_peak, train_rank
 
-    print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
-          f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens",
-          flush=True)
+    if not under_torchrun() or os.environ["RANK"] == "0":  # under torchrun, rank 0 speaks
+        print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
+              f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens",
+              flush=True)
     check(model, par, train, world)
     if under_torchrun():
         import torch.distributed as dist
