@@ -22,9 +22,11 @@ import torch
 
 from fived.config import ParallelConfig, TrainConfig, preset
 from fived.grid import Grid
+from fived.ledger.params import expert_param_bytes
+from fived.ledger.traffic import bytes_by_group, ep_routed_bytes, ep_traffic, micro_batch_size
 from fived.model import build_model
 from fived.model.moe import capacity, capacity_keep
-from fived.parallel.expert import a2a_bytes, a2a_bytes_uniform, expert_param_bytes, moe_layers
+from fived.parallel.expert import moe_layers
 from fived.parallel.plan import Plan
 from fived.testing import rel_diff, small_train, train_layout
 from fived.train import data as D
@@ -282,8 +284,8 @@ def test_expert_and_all_to_all_bytes_equal_formula(par):
         for h in s["history"]:
             moe = h["moe"]
             assert moe["forwards"] == forwards
-            predicted = a2a_bytes(moe["counts"], ep_groups, TOP2, forwards,
-                                  recompute_full=par.recompute == "full")
+            predicted = ep_routed_bytes(TOP2, moe["counts"], ep_groups, forwards,
+                                        recompute_full=par.recompute == "full")
             measured = [t["bytes"].get("ep", 0.0) for t in h["traffic_per_rank"]]
             assert measured == predicted
             want = expert_param_bytes(TOP2, par.ep, layers_on_rank)
@@ -296,8 +298,8 @@ def test_expert_and_all_to_all_bytes_equal_formula(par):
         assert rel_diff(out[0]["losses"], one_rank(2)["losses"]) < 1e-5
         return
     # the balanced-routing estimate is the right order of magnitude (routing is uneven)
-    tokens = small_train().global_batch * TOP2.seq_len / (par.dp * par.ep)
-    est = a2a_bytes_uniform(TOP2, par.ep, tokens, layers_on_rank, par.micro_batches)
+    mb = micro_batch_size(par, small_train().global_batch)
+    est = bytes_by_group(ep_traffic(TOP2, par, mb))["ep"]
     assert 0.3 < out[0]["history"][-1]["traffic"]["ep"] / est < 3
 
 

@@ -6,7 +6,7 @@ sequences, so ep = n is also n-way data parallel for the dense part) for ``--ste
 ``ep`` local gloo ranks. The table gives, per ep: the median step time after the first step,
 tokens/s, the all-to-all seconds per step (max over ranks) and their share of the step (mean
 over ranks), the ep bytes one rank sent (measured) against the balanced-routing estimate
-``fived.parallel.expert.a2a_bytes_uniform``, the expert-parameter bytes per rank, and the last
+``fived.ledger.traffic.ep_traffic``, the expert-parameter bytes per rank, and the last
 loss (the same on every layout: parity). Times on a shared CPU are noise; the shares and the
 bytes are the result.
 
@@ -35,7 +35,8 @@ def measure(model: Any, ep: int, train: Any, timeout: float = 600.0) -> dict[str
     """Train one layout; the row of the closing table."""
     from ..config import ParallelConfig
     from ..launch import run_local
-    from ..parallel.expert import a2a_bytes_uniform, expert_param_bytes
+    from ..ledger.params import expert_param_bytes
+    from ..ledger.traffic import bytes_by_group, ep_traffic, micro_batch_size
 
     par = ParallelConfig(ep=ep)
     t0 = time.perf_counter()
@@ -54,7 +55,8 @@ def measure(model: Any, ep: int, train: Any, timeout: float = 600.0) -> dict[str
         "a2a_ms": 1000 * statistics.median(h["moe"]["a2a_seconds"] for h in steady),
         "a2a_share": statistics.median(h["moe"]["a2a_share"] for h in steady),
         "ep_bytes_per_rank": ep_bytes,
-        "ep_bytes_uniform": a2a_bytes_uniform(model, ep, tokens / ep, model.layers),
+        "ep_bytes_uniform": bytes_by_group(ep_traffic(
+            model, par, micro_batch_size(par, train.global_batch))).get("ep", 0.0),
         "expert_bytes_per_rank": expert_param_bytes(model, ep),
         "dropped": sum(h["moe"]["dropped"] for h in hist),
         "loss_last": hist[-1]["loss"],

@@ -14,8 +14,8 @@ Known totals (tests): Llama-2-7B 6,738,415,616; Llama-3-8B 8,030,261,248; Llama-
 One rank's share (``rank_params``) follows the runtime's cuts:
 
 * tp: wq, wo, w_gate, w_up, w_down, embed and head are cut tp ways; wk, wv are cut
-  ``min(tp, kv_heads)`` ways (replicated beyond that); norms and the MoE router are replicated.
-  Experts' matrices are cut tp ways along the expert ffn.
+  ``min(tp, kv_heads)`` ways (replicated beyond that); norms, the MoE router and the routed
+  experts are replicated (a shared expert is cut tp ways along the expert ffn).
 * pp: (virtual) stage k holds its layers (``pp_layers``, or ``balanced_split``: the split that
   minimises the costliest stage, head and embedding included, as the pipeline partitions);
   pipeline rank r holds virtual stages r, r+pp, r+2·pp, ... The embedding sits on virtual stage 0 (rank 0),
@@ -209,6 +209,13 @@ def block_params_local(m: ModelConfig, tp: int, ep: int) -> dict[str, int]:
         out["w_up"] = h * m.ffn // tp
         out["w_down"] = m.ffn * h // tp
     return out
+
+
+def expert_param_bytes(m: ModelConfig, ep: int, layers_on_rank: int | None = None,
+                       dtype_bytes: int = 4) -> int:
+    """Bytes of routed-expert weights one rank holds: layers · (E/ep) · 3 · h · ffn_e · b."""
+    layers = m.layers if layers_on_rank is None else layers_on_rank
+    return layers * (m.experts // ep) * 3 * m.hidden * m.expert_ffn * dtype_bytes
 
 
 def has_head(m: ModelConfig, par: ParallelConfig) -> bool:

@@ -27,7 +27,7 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
     all_reduce(X) (SP: forward all_gather, backward reduce_scatter), cross-entropy
     all_reduce(b·s_l·4) (max) and all_reduce(2·b·s_l·4) (Σexp, target logit); and under SP the
     replicated norm gains' gradients: all_reduce(grad_bytes·h) per norm on this rank (and the
-    MoE router's and experts' gradients). This is ``fived.parallel.tensor.tp_traffic_bytes``.
+    MoE router's and experts' gradients). ``fived.parallel.tensor.tp_traffic_bytes`` sums it.
 * PP (``pp_traffic``), per micro-batch per (virtual) stage boundary, Y = b·s_l·h·e (/tp under
   SP): a stage sends Y forward unless it is the last, and Y backward unless it is the first.
 * CP ring (``cp_traffic``), per layer per micro-batch, B = b·s_l·kv_local·d·e (one of K or V):
@@ -36,8 +36,12 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
   Ulysses: per layer and direction 4 all_to_all of q, k', v', out.
 * EP (``ep_traffic``), per MoE layer per micro-batch, T = b·s_l·top_k·h·e routed token bytes
   (s_l/tp under SP): the routing counts all_to_all(E·8 bytes), forward dispatch and combine
-  all_to_all(T), backward the same two — (E − E/n)·8 + 4·(n−1)/n·T, the uniform-routing
-  expectation of ``fived.parallel.expert``'s exact count (the runtime's bytes follow the router).
+  all_to_all(T), backward the same two — (E − E/n)·8 + 4·(n−1)/n·T with uniform routing. The
+  runtime's bytes follow the router: ``ep_routed_bytes`` gives them exactly from the recorded
+  per-expert counts, (E − E/n)·8 per forward + 2·(S + R)·h·e (S rows sent away, R received).
+* MoE under cp (and tp with SP): each MoE layer forward all_reduces its (b, E) fp32 routed
+  counts over the groups that cut its sequence (the balance loss needs whole-sequence counts);
+  a MoE block without a shared expert has only the attention's tp cut, so half the tp pairs.
 """
 
 from __future__ import annotations
@@ -47,8 +51,11 @@ from functools import lru_cache
 
 from ..comm.volume import bytes_sent
 from ..config import ModelConfig, ParallelConfig
+from ..parallel.context_cost import ulysses_kv_heads
 from .memory import _state_key, act_bytes, buckets, grad_bytes, group_sizes, param_bytes
 from .params import rank_stages, stage_layers
+
+COUNT_BYTES = 8  # the ep routing counts travel as int64
 
 
 @dataclass(frozen=True)
@@ -159,25 +166,30 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     x = tokens * m.hidden * e
     sp = par.sequence_parallel
     per = layers * mb
+    # tp-cut sublayers per block: attention and the MLP; a MoE block's routed experts are whole
+    # on every tp rank (only a shared expert is cut), so it has the attention's pair alone
+    cuts = 2 if (not m.is_moe or m.shared_expert) else 1
+    cut = cuts * per
     out: list[Collective] = []
     # full recompute reruns each block's forward up to its last saved tensor (torch's
     # checkpoint stops early): the gathers and the attention's reduction again, not the MLP's
     again = par.recompute == "full"
     if sp:
         if again:
-            out += [Collective("tp", "all_gather", x, t, 2 * per, "recompute: SP gathers", "bwd"),
+            out += [Collective("tp", "all_gather", x, t, cut, "recompute: SP gathers", "bwd"),
                     Collective("tp", "reduce_scatter", x, t, per, "recompute: SP scatter after wo",
                                "bwd")]
-        out += [Collective("tp", "all_gather", x, t, 2 * per, "SP gather before attn/mlp", "fwd"),
-                Collective("tp", "reduce_scatter", x, t, 2 * per, "SP scatter after wo/w_down",
+        out += [Collective("tp", "all_gather", x, t, cut, "SP gather before attn/mlp", "fwd"),
+                Collective("tp", "reduce_scatter", x, t, cut, "SP scatter after wo/w_down",
                            "fwd"),
-                Collective("tp", "all_gather", x, t, 2 * per, "grad of SP scatter", "bwd"),
-                Collective("tp", "reduce_scatter", x, t, 2 * per, "grad of SP gather", "bwd")]
+                Collective("tp", "all_gather", x, t, cut, "grad of SP scatter", "bwd"),
+                Collective("tp", "reduce_scatter", x, t, cut, "grad of SP gather", "bwd")]
+        out += _moe_balance_counts(m, par, micro_batch, layers, "tp")
     else:
         if again:
             out.append(Collective("tp", "all_reduce", x, t, per, "recompute: after wo", "bwd"))
-        out += [Collective("tp", "all_reduce", x, t, 2 * per, "after wo, w_down", "fwd"),
-                Collective("tp", "all_reduce", x, t, 2 * per, "input grads of attn, mlp", "bwd")]
+        out += [Collective("tp", "all_reduce", x, t, cut, "after wo, w_down", "fwd"),
+                Collective("tp", "all_reduce", x, t, cut, "input grads of attn, mlp", "bwd")]
     if t > m.kv_heads:  # replicated kv chunks: the wk, wv gradients summed over tp in backward
         kv_weight = m.kv_heads * m.head_dim * m.hidden * e
         out.append(Collective("tp", "all_reduce", kv_weight, t, 2 * per,
@@ -249,27 +261,33 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     kv_local = max(1, m.kv_heads // par.tp)
     if par.cp_mode == "ulysses":
         q = tokens * (m.heads // par.tp) * d * e
-        # kv heads as the all-to-all sees them: as they are when cp divides them, replicated up
-        # to cp when they divide cp, otherwise repeated to the query heads
-        if kv_local % c == 0:
-            kv_rep = kv_local
-        elif c % kv_local == 0:
-            kv_rep = c
-        else:
-            kv_rep = m.heads // par.tp
-        k = tokens * kv_rep * d * e
-        return [Collective("cp", "all_to_all", q, c, 2 * per, "q and out", "fwd"),
-                Collective("cp", "all_to_all", k, c, 2 * per, "k and v", "fwd"),
-                Collective("cp", "all_to_all", q, c, 2 * per, "grads of q and out", "bwd"),
-                Collective("cp", "all_to_all", k, c, 2 * per, "grads of k and v", "bwd")]
-    b = tokens * kv_local * d * e  # one of K or V
-    hops = (c - 1) * per
-    out = [Collective("cp", "send", 2 * b, c, hops, "K/V ring", "fwd"),
-           Collective("cp", "send", 2 * b, c, hops, "K/V ring again", "bwd"),
-           Collective("cp", "send", 2 * b, c, hops, "dK/dV ring", "bwd")]
-    if par.recompute in ("full", "selective"):  # the attention core's forward runs again
-        out.append(Collective("cp", "send", 2 * b, c, hops, "recompute: K/V ring", "bwd"))
-    return out
+        # kv heads as the all-to-all sees them (replicated up to cp, or to the query heads)
+        k = tokens * ulysses_kv_heads(m.heads // par.tp, kv_local, c) * d * e
+        out = [Collective("cp", "all_to_all", q, c, 2 * per, "q and out", "fwd"),
+               Collective("cp", "all_to_all", k, c, 2 * per, "k and v", "fwd"),
+               Collective("cp", "all_to_all", q, c, 2 * per, "grads of q and out", "bwd"),
+               Collective("cp", "all_to_all", k, c, 2 * per, "grads of k and v", "bwd")]
+    else:
+        b = tokens * kv_local * d * e  # one of K or V
+        hops = (c - 1) * per
+        out = [Collective("cp", "send", 2 * b, c, hops, "K/V ring", "fwd"),
+               Collective("cp", "send", 2 * b, c, hops, "K/V ring again", "bwd"),
+               Collective("cp", "send", 2 * b, c, hops, "dK/dV ring", "bwd")]
+        if par.recompute in ("full", "selective"):  # the attention core's forward runs again
+            out.append(Collective("cp", "send", 2 * b, c, hops, "recompute: K/V ring", "bwd"))
+    return out + _moe_balance_counts(m, par, micro_batch, layers, "cp")
+
+
+def _moe_balance_counts(m: ModelConfig, par: ParallelConfig, micro_batch: int, layers: int,
+                        group: str) -> list[Collective]:
+    """A MoE layer whose sequence is cut (over cp, and over tp under SP) sums its routed counts
+    there for the balance loss: all_reduce of (b, E) fp32 per layer forward (twice with full
+    recompute, whose rerun forward passes through the router again)."""
+    if not m.is_moe:
+        return []
+    calls = layers * par.micro_batches * (2 if par.recompute == "full" else 1)
+    return [Collective(group, "all_reduce", micro_batch * m.experts * 4, par.degree(group), calls,
+                       "MoE routed counts (balance loss)", "fwd")]
 
 
 # ------------------------------------------------------------------------ expert parallel
@@ -284,15 +302,48 @@ def ep_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     sp = par.sequence_parallel and par.tp > 1
     tokens = micro_batch * m.seq_len // par.cp // (par.tp if sp else 1)
     size = tokens * m.top_k * m.hidden * e
-    out = [Collective("ep", "all_to_all", m.experts * 8, par.ep, per,
+    out = [Collective("ep", "all_to_all", m.experts * COUNT_BYTES, par.ep, per,
                       "routing counts (E int64)", "fwd"),
            Collective("ep", "all_to_all", size, par.ep, 2 * per, "dispatch + combine", "fwd"),
            Collective("ep", "all_to_all", size, par.ep, 2 * per, "their grads", "bwd")]
     if par.recompute == "full":  # the block's forward reruns through the combine
-        out += [Collective("ep", "all_to_all", m.experts * 8, par.ep, per,
+        out += [Collective("ep", "all_to_all", m.experts * COUNT_BYTES, par.ep, per,
                            "recompute: routing counts", "bwd"),
                 Collective("ep", "all_to_all", size, par.ep, 2 * per,
                            "recompute: dispatch + combine", "bwd")]
+    return out
+
+
+def ep_routed_bytes(m: ModelConfig, counts: list[list[list[float]]],
+                    ep_groups: list[tuple[int, ...]], forwards: list[int], dtype_bytes: int = 4,
+                    recompute_full: bool = False) -> list[float]:
+    """Exact ep bytes each rank sends in one step, from the routing the runtime recorded.
+
+    ``counts[r][l][e]``: rows rank r routed to expert e in layer l (summed over micro-batches,
+    kept rows only); ``ep_groups``: the ep groups (member ranks in ep order); ``forwards[r]``:
+    MoE layer forwards rank r ran, each with one counts exchange. Rank i of a group of n owns
+    experts i·E/n … (i+1)·E/n − 1; with S rows sent to experts it does not own and R rows
+    received for its own, it sends per step
+
+        forwards·(E − E/n)·8  +  2·(S + R)·h·e           (forward dispatch + combine, backward)
+
+    and full recompute runs the forward (counts and both row all-to-alls) once more."""
+    again = 1 if recompute_full else 0
+    E = m.experts
+    out = [0.0] * len(counts)
+    for members in ep_groups:
+        n = len(members)
+        if n == 1:
+            continue
+        per = E // n
+        for i, r in enumerate(members):
+            mine = range(i * per, (i + 1) * per)
+            sent = recv = 0.0
+            for layer in range(len(counts[r])):
+                sent += sum(c for e, c in enumerate(counts[r][layer]) if e not in mine)
+                recv += sum(counts[q][layer][e] for q in members if q != r for e in mine)
+            out[r] = ((1 + again) * forwards[r] * (E - per) * COUNT_BYTES
+                      + (2 + again) * (sent + recv) * m.hidden * dtype_bytes)
     return out
 
 

@@ -3,9 +3,10 @@
 
 Every step record the trainer writes holds ``memory_per_rank`` (the engine's model-state bytes)
 and ``traffic_per_rank`` (bytes sent per group name). ``compare_record`` predicts both for every
-rank from its grid coordinates (mixed radix over ``par.order``, as ``fived.grid`` numbers ranks)
-and returns one line per mismatch; an empty list means the ledger and the runtime agree to the
-byte.
+rank from its grid coordinates (``fived.grid``) and returns one line per mismatch; an empty list
+means the ledger and the runtime agree to the byte. The ep all-to-all bytes follow the router:
+where the record carries the routing (``moe.counts``, as the trainer writes for MoE models) they
+are predicted exactly from it (``traffic.ep_routed_bytes``), otherwise from uniform routing.
 """
 
 from __future__ import annotations
@@ -13,29 +14,29 @@ from __future__ import annotations
 import json
 
 from ..config import ModelConfig, ParallelConfig
-from .memory import model_states
-from .traffic import micro_batch_size, step_bytes
-
-_GROUPS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp")}
+from ..grid import Grid
+from .memory import act_bytes, model_states
+from .traffic import ep_routed_bytes, micro_batch_size, step_bytes
 
 
 def coords(par: ParallelConfig, rank: int) -> dict[str, int]:
-    """The rank's coordinate in each dimension (the grid's mixed radix, innermost last)."""
-    out, r = {}, rank
-    for d in reversed(par.order):
-        out[d] = r % par.degree(d)
-        r //= par.degree(d)
-    return out
+    """The rank's coordinate in each dimension, as ``fived.grid`` numbers ranks."""
+    return Grid.from_config(par).coords(rank)
 
 
 def group_index(par: ParallelConfig, group: str, rank: int) -> int:
     """Index of ``rank`` among the members of its ``group`` (members sorted by rank)."""
-    c = coords(par, rank)
-    dims = [d for d in par.order if d in _GROUPS.get(group, (group,))]
-    idx = 0
-    for d in dims:
-        idx = idx * par.degree(d) + c[d]
-    return idx
+    return Grid.from_config(par).members(Grid.named_dims(group), rank).index(rank)
+
+
+def routed_ep_bytes(m: ModelConfig, par: ParallelConfig, moe: dict) -> list[float] | None:
+    """Exact ep bytes per rank from a step record's routing (``moe.counts``, ``moe.forwards``),
+    or None when the record has none."""
+    if par.ep <= 1 or not moe or "counts" not in moe:
+        return None
+    groups = Grid.from_config(par).partition(("ep",))
+    return ep_routed_bytes(m, moe["counts"], groups, moe["forwards"], act_bytes(par),
+                           par.recompute == "full")
 
 
 def predict_rank(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int
@@ -61,8 +62,11 @@ def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: 
     # share pad/N is fractional), so the prediction is truncated the same way
     mems = rec.get("memory_per_rank") or [rec["memory"]]
     trs = rec.get("traffic_per_rank") or [{"bytes": rec["traffic"]}]
+    routed = routed_ep_bytes(m, par, rec.get("moe") or {})
     for rank, (mem, tr) in enumerate(zip(mems, trs)):
         pm, pt = predict_rank(m, par, global_batch, rank)
+        if routed is not None:
+            pt["ep"] = routed[rank]
         pm = {k: int(v) for k, v in pm.items()}
         if skip_buffers:
             pm.pop("buffers", None)

@@ -22,9 +22,10 @@ and the backward repeats the two row all-to-alls with splits swapped (R·h·b th
 
     ep bytes per rank = Σ_{layers, micro-batches} [ (E − E/n)·8 + 2·(S + R)·h·b ]
 
-(full recompute runs the forward once more: (1+1)·counts + (2+1)·(S+R)·h·b;
-``a2a_bytes`` evaluates it exactly from the measured routing; ``a2a_bytes_uniform`` is the
-balanced-routing estimate the ledger can use without data). Expert parameters per rank:
+(full recompute runs the forward once more: (1+1)·counts + (2+1)·(S+R)·h·b). The ledger owns
+the formulas: ``fived.ledger.traffic.ep_routed_bytes`` evaluates this exactly from the routing
+the trainer records, ``ep_traffic`` is the balanced-routing expectation the planner uses, and
+``fived.ledger.params.expert_param_bytes`` the expert parameters per rank:
 
     expert bytes = layers_on_rank · (E/n) · 3 · h · ffn_e · b        (replicated over tp)
 
@@ -42,8 +43,6 @@ import torch
 from ..comm import autograd as A
 from ..comm import ops
 
-COUNT_BYTES = 8  # the counts are exchanged as int64
-
 
 def dispatch(rows: torch.Tensor, counts: torch.Tensor, moe: Any) -> torch.Tensor:
     """Rows sorted by global expert (``counts`` per expert) -> the experts' outputs, same order."""
@@ -60,55 +59,6 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, moe: Any) -> torch.Tensor
     y = moe.compute_local(got[order], recv.sum(0).tolist())
     y = y[torch.argsort(order)]  # back to source-major
     return A.all_to_all(y, group, out_splits, in_splits)
-
-
-# ---------------------------------------------------------------------------- formulas
-
-def expert_param_bytes(cfg: Any, ep: int, layers_on_rank: int | None = None,
-                       dtype_bytes: int = 4) -> int:
-    """Bytes of expert weights one rank holds: layers · (E/ep) · 3 · h · ffn_e · b."""
-    layers = cfg.layers if layers_on_rank is None else layers_on_rank
-    return layers * (cfg.experts // ep) * 3 * cfg.hidden * cfg.expert_ffn * dtype_bytes
-
-
-def a2a_bytes(counts: list[list[list[float]]], ep_groups: list[tuple[int, ...]], cfg: Any,
-              forwards: list[int], dtype_bytes: int = 4, recompute_full: bool = False
-              ) -> list[float]:
-    """Exact ep bytes each rank sends in one step, from the routing.
-
-    ``counts[r][l][e]``: rows rank r routed to expert e in layer l (summed over micro-batches);
-    ``ep_groups``: the ep groups (member ranks in ep order); ``forwards[r]``: MoE layer forwards
-    rank r ran (layers held × micro-batches), each with one counts exchange. With full
-    recompute the forward (counts and both row all-to-alls) runs once more inside backward.
-    """
-    again = 1 if recompute_full else 0
-    E = cfg.experts
-    out = [0.0] * len(counts)
-    for members in ep_groups:
-        n = len(members)
-        if n == 1:
-            continue
-        per = E // n
-        for i, r in enumerate(members):
-            mine = range(i * per, (i + 1) * per)
-            sent = recv = 0.0
-            for layer in range(len(counts[r])):
-                sent += sum(c for e, c in enumerate(counts[r][layer]) if e not in mine)
-                recv += sum(counts[q][layer][e] for q in members if q != r for e in mine)
-            out[r] = ((1 + again) * forwards[r] * (E - per) * COUNT_BYTES
-                      + (2 + again) * (sent + recv) * cfg.hidden * dtype_bytes)
-    return out
-
-
-def a2a_bytes_uniform(cfg: Any, ep: int, tokens_per_rank: float, layers_on_rank: int,
-                      micro_batches: int = 1, dtype_bytes: int = 4) -> float:
-    """ep bytes per rank per step when routing is perfectly balanced and nothing is dropped:
-    each layer sends and receives tokens·k·(ep−1)/ep rows, forward and backward."""
-    if ep <= 1:
-        return 0.0
-    rows = tokens_per_rank * cfg.top_k * (ep - 1) / ep
-    counts = layers_on_rank * micro_batches * (cfg.experts - cfg.experts // ep) * COUNT_BYTES
-    return counts + layers_on_rank * 2 * 2 * rows * cfg.hidden * dtype_bytes
 
 
 # ---------------------------------------------------------------------------- statistics

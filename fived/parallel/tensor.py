@@ -39,7 +39,6 @@ from torch import nn
 
 from ..comm import autograd as R
 from ..comm import ops
-from ..comm.volume import bytes_sent
 from ..model.init import full_param, shard
 
 
@@ -261,8 +260,7 @@ def mark_norm(plan: Any, norm: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------------------- the formula
 
 
-def tp_traffic_bytes(model: Any, par: Any, micro_batch: int, dtype_bytes: int = 4,
-                     layers: int | None = None, first: bool = True, last: bool = True
+def tp_traffic_bytes(model: Any, par: Any, micro_batch: int, pp_rank: int = 0
                      ) -> dict[str, float]:
     """Bytes one rank sends over the tp group in one optimizer step, by collective.
 
@@ -280,47 +278,13 @@ def tp_traffic_bytes(model: Any, par: Any, micro_batch: int, dtype_bytes: int = 
     * loss: all-reduce of micro_batch·s fp32 maxima and of 2·micro_batch·s fp32 (sum-exp, target).
 
     Per step: with SP, one all-reduce of each norm weight's gradient (2 per block + final norm).
+    A MoE block without a shared expert has only the attention's cut (its routed experts are
+    whole on every tp rank). The ledger (``fived.ledger.traffic.tp_traffic``) holds the formula;
+    this sums its collectives by op for the rank at pipeline coordinate ``pp_rank``.
     """
-    tp = par.tp
-    if tp <= 1:
-        return {}
-    n_layers = model.layers if layers is None else layers
-    sp = par.sequence_parallel
-    s = model.seq_len // par.cp
-    a = micro_batch * s * model.hidden * dtype_bytes
-    m = par.micro_batches
-    out: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
-    ar, ag, rs = (lambda n: bytes_sent("all_reduce", n, tp), lambda n: bytes_sent("all_gather", n, tp),
-                  lambda n: bytes_sent("reduce_scatter", n, tp))
-    # full recompute reruns a block's forward up to its last saved tensor (torch's checkpoint
-    # stops early): the gathers and the attention's reduction again, not the MLP's reduction
-    again = par.recompute == "full"
-    per_micro = dict.fromkeys(out, 0.0)
-    if sp:
-        per_micro["all_gather"] += n_layers * (4 + 2 * again) * ag(a)
-        per_micro["reduce_scatter"] += n_layers * (4 + again) * rs(a)
-    else:
-        per_micro["all_reduce"] += n_layers * (4 + again) * ar(a)
-    if tp > model.kv_heads:
-        kv_weight = model.kv_heads * model.head_dim * model.hidden * dtype_bytes
-        per_micro["all_reduce"] += n_layers * 2 * ar(kv_weight)
-    if first:
-        if sp:
-            per_micro["reduce_scatter"] += rs(a)
-            per_micro["all_gather"] += ag(a)
-        else:
-            per_micro["all_reduce"] += ar(a)
-    if last:
-        if sp:
-            per_micro["all_gather"] += ag(a)
-            per_micro["reduce_scatter"] += rs(a)
-        else:
-            per_micro["all_reduce"] += ar(a)
-        tokens = micro_batch * s
-        per_micro["all_reduce"] += ar(tokens * 4) + ar(2 * tokens * 4)
-    for k in out:
-        out[k] = per_micro[k] * m
-    if sp:
-        norms = 2 * n_layers + (1 if last else 0)
-        out["all_reduce"] += norms * ar(model.hidden * dtype_bytes)
+    from ..ledger.traffic import tp_traffic
+
+    out: dict[str, float] = {}
+    for c in tp_traffic(model, par, micro_batch, pp_rank):
+        out[c.op] = out.get(c.op, 0.0) + c.bytes
     return {k: v for k, v in out.items() if v}
