@@ -22,24 +22,17 @@ FLOPs; a 7B model on 1T tokens is 6·7e9·1e12 = 4.2e22 FLOPs — at 400 TFLOP/s
 from __future__ import annotations
 
 from ..config import ModelConfig
+from .params import block_matmul_params
 
 
 def matmul_params(m: ModelConfig) -> int:
     """Parameters touched by one token's matrix multiplies (active experts only)."""
-    hd = m.head_dim
-    attn = m.hidden * (m.heads * hd) * 2 + m.hidden * (m.kv_heads * hd) * 2
-    if m.is_moe:
-        mlp = 3 * m.hidden * m.expert_ffn * m.top_k + m.hidden * m.experts
-        if m.shared_expert:
-            mlp += 3 * m.hidden * m.expert_ffn
-    else:
-        mlp = 3 * m.hidden * m.ffn
-    return m.layers * (attn + mlp) + m.hidden * m.vocab
+    return m.layers * block_matmul_params(m) + m.hidden * m.vocab
 
 
 def layer_matmul_params(m: ModelConfig) -> int:
     """Matmul parameters of one block (active experts only)."""
-    return (matmul_params(m) - m.hidden * m.vocab) // m.layers
+    return block_matmul_params(m)
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int | None = None, causal: bool = False,

@@ -89,7 +89,8 @@ def active_params(m: ModelConfig) -> int:
 
 
 # ------------------------------------------------------------------------ pipeline split
-def _layer_cost(m: ModelConfig) -> float:
+def block_matmul_params(m: ModelConfig) -> int:
+    """Parameters one token's matrix multiplies touch in one block (active experts + router)."""
     hd = m.head_dim
     attn = m.hidden * (m.heads + 2 * m.kv_heads) * hd + m.heads * hd * m.hidden
     if m.is_moe:
@@ -98,7 +99,11 @@ def _layer_cost(m: ModelConfig) -> float:
             mlp += 3 * m.hidden * m.expert_ffn
     else:
         mlp = 3 * m.hidden * m.ffn
-    return 2.0 * (attn + mlp) + 4.0 * m.seq_len * m.hidden
+    return attn + mlp
+
+
+def _layer_cost(m: ModelConfig) -> float:
+    return 2.0 * block_matmul_params(m) + 4.0 * m.seq_len * m.hidden
 
 
 @lru_cache(maxsize=4096)

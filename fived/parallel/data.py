@@ -191,13 +191,17 @@ class DataParallel:
                     flat[b.offsets[j]:b.offsets[j] + p.numel()].copy_(p.detach().reshape(-1))
                     p.data = b.view(flat, j)
             b.param_full = flat
-            b.param_shard = flat[b.lo:b.hi]
+            b.param_shard = self.own_shard(flat, b)
             b.master = b.param_shard.float().clone() if self.separate_master else b.param_shard
             if self.persistent_full_grads():
                 b.grad = torch.zeros(b.padded, dtype=self.grad_dtype)
                 b.grad_shard = b.grad[b.lo:b.hi]
             else:
                 b.grad_shard = torch.zeros(b.shard_numel, dtype=self.grad_dtype)
+
+    def own_shard(self, flat: torch.Tensor, b: Any) -> torch.Tensor:
+        """This rank's slice of a bucket's flat parameters: a view (the full buffer stays)."""
+        return flat[b.lo:b.hi]
 
     def attach_grads(self) -> bool:
         """Whether ``p.grad`` are views of a persistent full gradient buffer (autograd then

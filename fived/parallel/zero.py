@@ -118,17 +118,12 @@ class Zero3(DataParallel):
             for b in self.buckets[start:]:
                 b.unit_index = ui
 
+    def own_shard(self, flat: torch.Tensor, b: Any) -> torch.Tensor:
+        """A copy: the full flat buffer is freed after each use, the shard must outlive it."""
+        return flat[b.lo:b.hi].clone()
+
     def build_state(self) -> None:
-        for b in self.buckets:
-            flat = torch.zeros(b.padded, dtype=self.compute_dtype)
-            with torch.no_grad():
-                for j, p in enumerate(b.params):
-                    flat[b.offsets[j]:b.offsets[j] + p.numel()].copy_(p.detach().reshape(-1))
-                    p.data = b.view(flat, j)
-            b.param_full = flat
-            b.param_shard = flat[b.lo:b.hi].clone()
-            b.master = b.param_shard.float().clone() if self.separate_master else b.param_shard
-            b.grad_shard = torch.zeros(b.shard_numel, dtype=self.grad_dtype)
+        super().build_state()  # ZeRO-3 keeps no full gradients: only grad shards
         self.live_buffers = sum(nbytes(b.param_full) for b in self.buckets)
 
     # ------------------------------------------------------------------ gather / free

@@ -8,65 +8,30 @@ minimises the largest stage cost, in forward FLOPs per token:
     head    = 2·hidden·vocab + 5·vocab                          (matmul + softmax/CE)
     embed   = hidden                                            (a lookup: ~free, but not 0)
 
-by dynamic programming over contiguous splits (``balanced_split``). ``--pp-layers a,b,...``
+by dynamic programming over contiguous splits (``balanced_split``, which is the ledger's, so
+the planner and the runtime cut the same way). ``--pp-layers a,b,...``
 gives the split by hand. Parameter names are global (``layers.5.attn.wq.weight``) and every
 parameter is drawn from (seed, name), so any split builds the same model.
 """
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 from torch import nn
 
 from ...config import ConfigError, ModelConfig, ParallelConfig
+from ...ledger.params import balanced_split as _ledger_split
 from ...model import build_model
 
 
-def layer_cost(cfg: ModelConfig) -> float:
-    hd = cfg.head_dim
-    attn = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * hd + cfg.heads * hd * cfg.hidden
-    if cfg.is_moe:
-        mlp = 3 * cfg.hidden * cfg.expert_ffn * cfg.top_k + cfg.hidden * cfg.experts
-        if cfg.shared_expert:
-            mlp += 3 * cfg.hidden * cfg.expert_ffn
-    else:
-        mlp = 3 * cfg.hidden * cfg.ffn
-    return 2.0 * (attn + mlp) + 4.0 * cfg.seq_len * cfg.hidden
-
-
-def head_cost(cfg: ModelConfig) -> float:
-    return 2.0 * cfg.hidden * cfg.vocab + 5.0 * cfg.vocab
-
-
-def embed_cost(cfg: ModelConfig) -> float:
-    return float(cfg.hidden)
-
-
 def balanced_split(cfg: ModelConfig, stages: int) -> list[int]:
-    """Layers per stage minimising the most expensive stage (ties: the most even split)."""
-    L, lc, hc, ec = cfg.layers, layer_cost(cfg), head_cost(cfg), embed_cost(cfg)
-    if stages > L:
-        raise ConfigError([f"{stages} pipeline stages for {L} layers: each stage needs a layer"])
-
-    def cost(s: int, n: int) -> float:
-        return n * lc + (ec if s == 0 else 0.0) + (hc if s == stages - 1 else 0.0)
-
-    @cache
-    def best(s: int, left: int) -> tuple[float, float, tuple[int, ...]]:
-        # stages s.. take ``left`` layers: (max cost, sum of squared counts, split)
-        if s == stages - 1:
-            return cost(s, left), float(left * left), (left,)
-        out = None
-        for n in range(1, left - (stages - s - 1) + 1):
-            mx, sq, rest = best(s + 1, left - n)
-            cand = (max(mx, cost(s, n)), sq + n * n, (n,) + rest)
-            if out is None or cand[:2] < out[:2]:
-                out = cand
-        return out
-
-    return list(best(0, L)[2])
+    """Layers per stage minimising the most expensive stage (ties: the most even split); the
+    ledger's ``fived.ledger.params.balanced_split``, so the planner predicts the split we run."""
+    try:
+        return list(_ledger_split(cfg, stages))
+    except ValueError:
+        raise ConfigError([f"{stages} pipeline stages for {cfg.layers} layers: each stage needs "
+                           "a layer"]) from None
 
 
 def partition(cfg: ModelConfig, par: ParallelConfig) -> list[list[int]]:
