@@ -137,6 +137,18 @@ class _ReplicaGradSum(torch.autograd.Function):
         return buf[ctx.index].clone(), None, None, None
 
 
+def tp_weight(plan: Any, name: str, shape: tuple[int, int], std: float, dim: int,
+              shards: int | None = None, index: int | None = None) -> nn.Parameter:
+    """Piece ``index`` of ``shards`` (default: this tp rank of tp) of the full weight drawn from
+    (seed, name), cut along ``dim``; tagged with its shard count."""
+    shards = plan.tp if shards is None else shards
+    index = plan.tp_rank if index is None else index
+    w = nn.Parameter(shard(full_param(plan.seed, name + ".weight", shape, std), dim, shards,
+                           index).to(plan.dtype))
+    w._fived_tp_shards = shards
+    return w
+
+
 class ColumnLinear(nn.Module):
     """y_i = x W_iᵀ with W's output features cut in ``shards`` chunks (tp, or kv_heads when the
     kv heads are replicated); the output stays cut (b, s, out/shards)."""
@@ -148,9 +160,7 @@ class ColumnLinear(nn.Module):
             raise ValueError(f"{name}: {shards} shards over tp={tp}")
         self.plan, self.shards = plan, shards
         self.index = plan.tp_rank * shards // tp
-        w = shard(full_param(plan.seed, name + ".weight", (out_f, in_f), std), 0, shards, self.index)
-        self.weight = nn.Parameter(w.to(plan.dtype))
-        self.weight._fived_tp_shards = shards
+        self.weight = tp_weight(plan, name, (out_f, in_f), std, 0, shards, self.index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -165,10 +175,7 @@ class RowLinear(nn.Module):
     def __init__(self, plan: Any, name: str, in_f: int, out_f: int, std: float):
         super().__init__()
         self.plan = plan
-        w = shard(full_param(plan.seed, name + ".weight", (out_f, in_f), std), 1, plan.tp,
-                  plan.tp_rank)
-        self.weight = nn.Parameter(w.to(plan.dtype))
-        self.weight._fived_tp_shards = plan.tp
+        self.weight = tp_weight(plan, name, (out_f, in_f), std, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return exit_rows(self.plan, F.linear(x, self.weight))
@@ -182,10 +189,7 @@ class VocabEmbedding(nn.Module):
         self.plan = plan
         self.per_rank = vocab // plan.tp
         self.start = plan.tp_rank * self.per_rank
-        w = shard(full_param(plan.seed, name + ".weight", (vocab, hidden), std), 0, plan.tp,
-                  plan.tp_rank)
-        self.weight = nn.Parameter(w.to(plan.dtype))
-        self.weight._fived_tp_shards = plan.tp
+        self.weight = tp_weight(plan, name, (vocab, hidden), std, 0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.start
@@ -201,10 +205,7 @@ class VocabHead(nn.Module):
     def __init__(self, plan: Any, name: str, hidden: int, vocab: int, std: float):
         super().__init__()
         self.plan = plan
-        w = shard(full_param(plan.seed, name + ".weight", (vocab, hidden), std), 0, plan.tp,
-                  plan.tp_rank)
-        self.weight = nn.Parameter(w.to(plan.dtype))
-        self.weight._fived_tp_shards = plan.tp
+        self.weight = tp_weight(plan, name, (vocab, hidden), std, 0)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return vocab_logits(self.plan, h, self.weight)
