@@ -108,13 +108,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="fived bench cp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cp", type=int, default=4, help="context-parallel ranks (local gloo)")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     ap.add_argument("--seq", type=int, default=2048, help="full sequence length")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    ap.add_argument("--kv-heads", type=int, default=2, help="kv heads, GQA (default 2)")
+    ap.add_argument("--head-dim", type=int, default=32, help="default 32")
+    ap.add_argument("--iters", type=int, default=5,
+                    help="timed forward+backward iterations per mode; median (default 5)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
                     help="comma list of ring, ulysses, allgather, ring-contiguous (no zigzag)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON at the end")

@@ -37,14 +37,16 @@ def bench_model(args: argparse.Namespace):
 
 def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--nprocs", type=int, default=2, help="ranks (all data-parallel)")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=128, help="model width (default 128)")
+    ap.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    ap.add_argument("--global-batch", type=int, default=8,
+                    help="sequences per step over all ranks (default 8)")
     ap.add_argument("--reps", type=int, default=5, help="alternating repetitions (median)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per repetition")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="gradient bucket size in MB, fived and torch alike (default 25)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
 
 

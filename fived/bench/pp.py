@@ -117,13 +117,18 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fived bench pp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pp", type=int, default=4)
-    ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--pp", type=int, default=4, help="pipeline ranks (local gloo processes; "
+                    "default 4)")
+    ap.add_argument("--micro-batches", type=int, default=8,
+                    help="micro-batches per step (default 8; interleaved needs a multiple of pp)")
+    ap.add_argument("--global-batch", type=int, default=16,
+                    help="sequences per step, split into the micro-batches (default 16)")
+    ap.add_argument("--model", default="tiny", help="model preset (default tiny)")
     ap.add_argument("--layers", type=int, default=8,
                     help="layers of the model (default 8: pp=4 × v=2 interleaved has one per stage)")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5,
+                    help="timed repetitions per implementation and schedule, after one warm-up; "
+                    "the median is reported (default 5)")
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     a = ap.parse_args(argv)
     from ..launch import run_local
