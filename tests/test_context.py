@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
@@ -22,17 +21,6 @@ from fived.testing import rel_diff, run_ranks, small_train, train_layout
 MODEL = preset("tiny")
 LONG = dataclasses.replace(MODEL, seq_len=512)  # 8× the tiny default
 
-
-
-def _has(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-HAS_TP = _has("fived.parallel.tensor")
-HAS_PP = _has("fived.parallel.pipeline.runtime")
 
 
 # ------------------------------------------------------------------------------ sharding
@@ -253,7 +241,6 @@ def test_long_sequence_matches_one_rank(reference_long, cp, mode):
     _parity(reference_long, LONG, ParallelConfig(cp=cp, cp_mode=mode), small_train(global_batch=2))
 
 
-@pytest.mark.skipif(not HAS_TP, reason="fived.parallel.tensor is not in this build")
 @pytest.mark.parametrize("mode", ["ring", pytest.param("ulysses", marks=pytest.mark.slow)])
 def test_cp_with_tp_matches_one_rank(reference, mode):
     _parity(reference, MODEL, ParallelConfig(cp=2, tp=2, cp_mode=mode), small_train())
@@ -265,8 +252,6 @@ def test_cp_with_tp_matches_one_rank(reference, mode):
                                       (2, {"recompute": "full"})])
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_cp_matrix(reference, cp, extra, mode):
-    if extra.get("zero") and not _has("fived.parallel.zero"):
-        pytest.skip("fived.parallel.zero is not in this build")
     par = ParallelConfig(cp=cp, cp_mode=mode, **extra)
     out = train_layout(MODEL, par, small_train())
     for rank_summary in out:
@@ -276,7 +261,6 @@ def test_cp_matrix(reference, cp, extra, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_TP, reason="fived.parallel.tensor is not in this build")
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_cp4_with_tp2_matches_one_rank(reference, mode):
     if mode == "ulysses":  # 2 local heads over cp 4: rejected by validate()
@@ -285,7 +269,6 @@ def test_cp4_with_tp2_matches_one_rank(reference, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_PP, reason="fived.parallel.pipeline is not in this build")
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_cp_with_pp_matches_one_rank(reference, mode):
     par = ParallelConfig(cp=2, pp=2, micro_batches=2, cp_mode=mode)

@@ -12,7 +12,6 @@ The default set keeps to tiny-moe and a handful of spawned runs; ``-m slow`` run
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from dataclasses import replace
@@ -34,10 +33,6 @@ from fived.train import data as D
 TOP2 = preset("tiny-moe")
 TOP1 = replace(TOP2, top_k=1)
 MODELS = {1: TOP1, 2: TOP2}
-HAS_TP = importlib.util.find_spec("fived.parallel.tensor") is not None
-HAS_PP = importlib.util.find_spec("fived.parallel.pipeline") is not None and \
-    importlib.util.find_spec("fived.parallel.pipeline.runtime") is not None
-HAS_ZERO = importlib.util.find_spec("fived.parallel.zero") is not None
 
 _cache: dict = {}
 
@@ -89,17 +84,14 @@ def test_ep_parity(top_k, par):
     check_parity(top_k, par)
 
 
-@pytest.mark.skipif(not HAS_TP, reason="fived.parallel.tensor is not built in this tree")
 def test_ep_tp_parity():
     check_parity(2, ParallelConfig(ep=2, tp=2))
 
 
-@pytest.mark.skipif(not HAS_PP, reason="fived.parallel.pipeline.runtime is not built here")
 def test_ep_pp_parity():
     check_parity(2, ParallelConfig(ep=2, pp=2, micro_batches=2))
 
 
-@pytest.mark.skipif(not HAS_ZERO, reason="fived.parallel.zero is not built in this tree")
 def test_ep_zero1_parity():
     check_parity(2, ParallelConfig(ep=2, dp=2, zero=1))
 
@@ -114,33 +106,22 @@ EXTRA = {"alone": {}, "dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2, "micr
 @pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_ep_parity_matrix(top_k, ep, extra):
-    if extra == "tp2" and not HAS_TP:
-        pytest.skip("fived.parallel.tensor is not built in this tree")
-    if extra == "pp2" and not HAS_PP:
-        pytest.skip("fived.parallel.pipeline.runtime is not built in this tree")
     check_parity(top_k, ParallelConfig(ep=ep, **EXTRA[extra]))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_ep_zero_parity(zero):
-    if not HAS_ZERO:
-        pytest.skip("fived.parallel.zero is not built in this tree")
     check_parity(2, ParallelConfig(ep=2, dp=2, zero=zero))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_TP, reason="fived.parallel.tensor is not built in this tree")
 def test_ep_sequence_parallel_parity():
     """With SP the MoE gathers the sequence over tp, so routing and aux losses are exact."""
     check_parity(2, ParallelConfig(ep=2, tp=2, sequence_parallel=True))
 
 
-HAS_CP = importlib.util.find_spec("fived.parallel.context") is not None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_CP, reason="fived.parallel.context is not built in this tree")
 def test_ep_cp_parity_dropless():
     """cp shards each sequence: the balance loss sums the routed counts over cp (exact)."""
     check_parity(2, ParallelConfig(ep=2, cp=2))
@@ -265,11 +246,8 @@ def test_dropped_tokens_match_direct_count_and_ep():
 # ------------------------------------------------------------------------ ledger
 
 @pytest.mark.parametrize("par", [ParallelConfig(ep=2), ParallelConfig(ep=2, dp=2, micro_batches=2),
-                                 pytest.param(ParallelConfig(ep=2, tp=2), marks=pytest.mark.skipif(
-                                     not HAS_TP, reason="fived.parallel.tensor is not built")),
-                                 pytest.param(ParallelConfig(ep=2, pp=2, micro_batches=2),
-                                              marks=pytest.mark.skipif(
-                                     not HAS_PP, reason="pipeline runtime is not built")),
+                                 ParallelConfig(ep=2, tp=2),
+                                 ParallelConfig(ep=2, pp=2, micro_batches=2),
                                  pytest.param(ParallelConfig(ep=2, recompute="full"),
                                               marks=pytest.mark.slow)],
                          ids=["ep2", "ep2-dp2-mb2", "ep2-tp2", "ep2-pp2", "ep2-recompute"])

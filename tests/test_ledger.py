@@ -360,7 +360,6 @@ ZERO_LAYOUTS = [
 @pytest.mark.parametrize("par", ZERO_LAYOUTS, ids=lambda p: f"{p.describe()}-{p.precision}")
 def test_zero_and_precision_runtime_equal_the_ledger(par):
     """Runs where the ZeRO / mixed-precision engine is built (``-m slow``)."""
-    pytest.importorskip("fived.parallel.zero")
     from fived.ledger import verify
     from fived.testing import small_train, train_layout
 
@@ -380,7 +379,6 @@ TP_LAYOUTS = [
 @pytest.mark.parametrize("par", TP_LAYOUTS, ids=lambda p: f"{p.describe()}-{p.recompute}")
 def test_tp_runtime_equal_the_ledger(par):
     """Where tensor parallelism is built (``-m slow``): memory and every group's bytes exact."""
-    pytest.importorskip("fived.parallel.tensor")
     from fived.ledger import verify
     from fived.testing import small_train, train_layout
 
@@ -400,7 +398,6 @@ PP_LAYOUTS = [
 @pytest.mark.parametrize("par", PP_LAYOUTS, ids=lambda p: f"{p.describe()}-{p.schedule}")
 def test_pp_runtime_equal_the_ledger(par):
     """Where the pipeline is built (``-m slow``): every rank's states and bytes exact."""
-    pytest.importorskip("fived.parallel.pipeline.runtime")
     from fived.ledger import verify
     from fived.testing import small_train, train_layout
 
@@ -429,7 +426,6 @@ def test_ep_runtime_equal_the_ledger(par):
     ep all-to-all bytes are predicted from the routing the record carries (they follow the
     router), the MoE counts all-reduce over cp / SP-tp and the MoE block's single tp cut from
     the ledger's formulas."""
-    pytest.importorskip("fived.model.moe")
     from fived.ledger import verify
     from fived.testing import small_train, train_layout
 
@@ -451,7 +447,6 @@ CP_LAYOUTS = [ParallelConfig(cp=2), ParallelConfig(cp=2, recompute="selective"),
 def test_cp_runtime_equal_the_ledger(par):
     """Where context parallelism is built (``-m slow``): states and every group's bytes exact
     (selective recompute reruns the forward ring)."""
-    pytest.importorskip("fived.parallel.context")
     from fived.ledger import verify
     from fived.testing import small_train, train_layout
 

@@ -9,7 +9,6 @@ pp ∈ {2, 4} × every schedule × m ∈ {pp, 2pp}, alone, with dp=2 and with tp
 Several layouts of one world size run in one spawn (``train_many``) to save process start-ups.
 """
 
-import importlib.util
 import os
 import statistics
 import sys
@@ -25,7 +24,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from pipeline_helpers import suite, train_many  # noqa: E402
 
 MODEL = preset("tiny")
-HAS_TP = importlib.util.find_spec("fived.parallel.tensor") is not None
 
 
 def _par(schedule: str, pp: int, m: int, **kw) -> ParallelConfig:
@@ -159,7 +157,6 @@ def test_matrix_pp_dp2(reference8, pp):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_TP, reason="tensor parallelism (fived.parallel.tensor) not built")
 @pytest.mark.parametrize("pp,dp,sp", [(2, 1, False), (4, 1, False), (2, 1, True), (2, 2, False),
                                       (2, 2, True)])
 def test_matrix_pp_tp2(reference8, pp, dp, sp):

@@ -6,7 +6,6 @@ short; the full matrix (tp ∈ {2, 4} × SP × dp × ZeRO) is under ``-m slow``.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
 
 import pytest
@@ -19,7 +18,6 @@ from fived.testing import rel_diff, run_ranks, small_train
 MODEL = preset("tiny")  # heads 4, kv_heads 2: tp=4 replicates the kv heads
 TIED = replace(MODEL, tied_embeddings=True)
 TRAIN = small_train()
-HAS_ZERO = importlib.util.find_spec("fived.parallel.zero") is not None
 
 
 def _train_many(rank: int, world: int, runs: list) -> list:
@@ -222,7 +220,6 @@ def test_full_matrix(reference, runs):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_ZERO, reason="fived.parallel.zero is not built yet")
 def test_zero_dp2_tp2(reference):
     """dp=2 × tp=2 under ZeRO-1/2/3, with and without SP (one spawn)."""
     for (model, par), out in zip(ZERO, train_many(ZERO)):
