@@ -30,11 +30,6 @@ def matmul_params(m: ModelConfig) -> int:
     return m.layers * block_matmul_params(m) + m.hidden * m.vocab
 
 
-def layer_matmul_params(m: ModelConfig) -> int:
-    """Matmul parameters of one block (active experts only)."""
-    return block_matmul_params(m)
-
-
 def attention_flops_per_token(m: ModelConfig, seq_len: int | None = None, causal: bool = False,
                               layers: int | None = None) -> float:
     """Forward FLOPs of QKᵀ and PV per token (all layers, or ``layers`` of them)."""
@@ -83,7 +78,7 @@ def training_seconds(flops: float, gpus: int, peak_flops: float, mfu: float = 1.
 def stage_forward_flops_per_token(m: ModelConfig, layers: int, last: bool,
                                   seq_len: int | None = None, causal: bool = False) -> float:
     """Forward FLOPs per token for a pipeline piece of ``layers`` blocks (+ head when last)."""
-    f = 2.0 * layer_matmul_params(m) * layers + attention_flops_per_token(m, seq_len, causal,
+    f = 2.0 * block_matmul_params(m) * layers + attention_flops_per_token(m, seq_len, causal,
                                                                          layers)
     if last:
         f += 2.0 * m.hidden * m.vocab
