@@ -311,6 +311,8 @@ def test_ddp_runtime_memory_and_traffic_equal_the_ledger(tmp_path, capsys):
     assert "exact" in capsys.readouterr().out
     assert main(["ledger", "--model", "tiny", "--gpus", "2", "--precision", "bf16",
                  "--global-batch", str(train.global_batch), "--check", str(metrics)]) == 1
+    said = capsys.readouterr().out
+    assert "memory[master]" in said and "--precision bf16" in said  # names the key and the cause
     b = traffic.micro_batch_size(par, train.global_batch)
     for s in out:
         last = s["history"][-1]

@@ -325,7 +325,10 @@ def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: boo
         if bad:
             con.print(f"[bold red]{len(bad)} mismatch(es)[/] between the ledger and {path}:")
             for line in bad:
-                con.print(f"  {line}")
+                con.print(f"  {line}", markup=False, highlight=False)  # keep "memory[master]"
+            con.print(f"(the ledger assumed {par.describe()}, --precision {par.precision}, "
+                      f"--global-batch {gb}, --recompute {par.recompute}: give the run's own)",
+                      markup=False, highlight=False)
         else:
             con.print(f"[green]exact[/]: every rank's model-state bytes and traffic bytes in "
                       f"{path} equal the ledger's ({par.describe()}, {m.name})")
