@@ -2,6 +2,7 @@
 traffic formulas, the planner's promise (it never returns a layout that does not fit), and the
 runtime measured against the prediction."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -306,11 +307,23 @@ def test_ddp_runtime_memory_and_traffic_equal_the_ledger(tmp_path, capsys):
     out = train_layout(m, par, train)
     # what `fived train --metrics-out` wrote, checked by `fived ledger --check`
     assert verify.compare_file(m, par, train.global_batch, str(metrics)) == []
+    # the file's first line records the run, so the file alone is enough
+    assert verify.run_of_file(str(metrics)) == (m, par, train.global_batch)
+    assert main(["ledger", "--check", str(metrics)]) == 0
+    assert "exact" in capsys.readouterr().out
+    # a file without the run record takes the layout from the flags: the run's own pass, and
+    # bf16 (whose master weights and bf16 grads the fp32 run does not have) is caught
+    lines = metrics.read_text().splitlines()
+    first = json.loads(lines[0])
+    del first["run"]
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    assert verify.run_of_file(str(bare)) is None
     assert main(["ledger", "--model", "tiny", "--gpus", "2", "--precision", "fp32",
-                 "--global-batch", str(train.global_batch), "--check", str(metrics)]) == 0
+                 "--global-batch", str(train.global_batch), "--check", str(bare)]) == 0
     assert "exact" in capsys.readouterr().out
     assert main(["ledger", "--model", "tiny", "--gpus", "2", "--precision", "bf16",
-                 "--global-batch", str(train.global_batch), "--check", str(metrics)]) == 1
+                 "--global-batch", str(train.global_batch), "--check", str(bare)]) == 1
     said = capsys.readouterr().out
     assert "memory[master]" in said and "--precision bf16" in said  # names the key and the cause
     b = traffic.micro_batch_size(par, train.global_batch)

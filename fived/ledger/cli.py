@@ -270,12 +270,23 @@ def main_ledger(argv: list[str]) -> int:
                         "repeated to the heads, fp32 RMSNorm intermediates); default: fused "
                         "GPU kernels (flash attention, fused RMSNorm)")
     g.add_argument("--check", default=None, metavar="METRICS_JSONL",
-                   help="compare the ledger with a `fived train --metrics-out` file (give the "
-                        "same layout, --precision and --global-batch as the run); exit 1 on any "
-                        "byte of difference")
+                   help="compare the ledger with a `fived train --metrics-out` file, exactly; "
+                        "exit 1 on any byte of difference. The file's first line records the "
+                        "run (model, layout, precision, global batch), which is then used and "
+                        "the layout flags are ignored; for a file without it, give the run's "
+                        "layout, --precision and --global-batch")
     g.add_argument("--train-tokens", default="1T",
                    help="token budget for the time wall, decimal (default 1T = 1e12)")
     args = ap.parse_args(argv)
+    if args.check:
+        from .verify import run_of_file
+
+        try:
+            run = run_of_file(args.check)
+        except (OSError, ValueError) as e:
+            raise ConfigError([f"--check {args.check}: cannot read it ({e})"]) from None
+        if run is not None:  # the file says what ran: its layout, not the flags
+            return _check(*run, args.check, args.json, from_file=True)
     m = _model(args)
     hw = _hardware(args)
     gpn = args.gpus_per_node or hw.gpus_per_node
@@ -313,13 +324,16 @@ def main_ledger(argv: list[str]) -> int:
     return 0
 
 
-def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: bool) -> int:
+def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: bool,
+           from_file: bool = False) -> int:
     from .verify import compare_file
+
+    source = "recorded in the file" if from_file else "from the flags"
 
     bad = compare_file(m, par, gb, path)
     if as_json:
-        print(json.dumps({"metrics": path, "layout": par.describe(), "exact": not bad,
-                          "mismatches": bad}, indent=2))
+        print(json.dumps({"metrics": path, "layout": par.describe(), "layout_source": source,
+                          "exact": not bad, "mismatches": bad}, indent=2))
     else:
         con = _console()
         if bad:
@@ -327,11 +341,13 @@ def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: boo
             for line in bad:
                 con.print(f"  {line}", markup=False, highlight=False)  # keep "memory[master]"
             con.print(f"(the ledger assumed {par.describe()}, --precision {par.precision}, "
-                      f"--global-batch {gb}, --recompute {par.recompute}: give the run's own)",
+                      f"--global-batch {gb}, --recompute {par.recompute}, {source}"
+                      + ("" if from_file else ": give the run's own") + ")",
                       markup=False, highlight=False)
         else:
             con.print(f"[green]exact[/]: every rank's model-state bytes and traffic bytes in "
-                      f"{path} equal the ledger's ({par.describe()}, {m.name})")
+                      f"{path} equal the ledger's ({m.name}, {par.describe()}, "
+                      f"{par.precision}, global batch {gb}; layout {source})")
     return 1 if bad else 0
 
 

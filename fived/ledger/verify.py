@@ -83,6 +83,22 @@ def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: 
     return out
 
 
+def run_of_file(path: str) -> tuple[ModelConfig, ParallelConfig, int] | None:
+    """(model, layout, global batch) of the run a ``--metrics-out`` file recorded in its first
+    line, or None for a file that has no run record."""
+    with open(path) as f:
+        first = f.readline()
+    run = json.loads(first).get("run") if first.strip() else None
+    if not run:
+        return None
+
+    def build(cls, d):
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    return (build(ModelConfig, run["model"]), build(ParallelConfig, run["parallel"]),
+            int(run["global_batch"]))
+
+
 def compare_file(m: ModelConfig, par: ParallelConfig, global_batch: int, path: str,
                  step: int = -1, skip_buffers: bool | None = None) -> list[str]:
     """``compare_record`` on one step (default: the last) of a ``--metrics-out`` JSONL file."""

@@ -219,6 +219,9 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             rec["mfu"] = flops_tok * rec["tokens_per_s"] / peak_flops if peak_flops else 0.0
             history.append(rec)
             if out_file:
+                if step == 0:  # what ran, so `fived ledger --check FILE` needs nothing else
+                    rec = {**rec, "run": {"model": asdict(model_cfg), "parallel": asdict(par),
+                                          "global_batch": train.global_batch}}
                 out_file.write(json.dumps(rec) + "\n")
                 out_file.flush()
             if display:
