@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from ..config import ModelConfig, ParallelConfig
+from ..config import ModelConfig, ParallelConfig, _coerce
 from ..grid import Grid
 from .memory import act_bytes, model_states
 from .traffic import ep_routed_bytes, micro_batch_size, step_bytes
@@ -91,11 +91,9 @@ def run_of_file(path: str) -> tuple[ModelConfig, ParallelConfig, int] | None:
     run = json.loads(first).get("run") if first.strip() else None
     if not run:
         return None
-
-    def build(cls, d):
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-
-    return (build(ModelConfig, run["model"]), build(ParallelConfig, run["parallel"]),
+    # the TOML reader's coercion: lists back to tuples, unknown keys a ConfigError
+    return (ModelConfig(**_coerce(ModelConfig, run["model"], "run.model")),
+            ParallelConfig(**_coerce(ParallelConfig, run["parallel"], "run.parallel")),
             int(run["global_batch"]))
 
 
