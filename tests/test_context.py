@@ -49,7 +49,7 @@ def _core_rank(rank: int, world: int, b: int, s: int, h: int, g: int, d: int) ->
     import torch.distributed as dist
 
     from fived.comm.ops import Traffic
-    from fived.grid import DimGroup
+    from fived.dist.grid import DimGroup
     from fived.model import layers as L
     from fived.train.activations import SavedTensors
 
@@ -180,7 +180,7 @@ def test_zigzag_balances_attention_flops(core):
 
 def test_ring_saves_only_local_tensors_on_one_rank():
     """cp=1 through the ring kernel: the formula at n=1 (the 1/cp baseline)."""
-    from fived.grid import DimGroup
+    from fived.dist.grid import DimGroup
     from fived.train.activations import SavedTensors
 
     b, s, h, g, d = 2, 64, 4, 2, 16
@@ -280,7 +280,7 @@ def test_cost_module_is_torch_free():
     import ast
     import pathlib
 
-    import fived.parallel.context_cost as cost
+    import fived.ledger.context as cost
 
     tree = ast.parse(pathlib.Path(cost.__file__).read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fived.config import ParallelConfig, TrainConfig, preset
-from fived.grid import Grid
+from fived.dist.grid import Grid
 from fived.ledger.params import expert_param_bytes
 from fived.ledger.traffic import bytes_by_group, ep_routed_bytes, ep_traffic, micro_batch_size
 from fived.model import build_model

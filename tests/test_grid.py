@@ -1,7 +1,7 @@
 """The grid: coordinates, groups, derived groups, node boundaries."""
 
 from fived.config import ParallelConfig
-from fived.grid import Grid
+from fived.dist.grid import Grid
 
 
 def test_tp_innermost_pp_outermost():

@@ -351,7 +351,7 @@ def test_runtime_tied_micro_batches_equal_the_ledger():
 
 
 def test_grid_coordinates_match_the_grid():
-    from fived.grid import Grid
+    from fived.dist.grid import Grid
     from fived.ledger import verify
 
     par = ParallelConfig(tp=2, cp=2, ep=1, dp=2, pp=2)

@@ -111,7 +111,7 @@ def test_traffic_formula_by_hand():
 
 def _activations(rank: int, world: int) -> dict:
     from fived.comm.ops import Traffic
-    from fived.grid import Grid
+    from fived.dist.grid import Grid
     from fived.model import build_model
     from fived.parallel.plan import Plan
     from fived.train.activations import SavedTensors
@@ -165,7 +165,7 @@ def _loss_grads(rank: int, world: int) -> bool:
     import torch.nn.functional as F
 
     from fived.comm.ops import Traffic
-    from fived.grid import Grid
+    from fived.dist.grid import Grid
     from fived.parallel.tensor import vocab_parallel_loss
 
     grid = Grid.from_config(ParallelConfig(tp=world), rank).connect(Traffic())

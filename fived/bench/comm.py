@@ -3,7 +3,7 @@
     fived bench comm --nprocs 4 -b 1K -e 16M -f 2 --iters 20 --warmup 5 \\
         [--ops all_reduce,all_gather,...] [--impl backend,ring] [--dtype float32] [--json] [--out F]
 
-Spawns ``--nprocs`` local ranks (``fived.launch.run_local``) unless it runs under ``torchrun``,
+Spawns ``--nprocs`` local ranks (``fived.dist.launch.run_local``) unless it runs under ``torchrun``,
 sweeps the sizes for each (collective, implementation), and prints, per collective, nccl-tests'
 columns (size, count, type, time, algbw, busbw) for each implementation, then the alpha-beta fit
 per collective. ``--json`` prints the result document on stdout (the human output goes to stderr)
@@ -118,8 +118,8 @@ def rank_main(rank: int, world: int, cfg: Settings) -> dict[str, Any] | None:
     from ..comm.bench import sweep
     from ..comm.ops import Traffic
     from ..config import ParallelConfig
-    from ..grid import Grid
-    from ..launch import device_and_backend
+    from ..dist.grid import Grid
+    from ..dist.launch import device_and_backend
 
     device, backend = device_and_backend()
     traffic = Traffic()

@@ -30,7 +30,7 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from ..comm.ops import Traffic
-    from ..grid import DimGroup
+    from ..dist.grid import DimGroup
     from ..parallel import context as C
     from ..train.activations import SavedTensors
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..launch import RankFailure, run_local
+    from ..dist.launch import RankFailure, run_local
     from ..train.metrics import human_bytes
 
     args = parse(sys.argv[1:] if argv is None else argv)

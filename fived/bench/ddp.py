@@ -84,7 +84,7 @@ class Runner:
 def fived_runner(name: str, cfg: Any, par: Any, train: Any, rank: int, world: int,
                  batch: Callable[[int], tuple]) -> Runner:
     from ..comm.ops import Traffic
-    from ..grid import Grid
+    from ..dist.grid import Grid
     from ..model import build_model
     from ..parallel.data import make_engine
     from ..parallel.plan import Plan
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None, kind: str = "ddp") -> int:
     print(HEADER.format(name=kind, what=what, n=args.nprocs,
                         model=f"h{args.hidden}·l{args.layers}·s{args.seq_len}", reps=args.reps,
                         steps=args.steps), flush=True)
-    from ..launch import run_local
+    from ..dist.launch import run_local
 
     t0 = time.perf_counter()
     rows = run_local(run_rank, args.nprocs, (kind, args), timeout=900)[0]

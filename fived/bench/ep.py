@@ -34,7 +34,7 @@ def _rank(rank: int, world: int, model: Any, par: Any, train: Any) -> dict[str, 
 def measure(model: Any, ep: int, train: Any, timeout: float = 600.0) -> dict[str, Any]:
     """Train one layout; the row of the closing table."""
     from ..config import ParallelConfig
-    from ..launch import run_local
+    from ..dist.launch import run_local
     from ..ledger.params import expert_param_bytes
     from ..ledger.traffic import bytes_by_group, ep_traffic, micro_batch_size
 

@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
 
     from ..comm.ops import Traffic
     from ..config import ParallelConfig, preset
-    from ..grid import Grid
+    from ..dist.grid import Grid
     from ..model.layers import token_losses
     from ..parallel.pipeline.runtime import PipelineExecutor
     from ..parallel.plan import Plan
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                     "the median is reported (default 5)")
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     a = ap.parse_args(argv)
-    from ..launch import run_local
+    from ..dist.launch import run_local
 
     print(f"fived bench pp: {a.model} with {a.layers} layers, pp={a.pp}, m={a.micro_batches}, "
           f"batch {a.global_batch}; "

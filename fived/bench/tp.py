@@ -110,7 +110,7 @@ def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str
 
     from ..comm.ops import Traffic
     from ..config import ParallelConfig
-    from ..grid import Grid
+    from ..dist.grid import Grid
     from ..model import build_model
     from ..parallel.plan import Plan
     from ..train.data import local_batch
@@ -167,7 +167,7 @@ def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     from ..config import ParallelConfig, preset, validate
-    from ..launch import run_local
+    from ..dist.launch import run_local
 
     cfg = preset(args.model)
     validate(cfg, ParallelConfig(tp=args.tp, sequence_parallel=args.sp != "off"))

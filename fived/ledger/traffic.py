@@ -51,7 +51,7 @@ from functools import lru_cache
 
 from ..comm.volume import bytes_sent
 from ..config import ModelConfig, ParallelConfig
-from ..parallel.context_cost import ulysses_kv_heads
+from .context import ulysses_kv_heads
 from .memory import _state_key, act_bytes, buckets, grad_bytes, group_sizes, param_bytes
 from .params import rank_stages, stage_layers
 

@@ -50,8 +50,7 @@ import torch
 from ..comm import autograd as CA
 from ..comm import ops
 from ..config import ConfigError
-from ..model import layers as L
-from .context_cost import (  # noqa: F401 - the torch-free formulas, re-exported
+from ..ledger.context import (  # noqa: F401 - the torch-free formulas, re-exported
     LAYOUTS,
     activation_bytes,
     attention_flops,
@@ -60,6 +59,7 @@ from .context_cost import (  # noqa: F401 - the torch-free formulas, re-exported
     traffic_per_layer,
     ulysses_kv_heads,
 )
+from ..model import layers as L
 
 
 # ---------------------------------------------------------------------------------- sharding

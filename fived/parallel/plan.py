@@ -31,7 +31,7 @@ class Plan:
     model: ModelConfig
     par: ParallelConfig
     seed: int
-    grid: Any = None  # fived.grid.Grid (None: one rank)
+    grid: Any = None  # fived.dist.grid.Grid (None: one rank)
     dtype: torch.dtype = torch.float32
     # d(step loss)/d(local loss sum) = 1/global_tokens, set by the trainer each step; MoE layers
     # give their auxiliary losses this gradient (fived.model.moe._AuxGrad).

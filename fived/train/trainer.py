@@ -8,7 +8,7 @@ Per step every rank
 3. reduces gradients (the engine: DDP or ZeRO), clips by the global norm and steps AdamW;
 4. reports loss, tokens, seconds, model-state bytes and bytes sent per dimension.
 
-``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.launch``).
+``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.dist.launch``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import DIMS, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
-from ..grid import DimGroup, Grid
+from ..dist.grid import DimGroup, Grid
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
 from ..parallel.adam import lr_at

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import DIMS, ParallelConfig
+from ..config import DIMS, ParallelConfig
 
 DERIVED: dict[str, tuple[str, ...]] = {
     "dense": ("dp", "ep", "cp"),

@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import replace
 
-from .config import DIMS, ConfigError, ParallelConfig, TrainConfig, load_toml, preset
+from ..config import DIMS, ConfigError, ParallelConfig, TrainConfig, load_toml, preset
 
 EXAMPLES = """examples:
   fived train                                  # tiny model, 4 local ranks (dp=4), 50 steps
@@ -97,7 +97,7 @@ def fill_dp(par: ParallelConfig, world: int, dp_given: bool) -> ParallelConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .launch import RankFailure, run_local, under_torchrun
+    from ..dist.launch import RankFailure, run_local, under_torchrun
 
     model, par, train = build_configs(args)
     others = par.tp * par.cp * par.ep * par.pp
@@ -110,7 +110,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         world = others * max(1, 4 // others)
     par = fill_dp(par, world, args.dp is not None)
-    from .train.trainer import check, measure_matmul_peak, train_rank
+    from ..train.trainer import check, measure_matmul_peak, train_rank
 
     if not under_torchrun() or os.environ["RANK"] == "0":  # under torchrun, rank 0 speaks
         print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
@@ -120,7 +120,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if under_torchrun():
         import torch.distributed as dist
 
-        from .launch import init_process_group
+        from ..dist.launch import init_process_group
 
         rank = int(os.environ["RANK"])
         init_process_group(rank, world, None, args.timeout)
@@ -150,7 +150,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .grid import DERIVED, Grid
+    from ..dist.grid import DERIVED, Grid
 
     par = ParallelConfig(**{d: getattr(args, d) or 1 for d in DIMS},
                          **({"order": tuple(args.order.split(","))} if args.order else {}))
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(pkg, argv[0], argv[1:])
     if argv and argv[0] in ("plan", "ledger"):
         try:
-            from .ledger import cli as ledger_cli
+            from ..ledger import cli as ledger_cli
         except ModuleNotFoundError:
             print(f"fived {argv[0]}: the planner is not built yet", file=sys.stderr)
             return 2

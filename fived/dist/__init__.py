@@ -1,0 +1,1 @@
+"""Ranks and where they run: the grid (coordinates and groups) and the launcher."""
