@@ -41,3 +41,52 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 def small_train(**kw: Any) -> TrainConfig:
     base = TrainConfig(steps=5, global_batch=8, lr=3e-3, warmup=2, seed=7)
     return replace(base, **kw)
+
+
+def train_with_grads(model: ModelConfig, par: ParallelConfig, train: TrainConfig,
+                     timeout: float = 300.0) -> tuple[list[float], dict[str, Any]]:
+    """Train ``par``; (losses, every parameter's full first-step gradient by global name)."""
+    out = run_ranks(_train_grads, par.world_size, model, par, train, timeout=timeout)
+    return out[0]["losses"], assemble_grads([o["grads"] for o in out])
+
+
+def _train_grads(rank: int, world: int, model: ModelConfig, par: ParallelConfig,
+                 train: TrainConfig) -> dict[str, Any]:
+    from .train.trainer import train_rank
+
+    s = train_rank(rank, world, model, par, train, show=False, record_grads=True)
+    return {"losses": s["losses"], "grads": s["grads"]}
+
+
+def assemble_grads(per_rank: list[dict[str, tuple[dict[str, Any], Any]]]) -> dict[str, Any]:
+    """Join the ranks' gradient pieces into full tensors by global name and shape.
+
+    Each piece says which of ``parts`` chunks along ``dim`` it is; every chunk must be present,
+    and ranks holding the same chunk (data-parallel or tp replicas) must agree exactly."""
+    import torch
+
+    pieces: dict[str, dict[int, Any]] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    for grads in per_rank:
+        for name, (pl, g) in grads.items():
+            g = torch.as_tensor(g)
+            meta[name] = pl
+            have = pieces.setdefault(name, {})
+            if pl["index"] in have:
+                assert torch.equal(have[pl["index"]], g), f"replicas of {name} differ"
+            else:
+                have[pl["index"]] = g
+    out = {}
+    for name, pl in meta.items():
+        have = pieces[name]
+        assert sorted(have) == list(range(pl["parts"])), f"{name}: pieces {sorted(have)}"
+        full = torch.cat([have[i] for i in range(pl["parts"])], dim=pl["dim"])
+        assert tuple(full.shape) == tuple(pl["shape"]), (name, full.shape, pl["shape"])
+        out[name] = full
+    return out
+
+
+def grad_rel_diff(a: dict[str, Any], ref: dict[str, Any]) -> float:
+    """Largest over parameters of ‖a − ref‖ / ‖ref‖ (the same names required)."""
+    assert sorted(a) == sorted(ref), sorted(set(a) ^ set(ref))
+    return max(float((a[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)) for n in ref)

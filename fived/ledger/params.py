@@ -268,28 +268,28 @@ def _block_list(m: ModelConfig, par: ParallelConfig, i: int) -> list[tuple[str, 
     h, d = m.hidden, m.head_dim
     kv_shards = min(tp, m.kv_heads)
     p = f"layers.{i}."
-    out = [(p + "attn_norm.weight", h, False),
-           (p + "attn.wq.weight", h * m.heads * d // tp, False),
-           (p + "attn.wk.weight", h * m.kv_heads * d // kv_shards, False),
-           (p + "attn.wv.weight", h * m.kv_heads * d // kv_shards, False),
-           (p + "attn.wo.weight", m.heads * d * h // tp, False),
-           (p + "mlp_norm.weight", h, False)]
+    out = [(p + "input_layernorm.weight", h, False),
+           (p + "self_attn.q_proj.weight", h * m.heads * d // tp, False),
+           (p + "self_attn.k_proj.weight", h * m.kv_heads * d // kv_shards, False),
+           (p + "self_attn.v_proj.weight", h * m.kv_heads * d // kv_shards, False),
+           (p + "self_attn.o_proj.weight", m.heads * d * h // tp, False),
+           (p + "post_attention_layernorm.weight", h, False)]
     if m.is_moe:
         f = m.expert_ffn
-        out.append((p + "mlp.router.weight", h * m.experts, False))
+        out.append((p + "block_sparse_moe.gate.weight", h * m.experts, False))
         per = m.experts // par.ep
         for e in range(per):  # this rank's experts (the count is what matters)
-            q = f"{p}mlp.experts.{e}."
-            out += [(q + "w_gate.weight", h * f, True), (q + "w_up.weight", h * f, True),
-                    (q + "w_down.weight", f * h, True)]
+            q = f"{p}block_sparse_moe.experts.{e}."
+            out += [(q + "w1.weight", h * f, True), (q + "w3.weight", h * f, True),
+                    (q + "w2.weight", f * h, True)]
         if m.shared_expert:
-            q = p + "mlp.shared_expert."
-            out += [(q + "w_gate.weight", h * f // tp, False), (q + "w_up.weight", h * f // tp, False),
-                    (q + "w_down.weight", f * h // tp, False)]
+            q = p + "block_sparse_moe.shared_expert."
+            out += [(q + "gate_proj.weight", h * f // tp, False), (q + "up_proj.weight", h * f // tp, False),
+                    (q + "down_proj.weight", f * h // tp, False)]
     else:
-        out += [(p + "mlp.w_gate.weight", h * m.ffn // tp, False),
-                (p + "mlp.w_up.weight", h * m.ffn // tp, False),
-                (p + "mlp.w_down.weight", m.ffn * h // tp, False)]
+        out += [(p + "mlp.gate_proj.weight", h * m.ffn // tp, False),
+                (p + "mlp.up_proj.weight", h * m.ffn // tp, False),
+                (p + "mlp.down_proj.weight", m.ffn * h // tp, False)]
     return out
 
 
@@ -301,13 +301,13 @@ def param_list(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     out: list[tuple[str, int, bool]] = []
     for k in rank_stages(par, pp_rank):
         if k == 0:
-            out.append(("embed.weight", m.vocab * m.hidden // par.tp, False))
+            out.append(("embed_tokens.weight", m.vocab * m.hidden // par.tp, False))
         for i in st[k]:
             out += _block_list(m, par, i)
         if k == n - 1:
             out.append(("norm.weight", m.hidden, False))
             if has_head(m, par):
-                out.append(("head.weight", m.hidden * m.vocab // par.tp, False))
+                out.append(("lm_head.weight", m.hidden * m.vocab // par.tp, False))
     return out
 
 

@@ -1,4 +1,5 @@
-"""The Llama-style decoder. The one-rank build is the reference every layout must equal."""
+"""The Llama-style decoder (and its MoE layer): a plain ``nn.Module``, the reference every layout
+must equal. It imports nothing from ``fived.parallel``, ``fived.comm`` or ``fived.train``."""
 
 from .llama import Transformer, build_model
 

@@ -1,9 +1,9 @@
 """Layout-independent initialisation: each full parameter is drawn from (seed, parameter name).
 
-A rank that holds a slice of a parameter draws the full tensor with the same generator and keeps
-its slice, so any layout, any pipeline split and any resharded checkpoint start from the same
-model. The generator is seeded by a stable hash (CRC-32 of ``"{seed}/{name}"``), never by
-Python's randomised ``hash``.
+Every rank builds the same full model and draws each parameter with a generator seeded by a
+stable hash (CRC-32 of ``"{seed}/{name}"``, never Python's randomised ``hash``); the parallel
+dimensions then keep their slices. So any layout, any pipeline split and any resharded
+checkpoint start from the same model.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 
 import torch
+from torch import nn
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -30,3 +31,11 @@ def shard(full: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
     if parts == 1:
         return full
     return full.chunk(parts, dim=dim)[index].clone().contiguous()
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std_of) -> nn.Module:
+    """Draw every parameter of ``model`` from (seed, its name); ``std_of(name)`` gives its std."""
+    for name, p in model.named_parameters():
+        p.copy_(full_param(seed, name, tuple(p.shape), std_of(name)).to(p.dtype))
+    return model

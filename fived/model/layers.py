@@ -1,8 +1,9 @@
-"""Reference (one-rank) building blocks: linear, embedding, RMSNorm, RoPE, attention core, loss.
+"""The building blocks every layout shares: RMSNorm, RoPE, the attention core and the loss.
 
-Parallel dimensions provide drop-in replacements through ``fived.parallel.plan.Plan``; these are
-what a plan of one rank returns. Every weight is created from (seed, name) by
-``fived.model.init.full_param`` and then sliced, so the layout never changes the model.
+Linear layers are plain ``torch.nn.Linear`` (no bias) and the embedding is ``torch.nn.Embedding``;
+parallel dimensions replace modules of the built model (``fived.parallel``), the model itself
+never asks how it is laid out. The attention core and the loss are modules of their own so that
+context parallelism can swap the core and tensor parallelism the loss.
 """
 
 from __future__ import annotations
@@ -13,36 +14,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .init import full_param, shard
+STD = 0.02  # the init std of every weight matrix (residual outputs: STD / √(2·layers))
 
 
-class Linear(nn.Module):
-    """y = x Wᵀ, W of shape (out, in); optionally a slice ``index`` of ``parts`` along ``dim``."""
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate x) ⊙ up x)."""
 
-    def __init__(self, name: str, in_f: int, out_f: int, std: float, seed: int,
-                 dim: int = 0, parts: int = 1, index: int = 0, dtype=torch.float32):
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype):
         super().__init__()
-        w = shard(full_param(seed, name + ".weight", (out_f, in_f), std), dim, parts, index)
-        self.weight = nn.Parameter(w.to(dtype))
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
-class Embedding(nn.Module):
-    def __init__(self, name: str, vocab: int, hidden: int, std: float, seed: int,
-                 dtype=torch.float32):
-        super().__init__()
-        self.weight = nn.Parameter(full_param(seed, name + ".weight", (vocab, hidden), std).to(dtype))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weight)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) · g, computed in fp32."""
 
-    def __init__(self, name: str, hidden: int, eps: float, dtype=torch.float32):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
@@ -56,7 +47,8 @@ class RMSNorm(nn.Module):
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
                 dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (s, head_dim/2) for the (possibly non-contiguous) ``positions``."""
-    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+                    / head_dim)
     ang = positions.to(torch.float64)[:, None] * inv[None, :]
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
@@ -82,6 +74,32 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return o.transpose(1, 2)
 
 
+class CausalAttention(nn.Module):
+    """The attention core over the whole sequence (context parallelism replaces it)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v)
+
+
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum over tokens of the cross-entropy, in fp32."""
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+
+
+class TokenLoss(nn.Module):
+    """Σ over tokens of CE(logits, targets) (tensor parallelism swaps in the vocab-parallel one)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_losses(logits, targets)
+
+
+class TiedHead(nn.Module):
+    """Logits from the embedding matrix (tied input and output embeddings). The embedding is
+    referenced, not registered, so its weight keeps the one name ``embed_tokens.weight``."""
+
+    def __init__(self, embedding: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "embedding", embedding)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.embedding.weight)

@@ -5,137 +5,137 @@
     hᵢ'  = hᵢ + W_o · Attn(RoPE(W_q m), RoPE(W_k m), W_v m),   m = RMSNorm(hᵢ)
     loss = Σ_tokens CE(W_head · RMSNorm(h_L), targets)
 
-One ``Transformer`` is one pipeline stage: it holds the layers ``layer_ids`` (global indices, so
-parameter names are the same on any split), the embedding when it is the first stage and the
-final norm, head and loss when it is the last. With one stage it is the whole model.
-Every layer comes from the ``Plan``, which decides whether it is the reference or a parallel cut.
+A plain ``nn.Module``: it knows nothing of any layout. Parameter names follow Hugging Face's
+Llama (and Mixtral, ``fived.model.moe``) without the ``model.`` prefix — ``embed_tokens``,
+``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.mlp.{gate,up,down}_proj``,
+``layers.{i}.{input,post_attention}_layernorm``, ``norm``, ``lm_head`` — so converting a
+checkpoint is a renaming table. Head counts come from the tensors (``view(b, s, -1, d)``), so a
+column-cut projection simply yields fewer heads.
+
+A ``Transformer`` may hold a contiguous part of the stack (``layer_ids``, with the embedding when
+``first`` and the final norm, head and loss when ``last``): layers keep their global indices, so a
+part's parameters have the names they have in the whole model (``part`` cuts one from a model).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from . import layers as L
+from .init import init_weights
+from .moe import MoE
 
-STD = 0.02
+STD = L.STD
+OUT_PROJECTIONS = ("o_proj", "down_proj", "w2")  # residual outputs: std / √(2·layers)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: Any, prefix: str):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.plan = plan
-        hd = cfg.head_dim
-        self.heads, self.kv_heads = plan.local_heads()
-        kv_shards = min(plan.tp, cfg.kv_heads)
-        out_std = STD / math.sqrt(2 * cfg.layers)
-        self.wq = plan.column(prefix + "wq", cfg.hidden, cfg.heads * hd, STD)
-        self.wk = plan.column(prefix + "wk", cfg.hidden, cfg.kv_heads * hd, STD, shards=kv_shards)
-        self.wv = plan.column(prefix + "wv", cfg.hidden, cfg.kv_heads * hd, STD, shards=kv_shards)
-        self.wo = plan.row(prefix + "wo", cfg.heads * hd, cfg.hidden, out_std)
-        self.head_dim = hd
-
-    def core(self, q, k, v):
-        return self.plan.attention(q, k, v)
+        d, h = cfg.head_dim, cfg.hidden
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, cfg.heads * d, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(cfg.heads * d, h, bias=False, dtype=dtype)
+        self.core = L.CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cos, sin = rope
-        q = self.wq(x)
-        b, s = q.shape[0], q.shape[1]
-        q = L.apply_rope(q.view(b, s, self.heads, self.head_dim), cos, sin)
-        k = L.apply_rope(self.wk(x).view(b, s, self.kv_heads, self.head_dim), cos, sin)
-        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
-        if self.plan.par.recompute == "selective":
-            o = checkpoint(self.core, q, k, v, use_reentrant=False)
-        else:
-            o = self.core(q, k, v)
-        return self.wo(o.reshape(b, s, self.heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    """SwiGLU: W_down(silu(W_gate x) ⊙ W_up x)."""
-
-    def __init__(self, cfg: ModelConfig, plan: Any, prefix: str, ffn: int | None = None):
-        super().__init__()
-        ffn = ffn or cfg.ffn
-        self.w_gate = plan.column(prefix + "w_gate", cfg.hidden, ffn, STD)
-        self.w_up = plan.column(prefix + "w_up", cfg.hidden, ffn, STD)
-        self.w_down = plan.row(prefix + "w_down", ffn, cfg.hidden, STD / math.sqrt(2 * cfg.layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        q = self.q_proj(x)
+        b, s, d = q.shape[0], q.shape[1], self.head_dim
+        q = L.apply_rope(q.view(b, s, -1, d), cos, sin)
+        k = L.apply_rope(self.k_proj(x).view(b, s, -1, d), cos, sin)
+        v = self.v_proj(x).view(b, s, -1, d)
+        o = self.core(q, k, v)
+        return self.o_proj(o.reshape(b, s, -1))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: Any, index: int):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype):
         super().__init__()
-        p = f"layers.{index}."
-        self.attn_norm = plan.norm(p + "attn_norm", cfg.hidden)
-        self.attn = Attention(cfg, plan, p + "attn.")
-        self.mlp_norm = plan.norm(p + "mlp_norm", cfg.hidden)
+        self.input_layernorm = L.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype)
+        self.post_attention_layernorm = L.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
         if cfg.is_moe:
-            from .moe import MoE
-
-            self.mlp = MoE(cfg, plan, p + "mlp.")
+            self.block_sparse_moe = MoE(cfg, index, dtype)
         else:
-            self.mlp = MLP(cfg, plan, p + "mlp.")
+            self.mlp = L.MLP(cfg.hidden, cfg.ffn, dtype)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), rope)
-        return h + self.mlp(self.mlp_norm(h))
+        h = h + self.self_attn(self.input_layernorm(h), rope)
+        return h + self.ffn(self.post_attention_layernorm(h))
 
 
 class Transformer(nn.Module):
-    """One pipeline stage of the decoder (the whole model when it is both first and last)."""
+    """The decoder, or the contiguous part ``layer_ids`` of it (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, plan: Any, layer_ids: list[int] | None = None,
-                 first: bool = True, last: bool = True):
+    def __init__(self, cfg: ModelConfig, layer_ids: list[int] | None = None, first: bool = True,
+                 last: bool = True, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.cfg, self.plan, self.first, self.last = cfg, plan, first, last
+        self.cfg, self.first, self.last = cfg, first, last
         ids = list(range(cfg.layers)) if layer_ids is None else list(layer_ids)
-        self.layer_ids = ids
         if first:
-            self.embed = plan.embedding("embed", STD)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, plan, i) for i in ids})
+            self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, dtype) for i in ids})
         if last:
-            self.norm = plan.norm("norm", cfg.hidden)
+            self.norm = L.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
             if cfg.tied_embeddings and first:
-                self.head = None
+                self.lm_head = L.TiedHead(self.embed_tokens)
             else:
-                self.head = plan.head("head", STD)
+                self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
+            self.loss = L.TokenLoss()
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.norm(h)
-        if self.head is None:  # tied: reuse the embedding matrix
-            return self.plan.tied_logits(h, self.embed) if self.plan.tp > 1 else F.linear(
-                h, self.embed.weight)
-        return self.head(h)
+    @property
+    def layer_ids(self) -> list[int]:
+        return [int(k) for k in self.layers]
+
+    def param_std(self, name: str) -> float:
+        """The init std of parameter ``name``: 0 (ones) for norms, smaller for residual outputs."""
+        if name.endswith("norm.weight"):
+            return 0.0
+        if name.split(".")[-2] in OUT_PROJECTIONS:
+            return STD / math.sqrt(2 * self.cfg.layers)
+        return STD
+
+    def init_weights(self, seed: int) -> Transformer:
+        """Every parameter drawn from (seed, its name): the same model whatever is built."""
+        return init_weights(self, seed, self.param_std)
+
+    def part(self, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+        """A part of this model holding ``layer_ids`` (+ embedding / head): shares its modules."""
+        p = Transformer(self.cfg, [], False, False)
+        p.first, p.last = first, last
+        if first:
+            p.embed_tokens = self.embed_tokens
+        for i in layer_ids:
+            p.layers[str(i)] = self.layers[str(i)]
+        if last:
+            p.norm, p.lm_head, p.loss = self.norm, self.lm_head, self.loss
+        return p
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Tokens (first stage) or hidden states in; hidden states, or the summed token loss
-        (last stage, when ``targets`` are given) out."""
-        h = self.plan.enter_blocks(self.embed(x)) if self.first else x
+        """Tokens (first part) or hidden states in; hidden states, logits, or — when ``targets``
+        are given on the last part — the summed token loss out."""
+        h = self.embed_tokens(x) if self.first else x
         rope = L.rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         for block in self.layers.values():
-            if self.plan.par.recompute == "full" and torch.is_grad_enabled():
-                h = checkpoint(block, h, rope, use_reentrant=False)
-            else:
-                h = block(h, rope)
+            h = block(h, rope)
         if not self.last:
             return h
-        logits = self.logits(self.plan.exit_blocks(h))
-        if targets is None:
-            return logits
-        return self.plan.loss(logits, targets)
+        logits = self.lm_head(self.norm(h))
+        return logits if targets is None else self.loss(logits, targets)
 
 
-def build_model(cfg: ModelConfig, plan: Any, layer_ids: list[int] | None = None,
-                first: bool = True, last: bool = True) -> Transformer:
-    return Transformer(cfg, plan, layer_ids, first, last)
+def build_model(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> Transformer:
+    """The whole model, initialised from ``seed``."""
+    return Transformer(cfg, dtype=dtype).init_weights(seed)

@@ -23,17 +23,27 @@ sequences/tokens, normalised by the *global* counts, gradients summed over the g
 Both totals are sums over sequences/tokens, so any layout that splits the batch by whole
 sequences gives exactly the one-rank value and gradient. Their gradient is injected without
 changing what the model returns: ``_AuxGrad`` is the identity on the MoE output in forward and,
-in backward, hands the local aux sum the gradient ``plan.loss_scale`` (= 1/global_tokens, set by
-the trainer; global_sequences = global_tokens / seq_len, hence the factor seq_len below) — the
-"aux-loss auto-scaler" trick. An fp16 loss scaler must multiply ``plan.loss_scale`` too.
+in backward, hands the local aux sum the gradient ``aux_grad_scale`` (= 1/global_tokens;
+global_sequences = global_tokens / seq_len, hence the factor seq_len below) — the
+"aux-loss auto-scaler" trick. The trainer sets that gradient once per step for every MoE layer
+with ``set_aux_grad_scale(model, 1/global_tokens × fp16 loss scale)``; 0 (the default) gives the
+auxiliary losses no gradient.
 
-Expert parallelism (``fived.parallel.expert``): with ep > 1 an ep rank builds only its E/ep
-contiguous experts, and routed rows travel by all-to-all to their owners and back.
+The layer is plain: it holds every expert and computes them locally. Two attributes let the
+parallel dimensions plug in without the layer knowing them (``fived.parallel.expert``,
+``fived.parallel.context``, ``fived.parallel.tensor``):
+
+* ``dispatch(rows, counts, compute)``: rows sorted by global expert (``counts`` per expert) ->
+  their outputs in the same order; ``None`` = all experts are here. Expert parallelism keeps
+  E/ep contiguous experts on a rank and sends rows to their owners by all-to-all;
+* ``reduce_counts(routed)``: sums the per-sequence routed counts over the ranks that hold other
+  parts of the same sequences (cp, and tp under sequence parallelism); ``None`` = identity.
 
 Expert weights are replicated over tp (never cut): each tp rank holds full experts and the full
 router. Without sequence parallelism every tp rank routes the same tokens and gets the same full
 gradients, so nothing is reduced over tp (like a norm weight). With SP each tp rank routes its
-own sequence shard, so router and expert gradients are summed over tp (``_fived_grad_reduce``).
+own sequence shard, so router and expert gradients are summed over tp (their placement's
+``grad_sum``).
 
 When a sequence is cut across ranks (cp, and tp under SP) the balance loss stays exact: the
 per-sequence routed counts are summed over those groups (an all-reduce of b·E fp32 per layer
@@ -43,36 +53,34 @@ length (exact only when dropless).
 
 The module keeps per-step statistics (tokens per expert, dropped assignments, the local aux
 sums) that ``fived.parallel.expert.collect_stats`` reads and resets once per step.
+Names follow Mixtral: ``block_sparse_moe.gate`` (the router), ``experts.{e}.w1/w3/w2`` (gate, up,
+down), and ``shared_expert.{gate,up,down}_proj``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import ops
 from ..config import ModelConfig
 from . import layers as L
-from .llama import MLP, STD
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert, full (never cut across tp): W_down(silu(W_gate x) ⊙ W_up x)."""
+    """One SwiGLU expert, Mixtral's names: w2(silu(w1 x) ⊙ w3 x)."""
 
-    def __init__(self, cfg: ModelConfig, prefix: str, seed: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype):
         super().__init__()
-        h, f = cfg.hidden, cfg.expert_ffn
-        self.w_gate = L.Linear(prefix + "w_gate", h, f, STD, seed, dtype=dtype)
-        self.w_up = L.Linear(prefix + "w_up", h, f, STD, seed, dtype=dtype)
-        self.w_down = L.Linear(prefix + "w_down", f, h, STD / math.sqrt(2 * cfg.layers), seed,
-                               dtype=dtype)
+        self.w1 = nn.Linear(hidden, ffn, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(hidden, ffn, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class _AuxGrad(torch.autograd.Function):
@@ -85,7 +93,7 @@ class _AuxGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g, torch.full((), ctx.scale, dtype=torch.float32), None
+        return g, torch.full((), ctx.scale, dtype=torch.float32, device=g.device), None
 
 
 def capacity(cfg: ModelConfig, tokens_per_sequence: int) -> int:
@@ -113,33 +121,19 @@ def _in_backward() -> bool:
 
 
 class MoE(nn.Module):
-    """The MoE feed-forward of one block; input and output (b, s, h)."""
+    """The MoE feed-forward of block ``layer``; input and output (b, s, h)."""
 
-    def __init__(self, cfg: ModelConfig, plan: Any, prefix: str):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.cfg, self.plan = cfg, plan
-        self.layer = int(prefix.split(".")[1]) if prefix.startswith("layers.") else 0
-        E = cfg.experts
-        self.ep_group = plan.group("ep")
-        ep = 1 if self.ep_group is None else self.ep_group.size
-        ep_rank = 0 if self.ep_group is None else self.ep_group.rank
-        per = E // ep
-        self.local_experts = list(range(ep_rank * per, (ep_rank + 1) * per))
-        self.router = L.Linear(prefix + "router", cfg.hidden, E, STD, plan.seed, dtype=plan.dtype)
+        self.cfg, self.layer = cfg, layer
+        self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False, dtype=dtype)
         self.experts = nn.ModuleDict(
-            {str(e): Expert(cfg, f"{prefix}experts.{e}.", plan.seed, plan.dtype)
-             for e in self.local_experts})
-        for p in self.experts.parameters():
-            p._fived_expert = True
-        self.sequence_parallel = bool(plan.par.sequence_parallel and plan.tp > 1)
-        if self.sequence_parallel:  # tokens differ per tp rank; replicated weights sum over tp
-            for p in list(self.experts.parameters()) + list(self.router.parameters()):
-                p._fived_grad_reduce = ("tp",)
-        # the groups across which one sequence is cut (its routed counts are summed there)
-        names = ["cp"] + (["tp"] if self.sequence_parallel else [])
-        self.seq_groups = [g for g in map(plan.group, names) if g is not None and g.size > 1]
-        self.shared = (MLP(cfg, plan, prefix + "shared_expert.", ffn=cfg.expert_ffn)
-                       if cfg.shared_expert else None)
+            {str(e): Expert(cfg.hidden, cfg.expert_ffn, dtype) for e in range(cfg.experts)})
+        if cfg.shared_expert:
+            self.shared_expert = L.MLP(cfg.hidden, cfg.expert_ffn, dtype)
+        self.dispatch: Callable | None = None
+        self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.aux_grad_scale = 0.0
         self.keep_aux = False  # tests: keep the last aux tensor (with its graph) in last_aux
         self.last_aux: torch.Tensor | None = None
         self.reset_stats()
@@ -153,6 +147,10 @@ class MoE(nn.Module):
         self.forwards = 0
 
     # ------------------------------------------------------------------ compute
+    @property
+    def local_experts(self) -> list[int]:
+        return sorted(int(e) for e in self.experts)
+
     def compute_local(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows sorted by local expert (``counts[j]`` rows for local expert j) -> outputs."""
         outs = [self.experts[str(e)](chunk) for e, chunk in
@@ -160,18 +158,17 @@ class MoE(nn.Module):
         return torch.cat(outs) if outs else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(b, s, h) -> (b, s, h); s is this rank's part of the sequence (cp, SP)."""
+        """(b, s, h) -> (b, s, h); s may be this rank's part of each sequence."""
         out = self.moe(x)
-        return out if self.shared is None else out + self.shared(x)
+        return out + self.shared_expert(x) if self.cfg.shared_expert else out
 
     def moe(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts."""
         cfg = self.cfg
         E, k = cfg.experts, cfg.top_k
         b, s, h = x.shape
-        s_full = s * math.prod(g.size for g in self.seq_groups)
         flat = x.reshape(b * s, h)
-        logits = F.linear(flat.float(), self.router.weight.float())  # (N, E) fp32
+        logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E) fp32
         probs = logits.softmax(dim=-1)
         top_p, top_i = probs.topk(k, dim=-1)  # (N, k), descending
         weights = top_p / top_p.sum(dim=-1, keepdim=True)
@@ -179,8 +176,9 @@ class MoE(nn.Module):
 
         # auxiliary losses (local sums; see the module docstring for the normalisation)
         routed = F.one_hot(top_i.view(b, s * k), E).sum(1).float()  # (b, E), before dropping
-        for g in self.seq_groups:  # the whole sequence's counts
-            ops.all_reduce(routed, g)
+        if self.reduce_counts is not None:  # the whole sequence's counts
+            routed = self.reduce_counts(routed)
+        s_full = routed.sum(-1, keepdim=True) / k  # (b, 1): tokens of each whole sequence
         f = routed / (s_full * k)
         P = probs.view(b, s, E).sum(1) / s_full  # this shard's part of the sequence mean
         balance = E * (f * P).sum()
@@ -194,10 +192,8 @@ class MoE(nn.Module):
         sel = kept_idx[order]
         counts = torch.bincount(e_kept, minlength=E)
         rows = flat[sel // k]
-        if self.ep_group is not None and self.ep_group.size > 1:
-            from ..parallel.expert import dispatch
-
-            y = dispatch(rows, counts, self)
+        if self.dispatch is not None:
+            y = self.dispatch(rows, counts, self.compute_local)
         else:
             y = self.compute_local(rows, counts.tolist())
         # un-permute into (N, k, h) slots (dropped ones stay 0) and weight in fixed k order
@@ -207,7 +203,7 @@ class MoE(nn.Module):
 
         if not _in_backward():
             self.forwards += 1
-            self.tokens_per_expert += counts.double()
+            self.tokens_per_expert += counts.double().cpu()
             self.dropped += float(keep.numel() - kept_idx.numel())
             self.balance_sum += float(balance.detach())
             self.z_sum += float(z.detach())
@@ -215,5 +211,15 @@ class MoE(nn.Module):
         if self.keep_aux:
             self.last_aux = aux
         if torch.is_grad_enabled() and aux.requires_grad:
-            out = _AuxGrad.apply(out, aux, float(getattr(self.plan, "loss_scale", 1.0)))
+            out = _AuxGrad.apply(out, aux, self.aux_grad_scale)
         return out
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
+    """d(step loss)/d(local aux sum) for every MoE layer: 1/global_tokens (× the fp16 scale)."""
+    for m in moe_layers(model):
+        m.aux_grad_scale = float(scale)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..comm import autograd as CA
 from ..comm import ops
@@ -60,6 +61,8 @@ from ..ledger.context import (  # noqa: F401 - the torch-free formulas, re-expor
     ulysses_kv_heads,
 )
 from ..model import layers as L
+from ..model.moe import moe_layers
+from .expert import add_count_reduction
 
 
 # ---------------------------------------------------------------------------------- sharding
@@ -378,9 +381,26 @@ def allgather_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Te
 MODES = {"ring": ring_attention, "ulysses": ulysses_attention, "allgather": allgather_attention}
 
 
-def attention(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The plan's attention core when cp > 1: dispatch on ``par.cp_mode``."""
-    mode = plan.par.cp_mode
-    if mode not in MODES:
-        raise ConfigError([f"--cp-mode {mode!r}: choose one of ring, ulysses"])
-    return MODES[mode](q, k, v, plan.grid["cp"])
+class ContextAttention(nn.Module):
+    """The attention core of one layer with the sequence cut over the ``cp`` group."""
+
+    def __init__(self, group: Any, mode: str = "ring"):
+        super().__init__()
+        if mode not in MODES:
+            raise ConfigError([f"--cp-mode {mode!r}: choose one of ring, ulysses"])
+        self.group, self.mode = group, mode
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return MODES[self.mode](q, k, v, self.group)
+
+
+def apply_cp(model: nn.Module, group: Any, mode: str = "ring") -> nn.Module:
+    """Swap every attention core of a plain model for the cp one; MoE layers (whose sequences
+    are now cut) sum their routed counts over cp. The batch is sharded by ``shard_batch``."""
+    if group.size == 1:
+        return model
+    for block in model.layers.values():
+        block.self_attn.core = ContextAttention(group, mode)
+    for moe in moe_layers(model):
+        add_count_reduction(moe, group)
+    return model

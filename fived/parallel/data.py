@@ -332,6 +332,20 @@ class DataParallel:
     def after_finish(self) -> None:
         pass
 
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """After ``finish``: each parameter's reduced gradient (this rank's tp/ep piece), the
+        ZeRO shards gathered over their group (counted as ``metrics``)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for b in self.buckets:
+            full = b.grad_shard
+            if b.shards > 1:
+                full = torch.zeros(b.padded, dtype=b.grad_shard.dtype)
+                ops.all_gather_into(full, b.grad_shard, replace(b.group, name="metrics"))
+            for j, p in enumerate(b.params):
+                out[names[id(p)]] = b.view(full, j).clone()
+        return out
+
     # ------------------------------------------------------------------ norm, clip, step
     def owned_grads(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.buckets]

@@ -29,24 +29,35 @@ the trainer records, ``ep_traffic`` is the balanced-routing expectation the plan
 
     expert bytes = layers_on_rank · (E/n) · 3 · h · ffn_e · b        (replicated over tp)
 
-Gradients: expert parameters carry ``_fived_expert`` and are reduced over the ``expert`` group
-(dp·cp) — the owner already holds the gradient of every ep rank's rows, which came back through
-the all-to-all's backward; the router and every dense parameter reduce over ``dense`` (dp·ep·cp).
+Gradients: expert parameters are placed with ``grad_group = "expert"`` and reduced over the
+``expert`` group (dp·cp) — the owner already holds the gradient of every ep rank's rows, which
+came back through the all-to-all's backward; the router and every dense parameter reduce over
+``dense`` (dp·ep·cp).
+
+``apply_ep(model, group, placements)`` removes the experts a rank does not own from each plain
+MoE layer and hands the layer ``dispatch`` over its explicit ep group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..comm import autograd as A
 from ..comm import ops
+from ..model.moe import moe_layers
+from .placement import Placement
 
 
-def dispatch(rows: torch.Tensor, counts: torch.Tensor, moe: Any) -> torch.Tensor:
-    """Rows sorted by global expert (``counts`` per expert) -> the experts' outputs, same order."""
-    group = moe.ep_group
+def dispatch(rows: torch.Tensor, counts: torch.Tensor, compute: Callable, group: Any
+             ) -> torch.Tensor:
+    """Rows sorted by global expert (``counts`` per expert) -> the experts' outputs, same order;
+    ``compute(rows, counts_per_local_expert)`` runs this rank's experts."""
     n = group.size
     per = counts.numel() // n
     recv = ops.all_to_all(counts.to(torch.int64).contiguous(), group).view(n, per)
@@ -54,23 +65,60 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, moe: Any) -> torch.Tensor
     out_splits = recv.sum(1).tolist()
     got = A.all_to_all(rows, group, in_splits, out_splits)  # source-major, then local expert
     # regroup by local expert: row of (source i, local expert j) -> expert-major order
-    local_id = torch.repeat_interleave(torch.arange(per).repeat(n), recv.reshape(-1))
+    local_id = torch.repeat_interleave(torch.arange(per, device=rows.device).repeat(n),
+                                       recv.reshape(-1))
     order = torch.argsort(local_id, stable=True)
-    y = moe.compute_local(got[order], recv.sum(0).tolist())
+    y = compute(got[order], recv.sum(0).tolist())
     y = y[torch.argsort(order)]  # back to source-major
     return A.all_to_all(y, group, out_splits, in_splits)
 
 
+class CountReduction:
+    """Sums a MoE layer's per-sequence routed counts over the groups that cut its sequences."""
+
+    def __init__(self, groups: list[Any]):
+        self.groups = groups
+
+    def __call__(self, routed: torch.Tensor) -> torch.Tensor:
+        for g in self.groups:
+            ops.all_reduce(routed, g)
+        return routed
+
+
+def add_count_reduction(moe: nn.Module, group: Any) -> None:
+    """``moe``'s sequences are (also) cut over ``group`` (cp, or tp under sequence parallelism)."""
+    before = moe.reduce_counts.groups if isinstance(moe.reduce_counts, CountReduction) else []
+    moe.reduce_counts = CountReduction(before + [group])
+
+
+def apply_ep(model: nn.Module, group: Any, placements: dict[str, Placement]) -> nn.Module:
+    """Keep this ep rank's E/ep contiguous experts in every MoE layer and dispatch to the owners.
+
+    With any ep (1 included) the routed experts' gradients reduce over ``expert`` (dp·cp)."""
+    for moe in moe_layers(model):
+        E = moe.cfg.experts
+        per = E // group.size
+        mine = range(group.rank * per, (group.rank + 1) * per)
+        prefix = f"layers.{moe.layer}.block_sparse_moe.experts."
+        for e in list(moe.experts):
+            names = [prefix + n for n, _ in moe.experts[e].named_parameters(prefix=e)]
+            if int(e) in mine:
+                for n in names:
+                    placements[n] = replace(placements[n], grad_group="expert")
+            else:
+                del moe.experts[e]
+                for n in names:
+                    del placements[n]
+        if group.size > 1:
+            moe.dispatch = partial(dispatch, group=group)
+    return model
+
+
 # ---------------------------------------------------------------------------- statistics
 
-def moe_layers(model: torch.nn.Module) -> list[Any]:
-    from ..model.moe import MoE
-
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, grid: Any, world_group: Any,
-                  global_tokens: int, step_seconds: float, traffic: Any) -> dict[str, Any]:
+def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[str, Placement],
+                  world_group: Any, global_tokens: int, step_seconds: float, traffic: Any
+                  ) -> dict[str, Any]:
     """This step's MoE statistics over the whole world (one metrics all-gather), then reset.
 
     Returns ``tokens_per_expert`` (layers × experts, kept rows), ``dropped`` (assignments),
@@ -82,8 +130,8 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, grid: Any, world_g
     head = 6
     row = torch.zeros(head + Lyr * E, dtype=torch.float64)
     layers = moe_layers(model)
-    row[0] = float(sum(p.numel() * p.element_size() for p in model.parameters()
-                       if getattr(p, "_fived_expert", False)))
+    row[0] = float(sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if placements[n].grad_group == "expert"))
     ep_sec = traffic.seconds_by_dim().get("ep", 0.0)
     row[1] = ep_sec
     row[2] = ep_sec / step_seconds if step_seconds > 0 else 0.0

@@ -26,11 +26,18 @@ cross-entropy never gathers the logits: per token it all-reduces the max (b·s f
 sum of exponentials and the target logit together (2·b·s floats); backward is local,
 ``softmax − onehot``. Every tp rank holds the same full loss.
 
-``tp_traffic_bytes`` below is the formula for every byte the tp group sends in one step.
+``apply_tp(model, group, placements, sequence_parallel, overlap)`` cuts a plain model: it
+replaces each ``nn.Linear`` of attention and MLP with a ``ColumnLinear``/``RowLinear`` holding
+its slice of the full weight, the embedding, head and loss with their vocab-parallel versions,
+and records each cut in the parameters' ``Placement``. The column layers of one model share one
+``Columns`` object: the layers that read the same input (q/k/v; gate/up) share its gathered copy
+and the reduction of its gradient. ``tp_traffic_bytes`` below is the formula for every byte the
+tp group sends in one step.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,40 +46,23 @@ from torch import nn
 
 from ..comm import autograd as R
 from ..comm import ops
-from ..model.init import full_param, shard
-
-
-def _sp(plan: Any) -> bool:
-    return bool(plan.par.sequence_parallel)
-
-
-def enter_columns(plan: Any, x: torch.Tensor) -> torch.Tensor:
-    """The input of a column-parallel layer: the full activation, with its conjugate backward.
-
-    Several column layers read the same tensor (wq, wk, wv; w_gate, w_up); they share one
-    region, so dX is all-reduced (or reduce-scattered) once, not once per layer.
-    """
-    cache = getattr(plan, "_tp_column_input", None)
-    if cache is not None and cache[0] is x:
-        return cache[1]
-    group = plan.group("tp")
-    if _sp(plan):  # one contiguous copy, not one per consumer's matmul
-        y = R.gather_from(x, group, dim=1).contiguous()
-    else:
-        y = R.copy_to(x, group)
-    plan._tp_column_input = (x, y)
-    return y
+from ..ledger.traffic import tp_traffic
+from ..model import layers as L
+from ..model.init import shard
+from ..model.llama import Attention, Transformer
+from ..model.moe import moe_layers
+from .expert import add_count_reduction
+from .placement import Placement
 
 
 class _Region:
     """One column region with overlap: the full input, and the dX of its consumers summed."""
 
-    def __init__(self, plan: Any, x: torch.Tensor):
-        self.group, self.sp = plan.group("tp"), _sp(plan)
+    def __init__(self, group: Any, sp: bool, x: torch.Tensor):
+        self.group, self.sp = group, sp
         self.pending, self.acc = 0, None
         with torch.no_grad():
-            self.full = (ops.all_gather(x, self.group, dim=1).contiguous() if self.sp
-                         else x.detach())
+            self.full = (ops.all_gather(x, group, dim=1).contiguous() if sp else x.detach())
 
 
 class _ColumnMatmul(torch.autograd.Function):
@@ -103,21 +93,38 @@ class _ColumnMatmul(torch.autograd.Function):
         return (handle.wait() if handle is not None else None), dw, None
 
 
-def column_matmul(plan: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x Wᵀ for a column-cut W, x the (shard of the) input; overlapped when ``par.overlap``."""
-    if not getattr(plan.par, "overlap", False):
-        return F.linear(enter_columns(plan, x), w)
-    cache = getattr(plan, "_tp_region", None)
-    if cache is None or cache[0] is not x:
-        cache = (x, _Region(plan, x))
-        plan._tp_region = cache
-    return _ColumnMatmul.apply(x, w, cache[1])
+class Columns:
+    """The inputs of column-parallel layers: the full activation with its conjugate backward.
+
+    Several column layers read the same tensor (q/k/v; gate/up; the head after the norm); they
+    share one region keyed by the input tensor, so dX is all-reduced (or reduce-scattered) once,
+    not once per layer. With ``overlap`` the reduction runs while weight gradients compute."""
+
+    def __init__(self, group: Any, sequence_parallel: bool, overlap: bool):
+        self.group, self.sp, self.overlap = group, sequence_parallel, overlap
+        self._last: tuple[torch.Tensor, Any] | None = None
+
+    def _region(self, x: torch.Tensor, make) -> Any:
+        if self._last is None or self._last[0] is not x:
+            self._last = (x, make(x))
+        return self._last[1]
+
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp:  # one contiguous copy, not one per consumer's matmul
+            return R.gather_from(x, self.group, dim=1).contiguous()
+        return R.copy_to(x, self.group)
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ for a column-cut W, x the (sequence shard of the) input."""
+        if not self.overlap:
+            return F.linear(self._region(x, self._enter), w)
+        region = self._region(x, lambda t: _Region(self.group, self.sp, t))
+        return _ColumnMatmul.apply(x, w, region)
 
 
-def exit_rows(plan: Any, y: torch.Tensor) -> torch.Tensor:
+def exit_rows(y: torch.Tensor, group: Any, sp: bool) -> torch.Tensor:
     """The output of a row-parallel layer: partial sums reduced (to the sequence shard with SP)."""
-    group = plan.group("tp")
-    return R.scatter_to(y, group, dim=1) if _sp(plan) else R.reduce_from(y, group)
+    return R.scatter_to(y, group, dim=1) if sp else R.reduce_from(y, group)
 
 
 class _ReplicaGradSum(torch.autograd.Function):
@@ -137,83 +144,82 @@ class _ReplicaGradSum(torch.autograd.Function):
         return buf[ctx.index].clone(), None, None, None
 
 
-def tp_weight(plan: Any, name: str, shape: tuple[int, int], std: float, dim: int,
-              shards: int | None = None, index: int | None = None) -> nn.Parameter:
-    """Piece ``index`` of ``shards`` (default: this tp rank of tp) of the full weight drawn from
-    (seed, name), cut along ``dim``; tagged with its shard count."""
-    shards = plan.tp if shards is None else shards
-    index = plan.tp_rank if index is None else index
-    w = nn.Parameter(shard(full_param(plan.seed, name + ".weight", shape, std), dim, shards,
-                           index).to(plan.dtype))
-    w._fived_tp_shards = shards
-    return w
+def _piece(weight: torch.Tensor, dim: int, parts: int, index: int) -> nn.Parameter:
+    return nn.Parameter(shard(weight.detach(), dim, parts, index))
 
 
 class ColumnLinear(nn.Module):
     """y_i = x W_iᵀ with W's output features cut in ``shards`` chunks (tp, or kv_heads when the
     kv heads are replicated); the output stays cut (b, s, out/shards)."""
 
-    def __init__(self, plan: Any, name: str, in_f: int, out_f: int, std: float, shards: int):
+    def __init__(self, full: torch.Tensor, group: Any, columns: Columns, shards: int):
         super().__init__()
-        tp = plan.tp
+        tp = group.size
         if shards > tp or tp % shards:
-            raise ValueError(f"{name}: {shards} shards over tp={tp}")
-        self.plan, self.shards = plan, shards
-        self.index = plan.tp_rank * shards // tp
-        self.weight = tp_weight(plan, name, (out_f, in_f), std, 0, shards, self.index)
+            raise ValueError(f"{shards} shards over tp={tp}")
+        self.group, self.columns, self.shards = group, columns, shards
+        self.index = group.rank * shards // tp
+        self.weight = _piece(full, 0, shards, self.index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if self.shards < self.plan.tp:
-            w = _ReplicaGradSum.apply(w, self.plan.group("tp"), self.shards, self.index)
-        return column_matmul(self.plan, x, w)
+        if self.shards < self.group.size:
+            w = _ReplicaGradSum.apply(w, self.group, self.shards, self.index)
+        return self.columns.matmul(x, w)
 
 
 class RowLinear(nn.Module):
     """y = Σ_i x_i W_iᵀ with W's input features cut across tp; the partial sums are reduced."""
 
-    def __init__(self, plan: Any, name: str, in_f: int, out_f: int, std: float):
+    def __init__(self, full: torch.Tensor, group: Any, sequence_parallel: bool):
         super().__init__()
-        self.plan = plan
-        self.weight = tp_weight(plan, name, (out_f, in_f), std, 1)
+        self.group, self.sp = group, sequence_parallel
+        self.weight = _piece(full, 1, group.size, group.rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return exit_rows(self.plan, F.linear(x, self.weight))
+        return exit_rows(F.linear(x, self.weight), self.group, self.sp)
 
 
 class VocabEmbedding(nn.Module):
     """Rows [r·V/tp, (r+1)·V/tp) of the embedding; tokens outside give zeros; reduced across tp."""
 
-    def __init__(self, plan: Any, name: str, vocab: int, hidden: int, std: float):
+    def __init__(self, full: torch.Tensor, group: Any, sequence_parallel: bool):
         super().__init__()
-        self.plan = plan
-        self.per_rank = vocab // plan.tp
-        self.start = plan.tp_rank * self.per_rank
-        self.weight = tp_weight(plan, name, (vocab, hidden), std, 0)
+        self.group, self.sp = group, sequence_parallel
+        self.per_rank = full.shape[0] // group.size
+        self.start = group.rank * self.per_rank
+        self.weight = _piece(full, 0, group.size, group.rank)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.start
         outside = (local < 0) | (local >= self.per_rank)
         e = F.embedding(local.masked_fill(outside, 0), self.weight)
         e = e.masked_fill(outside.unsqueeze(-1), 0.0)
-        return exit_rows(self.plan, e)
+        return exit_rows(e, self.group, self.sp)
 
 
 class VocabHead(nn.Module):
     """The output projection hidden -> vocab, vocab cut across tp: local logits (b, s, V/tp)."""
 
-    def __init__(self, plan: Any, name: str, hidden: int, vocab: int, std: float):
+    def __init__(self, full: torch.Tensor, group: Any, columns: Columns):
         super().__init__()
-        self.plan = plan
-        self.weight = tp_weight(plan, name, (vocab, hidden), std, 0)
+        self.columns = columns
+        self.weight = _piece(full, 0, group.size, group.rank)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return vocab_logits(self.plan, h, self.weight)
+        return self.columns.matmul(h, self.weight)
 
 
-def vocab_logits(plan: Any, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Local logits h Wᵀ for this rank's vocab slice (the tied head reuses the embedding's)."""
-    return column_matmul(plan, h, weight)
+class TiedVocabHead(nn.Module):
+    """Tied head: local logits from the vocab-cut embedding's own (registered there) weight."""
+
+    def __init__(self, embedding: VocabEmbedding, columns: Columns):
+        super().__init__()
+        object.__setattr__(self, "embedding", embedding)
+        self.columns = columns
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.columns.matmul(h, self.embedding.weight)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -251,11 +257,90 @@ def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, group: Any)
     return _VocabParallelCE.apply(logits, targets, group, start)
 
 
-def mark_norm(plan: Any, norm: nn.Module) -> nn.Module:
-    """Under SP a norm sees only its sequence shard: its weight's gradient is partial over tp."""
-    if plan.tp > 1 and _sp(plan):
-        norm.weight._fived_grad_reduce = ("tp",)
-    return norm
+class VocabParallelLoss(nn.Module):
+    def __init__(self, group: Any):
+        super().__init__()
+        self.group = group
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_loss(logits, targets, self.group)
+
+
+# ---------------------------------------------------------------------------- applying it
+
+def _cut(placements: dict[str, Placement], name: str, dim: int, parts: int, index: int) -> None:
+    placements[name] = placements[name].cut(dim, parts, index)
+
+
+def _columns(parent: nn.Module, prefix: str, attrs: tuple[str, ...], group: Any,
+             columns: Columns, placements: dict[str, Placement], shards: int) -> None:
+    for a in attrs:
+        lin = ColumnLinear(getattr(parent, a).weight, group, columns, shards)
+        setattr(parent, a, lin)
+        _cut(placements, f"{prefix}{a}.weight", 0, shards, lin.index)
+
+
+def _row(parent: nn.Module, prefix: str, attr: str, group: Any, sp: bool,
+         placements: dict[str, Placement]) -> None:
+    setattr(parent, attr, RowLinear(getattr(parent, attr).weight, group, sp))
+    _cut(placements, f"{prefix}{attr}.weight", 1, group.size, group.rank)
+
+
+def _mlp(mlp: nn.Module, prefix: str, group: Any, columns: Columns, sp: bool,
+         placements: dict[str, Placement]) -> None:
+    _columns(mlp, prefix, ("gate_proj", "up_proj"), group, columns, placements, group.size)
+    _row(mlp, prefix, "down_proj", group, sp, placements)
+
+
+def _sum_over(placements: dict[str, Placement], module: nn.Module, prefix: str,
+              group_name: str) -> None:
+    """Gradients of ``module``'s (replicated) parameters are partial over ``group_name``."""
+    for n, _ in module.named_parameters(prefix=prefix.rstrip(".")):
+        placements[n] = replace(placements[n], grad_sum=placements[n].grad_sum + (group_name,))
+
+
+def apply_tp(model: Transformer, group: Any, placements: dict[str, Placement],
+             sequence_parallel: bool = False, overlap: bool = True) -> Transformer:
+    """Cut ``model`` (a plain ``Transformer``, or a pipeline part of one) across ``group``."""
+    if group.size == 1:
+        return model
+    sp = sequence_parallel
+    columns = Columns(group, sp, overlap)
+    kv_shards = min(group.size, model.cfg.kv_heads)
+    if model.first:
+        model.embed_tokens = VocabEmbedding(model.embed_tokens.weight, group, sp)
+        _cut(placements, "embed_tokens.weight", 0, group.size, group.rank)
+    for i, block in model.layers.items():
+        p = f"layers.{i}."
+        attn: Attention = block.self_attn
+        _columns(attn, p + "self_attn.", ("q_proj",), group, columns, placements, group.size)
+        _columns(attn, p + "self_attn.", ("k_proj", "v_proj"), group, columns, placements,
+                 kv_shards)
+        _row(attn, p + "self_attn.", "o_proj", group, sp, placements)
+        if hasattr(block, "mlp"):
+            _mlp(block.mlp, p + "mlp.", group, columns, sp, placements)
+        if sp:  # norms run on the sequence shard: their weights' gradients are partial
+            _sum_over(placements, block.input_layernorm, p + "input_layernorm.", "tp")
+            _sum_over(placements, block.post_attention_layernorm,
+                      p + "post_attention_layernorm.", "tp")
+    for moe in moe_layers(model):
+        p = f"layers.{moe.layer}.block_sparse_moe."
+        if model.cfg.shared_expert:
+            _mlp(moe.shared_expert, p + "shared_expert.", group, columns, sp, placements)
+        if sp:  # each tp rank routes its own sequence shard
+            _sum_over(placements, moe.gate, p + "gate.", "tp")
+            _sum_over(placements, moe.experts, p + "experts.", "tp")
+            add_count_reduction(moe, group)
+    if model.last:
+        if sp:
+            _sum_over(placements, model.norm, "norm.", "tp")
+        if isinstance(model.lm_head, L.TiedHead):
+            model.lm_head = TiedVocabHead(model.embed_tokens, columns)
+        else:
+            model.lm_head = VocabHead(model.lm_head.weight, group, columns)
+            _cut(placements, "lm_head.weight", 0, group.size, group.rank)
+        model.loss = VocabParallelLoss(group)
+    return model
 
 
 # ---------------------------------------------------------------------------- the formula
@@ -283,8 +368,6 @@ def tp_traffic_bytes(model: Any, par: Any, micro_batch: int, pp_rank: int = 0
     whole on every tp rank). The ledger (``fived.ledger.traffic.tp_traffic``) holds the formula;
     this sums its collectives by op for the rank at pipeline coordinate ``pp_rank``.
     """
-    from ..ledger.traffic import tp_traffic
-
     out: dict[str, float] = {}
     for c in tp_traffic(model, par, micro_batch, pp_rank):
         out[c.op] = out.get(c.op, 0.0) + c.bytes

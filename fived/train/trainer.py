@@ -28,9 +28,11 @@ from ..config import DIMS, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..dist.grid import DimGroup, Grid
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
+from ..model.moe import set_aux_grad_scale
 from ..parallel.adam import lr_at
-from ..parallel.data import make_engine
-from ..parallel.plan import Plan
+from ..parallel.context import shard_batch
+from ..parallel.expert import collect_stats
+from ..parallel.parallelize import dtype_of, parallelize
 from . import data as D
 
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "buffers", "padding")
@@ -89,6 +91,8 @@ def measure_matmul_peak(seconds: float = 0.25, n: int = 512) -> float:
 
 
 class Trainer:
+    """One rank's training: the plain model, laid out by ``parallelize``, and the step loop."""
+
     def __init__(self, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig,
                  rank: int, world: int):
         self.cfg, self.par, self.tcfg = model_cfg, par, train
@@ -96,26 +100,14 @@ class Trainer:
         self.traffic = Traffic()
         self.grid = Grid.from_config(par, rank).connect(self.traffic)
         self.coords = self.grid.coords()
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-            par.precision]
-        self.plan = self.make_plan(dtype)
-        self.stage = self.build_stage()
-        self.engine = make_engine(self.stage, self.grid, par, train)
+        model = build_model(model_cfg, train.seed, dtype_of(par.precision))
+        self.parallel = parallelize(model, self.grid, par, train)
+        self.stage = self.parallel.model
+        self.engine = self.parallel.engine
+        self.executor = self.parallel.executor
         self.metrics_group = replace(self.grid["pp"], name="metrics")
         self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
                                       dist.group.WORLD if world > 1 else None, self.traffic)
-
-    def make_plan(self, dtype: torch.dtype) -> Plan:
-        return Plan(self.cfg, self.par, self.tcfg.seed, self.grid, dtype)
-
-    def build_stage(self) -> torch.nn.Module:
-        if self.par.pp > 1:
-            from ..parallel.pipeline import runtime
-
-            self.executor = runtime.PipelineExecutor(self.cfg, self.par, self.plan, self.grid)
-            return self.executor.stage
-        self.executor = None
-        return build_model(self.cfg, self.plan)
 
     # -------------------------------------------------------------------- one step
     def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,9 +116,7 @@ class Trainer:
                              b.rank, b.size, self.tcfg.corpus_mb)
         positions = torch.arange(self.cfg.seq_len)
         if self.par.cp > 1:
-            from ..parallel import context
-
-            x, y, positions = context.shard_batch(x, y, self.grid)
+            x, y, positions = shard_batch(x, y, self.grid)
         return x, y, positions
 
     def forward_backward(self, x, y, positions, scale: float) -> torch.Tensor:
@@ -142,15 +132,19 @@ class Trainer:
             total += loss.detach().float()
         return total
 
-    def step(self, step: int) -> dict[str, Any]:
+    def step(self, step: int, on_grads: Any = None) -> dict[str, Any]:
+        """One optimizer step; ``on_grads()`` (tests) runs once the gradients are reduced."""
         self.traffic.reset()
         t0 = time.perf_counter()
         x, y, positions = self.local_data(step)
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
         self.engine.zero_grad()
-        self.plan.loss_scale = 1.0 / global_tokens  # the MoE aux-loss gradient scale
+        scaler = getattr(self.engine, "scaler", None)  # fp16: the aux losses are scaled too
+        set_aux_grad_scale(self.stage, (scaler.scale if scaler else 1.0) / global_tokens)
         local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
         self.engine.finish()
+        if on_grads is not None:
+            on_grads()
         grad_norm = self.engine.clip(self.tcfg.grad_clip)
         lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
         stepped = self.engine.step(lr)
@@ -159,9 +153,7 @@ class Trainer:
         rec = {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped}
         if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
-            from ..parallel.expert import collect_stats
-
-            rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.grid,
+            rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.parallel.placements,
                                        self.world_metrics, global_tokens, seconds, self.traffic)
         return rec
 
@@ -172,6 +164,12 @@ class Trainer:
         ops.all_reduce(t, replace(self.grid["tp"], name="metrics"))
         ops.all_reduce(t, self.metrics_group)  # only the last stage holds a loss
         return float(t)
+
+    def grad_pieces(self) -> dict[str, tuple[dict[str, Any], Any]]:
+        """Every parameter's reduced gradient piece on this rank with its placement (tests)."""
+        grads = self.engine.full_grads()
+        return {n: (asdict(self.parallel.placements[n]), g.detach().float().cpu().numpy())
+                for n, g in grads.items()}  # numpy: pickled by value across processes
 
     def gather_stats(self, mem: dict[str, int]) -> tuple[list[dict], list[dict]]:
         """Every rank's memory and traffic, on every rank (a metrics-only collective)."""
@@ -195,8 +193,12 @@ class Trainer:
 
 
 def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig,
-               train: TrainConfig, show: bool = True, peak_flops: float = 0.0) -> dict[str, Any]:
-    """Train on this rank; every rank returns the same summary (losses per step etc.)."""
+               train: TrainConfig, show: bool = True, peak_flops: float = 0.0,
+               record_grads: bool = False) -> dict[str, Any]:
+    """Train on this rank; every rank returns the same summary (losses per step etc.).
+
+    ``record_grads``: the summary also holds ``grads``, this rank's reduced gradient pieces of
+    the first step with their placements (``fived.testing.assemble_grads`` joins the ranks')."""
     torch.manual_seed(train.seed)
     trainer = Trainer(model_cfg, par, train, rank, world)
     display = None
@@ -207,9 +209,14 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     out_file = open(train.metrics_out, "w") if (rank == 0 and train.metrics_out) else None
     flops_tok = model_flops_per_token(model_cfg)
     history: list[dict[str, Any]] = []
+    grads: dict[str, Any] = {}
+
+    def record() -> None:
+        grads.update(trainer.grad_pieces())
+
     try:
         for step in range(train.steps):
-            rec = trainer.step(step)
+            rec = trainer.step(step, record if (record_grads and step == 0) else None)
             mems, traffic = trainer.gather_stats(trainer.engine.memory())
             rec["memory"] = mems[0]
             rec["memory_per_rank"] = mems
@@ -234,6 +241,8 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     summary = {"losses": [h["loss"] for h in history], "history": history,
                "config": {"model": asdict(model_cfg), "parallel": asdict(par),
                           "train": asdict(train)}}
+    if record_grads:
+        summary["grads"] = grads
     if display:
         display.final_table(history)
     return summary

@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from ...comm import ops
 from ...config import ConfigError, ModelConfig, ParallelConfig
 from . import schedules as S
-from .stage import build_stage
+from .stage import StageModel
 
 
 def check_config(cfg: ModelConfig, par: ParallelConfig) -> list[str]:
@@ -157,14 +157,14 @@ class _P2P:
 
 
 class PipelineExecutor:
-    """Builds this rank's stage model and runs its schedule every step."""
+    """Runs this rank's schedule over its stage model (``stage.split`` + ``StageModel``)."""
 
-    def __init__(self, cfg: ModelConfig, par: ParallelConfig, plan: Any, grid: Any,
-                 sched: S.Schedule | None = None):
+    def __init__(self, cfg: ModelConfig, par: ParallelConfig, grid: Any, stage: StageModel,
+                 dtype: torch.dtype, sched: S.Schedule | None = None):
         problems = check_config(cfg, par)
         if problems:
             raise ConfigError(problems)
-        self.cfg, self.par, self.plan, self.grid = cfg, par, plan, grid
+        self.cfg, self.par, self.grid, self.stage, self.dtype = cfg, par, grid, stage, dtype
         self.group = grid["pp"]
         self.pp = grid.degrees["pp"]
         self.rank = grid.coords()["pp"]
@@ -173,7 +173,6 @@ class PipelineExecutor:
         S.check(self.schedule)
         self.actions = self.schedule.ranks[self.rank]
         self.num_stages = self.schedule.stages
-        self.stage = build_stage(cfg, replace(par, virtual_stages=v), plan, self.rank)
         self.chunk_of = {s: c for c, s in enumerate(self.stage.stage_ids)}
         self.split = self.schedule.split_backward
         self.measure = True
@@ -198,7 +197,7 @@ class PipelineExecutor:
         n = 1
         for d in self.activation_shape(micro_batch):
             n *= d
-        return n * torch.empty((), dtype=self.plan.dtype).element_size()
+        return n * torch.empty((), dtype=self.dtype).element_size()
 
     # ------------------------------------------------------------------ one step
     def run(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor, scale: float,
@@ -211,7 +210,7 @@ class PipelineExecutor:
         p2p = getattr(self, "_p2p", None)
         if p2p is None:
             p2p = self._p2p = _P2P(self.group, self.schedule, self.rank,
-                                   self.activation_shape(mbs), self.plan.dtype, x.device)
+                                   self.activation_shape(mbs), self.dtype, x.device)
         p2p.reset()
         pp, S_ = self.pp, self.num_stages
         inputs: dict[tuple[int, int], torch.Tensor] = {}

@@ -10,8 +10,9 @@ minimises the largest stage cost, in forward FLOPs per token:
 
 by dynamic programming over contiguous splits (``balanced_split``, which is the ledger's, so
 the planner and the runtime cut the same way). ``--pp-layers a,b,...``
-gives the split by hand. Parameter names are global (``layers.5.attn.wq.weight``) and every
-parameter is drawn from (seed, name), so any split builds the same model.
+gives the split by hand. ``split(model, par, pp_rank)`` cuts this rank's chunks out of a plain
+model (``Transformer.part``); parameter names stay global (``layers.5.self_attn.q_proj.weight``),
+so any split holds the same model.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from ...config import ConfigError, ModelConfig, ParallelConfig
 from ...ledger.params import balanced_split as _ledger_split
-from ...model import build_model
+from ...model.llama import Transformer
 
 
 def balanced_split(cfg: ModelConfig, stages: int) -> list[int]:
@@ -50,38 +51,41 @@ def partition(cfg: ModelConfig, par: ParallelConfig) -> list[list[int]]:
 class StageModel(nn.Module):
     """This rank's model: its v chunks (stages r, r+p, ...) under global parameter names.
 
-    The chunks are ``Transformer`` stages sharing their blocks with this container, whose
-    ``embed`` / ``layers`` / ``norm`` / ``head`` give every parameter the name it has in the
-    one-rank model. ``forward(x, positions, targets, chunk=c)`` runs chunk c.
+    The chunks are parts of one ``Transformer``; this container registers their embedding,
+    layers, final norm and head under the names they have in the whole model.
+    ``forward(x, positions, targets, chunk=c)`` runs chunk c.
     """
 
-    def __init__(self, cfg: ModelConfig, plan, layer_ids: list[list[int]], stage_ids: list[int],
-                 stages: int):
+    def __init__(self, chunks: list[Transformer], stage_ids: list[int]):
         super().__init__()
-        self.cfg, self.plan = cfg, plan
         self.stage_ids = stage_ids
-        self.chunk_models = [build_model(cfg, plan, ids, first=s == 0, last=s == stages - 1)
-                             for ids, s in zip(layer_ids, stage_ids)]
-        self.first = self.chunk_models[0].first
-        self.last = self.chunk_models[-1].last
-        self.layer_ids = [i for ids in layer_ids for i in ids]
+        self.chunk_models = chunks
+        self.first, self.last = chunks[0].first, chunks[-1].last
         if self.first:
-            self.embed = self.chunk_models[0].embed
+            self.embed_tokens = chunks[0].embed_tokens
         self.layers = nn.ModuleDict()
-        for c in self.chunk_models:
+        for c in chunks:
             for k, blk in c.layers.items():
                 self.layers[k] = blk
         if self.last:
-            self.norm = self.chunk_models[-1].norm
-            self.head = self.chunk_models[-1].head
+            self.norm, self.lm_head = chunks[-1].norm, chunks[-1].lm_head
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [int(k) for k in self.layers]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
         return self.chunk_models[chunk](x, positions, targets)
 
 
-def build_stage(cfg: ModelConfig, par: ParallelConfig, plan, pp_rank: int) -> StageModel:
-    parts = partition(cfg, par)
-    S = par.pp * par.virtual_stages
-    ids = list(range(pp_rank, S, par.pp))
-    return StageModel(cfg, plan, [parts[s] for s in ids], ids, S)
+def stage_ids(par: ParallelConfig, pp_rank: int) -> list[int]:
+    """The (virtual) stages of pipeline rank ``pp_rank``: r, r + pp, r + 2·pp, ..."""
+    return list(range(pp_rank, par.pp * par.virtual_stages, par.pp))
+
+
+def split(model: Transformer, par: ParallelConfig, pp_rank: int) -> list[Transformer]:
+    """This rank's chunks of ``model``, one per virtual stage, in stage order."""
+    parts = partition(model.cfg, par)
+    last = par.pp * par.virtual_stages - 1
+    return [model.part(parts[s], s == 0, s == last) for s in stage_ids(par, pp_rank)]

@@ -1,0 +1,103 @@
+"""One way in: ``parallelize(model, grid, par, train)`` lays a plain model out on the grid.
+
+The dimensions apply in one fixed order, each from its own file, each with the explicit group
+it talks on (``grid[name]`` of a connected ``fived.dist.grid.Grid``):
+
+1. pipeline split (``pipeline/stage.py: split``) — this rank's chunks of the layer stack;
+   then, on every chunk:
+2. tensor + sequence parallelism (``tensor.py: apply_tp``, group ``tp``) — column/row cuts,
+   vocab-parallel embedding, head and loss;
+3. context parallelism (``context.py: apply_cp``, group ``cp``) — ring / Ulysses attention cores;
+4. expert parallelism (``expert.py: apply_ep``, group ``ep``) — this rank's experts and the
+   all-to-all dispatch;
+5. activation recompute (``recompute.py: apply_recompute``);
+6. data parallelism / ZeRO (``data/``, groups ``dense`` and ``expert``) — the engine that owns
+   gradient buffers, reductions, master weights and the optimizer state;
+
+and, with pp > 1, the executor that runs the schedule over the stage (``pipeline/runtime.py``).
+
+Each step records what it did in the ``Placement`` of every parameter (global name, global
+shape, which piece this rank holds, which groups its gradient is summed over): that table is the
+only contract between the cut model and what comes after it (engines, gathered gradients, the
+ledger check). The model never learns its layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..model.llama import Transformer
+from .context import apply_cp
+from .data import make_engine
+from .expert import apply_ep
+from .pipeline.runtime import PipelineExecutor
+from .pipeline.stage import StageModel, split, stage_ids
+from .placement import Placement, replicated
+from .recompute import apply_recompute
+from .tensor import apply_tp
+
+
+@dataclass
+class Parallelized:
+    """What ``parallelize`` returns: this rank's model, its placements, engine and executor."""
+
+    model: nn.Module  # the rank's model: the Transformer, or a StageModel of its pipeline chunks
+    placements: dict[str, Placement]
+    engine: Any  # fived.parallel.data engine (DDP / ZeRO-1/2/3)
+    executor: PipelineExecutor | None  # pp > 1
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return list(self.model.layers.values())
+
+
+def pipeline_layout(par: Any) -> Any:
+    """The layout the pipeline runs: virtual stages count only for the interleaved schedule."""
+    return replace(par, virtual_stages=par.virtual_stages if par.schedule == "interleaved" else 1)
+
+
+def parallelize_parts(model: Transformer, grid: Any, par: Any
+                      ) -> tuple[list[Transformer], dict[str, Placement]]:
+    """Steps 1–5: this rank's chunks of ``model``, cut and wrapped, and their placements."""
+    pp_rank = grid.coords()["pp"]
+    parts = split(model, pipeline_layout(par), pp_rank) if par.pp > 1 else [model]
+    placements: dict[str, Placement] = {}
+    for part in parts:
+        pl = replicated(part.named_parameters())
+        apply_tp(part, grid["tp"], pl, par.sequence_parallel, par.overlap)
+        apply_cp(part, grid["cp"], par.cp_mode)
+        if part.cfg.is_moe:
+            apply_ep(part, grid["ep"], pl)
+        apply_recompute(part, par.recompute)
+        placements.update(pl)
+    return parts, placements
+
+
+def parallelize(model: Transformer, grid: Any, par: Any, train: Any) -> Parallelized:
+    """Lay ``model`` (plain, whole, initialised; the same on every rank) out on ``grid``."""
+    parts, placements = parallelize_parts(model, grid, par)
+    if par.pp > 1:
+        stage: nn.Module = StageModel(parts, stage_ids(pipeline_layout(par), grid.coords()["pp"]))
+        executor = PipelineExecutor(model.cfg, par, grid, stage, next(stage.parameters()).dtype)
+    else:
+        stage, executor = parts[0], None
+    _tag_params(stage, placements)
+    engine = make_engine(stage, grid, par, train)
+    return Parallelized(stage, placements, engine, executor)
+
+
+def _tag_params(model: nn.Module, placements: dict[str, Placement]) -> None:
+    """TEMPORARY: the engine still reads parameter attributes; set them from the placements."""
+    for n, p in model.named_parameters():
+        pl = placements[n]
+        p._fived_expert = pl.grad_group == "expert"
+        p._fived_grad_reduce = pl.grad_sum
+        p._fived_tp_shards = pl.parts
+
+
+def dtype_of(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
