@@ -86,13 +86,12 @@ def fived_runner(name: str, cfg: Any, par: Any, train: Any, rank: int, world: in
     from ..comm.ops import Traffic
     from ..dist.grid import Grid
     from ..model import build_model
-    from ..parallel.data import make_engine
-    from ..parallel.plan import Plan
+    from ..parallel.parallelize import parallelize
 
     traffic = Traffic()
     grid = Grid.from_config(par, rank).connect(traffic)
-    model = build_model(cfg, Plan(cfg, par, train.seed, grid))
-    engine = make_engine(model, grid, par, train)
+    laid = parallelize(build_model(cfg, train.seed), grid, par, train)
+    model, engine = laid.model, laid.engine
     scale = 1.0 / (train.global_batch * cfg.seq_len)
 
     def step(i: int) -> None:
@@ -121,11 +120,9 @@ def torch_ddp_runner(cfg: Any, train: Any, bucket_mb: float, world: int,
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..config import ParallelConfig
     from ..model import build_model
-    from ..parallel.plan import Plan
 
-    model = build_model(cfg, Plan(cfg, ParallelConfig(), train.seed, None))
+    model = build_model(cfg, train.seed)
     ddp = DDP(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(train.beta1, train.beta2),
                             eps=train.eps, weight_decay=0.0)

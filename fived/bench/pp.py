@@ -47,11 +47,11 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
     from torch.distributed import pipelining as tp
 
     from ..comm.ops import Traffic
-    from ..config import ParallelConfig, preset
+    from ..config import ParallelConfig, TrainConfig, preset
     from ..dist.grid import Grid
+    from ..model import build_model
     from ..model.layers import token_losses
-    from ..parallel.pipeline.runtime import PipelineExecutor
-    from ..parallel.plan import Plan
+    from ..parallel.parallelize import parallelize
 
     cfg = replace(preset(model_name), layers=layers)
     gen = torch.Generator().manual_seed(0)
@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
             continue
         par = ParallelConfig(pp=world, micro_batches=m, schedule=ours, virtual_stages=v)
         grid = Grid.from_config(par, rank).connect(Traffic())
-        ex = PipelineExecutor(cfg, par, Plan(cfg, par, 7, grid), grid)
+        ex = parallelize(build_model(cfg, 7), grid, par, TrainConfig()).executor
         ex.measure = False
         stages = [tp.PipelineStage(_Wrap(chunk, pos), rank + k * world, world * v,
                                    torch.device("cpu"), group=grid["pp"].pg)

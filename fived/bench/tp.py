@@ -3,7 +3,7 @@
 The same Llama-style model (the one-rank build of ``fived.model``) is parallelized two ways on
 the same ranks in one run:
 
-* fived: ``Plan`` with tp (+ ``sequence_parallel``) — column/row linears on ``fived.comm``,
+* fived: ``apply_tp`` (+ ``sequence_parallel``) — column/row linears on ``fived.comm``,
   vocab-parallel embedding and cross-entropy;
 * DTensor: ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` (+
   ``SequenceParallel`` and ``PrepareModuleInput`` for SP), a ``RowwiseParallel`` embedding and a
@@ -43,22 +43,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _as_torch_modules(model: torch.nn.Module) -> torch.nn.Module:
-    """Swap fived's one-rank Linear/Embedding for ``nn.Linear``/``nn.Embedding`` holding the same
-    weights (the parallel styles accept only those); the computation is unchanged."""
-    from ..model import layers as L
-
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, (L.Linear, L.Embedding)):
-            out, inp = mod.weight.shape
-            new = (torch.nn.Linear(inp, out, bias=False) if isinstance(mod, L.Linear)
-                   else torch.nn.Embedding(out, inp))
-            new.weight = mod.weight
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, new)
-    return model
-
-
 def dtensor_model(cfg: Any, seed: int, tp: int, sp: bool) -> torch.nn.Module:
     """The one-rank fived model parallelized by ``torch.distributed.tensor.parallel``."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -71,37 +55,35 @@ def dtensor_model(cfg: Any, seed: int, tp: int, sp: bool) -> torch.nn.Module:
         parallelize_module,
     )
 
-    from ..config import ParallelConfig
     from ..model import build_model
-    from ..parallel.plan import Plan
 
-    model = _as_torch_modules(build_model(cfg, Plan(cfg, ParallelConfig(), seed)))
+    model = build_model(cfg, seed)  # plain nn.Linear / nn.Embedding: DTensor takes it as it is
     mesh = init_device_mesh("cpu", (tp,))
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, Any] = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
     if sp:
         plan["norm"] = SequenceParallel()
-    for i, block in model.layers.items():
+    for i in model.layers:
         p = f"layers.{i}."
         plan.update({
-            p + "attn.wq": ColwiseParallel(), p + "attn.wk": ColwiseParallel(),
-            p + "attn.wv": ColwiseParallel(), p + "attn.wo": RowwiseParallel(output_layouts=seq),
-            p + "mlp.w_gate": ColwiseParallel(), p + "mlp.w_up": ColwiseParallel(),
-            p + "mlp.w_down": RowwiseParallel(output_layouts=seq),
+            p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+            p + "self_attn.v_proj": ColwiseParallel(),
+            p + "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+            p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+            p + "mlp.down_proj": RowwiseParallel(output_layouts=seq),
         })
         if sp:
             plan.update({
-                p + "attn_norm": SequenceParallel(), p + "mlp_norm": SequenceParallel(),
-                p + "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                p + "input_layernorm": SequenceParallel(),
+                p + "post_attention_layernorm": SequenceParallel(),
+                p + "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None),
                                                desired_input_layouts=(Replicate(), None)),
                 p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
                                               desired_input_layouts=(Replicate(),)),
             })
-        block.attn.heads = cfg.heads // tp
-        block.attn.kv_heads = cfg.kv_heads // tp
     return parallelize_module(model, mesh, plan)
 
 
@@ -112,7 +94,7 @@ def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str
     from ..config import ParallelConfig
     from ..dist.grid import Grid
     from ..model import build_model
-    from ..parallel.plan import Plan
+    from ..parallel.parallelize import parallelize_parts
     from ..train.data import local_batch
 
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
@@ -127,7 +109,7 @@ def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str
     for sp in sps:
         tag = "+sp" if sp else ""
         fpar = ParallelConfig(tp=world, sequence_parallel=sp, overlap=not args.no_overlap)
-        fm = build_model(cfg, Plan(cfg, fpar, seed, grid))
+        fm = parallelize_parts(build_model(cfg, seed), grid, fpar)[0][0]
         dm = dtensor_model(cfg, seed, world, sp)
 
         def fived_step(fm=fm):

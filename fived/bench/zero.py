@@ -22,12 +22,10 @@ def fsdp2_runner(cfg: Any, train: Any, world: int, batch: Callable[[int], tuple]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ..config import ParallelConfig
     from ..model import build_model
-    from ..parallel.plan import Plan
 
     mesh = init_device_mesh("cpu", (world,))
-    model = build_model(cfg, Plan(cfg, ParallelConfig(), train.seed, None))
+    model = build_model(cfg, train.seed)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
