@@ -5,8 +5,8 @@ import json
 import pytest
 
 from fived.cli import main
+from fived.cli.report import parse_count
 from fived.ledger import hardware
-from fived.ledger.cli import parse_count
 
 
 def _json(capsys, argv):
@@ -31,7 +31,7 @@ def test_help_teaches(capsys):
 
 def test_ledger_7b_example_json(capsys):
     rc, doc = _json(capsys, ["ledger", "--model", "llama2-7b", "--gpus", "8", "--gpu",
-                             "rtx-pro-6000", "--zero", "3", "--json"])
+                             "rtx-pro-6000", "--zero", "3", "--precision", "bf16", "--json"])
     assert rc == 0
     md = doc["model"]
     assert md["params"] == 6_738_415_616
