@@ -370,7 +370,8 @@ def validate(
     if par.schedule == "interleaved" and par.pp > 1:
         if par.virtual_stages < 2:
             p.append("--schedule interleaved needs --virtual-stages >= 2")
-        _divides(p, par.pp, par.micro_batches, "micro-batches over pp (interleaved)", "")
+        _divides(p, par.pp, par.micro_batches, "--micro-batches over --pp (interleaved)",
+                 "give a multiple of --pp")
     # the pipeline: what its runtime cannot do
     if par.pp > 1 and model.tied_embeddings:
         p.append("--pp > 1 with tied embeddings: the embedding (first stage) and the head (last "

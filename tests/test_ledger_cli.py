@@ -90,3 +90,17 @@ def test_this_machine_reads_the_bench_fits(tmp_path):
     hw = hardware.this_machine(str(p))
     assert hw.intra_bw == 2e9
     assert hw.intra_latency == pytest.approx(60e-6 / 6)  # 2(n−1) = 6 ring steps
+
+
+def test_ledger_plan_and_checks_import_no_torch():
+    """The ledger, the planner and every refusal answer without importing torch (fast)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from fived.cli import main; "
+            "assert main(['ledger']) == 0; assert main(['plan', '--top', '1']) == 0; "
+            "assert main(['grid', '--tp', '2']) == 0; "
+            "assert main(['train', '--print-config']) == 0; assert main(['train', '--tp', '0']) == 2; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from ..cli import flags
+from ..config import ModelConfig, ParallelConfig, validate
 from ..parallel.pipeline import schedules as S
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="where to write the figure (default: schedule-NAME-pP-mM.png here)")
     a = flags.parse(ap, argv)
     v = a.virtual_stages if a.schedule == "interleaved" else 1
+    # what the schedule needs, worded as `fived train` words it (ConfigError: exit 2)
+    validate(ModelConfig(layers=a.pp * v), ParallelConfig(
+        pp=a.pp, schedule=a.schedule, virtual_stages=v, micro_batches=a.micro_batches))
     sched = S.build(a.schedule, a.pp, a.micro_batches, v)
     S.check(sched)
     out = a.out or f"schedule-{a.schedule}-p{a.pp}-m{a.micro_batches}.png"
