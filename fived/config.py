@@ -6,14 +6,22 @@ Three dataclasses describe everything fived needs:
 * ``ParallelConfig`` — the layout ``pp × dp × ep × cp × tp`` and how each dimension runs.
 * ``TrainConfig``  — the optimisation run (steps, global batch, learning rate, seed ...).
 
+Each field carries its own help text and bounds (``field.metadata``): the command line builds
+every flag from them (``fived.cli.flags``), so ``fived train``, ``fived ledger``, ``fived plan``
+and the benchmarks share one flag set with the dataclass defaults, and ``validate`` checks the
+same bounds whether a value came from a flag, a TOML file or Python.
+
 ``validate`` checks every constraint at once and raises one ``ConfigError`` that lists each
 broken constraint with a suggested fix, so a bad layout is rejected before any process starts.
-The ledger imports this module only: it must stay free of ``torch.distributed``.
+``fill_dp`` gives data parallelism the ranks the other degrees leave. ``check_outputs`` checks
+that the files a run will write can be written. The ledger imports this module only: it must
+stay free of torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -29,27 +37,49 @@ class ConfigError(ValueError):
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+PRECISIONS = ("fp32", "bf16", "fp16")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+RECOMPUTE = ("none", "selective", "full")
+CP_MODES = ("ring", "ulysses")
+DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
+DEFAULT_WORLD = 4  # ranks `fived train` starts when nothing says otherwise
+
+
+def spec(default: Any, help: str, *, flag: str | None = None, ge: float | None = None,
+         gt: float | None = None, lt: float | None = None, le: float | None = None,
+         choices: tuple | None = None, metavar: str | None = None, shown: str | None = None) -> Any:
+    """A dataclass field with what the command line and ``validate`` need to know about it.
+
+    ``flag``: the option's name ("" for a TOML-only field; default ``--field-name``);
+    ``ge``/``gt``/``lt``/``le``: bounds; ``choices``: the allowed values; ``shown``: the
+    default as --help words it, where the value alone would mislead."""
+    meta = {"help": help, "flag": flag, "ge": ge, "gt": gt, "lt": lt, "le": le,
+            "choices": choices, "metavar": metavar, "shown": shown}
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "tiny"
-    vocab: int = 256
-    hidden: int = 64
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    ffn: int = 176
-    seq_len: int = 64
-    rope_theta: float = 10000.0
-    tied_embeddings: bool = False
-    norm_eps: float = 1e-5
+    name: str = spec("tiny", "preset the shape starts from", flag="")
+    vocab: int = spec(256, "vocabulary size", flag="", ge=1)
+    hidden: int = spec(64, "model width", flag="", ge=1)
+    layers: int = spec(4, "transformer blocks", flag="", ge=1)
+    heads: int = spec(4, "attention heads", flag="", ge=1)
+    kv_heads: int = spec(2, "key/value heads (GQA)", flag="", ge=1)
+    ffn: int = spec(176, "MLP width", flag="", ge=1)
+    seq_len: int = spec(64, "tokens per sequence", ge=1, shown="the preset's; tiny: 64")
+    rope_theta: float = spec(10000.0, "RoPE base", flag="", gt=0)
+    tied_embeddings: bool = spec(False, "share the embedding and the output head", flag="")
+    norm_eps: float = spec(1e-5, "RMSNorm epsilon", flag="", gt=0)
     # Mixture of experts: experts == 0 means a dense model.
-    experts: int = 0
-    top_k: int = 2
-    moe_ffn: int = 0  # 0: same as ffn
-    shared_expert: bool = False
-    capacity_factor: float = 0.0  # 0: dropless
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
+    experts: int = spec(0, "experts per MoE layer (0: dense)", flag="", ge=0)
+    top_k: int = spec(2, "experts each token is routed to", flag="", ge=1)
+    moe_ffn: int = spec(0, "expert MLP width (0: same as ffn)", flag="", ge=0)
+    shared_expert: bool = spec(False, "one expert every token also runs", flag="")
+    capacity_factor: float = spec(0.0, "expert capacity factor (0: dropless)", flag="", ge=0)
+    aux_loss_coef: float = spec(0.01, "load-balancing loss weight", flag="", ge=0)
+    z_loss_coef: float = spec(0.001, "router z-loss weight", flag="", ge=0)
 
     @property
     def head_dim(self) -> int:
@@ -92,33 +122,32 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE = ("none", "selective", "full")
-CP_MODES = ("ring", "ulysses")
-DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
-
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp: int = 1
-    pp: int = 1
-    zero: int = 0
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    micro_batches: int = 1
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    precision: str = "fp32"
-    grad_reduce_dtype: str = "fp32"  # fp32 | bf16 (the dtype gradients are reduced in)
-    cp_mode: str = "ring"
-    order: tuple[str, ...] = DIMS
-    bucket_mb: float = 25.0
-    overlap: bool = True
-    pp_layers: tuple[int, ...] = ()  # a hand split of layers per (virtual) stage; () = balanced
+    tp: int = spec(1, "tensor-parallel degree", ge=1)
+    cp: int = spec(1, "context-parallel degree (splits the sequence)", ge=1)
+    ep: int = spec(1, "expert-parallel degree (MoE models)", ge=1)
+    dp: int = spec(1, "data-parallel degree", ge=1,
+                   shown="the ranks the other degrees leave of the world")
+    pp: int = spec(1, "pipeline-parallel degree", ge=1)
+    zero: int = spec(0, "ZeRO stage: 0 plain DDP, 1 shard optimizer state, 2 + gradients, "
+                        "3 + parameters", choices=(0, 1, 2, 3))
+    schedule: str = spec("1f1b", "pipeline schedule", choices=SCHEDULES,
+                         shown="1f1b, or interleaved with --virtual-stages > 1")
+    virtual_stages: int = spec(1, "interleaved schedule: model chunks per pipeline rank", ge=1)
+    micro_batches: int = spec(1, "micro-batches per optimizer step (per replica)", ge=1)
+    sequence_parallel: bool = spec(False, "shard norms and residuals over tp along the sequence")
+    recompute: str = spec("none", "activation recompute", choices=RECOMPUTE)
+    precision: str = spec("fp32", "compute precision (bf16/fp16 keep fp32 master weights)",
+                          choices=PRECISIONS)
+    grad_reduce_dtype: str = spec("fp32", "dtype gradients are reduced in", choices=GRAD_REDUCE_DTYPES)
+    cp_mode: str = spec("ring", "context-parallel attention", choices=CP_MODES)
+    order: tuple[str, ...] = spec(DIMS, "grid order, outermost first", metavar="pp,dp,ep,cp,tp")
+    bucket_mb: float = spec(25.0, "gradient bucket size in MB", gt=0)
+    overlap: bool = spec(True, "reduce gradients during backward (--no-overlap: after it)")
+    pp_layers: tuple[int, ...] = spec((), "layers per (virtual) stage by hand, e.g. 3,5",
+                                      metavar="N,N,...", shown="balanced")
 
     @property
     def world_size(self) -> int:
@@ -138,21 +167,22 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str = "tiny"
-    steps: int = 50
-    global_batch: int = 16  # sequences per optimizer step, whatever the layout
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    seed: int = 1234
-    corpus_mb: float = 4.0
-    metrics_out: str = ""
-    log_every: int = 1
+    model: str = spec("tiny", f"model preset: {', '.join(PRESETS)}")
+    steps: int = spec(50, "optimizer steps", ge=1)
+    global_batch: int = spec(16, "sequences per optimizer step, the same for every layout", ge=1)
+    lr: float = spec(3e-3, "peak learning rate", gt=0)
+    min_lr_ratio: float = spec(0.1, "final learning rate of the cosine decay, as a fraction of "
+                                    "--lr", ge=0, le=1)
+    warmup: int = spec(5, "linear warm-up steps", ge=0)
+    weight_decay: float = spec(0.0, "AdamW weight decay", ge=0)
+    beta1: float = spec(0.9, "Adam beta1", ge=0, lt=1)
+    beta2: float = spec(0.95, "Adam beta2", ge=0, lt=1)
+    eps: float = spec(1e-8, "Adam epsilon", gt=0)
+    grad_clip: float = spec(1.0, "clip the global gradient norm to this (0: off)", ge=0)
+    seed: int = spec(1234, "seed of the initial weights and the data order")
+    corpus_mb: float = spec(4.0, "MB of the built-in corpus (this Python's stdlib source)", gt=0)
+    metrics_out: str = spec("", "write one JSON line per step to this file", metavar="FILE")
+    log_every: int = spec(1, "print a line every N steps", ge=1)
 
 
 def preset(name: str) -> ModelConfig:
@@ -161,6 +191,97 @@ def preset(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
+# ---------------------------------------------------------------- the flag names
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
+
+
+def flag_of(section: str, name: str) -> str:
+    """The command-line name of a field ("" for a TOML-only one): ``--global-batch``."""
+    f = {f.name: f for f in fields(_SECTIONS[section])}[name]
+    flag = f.metadata.get("flag")
+    if flag is None:
+        flag = "--" + name.replace("_", "-")
+    return flag
+
+
+def _label(section: str, name: str) -> str:
+    return flag_of(section, name) or f"[{section}] {name}"
+
+
+def _bound_problem(section: str, f: dataclasses.Field, v: Any) -> str | None:
+    """What is wrong with value ``v`` of field ``f`` (None: nothing)."""
+    m = f.metadata
+    what = _label(section, f.name)
+    kind = type(f.default)
+    if kind is bool and not isinstance(v, bool):
+        return f"{what} must be true or false (got {v!r})"
+    if kind is str and not isinstance(v, str):
+        return f"{what} must be a string (got {v!r})"
+    if kind is tuple and not isinstance(v, tuple):
+        return f"{what} must be a list (got {v!r})"
+    if m.get("choices") is not None and v not in m["choices"]:
+        return f"{what} {v!r}: choose one of {', '.join(map(str, m['choices']))}"
+    ge, gt, lt, le = m.get("ge"), m.get("gt"), m.get("lt"), m.get("le")
+    if ge is None and gt is None and lt is None and le is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return f"{what} must be a number (got {v!r})"
+    if kind is int and not isinstance(v, int):
+        return f"{what} must be an integer (got {v!r})"
+    low = (ge is None or v >= ge) and (gt is None or v > gt)
+    high = (lt is None or v < lt) and (le is None or v <= le)
+    if low and high:
+        return None
+
+    def g(x: float) -> str:
+        return f"{x:g}"
+
+    if (lt is not None or le is not None) and (ge is not None or gt is not None):
+        lo = f"[{g(ge)}" if ge is not None else f"({g(gt)}"
+        hi = f"{g(lt)})" if lt is not None else f"{g(le)}]"
+        return f"{what} must be in {lo}, {hi} (got {v:g})"
+    if ge is not None:
+        return f"{what} must be >= {g(ge)} (got {v:g})"
+    if gt is not None:
+        return f"{what} must be > {g(gt)} (got {v:g})"
+    return f"{what} must be {'<' if lt is not None else '<='} {g(lt if lt is not None else le)} " \
+           f"(got {v:g})"
+
+
+def check_field(section: str, name: str, value: Any) -> str | None:
+    """The problem with one value of one field, as ``validate`` words it (None: fine)."""
+    f = {f.name: f for f in fields(_SECTIONS[section])}[name]
+    return _bound_problem(section, f, value)
+
+
+def check_values(model: ModelConfig | None = None, par: ParallelConfig | None = None,
+                 train: TrainConfig | None = None) -> list[str]:
+    """Every field against its own bounds and choices (``spec``), one line per problem."""
+    out: list[str] = []
+    for section, obj in (("model", model), ("parallel", par), ("train", train)):
+        if obj is None:
+            continue
+        for f in fields(obj):
+            if section == "train" and f.name == "model":
+                continue  # the preset name: checked by ``preset``
+            p = _bound_problem(section, f, getattr(obj, f.name))
+            if p:
+                out.append(p)
+    if par is not None:
+        if sorted(par.order) != sorted(DIMS):
+            out.append(f"--order {','.join(par.order)}: give a permutation of {','.join(DIMS)}")
+        if any(not isinstance(x, int) or x < 1 for x in par.pp_layers):
+            out.append(f"--pp-layers {list(par.pp_layers)}: every stage needs >= 1 layer")
+    return out
+
+
+def check_count(flag: str, n: Any, least: int = 1) -> None:
+    """A count given by a command's own flag (``--gpus``, ``--nprocs``): at least ``least``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < least:
+        raise ConfigError([f"{flag} must be an integer >= {least} (got {n!r})"])
+
+
+# ---------------------------------------------------------------- validation
 def _divides(problems: list[str], a: int, b: int, what: str, fix: str) -> None:
     if a <= 0 or b % a != 0:
         problems.append(f"{what}: {b} is not divisible by {a}; {fix}")
@@ -172,11 +293,16 @@ def validate(
     train: TrainConfig | None = None,
     world_size: int | None = None,
 ) -> None:
-    """Raise ``ConfigError`` naming every broken constraint of this (model, layout, run)."""
-    p: list[str] = []
-    for dim in DIMS:
-        if par.degree(dim) < 1:
-            p.append(f"--{dim} must be >= 1 (got {par.degree(dim)})")
+    """Raise ``ConfigError`` naming every broken constraint of this (model, layout, run).
+
+    First each value against its own bounds (a degree of 0, a negative learning rate ...); if
+    any is out of bounds those are the error. Then everything the values must satisfy together:
+    the world size, the shapes each degree must divide, the pipeline split, what a schedule
+    needs, the batch split, and what is not built (ZeRO-3 under a pipeline)."""
+    p = check_values(model, par, train)
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 1):
+        p.append(f"world size must be >= 1 (got {world_size!r})")
     if p:
         raise ConfigError(p)
     if world_size is not None and world_size != par.world_size:
@@ -190,8 +316,6 @@ def validate(
             f"world size {world_size} != pp·dp·ep·cp·tp = {par.pp}·{par.dp}·{par.ep}·{par.cp}·"
             f"{par.tp} = {par.world_size}; {hint}"
         )
-    if sorted(par.order) != sorted(DIMS):
-        p.append(f"grid order {par.order} must be a permutation of {DIMS}")
     if model.hidden % model.heads:
         p.append(f"hidden {model.hidden} is not divisible by heads {model.heads}")
     if model.heads % model.kv_heads:
@@ -241,31 +365,33 @@ def validate(
         _divides(p, par.ep, model.experts, "experts over ep", "pick an ep dividing the experts")
         if not 1 <= model.top_k <= model.experts:
             p.append(f"top_k {model.top_k} must be in [1, experts={model.experts}]")
-    if par.zero not in (0, 1, 2, 3):
-        p.append(f"--zero must be 0, 1, 2 or 3 (got {par.zero})")
-    if par.schedule not in SCHEDULES:
-        p.append(f"--schedule {par.schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if par.virtual_stages > 1 and par.schedule != "interleaved":
         p.append("--virtual-stages > 1 needs --schedule interleaved")
     if par.schedule == "interleaved" and par.pp > 1:
         if par.virtual_stages < 2:
             p.append("--schedule interleaved needs --virtual-stages >= 2")
-        _divides(p, par.pp, par.micro_batches, "micro-batches over pp (interleaved)", "")
-    if par.precision not in PRECISIONS:
-        p.append(f"--precision {par.precision!r}: choose one of {', '.join(PRECISIONS)}")
-    if par.grad_reduce_dtype not in ("fp32", "bf16"):
-        p.append("grad_reduce_dtype must be fp32 or bf16")
-    if par.recompute not in RECOMPUTE:
-        p.append(f"--recompute {par.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
-    if par.cp_mode not in CP_MODES:
-        p.append(f"--cp-mode {par.cp_mode!r}: choose one of {', '.join(CP_MODES)}")
-    if par.micro_batches < 1:
-        p.append("--micro-batches must be >= 1")
+        _divides(p, par.pp, par.micro_batches, "--micro-batches over --pp (interleaved)",
+                 "give a multiple of --pp")
+    # the pipeline: what its runtime cannot do
+    if par.pp > 1 and model.tied_embeddings:
+        p.append("--pp > 1 with tied embeddings: the embedding (first stage) and the head (last "
+                 "stage) would need their gradients all-reduced between stages; use an untied "
+                 "model (tied_embeddings = false)")
+    if par.pp > 1 and par.zero == 3:
+        why = ("ZeRO-3 frees a unit's parameters when its backward ends, but ZB-H1's deferred W "
+               "would re-gather every layer once more per micro-batch"
+               if par.schedule == "zb-h1" else
+               "ZeRO-3 gathers and frees each block around its forward and backward, and a "
+               "pipeline schedule interleaves many micro-batches on a stage")
+        sched = " and --schedule zb-h1" if par.schedule == "zb-h1" else ""
+        p.append(f"--zero 3 with --pp {par.pp}{sched} is not built ({why}); use --zero 1 or "
+                 "--zero 2 with pipeline parallelism, or --pp 1")
     if train is not None:
         replicas = par.dp * par.ep
         if train.global_batch % replicas:
             p.append(
-                f"global batch {train.global_batch} is not divisible by dp·ep = {replicas}; "
+                f"--global-batch: global batch {train.global_batch} is not divisible by dp·ep = "
+                f"{replicas}; "
                 f"use --global-batch {replicas * max(1, train.global_batch // replicas)}"
             )
         elif (train.global_batch // replicas) % par.micro_batches:
@@ -273,17 +399,49 @@ def validate(
                 f"sequences per replica {train.global_batch // replicas} are not divisible by "
                 f"--micro-batches {par.micro_batches}"
             )
-        if train.steps < 1:
-            p.append("--steps must be >= 1")
     if p:
         raise ConfigError(p)
 
 
+def check_outputs(train: TrainConfig) -> None:
+    """The files the run writes can be written (before any rank starts; nothing is created)."""
+    if not train.metrics_out:
+        return
+    path = Path(train.metrics_out)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        problem = "is a directory"
+    elif not parent.is_dir():
+        problem = f"directory {str(parent)!r} does not exist"
+    elif not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        problem = "is not writable"
+    else:
+        return
+    raise ConfigError([f"--metrics-out {train.metrics_out}: {problem}"])
+
+
+# ---------------------------------------------------------------- the world
+def fill_dp(par: ParallelConfig, dp_given: bool, world: int | None = None
+            ) -> tuple[ParallelConfig, int | None]:
+    """Data parallelism takes the ranks the other degrees leave; returns (layout, world).
+
+    ``dp_given`` (a --dp flag, or ``dp`` in the TOML's [parallel]): the layout is kept and the
+    world is its product unless ``world`` says otherwise (``validate`` then names the mismatch).
+    Otherwise dp = world // (tp·cp·ep·pp), where the world is ``world`` (--nprocs, --gpus,
+    torchrun's WORLD_SIZE) or, with none, ``DEFAULT_WORLD`` ranks rounded up to a multiple of
+    the other degrees (``fived train`` with nothing runs dp = 4). A degree below 1 is left for
+    ``validate`` to name (the world is then ``world`` as given, possibly None)."""
+    others = par.tp * par.cp * par.ep * par.pp
+    if others < 1:  # an invalid degree: leave it for validate to name
+        return par, world
+    if world is None:
+        world = par.world_size if dp_given else others * max(1, DEFAULT_WORLD // others)
+    if not dp_given:
+        par = replace(par, dp=max(1, world // others))
+    return par, world
+
+
 # ---------------------------------------------------------------- TOML in and out
-
-_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
-
-
 def _coerce(cls: type, values: dict[str, Any], section: str) -> dict[str, Any]:
     known = {f.name: f for f in fields(cls)}
     out: dict[str, Any] = {}
@@ -295,24 +453,43 @@ def _coerce(cls: type, values: dict[str, Any], section: str) -> dict[str, Any]:
     return out
 
 
+def read_toml(path: str | Path) -> tuple[ModelConfig, ParallelConfig, TrainConfig, set[str]]:
+    """``load_toml`` plus the keys the file gave, as ``"section.key"`` (``"parallel.dp"``)."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError([f"--config {path}: cannot read it ({e})"]) from None
+    extra = sorted(set(data) - set(_SECTIONS))
+    if extra:
+        raise ConfigError([f"unknown table(s) {extra} in {path}; use [model], [parallel], [train]"])
+    for s in _SECTIONS:
+        if not isinstance(data.get(s, {}), dict):
+            raise ConfigError([f"[{s}] in {path} must be a table"])
+    tvals = data.get("train", {})
+    mvals = dict(data.get("model", {}))
+    name = mvals.get("name", tvals.get("model", TrainConfig.model))
+    if "name" in mvals and "model" in tvals and mvals["name"] != tvals["model"]:
+        raise ConfigError([f"{path}: [model] name {mvals['name']!r} and [train] model "
+                           f"{tvals['model']!r} disagree; give one"])
+    try:
+        train = TrainConfig(**_coerce(TrainConfig, tvals, "train"))
+        model = replace(preset(name), **_coerce(ModelConfig, mvals, "model"))
+        par = ParallelConfig(**_coerce(ParallelConfig, data.get("parallel", {}), "parallel"))
+    except TypeError as e:  # pragma: no cover - _coerce already names unknown keys
+        raise ConfigError([f"{path}: {e}"]) from None
+    given = {f"{s}.{k}" for s in _SECTIONS for k in data.get(s, {})}
+    if "train.model" in given or "model.name" in given:
+        given |= {"train.model", "model.name"}
+    return model, par, replace(train, model=model.name), given
+
+
 def load_toml(path: str | Path) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     """Read a TOML file with optional [model], [parallel] and [train] tables.
 
     ``[model]`` may name a preset (``name = "llama3-8b"``) and override any of its fields.
     """
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError([f"cannot read config {path}: {e}"]) from None
-    extra = sorted(set(data) - set(_SECTIONS))
-    if extra:
-        raise ConfigError([f"unknown table(s) {extra} in {path}; use [model], [parallel], [train]"])
-    train = TrainConfig(**_coerce(TrainConfig, data.get("train", {}), "train"))
-    mvals = dict(data.get("model", {}))
-    base = preset(mvals.get("name", train.model))
-    model = replace(base, **_coerce(ModelConfig, mvals, "model"))
-    par = ParallelConfig(**_coerce(ParallelConfig, data.get("parallel", {}), "parallel"))
-    return model, par, replace(train, model=model.name)
+    model, par, train, _ = read_toml(path)
+    return model, par, train
 
 
 def _toml_value(v: Any) -> str:
@@ -340,5 +517,7 @@ def as_dict(obj: Any) -> dict[str, Any]:
 
 __all__ = [
     "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "PRESETS", "DIMS",
-    "preset", "validate", "load_toml", "dump_toml", "as_dict", "field",
+    "DEFAULT_WORLD", "preset", "validate", "check_values", "check_field", "check_count",
+    "check_outputs", "fill_dp", "flag_of", "read_toml", "load_toml", "dump_toml", "as_dict",
+    "field",
 ]

@@ -80,3 +80,106 @@ def test_failing_rank_is_reported_and_others_stopped():
     with pytest.raises(RankFailure) as e:
         run_ranks(_fails_on_rank_one, 2, timeout=60)
     assert e.value.rank == 1 and "boom on rank one" in e.value.detail
+
+
+# ------------------------------------------------------------------ one flag set
+def _help(capsys, cmd):
+    from fived.cli import main
+
+    with pytest.raises(SystemExit):
+        main([cmd, "--help"])
+    return capsys.readouterr().out
+
+
+def test_every_train_field_is_a_flag_with_its_default(capsys):
+    from dataclasses import fields
+
+    from fived.config import TrainConfig, flag_of
+
+    out = _help(capsys, "train")
+    for f in fields(TrainConfig):
+        assert flag_of("train", f.name) in out, f.name
+    for group in ("model:", "layout:", "run:", "configuration:", "launch:"):
+        assert group in out
+    assert "(default: fp32)" in out and "(default: 16)" in out
+    for old in ("--tp", "--cp", "--ep", "--dp", "--pp", "--zero", "--schedule", "--virtual-stages",
+                "--micro-batches", "--sequence-parallel", "--recompute", "--precision",
+                "--grad-reduce-dtype", "--cp-mode", "--bucket-mb", "--no-overlap", "--pp-layers",
+                "--order", "--steps", "--global-batch", "--seq-len", "--lr", "--seed",
+                "--metrics-out", "--model", "--config", "--nprocs", "--timeout"):
+        assert old in out, old
+    ledger = _help(capsys, "ledger")
+    assert "--precision" in ledger and "(default: fp32)" in ledger and "--check" in ledger
+
+
+def _config(capsys, argv):
+    import tomllib
+
+    from fived.cli import main
+
+    assert main([*argv, "--print-config"]) == 0
+    return tomllib.loads(capsys.readouterr().out)
+
+
+def test_same_defaults_everywhere(capsys):
+    train = _config(capsys, ["train"])
+    ledger = _config(capsys, ["ledger"])
+    plan = _config(capsys, ["plan"])
+    assert train == ledger  # the ledger of what `fived train` runs: dp 4 on 4 ranks, fp32
+    assert train["parallel"]["dp"] == 4 and train["parallel"]["precision"] == "fp32"
+    assert plan["model"] == train["model"] and plan["train"] == train["train"]
+    flags = ["--tp", "2", "--zero", "1", "--precision", "bf16", "--global-batch", "8"]
+    assert _config(capsys, ["train", *flags]) == _config(capsys, ["ledger", *flags])
+
+
+def test_precedence_defaults_toml_flags(capsys, tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[model]\nname = "tiny"\nlayers = 2\n[train]\nsteps = 7\nlr = 0.01\n')
+    doc = _config(capsys, ["train", "--config", str(f), "--steps", "3"])
+    assert doc["train"]["steps"] == 3 and doc["train"]["lr"] == 0.01 and doc["model"]["layers"] == 2
+    # --model picks another preset; the TOML's own [model] overrides stay on top of it
+    doc = _config(capsys, ["train", "--config", str(f), "--model", "small"])
+    assert doc["model"]["name"] == "small" and doc["model"]["hidden"] == 128
+    assert doc["model"]["layers"] == 2 and doc["train"]["model"] == "small"
+    # --virtual-stages alone picks the interleaved schedule
+    doc = _config(capsys, ["train", "--pp", "2", "--virtual-stages", "2", "--micro-batches", "2",
+                           "--global-batch", "8"])
+    assert doc["parallel"]["schedule"] == "interleaved"
+
+
+def test_print_config_round_trips(capsys, tmp_path):
+    first = _config(capsys, ["train", "--tp", "2", "--zero", "1", "--lr", "0.001",
+                             "--metrics-out", "m.jsonl"])
+    from fived.config import dump_toml, load_toml
+
+    f = tmp_path / "eff.toml"
+    from fived.cli import main
+
+    main(["train", "--tp", "2", "--zero", "1", "--lr", "0.001", "--metrics-out", "m.jsonl",
+          "--print-config"])
+    f.write_text(capsys.readouterr().out)
+    assert _config(capsys, ["train", "--config", str(f)]) == first
+    assert dump_toml(*load_toml(f)).strip() in f.read_text()
+
+
+def test_bench_flags_share_the_table(capsys, tmp_path):
+    import argparse
+
+    from fived.cli import flags
+
+    def parser():
+        ap = argparse.ArgumentParser(prog="fived bench x")
+        flags.add_flag(ap, "pp", default=4)
+        flags.add_flag(ap, "micro_batches", default=8)
+        return ap
+
+    a = flags.parse(parser(), [])
+    assert (a.pp, a.micro_batches) == (4, 8)
+    f = tmp_path / "b.toml"
+    f.write_text("[parallel]\nmicro_batches = 2\n")
+    a = flags.parse(parser(), ["--config", str(f), "--pp", "2"])
+    assert (a.pp, a.micro_batches) == (2, 2)
+    with pytest.raises(SystemExit) as e:
+        flags.parse(parser(), ["--pp", "0"])
+    assert e.value.code == 2 and "--pp must be >= 1" in capsys.readouterr().err
+    assert "(default: 8)" in " ".join(parser().format_help().split())

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from fived.cli import main
+from fived.cli.report import parse_count
 from fived.ledger import hardware
-from fived.ledger.cli import parse_count
 
 
 def _json(capsys, argv):
@@ -31,7 +31,7 @@ def test_help_teaches(capsys):
 
 def test_ledger_7b_example_json(capsys):
     rc, doc = _json(capsys, ["ledger", "--model", "llama2-7b", "--gpus", "8", "--gpu",
-                             "rtx-pro-6000", "--zero", "3", "--json"])
+                             "rtx-pro-6000", "--zero", "3", "--precision", "bf16", "--json"])
     assert rc == 0
     md = doc["model"]
     assert md["params"] == 6_738_415_616
@@ -90,3 +90,17 @@ def test_this_machine_reads_the_bench_fits(tmp_path):
     hw = hardware.this_machine(str(p))
     assert hw.intra_bw == 2e9
     assert hw.intra_latency == pytest.approx(60e-6 / 6)  # 2(n−1) = 6 ring steps
+
+
+def test_ledger_plan_and_checks_import_no_torch():
+    """The ledger, the planner and every refusal answer without importing torch (fast)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from fived.cli import main; "
+            "assert main(['ledger']) == 0; assert main(['plan', '--top', '1']) == 0; "
+            "assert main(['grid', '--tp', '2']) == 0; "
+            "assert main(['train', '--print-config']) == 0; assert main(['train', '--tp', '0']) == 2; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

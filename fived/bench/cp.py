@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..cli import flags
+
 MODES = ("ring", "ulysses", "allgather", "ring-contiguous")
 DEFAULT_MODES = ("ring", "ulysses", "allgather", "ring-contiguous")
 
@@ -107,7 +109,7 @@ def _imbalance(flops: list[float]) -> str:
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="fived bench cp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cp", type=int, default=4, help="context-parallel ranks (local gloo)")
+    flags.add_flag(ap, "cp", default=4, help="context-parallel ranks (local gloo processes)")
     ap.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     ap.add_argument("--seq", type=int, default=2048, help="full sequence length")
     ap.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
@@ -119,7 +121,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
                     help="comma list of ring, ulysses, allgather, ring-contiguous (no zigzag)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON at the end")
-    return ap.parse_args(argv)
+    return flags.parse(ap, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+from ..cli import flags
 
 HEADER = "fived bench {name}: {what} — {n} ranks, model {model}, {reps} reps × {steps} steps"
 
@@ -39,14 +40,13 @@ def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--nprocs", type=int, default=2, help="ranks (all data-parallel)")
     ap.add_argument("--hidden", type=int, default=128, help="model width (default 128)")
     ap.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
-    ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
-    ap.add_argument("--global-batch", type=int, default=8,
-                    help="sequences per step over all ranks (default 8)")
+    flags.add_flag(ap, "seq_len", default=64)
+    flags.add_flag(ap, "global_batch", default=8, help="sequences per step over all ranks")
     ap.add_argument("--reps", type=int, default=5, help="alternating repetitions (median)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per repetition")
+    flags.add_flag(ap, "steps", default=3, help="timed optimizer steps per repetition")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    ap.add_argument("--bucket-mb", type=float, default=25.0,
-                    help="gradient bucket size in MB, fived and torch alike (default 25)")
+    flags.add_flag(ap, "bucket_mb", default=25.0, help="gradient bucket size in MB, fived and "
+                   "torch alike")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
 
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None, kind: str = "ddp") -> int:
     ap = argparse.ArgumentParser(prog=f"fived bench {kind}", description=__doc__.splitlines()[0]
                                  if kind == "ddp" else "fived ZeRO-1/2/3 against FSDP2")
     common_args(ap)
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args = flags.parse(ap, argv)
     what = ("fived DDP vs torch DistributedDataParallel" if kind == "ddp"
             else "fived ZeRO-1/2/3 vs FSDP2 fully_shard")
     print(HEADER.format(name=kind, what=what, n=args.nprocs,

@@ -24,6 +24,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from ..cli import flags
+
 
 def _rank(rank: int, world: int, model: Any, par: Any, train: Any) -> dict[str, Any]:
     from ..train.trainer import train_rank
@@ -73,15 +75,15 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="fived bench ep", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-moe", help="a MoE preset (default tiny-moe)")
+    flags.add_flag(ap, "model", default="tiny-moe", help="a MoE preset")
     ap.add_argument("--eps", default="1,2,4", help="ep degrees to compare (default 1,2,4)")
-    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per layout")
-    ap.add_argument("--global-batch", type=int, default=16, help="sequences per step (all layouts)")
-    ap.add_argument("--seq-len", type=int, default=None, help="override the model's seq_len")
+    flags.add_flag(ap, "steps", default=6, help="optimizer steps per layout")
+    flags.add_flag(ap, "global_batch", default=16, help="sequences per step (all layouts)")
+    flags.add_flag(ap, "seq_len", default=None, shown_as="the preset's")
     ap.add_argument("--top-k", type=int, default=None, help="override the model's top_k")
     ap.add_argument("--capacity-factor", type=float, default=None, help="0: dropless")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON at the end")
-    a = ap.parse_args(argv)
+    a = flags.parse(ap, argv)
     model = preset(a.model)
     over = {k: v for k, v in (("seq_len", a.seq_len), ("top_k", a.top_k),
                               ("capacity_factor", a.capacity_factor)) if v is not None}

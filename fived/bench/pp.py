@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..cli import flags
+
 PAIRS = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
          ("interleaved", "ScheduleInterleaved1F1B", 2))
 
@@ -117,20 +119,19 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fived bench pp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pp", type=int, default=4, help="pipeline ranks (local gloo processes; "
-                    "default 4)")
-    ap.add_argument("--micro-batches", type=int, default=8,
-                    help="micro-batches per step (default 8; interleaved needs a multiple of pp)")
-    ap.add_argument("--global-batch", type=int, default=16,
-                    help="sequences per step, split into the micro-batches (default 16)")
-    ap.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    flags.add_flag(ap, "pp", default=4, help="pipeline ranks (local gloo processes)")
+    flags.add_flag(ap, "micro_batches", default=8,
+                   help="micro-batches per step (interleaved needs a multiple of pp)")
+    flags.add_flag(ap, "global_batch", default=16,
+                   help="sequences per step, split into the micro-batches")
+    flags.add_flag(ap, "model", default="tiny")
     ap.add_argument("--layers", type=int, default=8,
                     help="layers of the model (default 8: pp=4 × v=2 interleaved has one per stage)")
     ap.add_argument("--reps", type=int, default=5,
                     help="timed repetitions per implementation and schedule, after one warm-up; "
                     "the median is reported (default 5)")
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
-    a = ap.parse_args(argv)
+    a = flags.parse(ap, argv)
     from ..dist.launch import run_local
 
     print(f"fived bench pp: {a.model} with {a.layers} layers, pp={a.pp}, m={a.micro_batches}, "

@@ -25,22 +25,26 @@ from typing import Any
 
 import torch
 
+from ..cli import flags
+
 VARIANTS = ("fived", "dtensor")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="fived bench tp", description=__doc__.split("\n")[0])
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (local processes)")
-    ap.add_argument("--model", default="small", help="model preset (default small)")
+    flags.add_flag(ap, "tp", default=2, help="tensor-parallel ranks (local processes)")
+    flags.add_flag(ap, "model", default="small")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
     ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions per variant")
     ap.add_argument("--sp", choices=("both", "on", "off"), default="both",
                     help="sequence parallelism: off, on, or both (default)")
-    ap.add_argument("--no-overlap", action="store_true",
-                    help="fived without the dX-collective / weight-gradient overlap")
+    flags.add_flag(ap, "overlap", default=True, help="fived with the dX-collective / "
+                   "weight-gradient overlap (--no-overlap: without)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON at the end")
-    return ap.parse_args(argv)
+    args = flags.parse(ap, argv)
+    args.no_overlap = not args.overlap
+    return args
 
 
 def dtensor_model(cfg: Any, seed: int, tp: int, sp: bool) -> torch.nn.Module:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..cli import flags
+from ..config import ModelConfig, ParallelConfig, validate
 from ..parallel.pipeline import schedules as S
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
@@ -50,13 +52,18 @@ def draw(sched: S.Schedule, out: str) -> S.Timeline:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fived figures schedule", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--schedule", default="1f1b", choices=S.NAMES)
-    ap.add_argument("--pp", type=int, default=4)
-    ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--virtual-stages", type=int, default=2)
-    ap.add_argument("--out", default="")
-    a = ap.parse_args(argv)
+    flags.add_flag(ap, "schedule", default="1f1b", help=f"the schedule to draw ({', '.join(S.NAMES)})")
+    flags.add_flag(ap, "pp", default=4, help="pipeline ranks (one row each)")
+    flags.add_flag(ap, "micro_batches", default=8, help="micro-batches per step")
+    flags.add_flag(ap, "virtual_stages", default=2,
+                   help="model chunks per rank (used by --schedule interleaved only)")
+    ap.add_argument("--out", default="", metavar="FILE.png",
+                    help="where to write the figure (default: schedule-NAME-pP-mM.png here)")
+    a = flags.parse(ap, argv)
     v = a.virtual_stages if a.schedule == "interleaved" else 1
+    # what the schedule needs, worded as `fived train` words it (ConfigError: exit 2)
+    validate(ModelConfig(layers=a.pp * v), ParallelConfig(
+        pp=a.pp, schedule=a.schedule, virtual_stages=v, micro_batches=a.micro_batches))
     sched = S.build(a.schedule, a.pp, a.micro_batches, v)
     S.check(sched)
     out = a.out or f"schedule-{a.schedule}-p{a.pp}-m{a.micro_batches}.png"

@@ -1,0 +1,356 @@
+"""``fived ledger``: every byte of one layout — memory, FLOPs, traffic and time.
+
+The layout comes from the shared flags (or ``--config``), exactly as ``fived train`` reads
+them: the same defaults, the same "dp takes the ranks left over" rule (of ``--gpus`` here), the
+same ``validate``. Nothing here needs a GPU, a process group or torch: the numbers come from
+``fived.ledger``'s formulas and a hardware preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from ..config import ConfigError, ModelConfig, ParallelConfig, check_count, fill_dp, validate
+from . import flags, report
+from .report import fmt_b, fmt_n, fmt_s, parse_count
+
+LEDGER_EXAMPLES = """examples:
+  fived ledger --model llama2-7b --gpus 8 --gpu rtx-pro-6000 --precision bf16 --zero 3
+  fived ledger --model llama3-70b --gpus 64 --gpu h100-sxm --tp 8 --pp 4 --sequence-parallel \\
+               --zero 1 --precision bf16 --micro-batches 64 --global-batch-tokens 4M
+  fived ledger --model tiny --gpus 2 --global-batch 8 --json
+  fived ledger --config run.toml             # the ledger of what `fived train --config` runs
+  fived ledger --check m.jsonl               # against `fived train --metrics-out m.jsonl`
+
+What it shows: the parameter count and the two headline numbers (bf16 weights are 2Ψ bytes,
+mixed-precision Adam training state 16Ψ), then for this layout every term of the largest rank's
+memory (model states by ZeRO stage, activations with the pipeline in-flight factor, buffers),
+FLOPs per token (attention not causal-halved), every collective each dimension runs per step
+with its bytes (the runtime's Traffic units) and alpha-beta time, and the predicted step time,
+bubble, tokens/s and MFU. --dp defaults to what the other degrees leave of --gpus, and --gpus
+to what `fived train` would start (4 ranks, or the product of the degrees).
+"""
+
+
+# ------------------------------------------------------------------------ shared with plan
+def cluster_flags(ap: argparse.ArgumentParser) -> None:
+    """The cluster, the time model's assumptions and the output: ``fived ledger``/``plan``."""
+    from ..ledger import hardware as H
+
+    g = ap.add_argument_group("cluster", "the machines the layout would run on")
+    g.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="devices in the cluster (default: what `fived train` would start: 4, "
+                        "or the product of the degrees given)")
+    g.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                   help="devices per node (default: the hardware preset's, 8)")
+    g.add_argument("--gpu", default="h100-sxm", metavar="NAME",
+                   help=f"hardware preset: {', '.join(H.PRESETS)}, or this-machine "
+                        "(measured matmul + --bench-json) (default: h100-sxm)")
+    g.add_argument("--bench-json", default=None, metavar="FILE",
+                   help="this-machine: `fived bench comm --json` output to fit the link from")
+    g.add_argument("--global-batch-tokens", default=None, metavar="N",
+                   help="tokens per optimizer step, e.g. 4M (= 4·2^20): sets --global-batch to "
+                        "tokens / seq_len (default: use --global-batch)")
+    g = ap.add_argument_group("assumptions of the time model")
+    g.add_argument("--efficiency", type=float, default=0.7, metavar="X",
+                   help="sustained fraction of peak FLOP/s in the matmuls (default: 0.7)")
+    g.add_argument("--mem-fraction", type=float, default=0.9, metavar="X",
+                   help="fraction of device memory a layout may use (default: 0.9)")
+    g.add_argument("--attention", default="flash", choices=["flash", "materialised"],
+                   help="attention kernel: flash (saves log-sum-exp) or materialised scores "
+                        "(default: flash)")
+    g = ap.add_argument_group("output")
+    g.add_argument("--wide", action="store_true",
+                   help="every column (the default tables fit 80 columns)")
+    g.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+
+
+def check_cluster(args: argparse.Namespace) -> None:
+    problems = []
+    for flag, v in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node)):
+        if v is not None:
+            try:
+                check_count(flag, v)
+            except ConfigError as e:
+                problems += e.problems
+    for flag, v in (("--efficiency", args.efficiency), ("--mem-fraction", args.mem_fraction)):
+        if not 0 < v <= 1:
+            problems.append(f"{flag} must be in (0, 1] (got {v:g})")
+    if problems:
+        raise ConfigError(problems)
+
+
+def hardware(args: argparse.Namespace):
+    from ..ledger import hardware as H
+
+    return H.get(args.gpu, args.bench_json)
+
+
+def global_batch(args: argparse.Namespace, res: flags.Resolved) -> int:
+    """--global-batch (or the TOML's, or the default) unless --global-batch-tokens is given
+    without --global-batch on the command line."""
+    if args.global_batch_tokens and args.global_batch is None:
+        try:
+            tokens = parse_count(args.global_batch_tokens)
+        except ValueError:
+            raise ConfigError([f"--global-batch-tokens {args.global_batch_tokens!r}: give a count "
+                               "like 4M, 512K or 1048576"]) from None
+        m = res.model
+        if tokens < m.seq_len or tokens % m.seq_len:
+            raise ConfigError([f"--global-batch-tokens {args.global_batch_tokens} = {tokens} is "
+                               f"not a positive multiple of seq_len {m.seq_len}"])
+        return tokens // m.seq_len
+    return res.train.global_batch
+
+
+# ------------------------------------------------------------------------ fived ledger
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="fived ledger", description="The full memory / FLOPs / traffic / time breakdown "
+        "of one layout.", epilog=LEDGER_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags.add_config_flags(ap, notes={
+        "run": "the ledger uses --global-batch; the rest are taken so that a `fived train` "
+               "command line (or --config) gives the ledger of that run"})
+    cluster_flags(ap)
+    g = ap.add_argument_group("ledger")
+    g.add_argument("--eager-activations", action="store_true",
+                   help="activations as the fived runtime's eager PyTorch saves them (K/V "
+                        "repeated to the heads, fp32 RMSNorm intermediates); default: fused "
+                        "GPU kernels (flash attention, fused RMSNorm)")
+    g.add_argument("--check", default=None, metavar="METRICS_JSONL",
+                   help="compare the ledger with a `fived train --metrics-out` file, exactly; "
+                        "exit 1 on any byte of difference. The file's first line records the "
+                        "run (model, layout, precision, global batch), which is then used and "
+                        "the layout flags are ignored; for a file without it, give the run's "
+                        "flags (the defaults are `fived train`'s)")
+    g.add_argument("--train-tokens", default="1T", metavar="N",
+                   help="token budget for the time wall, decimal (default: 1T = 1e12)")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    res = flags.configs(args)
+    check_cluster(args)
+    if args.check and not args.print_config:
+        from ..ledger.verify import run_of_file
+
+        try:
+            run = run_of_file(args.check)
+        except (OSError, ValueError) as e:
+            raise ConfigError([f"--check {args.check}: cannot read it ({e})"]) from None
+        if run is not None:  # the file says what ran: its layout, not the flags
+            return _check(*run, args.check, args.json, from_file=True)
+    m = res.model
+    train = replace(res.train, global_batch=global_batch(args, res))
+    par, world = fill_dp(res.par, res.dp_given, args.gpus)
+    validate(m, par, train, world)
+    if args.print_config:
+        return flags.print_config(replace(res, par=par, train=train), f"fived ledger: {world} GPUs")
+    gb = train.global_batch
+    if args.check:
+        return _check(m, par, gb, args.check, args.json)
+    try:
+        train_tokens = parse_count(args.train_tokens, binary=False)
+    except ValueError:
+        raise ConfigError([f"--train-tokens {args.train_tokens!r}: give a count like 1T or 2e12"]
+                          ) from None
+    hw = hardware(args)
+    gpn = args.gpus_per_node or hw.gpus_per_node
+    from ..ledger import memory as M
+
+    if args.eager_activations:
+        opts = M.ActivationOptions(args.attention, kv_repeat=True, fused_norm=False)
+    else:
+        opts = M.ActivationOptions(args.attention, kv_repeat=False, fused_norm=True)
+    doc = ledger_document(m, par, hw, gb, gpn, args.efficiency, args.mem_fraction, opts,
+                          train_tokens)
+    if args.json:
+        report.print_json(doc)
+        return 0
+    print_ledger(doc, m, par, hw, args.wide)
+    return 0
+
+
+def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: bool,
+           from_file: bool = False) -> int:
+    from ..ledger.verify import compare_file
+
+    source = "recorded in the file" if from_file else "from the flags"
+
+    bad = compare_file(m, par, gb, path)
+    if as_json:
+        report.print_json({"metrics": path, "layout": par.describe(), "layout_source": source,
+                           "exact": not bad, "mismatches": bad})
+    else:
+        con = report.console()
+        if bad:
+            con.print(f"[bold red]{len(bad)} mismatch(es)[/] between the ledger and {path}:")
+            for line in bad:
+                con.print(f"  {line}", markup=False, highlight=False)  # keep "memory[master]"
+            con.print(f"(the ledger assumed {par.describe()}, --precision {par.precision}, "
+                      f"--global-batch {gb}, --recompute {par.recompute}, {source}"
+                      + ("" if from_file else ": give the run's own") + ")",
+                      markup=False, highlight=False)
+        else:
+            con.print(f"[green]exact[/]: every rank's model-state bytes and traffic bytes in "
+                      f"{path} equal the ledger's ({m.name}, {par.describe()}, "
+                      f"{par.precision}, global batch {gb}; layout {source})")
+    return 1 if bad else 0
+
+
+def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,
+                    gpn: int, efficiency: float, mem_fraction: float,
+                    opts, train_tokens: float) -> dict:
+    """Everything ``fived ledger`` prints, as one JSON-able dict."""
+    from ..ledger import bubble as B
+    from ..ledger import compute as C
+    from ..ledger import memory as M
+    from ..ledger import params as P
+    from ..ledger import planner as PL
+    from ..ledger.traffic import micro_batch_size
+
+    n = P.total_params(m)
+    counts = P.param_counts(m)
+    b = micro_batch_size(par, global_batch)
+    pr = PL.predict(m, par, hw, global_batch, gpn, efficiency, mem_fraction, opts)
+    ranks = P.all_rank_params(m, par)
+    fwd = C.forward_flops_per_token(m)
+    attn = C.attention_flops_per_token(m)
+    tokens = global_batch * m.seq_len
+    mf = C.model_flops_per_token(m)
+    wall = C.training_flops(n, train_tokens)
+    return {
+        "model": {"name": m.name, "params": n, "dense": counts["dense"], "expert": counts["expert"],
+                  "active": P.active_params(m), "by_kind": counts,
+                  "checkpoint_bf16_bytes": M.checkpoint_bytes(m, 2),
+                  "training_state_16psi_bytes": 16 * n,
+                  "layout_bytes_per_param": M.bytes_per_param(par),
+                  "layout_training_state_bytes": M.bytes_per_param(par) * n,
+                  "device_memory": hw.memory,
+                  "training_state_fits_one_device": 16 * n <= hw.memory},
+        "layout": pr.as_dict()["parallel"], "layout_name": pr.name(), "world": par.world_size,
+        "global_batch": global_batch, "micro_batch_size": b, "hardware": hw.as_dict(),
+        "params_per_pp_rank": [{"pp_rank": r.pp_rank, "layers": r.layers, "dense": r.dense,
+                                "expert": r.expert, "total": r.total, "breakdown": r.breakdown}
+                               for r in ranks],
+        "memory": pr.memory.as_dict(), "usable_memory": hw.memory * mem_fraction,
+        "fits": pr.fits,
+        "compute": {"convention": "2 FLOPs per multiply-add; attention not causal-halved",
+                    "forward_per_token": fwd, "attention_forward_per_token": attn,
+                    "backward_per_token": 2 * fwd, "model_per_token": mf,
+                    "recompute_per_token": C.recompute_flops_per_token(m, par.recompute),
+                    "model_per_step": mf * tokens, "per_rank_per_step": mf * tokens
+                    / par.world_size,
+                    "time_wall": {"tokens": train_tokens, "flops_6psid": wall,
+                                  "seconds_at_predicted_mfu": C.training_seconds(
+                                      wall, par.world_size, hw.peak_flops, max(pr.mfu, 1e-9)),
+                                  "one_device_at_peak_seconds": wall / hw.peak_flops}},
+        "traffic": {"pp_rank": pr.slow_rank, "bytes_by_group": pr.traffic,
+                    "collectives": pr.as_dict()["collectives"]},
+        "time": {"components": pr.times, "step_seconds": pr.step_seconds,
+                 "tokens_per_s": pr.tokens_per_s, "mfu": pr.mfu, "bubble_fraction": pr.bubble,
+                 "bubble_ticks": B.bubble_ticks(par), "efficiency": efficiency},
+    }
+
+
+def print_ledger(doc: dict, m: ModelConfig, par: ParallelConfig, hw, wide: bool = False) -> None:
+    con = report.console(wide)
+    md = doc["model"]
+    n = md["params"]
+    con.print(f"[bold]fived ledger[/]: {m.name} · {doc['layout_name']} · {doc['world']}× {hw.name}"
+              f" · global batch {doc['global_batch']} × {m.seq_len} tokens · {par.precision}")
+    t = report.table("the model and the two walls",
+                     [("quantity", "l"), ("value", "r"), ("how", "l")], wrap=("quantity", "how"))
+    t.add_row("parameters Ψ", f"{n:,}", f"dense {md['dense']:,}, expert {md['expert']:,}, "
+              f"active/token {md['active']:,}")
+    t.add_row("weights in bf16", fmt_b(md["checkpoint_bf16_bytes"]), "2Ψ")
+    verdict = "fits" if md["training_state_fits_one_device"] else "more than"
+    t.add_row("training state, mixed-precision Adam", fmt_b(md["training_state_16psi_bytes"]),
+              f"16Ψ = 2 + 2 + 4 + 8 bytes/param — {verdict} one {fmt_b(hw.memory)} {hw.name}")
+    gdt = par.grad_reduce_dtype if par.precision != "fp32" else "fp32"
+    t.add_row("this layout's model states", fmt_b(md["layout_training_state_bytes"]),
+              f"{md['layout_bytes_per_param']}Ψ ({par.precision}, {gdt} grads), before sharding")
+    cw = doc["compute"]["time_wall"]
+    t.add_row(f"time wall, {fmt_n(cw['tokens'])} tokens", f"{cw['flops_6psid']:.2e} FLOPs",
+              f"6ΨD; {fmt_s(cw['one_device_at_peak_seconds'])} on one device at peak, "
+              f"{fmt_s(cw['seconds_at_predicted_mfu'])} on {doc['world']} at the predicted MFU")
+    report.show(con, t)
+
+    cols = [("pp rank", "r"), ("layers", "r"), ("dense", "r"), ("expert", "r"), ("total", "r")]
+    if wide:
+        cols += [("embed", "r"), ("head", "r")]
+    t = report.table("parameters per pipeline rank (any tp/cp/ep/dp coordinate)", cols)
+    num = (lambda x: f"{x:,}") if wide else fmt_n
+    for r in doc["params_per_pp_rank"]:
+        bd = r["breakdown"]
+        row = [str(r["pp_rank"]), str(r["layers"]), num(r["dense"]), num(r["expert"]),
+               num(r["total"])]
+        if wide:
+            row += [num(bd.get("embed", 0)), num(bd.get("head", 0))]
+        t.add_row(*row)
+    report.show(con, t)
+
+    mem = doc["memory"]
+    t = report.table(f"memory of the largest rank (pp rank {mem['pp_rank']}; in-flight "
+                     f"micro-batches {mem['inflight_microbatches']:.2f})",
+                     [("part", "l"), ("term", "l"), ("bytes", "r")], wrap=("term",))
+    for k, v in mem["states"].items():
+        t.add_row("model states", k, fmt_b(v))
+    for k, v in mem["activations"].items():
+        t.add_row("activations", k, fmt_b(v))
+    for k, v in mem["buffers"].items():
+        t.add_row("comm buffers", k, fmt_b(v))
+    t.add_row("[bold]total[/]", "", f"[bold]{fmt_b(mem['total'])}[/]")
+    ok = "[green]fits[/]" if doc["fits"] else "[bold red]does not fit[/]"
+    t.add_row("device", f"{hw.name} usable", f"{fmt_b(doc['usable_memory'])} — {ok}")
+    report.show(con, t)
+
+    c = doc["compute"]
+    t = report.table(f"compute ({c['convention']})", [("quantity", "l"), ("FLOPs", "r")],
+                     wrap=("quantity",))
+    t.add_row("forward per token", f"{c['forward_per_token']:.3e}")
+    t.add_row("  of which attention (4·L·s·h_attn)", f"{c['attention_forward_per_token']:.3e}")
+    t.add_row("backward per token (2× forward)", f"{c['backward_per_token']:.3e}")
+    t.add_row("model FLOPs per token", f"{c['model_per_token']:.3e}")
+    t.add_row(f"recompute per token ({par.recompute}; not model FLOPs)",
+              f"{c['recompute_per_token']:.3e}")
+    t.add_row("model FLOPs per step", f"{c['model_per_step']:.3e}")
+    t.add_row("per rank per step", f"{c['per_rank_per_step']:.3e}")
+    report.show(con, t)
+
+    tr = doc["traffic"]
+    cols = [("group", "l"), ("op", "l"), ("what", "l")]
+    if wide:
+        cols += [("S", "r"), ("n", "r"), ("calls", "r")]
+    cols += [("bytes", "r")] + ([("link", "l")] if wide else []) + [("time", "r")]
+    t = report.table(f"traffic per step, pipeline rank {tr['pp_rank']} (bytes this rank sends)",
+                     cols, wrap=("what",))
+    for x in tr["collectives"]:
+        row = [x["group"], x["op"], x["what"]]
+        if wide:
+            row += [fmt_b(x["size"]), str(x["n"]), str(x["count"])]
+        row += [fmt_b(x["bytes"])] + ([x["link"]] if wide else []) + [fmt_s(x["seconds"])]
+        t.add_row(*row)
+    for g, v in tr["bytes_by_group"].items():
+        row = [f"[bold]{g}[/]", "", "total"] + ([""] * 3 if wide else [])
+        row += [f"[bold]{fmt_b(v)}[/]"] + ([""] if wide else []) + [""]
+        t.add_row(*row)
+    report.show(con, t)
+
+    tm = doc["time"]
+    t = report.table(f"time per step (efficiency {tm['efficiency']:.0%} of peak in matmuls)",
+                     [("component", "l"), ("seconds", "r"), ("share", "r")])
+    for k, v in tm["components"].items():
+        if v:
+            t.add_row(k, fmt_s(v), f"{v / tm['step_seconds']:.1%}")
+    t.add_row("[bold]step[/]", f"[bold]{fmt_s(tm['step_seconds'])}[/]", "")
+    t.add_row("bubble fraction", f"{tm['bubble_fraction']:.2%}", "")
+    t.add_row("tokens/s", fmt_n(tm["tokens_per_s"]), "")
+    t.add_row("MFU", f"{tm['mfu']:.1%}", "")
+    report.show(con, t)
+    if not wide:
+        con.print("[dim]--wide: exact parameter counts and every traffic column; --json: all "
+                  "of it[/]")

@@ -1,0 +1,206 @@
+"""``fived plan``: search the layouts of a model on a cluster; rank those that fit.
+
+The model, precision and global batch come from the shared flags (or ``--config``) with the
+same defaults as ``fived train``; the layouts are the search's, each checked by the same
+``fived.config.validate`` (so ZeRO-3 with a pipeline, which is not built, is never proposed).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import (
+    DEFAULT_WORLD,
+    RECOMPUTE,
+    SCHEDULES,
+    ConfigError,
+    ParallelConfig,
+    check_count,
+    check_values,
+    validate,
+)
+from . import flags, report
+from .ledger import check_cluster, cluster_flags, global_batch, hardware
+from .report import fmt_b, fmt_n, fmt_s
+
+PLAN_EXAMPLES = """examples:
+  fived plan --model llama3-70b --gpus 64 --gpus-per-node 8 --gpu h100-sxm --precision bf16 \\
+             --seq-len 8192 --global-batch-tokens 4M
+  fived plan --model llama2-7b --gpus 8 --gpu rtx-pro-6000 --precision bf16 \\
+             --global-batch-tokens 1M --top 5
+  fived plan --model mixtral-8x7b --gpus 32 --gpu h200 --global-batch-tokens 2M --json
+
+How it decides: every layout (tp, cp, pp, v, dp, ep, ZeRO stage, micro-batch size, recompute)
+that `fived.config.validate` accepts is costed by the ledger. A layout is discarded when its
+largest rank needs more than --mem-fraction of the device, or when it breaks the iron rule
+(tp and cp talk every layer, so tp·cp ranks must sit inside one node). The rest are ranked by
+predicted step time = (micro-batches + bubble)·(compute + exposed tp/cp/ep/pp comm) + exposed
+data-parallel comm + optimizer; MFU = model FLOPs · tokens/s / (GPUs · peak).
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="fived plan", description="Search the layouts of a model on a cluster and rank "
+        "those that fit by predicted step time.", epilog=PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags.add_config_flags(ap, only=("model", "seq_len", "precision", "grad_reduce_dtype",
+                                     "global_batch"),
+                           notes={"layout": "the search tries the degrees, ZeRO stages, schedules "
+                                            "and recompute modes; these two it keeps"})
+    cluster_flags(ap)
+    g = ap.add_argument_group("search space")
+    g.add_argument("--top", type=int, default=10, metavar="N", help="layouts to print (default: 10)")
+    g.add_argument("--schedules", default="1f1b,interleaved", metavar="LIST",
+                   help=f"pipeline schedules to try, of {', '.join(SCHEDULES)} "
+                        "(default: 1f1b,interleaved)")
+    g.add_argument("--micro-batch-sizes", default="1,2,4,8", metavar="LIST",
+                   help="sequences per micro-batch to try (default: 1,2,4,8)")
+    g.add_argument("--recompute", dest="search_recompute", default="none,selective,full",
+                   metavar="LIST",
+                   help="recompute modes to try (default: none,selective,full)")
+    g.add_argument("--zero", dest="search_zero", default="0,1,2,3", metavar="LIST",
+                   help="ZeRO stages to try (default: 0,1,2,3)")
+    g.add_argument("--max-virtual", type=int, default=4, metavar="N",
+                   help="largest interleaving factor v (default: 4)")
+    return ap
+
+
+def _names(flag: str, text: str, allowed: tuple) -> tuple:
+    out = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in out if x not in allowed]
+    if bad or not out:
+        raise ConfigError([f"{flag} {text!r}: give a comma list of {', '.join(map(str, allowed))}"])
+    return out
+
+
+def _ints(flag: str, text: str, least: int, most: int | None = None) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out or any(x < least or (most is not None and x > most) for x in out):
+        rng = f">= {least}" if most is None else f"in {least}..{most}"
+        raise ConfigError([f"{flag} {text!r}: give a comma list of integers {rng}"])
+    return out
+
+
+def main(argv: list[str]) -> int:
+    from dataclasses import replace
+
+    args = parser().parse_args(argv)
+    res = flags.configs(args)
+    check_cluster(args)
+    gpus = args.gpus if args.gpus is not None else DEFAULT_WORLD
+    check_count("--gpus", gpus)
+    check_count("--top", args.top)
+    check_count("--max-virtual", args.max_virtual)
+    space = dict(
+        schedules=_names("--schedules", args.schedules, SCHEDULES),
+        micro_batch_sizes=_ints("--micro-batch-sizes", args.micro_batch_sizes, 1),
+        recomputes=_names("--recompute", args.search_recompute, RECOMPUTE),
+        zeros=_ints("--zero", args.search_zero, 0, 3), max_virtual=args.max_virtual)
+    m = res.model
+    train = replace(res.train, global_batch=global_batch(args, res))
+    par = res.par
+    problems = check_values(m, par, train)
+    if problems:
+        raise ConfigError(problems)
+    # the model and the run, on one rank: the search checks each layout itself
+    validate(m, ParallelConfig(precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype),
+             train)
+    if args.print_config:
+        return flags.print_config(replace(res, train=train),
+                                  f"fived plan: {gpus} GPUs; the [parallel] layout is searched")
+    from ..ledger import params as P
+    from ..ledger import planner as PL
+
+    hw = hardware(args)
+    gpn = args.gpus_per_node or hw.gpus_per_node
+    gb = train.global_batch
+    con = None
+    if not args.json:
+        con = report.console(args.wide)
+        con.print(f"[bold]fived plan[/]: {m.name} ({fmt_n(P.total_params(m))} params, seq "
+                  f"{m.seq_len}) on {gpus}× {hw.name} ({gpn} per node) · global batch {gb} × "
+                  f"{m.seq_len} = {fmt_n(gb * m.seq_len)} tokens · {par.precision}, "
+                  f"{par.grad_reduce_dtype} gradients")
+    res_ = PL.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
+                   precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype, **space)
+    top = res_.ranked[:args.top]
+    if args.json:
+        doc = {"model": m.name, "seq_len": m.seq_len, "gpus": gpus, "gpus_per_node": gpn,
+               "hardware": hw.as_dict(), "global_batch": gb, "global_batch_tokens": gb * m.seq_len,
+               "precision": par.precision, "grad_reduce_dtype": par.grad_reduce_dtype,
+               "efficiency": args.efficiency, "counts": res_.counts, "reasons": res_.reasons,
+               "top": [p.as_dict() for p in top]}
+        if not top and res_.smallest_unfit:
+            doc["smallest_unfit"] = res_.smallest_unfit.as_dict()
+        report.print_json(doc)
+        return 0 if top else 1
+    c = res_.counts
+    con.print(f"considered {c.get('evaluated', 0)} layouts: {c.get('fit', 0)} fit, "
+              f"{c.get('out_of_memory', 0)} do not fit in {fmt_b(hw.memory * args.mem_fraction)}, "
+              f"{c.get('invalid', 0)} invalid for the model, {c.get('zero3_pp', 0)} skipped as "
+              f"ZeRO-3 with pp (not built), {c.get('iron_rule', 0)} (tp, cp) pairs break the iron "
+              f"rule (tp·cp > {gpn} GPUs per node)")
+    if not top:
+        s = res_.smallest_unfit
+        con.print("[bold red]no layout fits[/]" + (
+            f": the smallest needs {fmt_b(s.memory.total)} ({s.name()})" if s else ""))
+        return 1
+    wide = args.wide
+    cols = [("#", "r"), ("layout", "l"), ("mem/rank", "r")]
+    if wide:
+        cols += [("m", "r"), ("bubble", "r"), ("tp", "r"), ("cp", "r"), ("ep", "r"), ("pp", "r"),
+                 ("dense", "r")]
+    cols += [("step", "r")] + ([("tokens/s", "r")] if wide else []) + [("MFU", "r")]
+    t = report.table(f"top {len(top)} layouts by predicted step time", cols, wrap=("layout",))
+    for i, p in enumerate(top, 1):
+        row = [str(i), p.name(), fmt_b(p.memory.total)]
+        if wide:
+            tr = p.traffic
+            row += [str(p.par.micro_batches), f"{p.bubble:.1%}",
+                    *(fmt_b(tr.get(g, 0)) if tr.get(g) else "-"
+                      for g in ("tp", "cp", "ep", "pp", "dense"))]
+        row += [fmt_s(p.step_seconds)] + ([fmt_n(p.tokens_per_s)] if wide else [])
+        row.append(f"{p.mfu:.1%}")
+        t.add_row(*row)
+    report.show(con, t)
+    if wide:
+        con.print("[dim]m: micro-batches; traffic columns: bytes one rank sends per step on each "
+                  "group (slowest pipeline rank); mem/rank: the largest rank[/]")
+    else:
+        con.print("[dim]layout: degrees, v (interleaving), ZeRO stage, sp, b (sequences per "
+                  "micro-batch), rc (recompute); mem/rank: the largest rank. --wide: "
+                  "micro-batches, bubble, traffic per group, tokens/s; --json: all of it[/]")
+    con.print("[bold]why the best one wins[/]")
+    report.bullets(con, res_.reasons)
+    con.print("run the ledger of the winner:")
+    con.print(f"  fived ledger --model {m.name} --gpus {gpus} --gpu {args.gpu} "
+              + (f"--gpus-per-node {gpn} " if args.gpus_per_node else "") + _flags(top[0])
+              + (f" --seq-len {m.seq_len}" if "model.seq_len" in res.given else "")
+              + (f" --precision {par.precision}" if par.precision != "fp32" else "")
+              + (f" --grad-reduce-dtype {par.grad_reduce_dtype}"
+                 if par.grad_reduce_dtype != "fp32" else ""),
+              soft_wrap=True, markup=False)
+    return 0
+
+
+def _flags(p) -> str:
+    par = p.par
+    out = [f"--{d} {par.degree(d)}" for d in ("tp", "cp", "ep", "pp", "dp") if par.degree(d) > 1]
+    if par.zero:
+        out.append(f"--zero {par.zero}")
+    if par.pp > 1 and par.schedule != "1f1b":
+        out.append(f"--schedule {par.schedule}")
+    if par.virtual_stages > 1:
+        out.append(f"--virtual-stages {par.virtual_stages}")
+    if par.pp_layers:
+        out.append("--pp-layers " + ",".join(map(str, par.pp_layers)))
+    if par.sequence_parallel:
+        out.append("--sequence-parallel")
+    if par.recompute != "none":
+        out.append(f"--recompute {par.recompute}")
+    out.append(f"--micro-batches {par.micro_batches} --global-batch {p.global_batch}")
+    return " ".join(out)
