@@ -2,8 +2,8 @@
 
 Every rank builds the same full model and draws each parameter with a generator seeded by a
 stable hash (CRC-32 of ``"{seed}/{name}"``, never Python's randomised ``hash``); the parallel
-dimensions then keep their slices. So any layout, any pipeline split and any resharded
-checkpoint start from the same model.
+dimensions then keep their slices. So any layout and any pipeline split start from the same
+model.
 """
 
 from __future__ import annotations

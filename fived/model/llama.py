@@ -8,8 +8,8 @@
 A plain ``nn.Module``: it knows nothing of any layout. Parameter names follow Hugging Face's
 Llama (and Mixtral, ``fived.model.moe``) without the ``model.`` prefix — ``embed_tokens``,
 ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.mlp.{gate,up,down}_proj``,
-``layers.{i}.{input,post_attention}_layernorm``, ``norm``, ``lm_head`` — so converting a
-checkpoint is a renaming table. Head counts come from the tensors (``view(b, s, -1, d)``), so a
+``layers.{i}.{input,post_attention}_layernorm``, ``norm``, ``lm_head`` — so a Hugging Face
+state dict maps onto it by renaming alone. Head counts come from the tensors (``view(b, s, -1, d)``), so a
 column-cut projection simply yields fewer heads.
 
 A ``Transformer`` may hold a contiguous part of the stack (``layer_ids``, with the embedding when

@@ -1,6 +1,6 @@
 """Where each parameter of the reference model lives on this rank: the contract between
 ``parallelize`` (which cuts the model) and everything that handles parameters afterwards —
-the data-parallel engines, gradient clipping, the gathered-gradient parity tests, checkpoints.
+the data-parallel engines, gradient clipping and the gathered-gradient parity tests.
 
 A ``Placement`` is written for every parameter this rank holds, under its global name (the
 name it has in the one-rank model, Hugging Face Llama/Mixtral style without the ``model.``

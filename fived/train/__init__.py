@@ -1,1 +1,1 @@
-"""The training loop, data, checkpoints and metrics."""
+"""The training loop, its data and its metrics."""

@@ -13,7 +13,6 @@ Per step every rank
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from dataclasses import asdict, replace
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from ..comm import ops
 from ..comm.ops import Traffic
-from ..config import DIMS, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
+from ..config import DIMS, ModelConfig, ParallelConfig, TrainConfig
 from ..dist.grid import DimGroup, Grid
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
@@ -37,46 +36,6 @@ from . import data as D
 
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "buffers", "padding")
 TRAFFIC_KEYS = DIMS + ("dense", "expert", "batch", "cp_tp")
-
-
-def _has(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-def unsupported(model: ModelConfig, par: ParallelConfig) -> list[str]:
-    """Layout features whose runtime is not (yet) in this build, each with what is missing."""
-    need = []
-    if par.tp > 1 and not _has("fived.parallel.tensor"):
-        need.append(f"--tp {par.tp}: tensor parallelism (fived.parallel.tensor) is not built yet")
-    if par.cp > 1 and not _has("fived.parallel.context"):
-        need.append(f"--cp {par.cp}: context parallelism (fived.parallel.context) is not built yet")
-    if par.pp > 1 and not _has("fived.parallel.pipeline.runtime"):
-        need.append(f"--pp {par.pp}: pipeline parallelism (fived.parallel.pipeline.runtime) "
-                    "is not built yet")
-    if (model.is_moe or par.ep > 1) and not _has("fived.model.moe"):
-        need.append("MoE / --ep: the expert layer (fived.model.moe) is not built yet")
-    if par.zero and not _has("fived.parallel.zero"):
-        need.append(f"--zero {par.zero}: ZeRO (fived.parallel.zero) is not built yet")
-    if par.precision != "fp32" and not _has("fived.parallel.precision"):
-        need.append(f"--precision {par.precision}: mixed precision (fived.parallel.precision) "
-                    "is not built yet")
-    return need
-
-
-def check(model: ModelConfig, par: ParallelConfig, train: TrainConfig, world: int | None) -> None:
-    """validate() plus the runtime-availability check: one ConfigError listing everything."""
-    problems: list[str] = []
-    try:
-        validate(model, par, train, world)
-    except ConfigError as e:
-        problems += e.problems
-    problems += unsupported(model, par)
-    if par.pp > 1 and _has("fived.parallel.pipeline.runtime"):
-        from ..parallel.pipeline.runtime import check_config
-
-        problems += check_config(model, par)
-    if problems:
-        raise ConfigError(problems)
 
 
 def measure_matmul_peak(seconds: float = 0.25, n: int = 512) -> float:

@@ -44,24 +44,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ...comm import ops
-from ...config import ConfigError, ModelConfig, ParallelConfig
+from ...config import ModelConfig, ParallelConfig
 from . import schedules as S
 from .stage import StageModel
-
-
-def check_config(cfg: ModelConfig, par: ParallelConfig) -> list[str]:
-    """What a pipeline layout cannot do (empty: fine)."""
-    out = []
-    if par.pp > 1 and cfg.tied_embeddings:
-        out.append("--pp > 1 with tied embeddings: the embedding (first stage) and the head (last "
-                   "stage) would need their gradients all-reduced between stages; use an untied "
-                   "model (tied_embeddings = false)")
-    if par.pp > 1 and par.zero == 3 and par.schedule == "zb-h1":
-        out.append("--zero 3 with --schedule zb-h1: ZeRO-3 frees a unit's parameters when its "
-                   "backward ends, but ZB-H1's deferred W would re-gather every layer once more "
-                   "per micro-batch (one more all-gather of the stage's parameters per W); use "
-                   "--zero 2 or --schedule 1f1b")
-    return out
 
 
 class _SplitLinear(TorchFunctionMode):
@@ -161,9 +146,6 @@ class PipelineExecutor:
 
     def __init__(self, cfg: ModelConfig, par: ParallelConfig, grid: Any, stage: StageModel,
                  dtype: torch.dtype, sched: S.Schedule | None = None):
-        problems = check_config(cfg, par)
-        if problems:
-            raise ConfigError(problems)
         self.cfg, self.par, self.grid, self.stage, self.dtype = cfg, par, grid, stage, dtype
         self.group = grid["pp"]
         self.pp = grid.degrees["pp"]
