@@ -28,8 +28,10 @@ from ..config import DIMS, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..dist.grid import DimGroup, Grid
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
-from ..parallel.adam import lr_at
+from ..model.llama import Block
+from ..optim import lr_at
 from ..parallel.data import make_engine
+from ..parallel.placement import Placement
 from ..parallel.plan import Plan
 from . import data as D
 
@@ -53,8 +55,8 @@ def unsupported(model: ModelConfig, par: ParallelConfig) -> list[str]:
                     "is not built yet")
     if (model.is_moe or par.ep > 1) and not _has("fived.model.moe"):
         need.append("MoE / --ep: the expert layer (fived.model.moe) is not built yet")
-    if par.zero and not _has("fived.parallel.zero"):
-        need.append(f"--zero {par.zero}: ZeRO (fived.parallel.zero) is not built yet")
+    if par.zero and not _has("fived.parallel.data.zero12"):
+        need.append(f"--zero {par.zero}: ZeRO (fived.parallel.data.zero12) is not built yet")
     if par.precision != "fp32" and not _has("fived.parallel.precision"):
         need.append(f"--precision {par.precision}: mixed precision (fived.parallel.precision) "
                     "is not built yet")
@@ -88,6 +90,20 @@ def measure_matmul_peak(seconds: float = 0.25, n: int = 512) -> float:
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
 
 
+# TEMPORARY adapter: builds the engine's contract from today's parameter attributes
+# (``_fived_expert``, ``_fived_grad_reduce``, ``_fived_tp_shards``) and ``Block`` instances; the
+# core rewrite replaces it with the output of ``parallelize()``. Only what the engine reads is
+# filled in: ``shape`` is the local shape and ``dim``/``index`` are not known here.
+def placements_from_attributes(model: torch.nn.Module
+                               ) -> tuple[dict[str, Placement], list[torch.nn.Module]]:
+    placements = {
+        name: Placement(name, tuple(p.shape), parts=int(getattr(p, "_fived_tp_shards", 1)),
+                        grad_group="expert" if getattr(p, "_fived_expert", False) else "dense",
+                        grad_sum=tuple(getattr(p, "_fived_grad_reduce", ())))
+        for name, p in model.named_parameters()}
+    return placements, [m for m in model.modules() if isinstance(m, Block)]
+
+
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig,
                  rank: int, world: int):
@@ -100,7 +116,8 @@ class Trainer:
             par.precision]
         self.plan = self.make_plan(dtype)
         self.stage = self.build_stage()
-        self.engine = make_engine(self.stage, self.grid, par, train)
+        self.engine = make_engine(self.stage, self.grid, par, train,
+                                  *placements_from_attributes(self.stage))
         self.metrics_group = replace(self.grid["pp"], name="metrics")
         self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
                                       dist.group.WORLD if world > 1 else None, self.traffic)
@@ -154,6 +171,8 @@ class Trainer:
         grad_norm = self.engine.clip(self.tcfg.grad_clip)
         lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
         stepped = self.engine.step(lr)
+        if self.engine.skip_reason and self.rank == 0:
+            print(self.engine.skip_reason, flush=True)
         seconds = time.perf_counter() - t0
         loss = self.global_loss(local_loss) / global_tokens
         rec = {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
