@@ -163,7 +163,7 @@ def test_overlap_launches_during_last_backward_only():
 
 
 def test_zero3_with_pipeline_is_rejected():
-    from fived.parallel.zero import Zero3
+    from fived.parallel.data import Zero3
 
     with pytest.raises(ConfigError, match="zero 3 with --pp 2"):
         Zero3(torch.nn.Linear(2, 2), None, replace(ParallelConfig(), pp=2, zero=3), None)

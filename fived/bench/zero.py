@@ -1,7 +1,7 @@
 """``fived bench zero``: fived ZeRO-1/2/3 against PyTorch FSDP2 (``fully_shard`` per block and
 on the root, its default ``reshard_after_forward=True``: the ZeRO-3 schedule), plus PyTorch DDP
 for scale, on the same model, ranks and data in one run (alternating, medians; see
-``fived.bench.ddp`` for the method). The "comm hidden" column for fived ZeRO-3 compares its
+``fived.bench.harness`` for the method). The "comm hidden" column for fived ZeRO-3 compares its
 wait for collectives with prefetch and overlapped reduce-scatters against ``--no-overlap``
 (gathers on demand, reductions after backward).
 """
@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from .ddp import Runner, fived_runner, hidden_fraction, state_bytes_torch, torch_ddp_runner
-from .ddp import main as _main
+from . import harness
+from .harness import Runner, fived_runner, hidden_fraction, state_bytes_torch, torch_ddp_runner
 
 
 def fsdp2_runner(cfg: Any, train: Any, world: int, batch: Callable[[int], tuple]) -> Runner:
@@ -59,4 +59,6 @@ def hidden_for(rows: list[dict]) -> dict[str, float | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _main(sys.argv[1:] if argv is None else argv, kind="zero")
+    return harness.main(sys.argv[1:] if argv is None else argv, "zero", zero_runners, hidden_for,
+                        "torch FSDP2", "fived ZeRO-1/2/3 vs FSDP2 fully_shard",
+                        "fived ZeRO-1/2/3 against FSDP2")

@@ -297,7 +297,7 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                 if zero == 3 and pp > 1:
                                     # ZeRO-3 gathers each block around every micro-batch's
                                     # forward and backward; the engine refuses it under a
-                                    # pipeline schedule (fived.parallel.zero.Zero3)
+                                    # pipeline schedule (fived.parallel.data.zero3.Zero3)
                                     counts["zero3_pp"] = counts.get("zero3_pp", 0) + 1
                                     continue
                                 for rc in recomputes:

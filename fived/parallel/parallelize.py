@@ -85,18 +85,8 @@ def parallelize(model: Transformer, grid: Any, par: Any, train: Any) -> Parallel
         executor = PipelineExecutor(model.cfg, par, grid, stage, next(stage.parameters()).dtype)
     else:
         stage, executor = parts[0], None
-    _tag_params(stage, placements)
-    engine = make_engine(stage, grid, par, train)
+    engine = make_engine(stage, grid, par, train, placements, list(stage.layers.values()))
     return Parallelized(stage, placements, engine, executor)
-
-
-def _tag_params(model: nn.Module, placements: dict[str, Placement]) -> None:
-    """TEMPORARY: the engine still reads parameter attributes; set them from the placements."""
-    for n, p in model.named_parameters():
-        pl = placements[n]
-        p._fived_expert = pl.grad_group == "expert"
-        p._fived_grad_reduce = pl.grad_sum
-        p._fived_tp_shards = pl.parts
 
 
 def dtype_of(precision: str) -> torch.dtype:

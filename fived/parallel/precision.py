@@ -2,7 +2,8 @@
 
 Policy (Micikevicius et al. 2018, "Mixed Precision Training"):
 
-* the model is built in the compute dtype (``Plan.dtype``) — forward and backward run in it;
+* the model is built in the compute dtype (``build_model(cfg, seed, dtype)``) — forward and
+  backward run in it;
 * every rank keeps an fp32 *master* copy of the parameters it updates (all of them with
   ZeRO-0, its 1/N shard with ZeRO-1/2/3); AdamW's m and v are fp32; after the step the master
   is rounded into the compute-dtype parameters;
@@ -12,18 +13,46 @@ Policy (Micikevicius et al. 2018, "Mixed Precision Training"):
 * fp16 only: a dynamic loss scaler. The loss is multiplied by S in backward (an identity in
   forward, so the reported loss is unscaled), gradients are unscaled by 1/S before the global
   norm; a non-finite norm means an overflow somewhere: the step is skipped (``engine.step``
-  returns False, the trainer logs ``skipped``) and S halves; after ``growth_interval`` clean
-  steps S doubles.
+  returns False and says why in ``engine.skip_reason``; the trainer prints it and logs
+  ``skipped``) and S halves; after ``growth_interval`` clean steps S doubles.
+
+This module is the policy only (which dtypes, whether a master copy exists, the scaler); the
+engines in ``fived.parallel.data`` allocate by it. Bytes per parameter with ZeRO-0
+(``bytes_per_param``; ZeRO-1/2/3 divide the sharded states by N):
+
+    fp32:                 params 4 + grads 4                + Adam 8 = 16
+    bf16/fp16, fp32 grad: params 2 + grads 4 + master 4     + Adam 8 = 18   (default)
+    bf16/fp16, low grad:  params 2 + grads 2 + master 4     + Adam 8 = 16
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .data import DataParallel
+
+@dataclass(frozen=True)
+class MasterPolicy:
+    """``compute``: the parameters' dtype (forward and backward run in it); ``grad``: the dtype of
+    the gradient buffers and their reductions; an fp32 master copy exists unless ``compute`` is
+    fp32 already (then the parameters are the master)."""
+
+    compute: torch.dtype
+    grad: torch.dtype
+
+    @property
+    def separate_master(self) -> bool:
+        return self.compute != torch.float32
+
+    @classmethod
+    def of(cls, compute: torch.dtype, grad_reduce_dtype: str) -> MasterPolicy:
+        """``grad_reduce_dtype = "fp32"`` (or fp32 compute): fp32 gradients; otherwise the
+        compute dtype ("bf16" means "reduce in the compute dtype", fp16 under fp16)."""
+        fp32 = grad_reduce_dtype == "fp32" or compute == torch.float32
+        return cls(compute, torch.float32 if fp32 else compute)
 
 
 class LossScaler:
@@ -71,9 +100,13 @@ def install_loss_scaling(model: nn.Module, scaler: LossScaler) -> None:
     model.register_forward_hook(hook)
 
 
-class MixedPrecisionDataParallel(DataParallel):
-    """DDP with bf16/fp16 compute: the shared engine already keeps fp32 masters whenever the
-    parameters are not fp32 (``separate_master``) and reduces in ``grad_reduce_dtype``."""
+def loss_scaler(model: nn.Module, compute: torch.dtype) -> LossScaler | None:
+    """fp16: a dynamic loss scaler, installed on ``model``'s loss; None for fp32 and bf16."""
+    if compute != torch.float16:
+        return None
+    scaler = LossScaler()
+    install_loss_scaling(model, scaler)
+    return scaler
 
 
 def bytes_per_param(precision: str, grad_reduce_dtype: str = "fp32") -> dict[str, int]:

@@ -28,7 +28,7 @@ from ..dist.grid import DimGroup, Grid
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
 from ..model.moe import set_aux_grad_scale
-from ..parallel.adam import lr_at
+from ..optim import lr_at
 from ..parallel.context import shard_batch
 from ..parallel.expert import collect_stats
 from ..parallel.parallelize import dtype_of, parallelize
@@ -107,6 +107,8 @@ class Trainer:
         grad_norm = self.engine.clip(self.tcfg.grad_clip)
         lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
         stepped = self.engine.step(lr)
+        if self.engine.skip_reason and self.rank == 0:
+            print(self.engine.skip_reason, flush=True)
         seconds = time.perf_counter() - t0
         loss = self.global_loss(local_loss) / global_tokens
         rec = {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,

@@ -1,0 +1,104 @@
+"""ZeRO-1 and ZeRO-2 (Rajbhandari et al. 2020) over the data-parallel group (dense: dp·ep·cp;
+experts: dp·cp). The difference between them: whether the full gradient buffer persists.
+
+Each bucket's flat buffer is padded to a multiple of N so every member owns an equal shard
+``[i·S, (i+1)·S)`` (``buckets``); the padding is reported (``memory()["padding"]``).
+
+* ZeRO-1 (``Zero1``): fp32 master shard + Adam m, v shard; the full gradient buffer stays.
+  Gradients are reduce-scattered (in place: the member's reduced shard lands in its own slice)
+  on the last micro-batch's backward, each member steps its shard, then the parameters are
+  all-gathered (in place).
+* ZeRO-2 (``Zero2``): as ZeRO-1, but a bucket's full gradient buffer exists only from its first
+  gradient until its reduce-scatter completes (reported as ``buffers``, the step's peak; at most
+  two per group in flight); the rank keeps only its gradient shard. With gradient accumulation
+  the transient buffer lives across the micro-batches of a step.
+
+Model-state bytes per rank (Ψ parameters; P params, G grads — 4 with an fp32 gradient buffer,
+2 in bf16 —, M the fp32 master; fp32 training: params 4, no separate master, Adam 8):
+
+    ZeRO-1: P + G + (M + 8)/N·Ψ   bf16: 2Ψ + 2Ψ + 12Ψ/N     fp32: 4Ψ + 4Ψ + 8Ψ/N
+    ZeRO-2: P + (G + M + 8)/N·Ψ   bf16: 2Ψ + (2Ψ + 12Ψ)/N   fp32: 4Ψ + 12Ψ/N
+
+Traffic per step, bytes sent per rank:
+
+    reduce-scatter (N−1)/N · grad bytes + all-gather (N−1)/N · param bytes
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ...comm import ops
+from .base import DataParallel
+from .buckets import Bucket, nbytes
+
+
+class Zero1(DataParallel):
+    """Sharded masters and optimizer state; persistent full gradients."""
+
+    stage = 1
+
+    def shard_count(self, group: Any) -> int:
+        return group.size
+
+    def start_reduce(self, b: Bucket) -> Any:
+        return ops.reduce_scatter(b.grad, b.group, async_op=True, out=b.grad[b.lo:b.hi])
+
+    def sum_over_shards(self, sums: dict[str, torch.Tensor]) -> None:
+        for name, s in sums.items():
+            ops.all_reduce(s, replace(self.grid[name], name="metrics"))
+
+    def gather_grad(self, b: Bucket) -> torch.Tensor:
+        flat = torch.empty(b.padded, dtype=b.grad_shard.dtype)
+        ops.all_gather_into(flat, b.grad_shard, replace(b.group, name="metrics"))
+        return flat
+
+    def gather_params(self) -> None:
+        handles = [ops.all_gather_into(b.param_full, b.param_shard, b.group, async_op=True)
+                   for b in self.buckets]
+        for h in handles:
+            h.wait()
+
+
+class Zero2(Zero1):
+    """ZeRO-1 with transient full gradient buffers: only the owned gradient shard persists."""
+
+    stage = 2
+
+    def build_grads(self, b: Bucket) -> None:
+        b.grad = None
+        b.grad_shard = torch.zeros(b.shard_numel, dtype=self.policy.grad)
+
+    def attach_grads(self) -> bool:
+        return False
+
+    def reset_grads(self, b: Bucket) -> None:
+        for p in b.params:
+            p.grad = None
+
+    def ensure_grad(self, b: Bucket) -> torch.Tensor:
+        if b.grad is None:
+            b.grad = torch.zeros(b.padded, dtype=self.policy.grad)
+            self.hold(nbytes(b.grad))
+        return b.grad
+
+    def after_launch(self, seq: list[Bucket], launched: int) -> None:
+        """Wait for an older bucket's reduce-scatter so that at most two transient gradient
+        buffers per group are in flight."""
+        if launched > 2:
+            older = seq[launched - 3]
+            if older.handle is not None:
+                self.wait(older)
+
+    def after_reduce(self, b: Bucket) -> None:
+        """Keep the owned shard of the reduced gradient, drop the full buffer."""
+        if b.grad is not None:
+            b.grad_shard.copy_(b.grad[b.lo:b.hi])
+            self.release(nbytes(b.grad))
+            b.grad = None
+
+    def grad_state(self, b: Bucket) -> torch.Tensor:
+        return b.grad_shard

@@ -1,0 +1,211 @@
+"""ZeRO-3 (Rajbhandari et al. 2020): ZeRO-2 with the parameters sharded too.
+
+The gather units are given by the caller (``units``: the transformer blocks, in forward order);
+the parameters in no unit form one root unit (embedding, final norm, head). Each unit has one
+bucket per reduction group, laid out last unit first, root last (≈ backward order). A unit is
+all-gathered just before its forward, freed after it, gathered again before its backward (a
+hook on the unit's output gradient) and freed when all its gradients are in; the next unit's
+all-gather is prefetched (async) so it overlaps compute (``--no-overlap``: gathers on demand).
+Freeing resizes the flat storage to 0; the parameters stay views of it. A recompute forward
+(inside backward) keeps its unit gathered for the backward that follows.
+
+Model-state bytes per rank (Ψ parameters; P params, G grads, M fp32 master, 8 Adam):
+
+    (P + G + M + 8)/N·Ψ     bf16: 16Ψ/N (18Ψ/N, fp32 grads)     fp32: 16Ψ/N
+
+plus the gathered units as ``buffers`` (the step's peak). Traffic per step (one micro-batch),
+bytes sent per rank:
+
+    all-gather forward + all-gather backward + reduce-scatter = 3(N−1)/N · param bytes
+    (same dtype for params and grads)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...comm import ops
+from ...config import ConfigError
+from .buckets import Bucket, Named, nbytes
+from .zero12 import Zero2
+
+
+def in_backward() -> bool:
+    """True while the autograd engine is running a backward pass (e.g. a recompute forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class GatherUnit:
+    """A set of buckets (one per reduction group) gathered and freed together."""
+
+    def __init__(self, name: str, buckets: list[Bucket]):
+        self.name, self.buckets = name, buckets
+        self.state = "free"  # free | inflight | full
+        self.handles: list[Any] = []
+        self.nparams = sum(len(b.params) for b in buckets)
+        self.done = 0
+
+
+class Zero3(Zero2):
+    """Sharded parameters, gradients and optimizer state; per-unit gather with prefetch."""
+
+    stage = 3
+
+    def __init__(self, model: nn.Module, grid: Any, par: Any, train: Any,
+                 placements: dict | None = None, units: list[nn.Module] | None = None):
+        if par.pp > 1:
+            raise ConfigError([
+                f"--zero 3 with --pp {par.pp}: ZeRO-3 gathers and frees each block around its "
+                "forward and backward, and a pipeline schedule interleaves many micro-batches' "
+                "forwards and backwards on a stage, so every block would stay gathered (or be "
+                "gathered once per micro-batch twice over); use --zero 1 or --zero 2 with "
+                "pipeline parallelism"])
+        units = list(units or [])
+        self.units: list[GatherUnit] = []
+        self.root = GatherUnit("root", [])
+        super().__init__(model, grid, par, train, placements, units)
+        nb = len(units)
+        per_unit: list[list[Bucket]] = [[] for _ in range(nb + 1)]
+        for b in self.buckets:
+            per_unit[b.unit].append(b)
+        self.units = [GatherUnit(f"unit{i}", per_unit[i]) for i in range(nb)]
+        self.root = GatherUnit("root", per_unit[nb])
+        self.unit_of: dict[int, GatherUnit] = {}
+        for u in self.units + [self.root]:
+            for b in u.buckets:
+                self.unit_of[b.index] = u
+            u.state = "full"  # built gathered (the flat copies of the model's parameters)
+            self.free(u)
+        for i, m in enumerate(units):
+            m.register_forward_pre_hook(self._pre_forward(i))
+            m.register_forward_hook(self._post_forward(i))
+        model.register_forward_pre_hook(self._root_pre_forward)
+        model.register_forward_hook(self._root_post_forward)
+
+    # ------------------------------------------------------------------ layout and state
+    def layout(self, named: list[Named], units: list[nn.Module] | None
+               ) -> list[tuple[int, list[Named]]]:
+        """Backward order: the last unit first, ..., the first unit, then the root (whose
+        embedding gradient is the last to arrive); one bucket per (unit, group)."""
+        units = units or []
+        name_of = {id(p): n for n, p in named}
+        per_unit = [[(name_of[id(p)], p) for p in u.parameters() if id(p) in name_of]
+                    for u in units]
+        in_unit = {id(p) for run in per_unit for _, p in run}
+        root = [(n, p) for n, p in named if id(p) not in in_unit]
+        return [(i, list(reversed(per_unit[i]))) for i in reversed(range(len(units)))] + [
+            (len(units), list(reversed(root)))]
+
+    def split(self, run: list[Named]) -> list[list[Named]]:
+        return [run]
+
+    def own_shard(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
+        """A copy: the full flat buffer is freed after each use, the shard must outlive it."""
+        return flat[b.lo:b.hi].clone()
+
+    def build_state(self, b: Bucket) -> None:
+        super().build_state(b)
+        self.hold(nbytes(b.param_full))  # built gathered; __init__ frees every unit
+
+    def param_state(self, b: Bucket) -> torch.Tensor:
+        return b.param_shard
+
+    def gather_params(self) -> None:
+        """No gather: each unit is gathered from its shard before its next forward."""
+
+    # ------------------------------------------------------------------ gather / free
+    def prefetch(self, u: GatherUnit, ahead: bool = False) -> None:
+        """Start unit u's all-gather asynchronously; ``ahead`` (a prefetch) is off with
+        --no-overlap."""
+        if u.state != "free" or (ahead and not self.overlap):
+            return
+        for b in u.buckets:
+            b.param_full.untyped_storage().resize_(b.padded * b.param_full.element_size())
+            self.hold(nbytes(b.param_full))
+            u.handles.append(ops.all_gather_into(b.param_full, b.param_shard, b.group,
+                                                 async_op=True))
+        u.state = "inflight"
+
+    def gather(self, u: GatherUnit) -> None:
+        self.prefetch(u)
+        if u.state == "inflight":
+            for h in u.handles:
+                h.wait()
+            u.handles = []
+            u.state = "full"
+
+    def free(self, u: GatherUnit) -> None:
+        if u.state == "free":
+            return
+        if u.state == "inflight":
+            for h in u.handles:
+                h.wait()
+            u.handles = []
+        for b in u.buckets:
+            self.release(nbytes(b.param_full))
+            b.param_full.untyped_storage().resize_(0)
+        u.state = "free"
+
+    # ------------------------------------------------------------------ hooks
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if in_backward():
+            return
+        self.gather(self.root)
+        if self.units:
+            self.prefetch(self.units[0], ahead=True)
+
+    def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
+        if in_backward():
+            return
+        self.free(self.root)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._pre_backward(len(self.units)))
+
+    def _pre_forward(self, i: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            self.gather(self.units[i])
+            if not in_backward() and i + 1 < len(self.units):
+                self.prefetch(self.units[i + 1], ahead=True)
+        return hook
+
+    def _post_forward(self, i: int):
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if in_backward():  # a recompute forward: its backward comes next, keep the unit
+                return
+            self.free(self.units[i])
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(self._pre_backward(i))
+        return hook
+
+    def _pre_backward(self, i: int):
+        """Before unit i's backward (i == len(units): the root, at the start of backward)."""
+        def hook(grad: torch.Tensor) -> None:
+            if i == len(self.units):
+                self.gather(self.root)
+                if self.units:
+                    self.prefetch(self.units[-1], ahead=True)
+            else:
+                self.gather(self.units[i])
+                if i > 0:
+                    self.prefetch(self.units[i - 1], ahead=True)
+        return hook
+
+    def after_grad(self, b: Bucket, j: int) -> None:
+        u = self.unit_of[b.index]
+        u.done += 1
+        if u.done == u.nparams:  # the unit's backward is complete on this micro-batch
+            u.done = 0
+            self.free(u)
+
+    def after_finish(self) -> None:
+        for u in self.units + [self.root]:
+            u.done = 0
+            self.free(u)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for u in self.units + [self.root]:
+            u.done = 0
