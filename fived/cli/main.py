@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from dataclasses import replace
 
@@ -97,12 +96,13 @@ def fill_dp(par: ParallelConfig, world: int, dp_given: bool) -> ParallelConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..dist.launch import RankFailure, run_local, under_torchrun
+    from ..dist.launch import RankFailure, run_local, torchrun_env
 
     model, par, train = build_configs(args)
     others = par.tp * par.cp * par.ep * par.pp
-    if under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
+    env = torchrun_env()  # (rank, world, local_rank) under torchrun, else None
+    if env:
+        world = env[1]
     elif args.nprocs:
         world = args.nprocs
     elif args.dp is not None:
@@ -112,24 +112,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     par = fill_dp(par, world, args.dp is not None)
     from ..train.trainer import check, measure_matmul_peak, train_rank
 
-    if not under_torchrun() or os.environ["RANK"] == "0":  # under torchrun, rank 0 speaks
+    if not env or env[0] == 0:  # under torchrun, rank 0 speaks
         print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
               f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens",
               flush=True)
     check(model, par, train, world)
-    if under_torchrun():
-        import torch.distributed as dist
+    if env:
+        from ..dist.launch import run_torchrun
 
-        from ..dist.launch import init_process_group
-
-        rank = int(os.environ["RANK"])
-        init_process_group(rank, world, None, args.timeout)
         # every rank has its own threads (or device): the aggregate peak is world × one rank's
-        peak = measure_matmul_peak() * world if rank == 0 else 0.0
-        try:
-            train_rank(rank, world, model, par, train, True, peak)
-        finally:
-            dist.destroy_process_group()
+        peak = measure_matmul_peak() * world if env[0] == 0 else 0.0
+        run_torchrun(train_rank, (model, par, train, True, peak), args.timeout)
         return 0
     peak = measure_matmul_peak()
     print(f"measured matmul peak {peak / 1e9:.1f} GFLOP/s (MFU denominator); "
