@@ -27,11 +27,13 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that need it: torchrun_env() and free_port() are
+# called before a command prints its first line, and importing torch takes seconds.
 
 
 class RankFailure(RuntimeError):
@@ -65,11 +67,12 @@ def device_and_backend(prefer_cpu: bool = False, local_rank: int | None = None
     ``prefer_cpu`` (or ``FIVED_DEVICE=cpu`` in the environment) forces cpu+gloo on a GPU
     machine. The GPU is ``local_rank`` (default: torchrun's ``LOCAL_RANK``, else 0) modulo the
     visible devices."""
+    import torch
+
     if prefer_cpu or os.environ.get("FIVED_DEVICE", "") == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu"), "gloo"
-    if local_rank is None:
-        env = torchrun_env()
-        local_rank = env[2] if env else 0
+    if local_rank is None:  # torchrun's, or the one run_local gave its child
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device()), "nccl"
 
@@ -77,6 +80,8 @@ def device_and_backend(prefer_cpu: bool = False, local_rank: int | None = None
 def init_process_group(rank: int, world: int, port: int | None, timeout_s: float,
                        prefer_cpu: bool = False, local_rank: int | None = None) -> None:
     """``port`` None: torchrun's env:// rendezvous; else tcp://127.0.0.1:port (local ranks)."""
+    import torch.distributed as dist
+
     _, backend = device_and_backend(prefer_cpu, local_rank)
     kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
     if port is None:  # torchrun's env://
@@ -100,6 +105,8 @@ def teardown() -> None:
     that still holds groups (a trainer's grid, its hooks), then destroy the groups — the last
     reference to a gloo group runs its destructor (without the GIL), which drains the queue and
     joins the workers."""
+    import torch.distributed as dist
+
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -116,6 +123,8 @@ def run_torchrun(fn: Callable, args: tuple = (), collective_timeout: float = 120
     raises, the rank prints the traceback and leaves at once (``os._exit(1)``): its peers are
     blocked in collectives it will never join, torchrun sees the failure and stops them, and
     nothing waits for a collective timeout on the way out."""
+    import torch.distributed as dist
+
     env = torchrun_env()
     if env is None:
         raise RuntimeError("run_torchrun: RANK, WORLD_SIZE and MASTER_ADDR are not set "
@@ -148,8 +157,12 @@ def _exit_with_parent(parent: int) -> None:
 
 def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any,
            threads: int, timeout_s: float, parent: int, prefer_cpu: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
     _exit_with_parent(parent)
     torch.set_num_threads(threads)
+    os.environ["LOCAL_RANK"] = str(rank)  # this process's own environment: device_and_backend
     try:
         init_process_group(rank, world, port, timeout_s, prefer_cpu, local_rank=rank)
         out = fn(rank, world, *args)
@@ -171,6 +184,8 @@ def threads_per_rank(nprocs: int) -> int:
 def run_local(fn: Callable, nprocs: int, args: tuple = (), timeout: float = 600.0,
               collective_timeout: float = 120.0, prefer_cpu: bool = False) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``nprocs`` local ranks; return results by rank."""
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
