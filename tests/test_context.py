@@ -66,20 +66,20 @@ def _core_rank(rank: int, world: int, b: int, s: int, h: int, g: int, d: int) ->
     for mode, layout, fused in (("ring", "zigzag", True), ("ring", "contiguous", True),
                                 ("ring", "zigzag", False), ("ulysses", "zigzag", True),
                                 ("allgather", "zigzag", True)):
-        C.USE_FUSED = fused  # False: the explicit block math (any device and dtype)
         pos = C.shard_positions(s, world, rank, layout)
         ql, kl, vl = (t.detach()[:, pos].clone().requires_grad_(True) for t in (q, k, v))
         traffic.reset()
-        C.STATS.reset()
-        C.STATS.enabled = True
+        stats = C.AttentionStats()
+        # fused False: the explicit block math (any device and dtype); ring only
+        kw = {"stats": stats, "fused": fused} if mode == "ring" else {}
         with SavedTensors() as saved:
-            o = C.MODES[mode](ql, kl, vl, group, layout)
-        fwd_flops = C.STATS.flops
+            o = C.MODES[mode](ql, kl, vl, group, layout, **kw)
+        fwd_flops, fwd_pairs = stats.flops, stats.pairs
         fwd_bytes = sum(r.bytes for r in traffic.records.values())
         o.backward(do[:, pos])
-        C.STATS.enabled = False
+        if mode == "ring":  # the backward (through autograd) counts into the same object
+            assert fwd_pairs > 0 and stats.pairs == 3 * fwd_pairs, (stats.pairs, fwd_pairs)
         tot = sum(r.bytes for r in traffic.records.values())
-        C.USE_FUSED = True
         key = f"{mode}/{layout}" + ("" if fused else "/explicit")
         out["err"][key] = max(
             ((o - ref_o[:, pos]).abs().max() / ref_o.abs().max()).item(),
@@ -186,7 +186,7 @@ def test_ring_saves_only_local_tensors_on_one_rank():
     b, s, h, g, d = 2, 64, 4, 2, 16
     q, k, v = (torch.randn(b, s, x, d, requires_grad=True) for x in (h, g, g))
     with SavedTensors() as saved:
-        o = C.RingAttention.apply(q, k, v, DimGroup("cp", (0,), 0), "zigzag")
+        o = C.RingAttention.apply(q, k, v, DimGroup("cp", (0,), 0), "zigzag", None, True)
     assert saved.bytes == C.activation_bytes("ring", b, s, h, g, d, 1)
     from fived.model import layers as L
 

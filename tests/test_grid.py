@@ -1,7 +1,10 @@
-"""The grid: coordinates, groups, derived groups, node boundaries."""
+"""The grid: coordinates, groups, derived groups, node boundaries; groups only once connected."""
+
+import pytest
 
 from fived.config import ParallelConfig
-from fived.dist.grid import Grid
+from fived.dist.grid import Grid, NotConnected
+from fived.testing import run_ranks
 
 
 def test_tp_innermost_pp_outermost():
@@ -55,3 +58,64 @@ def test_pipeline_neighbours():
     g = Grid.from_config(ParallelConfig(tp=2, pp=3), rank=3)
     assert g.coords()["pp"] == 1
     assert g.pp_prev == 1 and g.pp_next == 5
+
+
+# ------------------------------------------------------------------ names and connection
+def test_group_names_are_listed_once():
+    from fived.config import DIMS
+    from fived.dist.grid import DERIVED, GROUP_NAMES
+
+    assert GROUP_NAMES == (*DIMS, *DERIVED)
+    assert set(DERIVED) == {"dense", "expert", "batch", "cp_tp"}
+    assert Grid.from_config(ParallelConfig()).group_names() == list(GROUP_NAMES)
+    with pytest.raises(KeyError, match="no group named 'metrics'"):
+        Grid.named_dims("metrics")
+
+
+def test_members_of_and_index_in_are_the_arithmetic():
+    par = ParallelConfig(tp=2, cp=2, ep=2, dp=2)
+    for r in (0, 5, 11, 15):
+        g = Grid.from_config(par, r)
+        for name in g.group_names():
+            m = g.members(Grid.named_dims(name))
+            assert g.members_of(name) == m == g.members_of(name, r)
+            assert g.index_in(name) == m.index(r)
+    g = Grid.from_config(ParallelConfig(tp=2, dp=2))
+    assert g.index_in("dp", 3) == 1 and g.index_in("tp", 3) == 1 and g.index_in("pp", 3) == 0
+
+
+def test_unconnected_grid_refuses_groups():
+    """No silent fallback: a multi-member group without a process group would go to WORLD."""
+    g = Grid.from_config(ParallelConfig(tp=2, dp=2), rank=1)
+    assert not g.connected
+    for name in ("tp", "dp", "pp", "dense"):  # single-member groups too: connect() first
+        with pytest.raises(NotConnected, match=r"connect\(traffic\)"):
+            g[name]
+    assert g.members_of("tp") == (0, 1)  # the arithmetic still works
+
+
+def test_one_rank_grid_connects_without_a_process_group():
+    from fived.comm.ops import Traffic
+
+    g = Grid.from_config(ParallelConfig()).connect(Traffic())
+    assert g.connected
+    for name in g.group_names():
+        assert g[name].size == 1 and g[name].pg is None and g[name].rank == 0
+    with pytest.raises(KeyError, match="no group named"):
+        g["metrics"]
+
+
+def _connected(rank: int, world: int, par: ParallelConfig) -> dict:
+    from fived.comm.ops import Traffic
+
+    g = Grid.from_config(par, rank).connect(Traffic())
+    return {name: (g[name].ranks, g[name].rank, g[name].pg is not None,
+                   g.members_of(name), g.index_in(name)) for name in g.group_names()}
+
+
+def test_connected_groups_match_the_arithmetic():
+    par = ParallelConfig(tp=2, dp=2)
+    for rank, groups in enumerate(run_ranks(_connected, 4, par)):
+        for name, (ranks, index, has_pg, members, idx) in groups.items():
+            assert ranks == members and index == idx, (rank, name)
+            assert has_pg == (len(ranks) > 1), (rank, name)

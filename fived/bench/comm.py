@@ -49,6 +49,7 @@ class Settings:
     warmup: int
     json: bool
     progress: bool
+    cpu: bool = False  # --device cpu: gloo on CPU even when a GPU is visible
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +99,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.iters < 1 or args.warmup < 0:
         raise ValueError("need --iters >= 1 and --warmup >= 0")
     sizes = size_sweep(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
-    return Settings(sizes, pairs, args.dtype, args.iters, args.warmup, args.json, args.progress)
+    return Settings(sizes, pairs, args.dtype, args.iters, args.warmup, args.json, args.progress,
+                    args.device == "cpu")
 
 
 def _console(json_mode: bool):
@@ -121,7 +123,7 @@ def rank_main(rank: int, world: int, cfg: Settings) -> dict[str, Any] | None:
     from ..dist.grid import Grid
     from ..dist.launch import device_and_backend
 
-    device, backend = device_and_backend()
+    device, backend = device_and_backend(prefer_cpu=cfg.cpu)
     traffic = Traffic()
     grid = Grid.from_config(ParallelConfig(dp=world), rank).connect(traffic)
     total = len(cfg.pairs) * len(cfg.sizes)
@@ -247,12 +249,15 @@ def main(argv: list[str]) -> int:
         print(f"fived bench comm: {e}", file=sys.stderr)
         return 2
     con = _console(args.json)
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nprocs
+    from ..dist import launch  # torch is imported when a rank needs it
+
+    env = launch.torchrun_env()  # (rank, world, local_rank) under torchrun, else None
+    torchrun = env is not None
+    world = env[1] if env else args.nprocs
     if world < 2:
         print("fived bench comm: needs at least 2 ranks (--nprocs 2)", file=sys.stderr)
         return 2
-    quiet_rank = torchrun and os.environ.get("RANK", "0") != "0"
+    quiet_rank = env is not None and env[0] != 0
     if quiet_rank:
         cfg.progress = False
     else:
@@ -260,34 +265,20 @@ def main(argv: list[str]) -> int:
                   f"{cfg.dtype} · {format_size(cfg.sizes[0])}..{format_size(cfg.sizes[-1])} "
                   f"×{args.stepfactor:g} ({len(cfg.sizes)} sizes) · {cfg.iters} iters + {cfg.warmup} "
                   f"warm-up · {', '.join(f'{o}/{i}' for o, i in cfg.pairs)}")
-    if args.device == "cpu":
-        os.environ["FIVED_DEVICE"] = "cpu"
-    from .. import launch  # imports torch
-
-    if torchrun:
-        rank = int(os.environ["RANK"])
-        launch.init_process_group(rank, world, None, args.timeout)
-        try:
-            if rank == 0:
-                dev, backend = launch.device_and_backend()
-                con.print(f"backend {backend} on {dev.type}; sweeping ...")
-            doc = rank_main(rank, world, cfg)
-        finally:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-        if rank != 0:
+    if env:
+        if env[0] == 0:
+            dev, backend = launch.device_and_backend(cfg.cpu, env[2])
+            con.print(f"backend {backend} on {dev.type}; sweeping ...")
+        doc = launch.run_torchrun(rank_main, (cfg,), args.timeout, prefer_cpu=cfg.cpu)
+        if env[0] != 0:
             return 0
     else:
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() and os.environ.get("FIVED_DEVICE") != "cpu" \
-            else "gloo"
+        _, backend = launch.device_and_backend(cfg.cpu)
         con.print(f"backend {backend}; spawning {world} local ranks "
                   f"({launch.threads_per_rank(world)} thread(s) each) ...")
         try:
             doc = launch.run_local(rank_main, world, (cfg,), timeout=max(600.0, 100 * args.timeout),
-                                   collective_timeout=args.timeout)[0]
+                                   collective_timeout=args.timeout, prefer_cpu=cfg.cpu)[0]
         except launch.RankFailure as e:
             print(f"fived bench comm: rank {e.rank} failed — every rank was stopped.\n{e.detail}",
                   file=sys.stderr)

@@ -8,11 +8,11 @@ With nothing given it trains the ``tiny`` model on the built-in corpus on 4 loca
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import replace
 
 from ..config import ConfigError, check_count, check_outputs, fill_dp, validate
+from ..dist.launch import torchrun_env
 from . import flags
 from .main import EXAMPLES
 
@@ -32,21 +32,13 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _torchrun() -> bool:
-    if "WORLD_SIZE" not in os.environ:  # no launcher: skip importing torch for the answer
-        return False
-    from ..dist.launch import under_torchrun
-
-    return under_torchrun()
-
-
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     res = flags.configs(args)
     model, train = res.model, res.train
-    torchrun = _torchrun()
-    if torchrun:
-        world = int(os.environ["WORLD_SIZE"])
+    env = torchrun_env()  # (rank, world, local_rank) under torchrun, else None
+    if env:
+        world = env[1]
     else:
         if args.nprocs is not None:
             check_count("--nprocs", args.nprocs)
@@ -58,26 +50,19 @@ def main(argv: list[str]) -> int:
     if args.print_config:
         return flags.print_config(replace(res, par=par), f"fived train: {world} rank(s)")
     check_outputs(train)
-    if not torchrun or os.environ["RANK"] == "0":  # under torchrun, rank 0 speaks
+    if not env or env[0] == 0:  # under torchrun, rank 0 speaks
         print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
               f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens",
               flush=True)
     from ..dist.launch import RankFailure, run_local
     from ..train.trainer import measure_matmul_peak, train_rank
 
-    if torchrun:
-        import torch.distributed as dist
+    if env:
+        from ..dist.launch import run_torchrun
 
-        from ..dist.launch import init_process_group
-
-        rank = int(os.environ["RANK"])
-        init_process_group(rank, world, None, args.timeout)
         # every rank has its own threads (or device): the aggregate peak is world × one rank's
-        peak = measure_matmul_peak() * world if rank == 0 else 0.0
-        try:
-            train_rank(rank, world, model, par, train, True, peak)
-        finally:
-            dist.destroy_process_group()
+        peak = measure_matmul_peak() * world if env[0] == 0 else 0.0
+        run_torchrun(train_rank, (model, par, train, True, peak), args.timeout)
         return 0
     peak = measure_matmul_peak()
     print(f"measured matmul peak {peak / 1e9:.1f} GFLOP/s (MFU denominator); "

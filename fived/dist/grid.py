@@ -12,10 +12,17 @@ Besides one group per dimension, fived uses derived groups:
 * ``dense``  = dp·ep·cp — the ranks that hold the same dense parameter shard and see different
   tokens, so dense gradients are reduced (or ZeRO-sharded) over it;
 * ``expert`` = dp·cp    — the ranks that hold the same experts; expert gradients reduce there;
-* ``batch``  = dp·ep    — the ranks that read different sequences of the global batch.
+* ``batch``  = dp·ep    — the ranks that read different sequences of the global batch;
+* ``cp_tp``  = cp·tp    — the ranks that cut one sequence (context and, with SP, tensor).
 
-The grid is pure arithmetic; ``Grid.connect()`` creates the process groups (all ranks call it,
-in the same order) and binds each to the rank's ``Traffic`` so every byte can be counted.
+``DERIVED`` is the one list of derived groups and ``GROUP_NAMES`` (dimensions, then derived) the
+one list of every group name: code that needs the names (traffic keys, tables) imports them.
+
+The grid is pure arithmetic (``coords``, ``members``, ``members_of``, ``index_in``,
+``partition``, ``crosses_node``); ``Grid.connect()`` creates the process groups (all ranks call
+it, in the same order) and binds each to the rank's ``Traffic`` so every byte can be counted.
+``grid[name]`` — the ``DimGroup`` collectives run on — exists only on a connected grid: on an
+unconnected one it raises, because a group without a process group would send to the world.
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ DERIVED: dict[str, tuple[str, ...]] = {
     "batch": ("dp", "ep"),
     "cp_tp": ("cp", "tp"),
 }
+GROUP_NAMES: tuple[str, ...] = (*DIMS, *DERIVED)
+
+
+class NotConnected(RuntimeError):
+    """``grid[name]`` on a grid whose ``connect()`` was not called."""
 
 
 @dataclass
@@ -109,17 +121,32 @@ class Grid:
 
     @staticmethod
     def named_dims(name: str) -> tuple[str, ...]:
+        if name not in GROUP_NAMES:
+            raise KeyError(f"no group named {name!r}; the groups are {', '.join(GROUP_NAMES)}")
         return DERIVED.get(name, (name,))
 
     def group_names(self) -> list[str]:
-        return list(DIMS) + list(DERIVED)
+        return list(GROUP_NAMES)
+
+    def members_of(self, name: str, rank: int | None = None) -> tuple[int, ...]:
+        """The ranks of the group ``name`` (a dimension or a derived group) that ``rank`` is in."""
+        return self.members(self.named_dims(name), rank)
+
+    def index_in(self, name: str, rank: int | None = None) -> int:
+        """``rank``'s index in its group ``name`` (what ``grid[name].rank`` is once connected)."""
+        r = self.rank if rank is None else rank
+        return self.members_of(name, r).index(r)
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.groups)
 
     # ------------------------------------------------------------ process groups
     def connect(self, traffic: Any, backend: str | None = None) -> Grid:
         """Create every group (collectively) and keep the ones this rank is in."""
         import torch.distributed as dist
 
-        for name in self.group_names():
+        for name in GROUP_NAMES:
             dims = self.named_dims(name)
             parts = self.partition(dims)
             mine = self.members(dims)
@@ -135,9 +162,16 @@ class Grid:
         return self
 
     def __getitem__(self, name: str) -> DimGroup:
+        """The connected group ``name`` of this rank; raises ``NotConnected`` before
+        ``connect()`` (use ``members_of``/``index_in``/``coords`` for arithmetic)."""
+        if not self.connected:
+            raise NotConnected(
+                f"grid[{name!r}]: this Grid is not connected, so it has no process groups and a "
+                f"collective on it would go to the whole world. Call grid.connect(traffic) on "
+                f"every rank first (a one-rank grid needs no process group), or for arithmetic "
+                f"use grid.members_of({name!r}), grid.index_in({name!r}) or grid.coords()")
         if name not in self.groups:
-            mine = self.members(self.named_dims(name))
-            self.groups[name] = DimGroup(name, mine, mine.index(self.rank), None, None)
+            raise KeyError(f"no group named {name!r}; the groups are {', '.join(GROUP_NAMES)}")
         return self.groups[name]
 
     # ------------------------------------------------------------ pipeline neighbours

@@ -1,25 +1,39 @@
 """Starting ranks: under ``torchrun`` (its environment) or as local processes fived spawns.
 
-``run_local(fn, nprocs, args)`` starts ``nprocs`` spawned processes on a free port, each calling
-``fn(rank, world, *args)`` inside an initialised process group, and returns every rank's result.
-If any rank fails, the others are killed at once and ``RankFailure`` carries the failing rank's
-traceback; a rank that hangs past ``timeout`` is killed too — no process is left behind.
+This module is the only place in fived that reads the process environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``FIVED_DEVICE``); everything else asks it:
+
+* ``torchrun_env()`` — ``(rank, world, local_rank)`` when an env:// launcher (torchrun, or one
+  ``torchrun`` per node under SLURM) started this process, else ``None``;
+* ``device_and_backend(prefer_cpu)`` — cuda+nccl when a GPU is visible, else cpu+gloo;
+* ``run_torchrun(fn, args, collective_timeout)`` — this process is one torchrun rank: initialise
+  the process group, call ``fn(rank, world, *args)``, wait for every rank (a barrier) and tear the
+  group down so that no gloo worker thread outlives it (see ``teardown``);
+* ``run_local(fn, nprocs, args)`` — start ``nprocs`` spawned processes on a free port, each
+  calling ``fn(rank, world, *args)`` inside an initialised process group, and return every rank's
+  result. If any rank fails, the others are killed at once and ``RankFailure`` carries the
+  failing rank's traceback; a rank that hangs past ``timeout`` is killed too — no process is left
+  behind.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that need it: torchrun_env() and free_port() are
+# called before a command prints its first line, and importing torch takes seconds.
 
 
 class RankFailure(RuntimeError):
@@ -34,21 +48,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def device_and_backend() -> tuple[torch.device, str]:
-    """The one place device specifics live: cuda+nccl when a GPU is visible, else cpu+gloo."""
-    if torch.cuda.is_available() and os.environ.get("FIVED_DEVICE", "") != "cpu":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device()), "nccl"
-    return torch.device("cpu"), "gloo"
+def torchrun_env() -> tuple[int, int, int] | None:
+    """``(rank, world, local_rank)`` when an env:// launcher started this process, else None."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return None
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
 
 
 def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    return torchrun_env() is not None
 
 
-def init_process_group(rank: int, world: int, port: int | None, timeout_s: float) -> None:
-    _, backend = device_and_backend()
+def device_and_backend(prefer_cpu: bool = False, local_rank: int | None = None
+                       ) -> tuple[torch.device, str]:
+    """The one place device specifics live: cuda+nccl when a GPU is visible, else cpu+gloo.
+
+    ``prefer_cpu`` (or ``FIVED_DEVICE=cpu`` in the environment) forces cpu+gloo on a GPU
+    machine. The GPU is ``local_rank`` (default: torchrun's ``LOCAL_RANK``, else 0) modulo the
+    visible devices."""
+    import torch
+
+    if prefer_cpu or os.environ.get("FIVED_DEVICE", "") == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu"), "gloo"
+    if local_rank is None:  # torchrun's, or the one run_local gave its child
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device()), "nccl"
+
+
+def init_process_group(rank: int, world: int, port: int | None, timeout_s: float,
+                       prefer_cpu: bool = False, local_rank: int | None = None) -> None:
+    """``port`` None: torchrun's env:// rendezvous; else tcp://127.0.0.1:port (local ranks)."""
+    import torch.distributed as dist
+
+    _, backend = device_and_backend(prefer_cpu, local_rank)
     kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
     if port is None:  # torchrun's env://
         dist.init_process_group(backend, **kw)
@@ -56,6 +90,56 @@ def init_process_group(rank: int, world: int, port: int | None, timeout_s: float
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw
         )
+
+
+def teardown() -> None:
+    """Destroy every process group so that its worker threads are joined *now*.
+
+    A gloo group runs each collective on a worker thread, which drops its reference to the
+    finished work (and so to the work's tensors) a moment after ``wait()`` returns. If that last
+    reference is the one keeping a tensor's Python object alive, the worker must take the GIL to
+    release it; when this happens while the interpreter is finalising (the main thread has
+    returned), ``take_gil`` ends the worker thread with ``pthread_exit``, whose unwinding meets
+    a ``noexcept`` frame: ``terminate called without an active exception`` (SIGABRT), and torchrun
+    fails the job. The cure is to join those threads before Python exits: collect the garbage
+    that still holds groups (a trainer's grid, its hooks), then destroy the groups — the last
+    reference to a gloo group runs its destructor (without the GIL), which drains the queue and
+    joins the workers."""
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def run_torchrun(fn: Callable, args: tuple = (), collective_timeout: float = 120.0,
+                 prefer_cpu: bool = False) -> Any:
+    """This process is one rank of a torchrun job: run ``fn(rank, world, *args)`` and return its
+    result, with the process group initialised before and torn down after.
+
+    After ``fn`` returns, every rank waits for the others (a barrier: no rank tears down while a
+    peer may still talk to it) and then ``teardown()`` joins the backend's threads. When ``fn``
+    raises, the rank prints the traceback and leaves at once (``os._exit(1)``): its peers are
+    blocked in collectives it will never join, torchrun sees the failure and stops them, and
+    nothing waits for a collective timeout on the way out."""
+    import torch.distributed as dist
+
+    env = torchrun_env()
+    if env is None:
+        raise RuntimeError("run_torchrun: RANK, WORLD_SIZE and MASTER_ADDR are not set "
+                           "(start this under torchrun, or use run_local)")
+    rank, world, local_rank = env
+    try:
+        init_process_group(rank, world, None, collective_timeout, prefer_cpu, local_rank)
+        out = fn(rank, world, *args)
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - reported here; the process ends
+        sys.stdout.flush()
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)
+    teardown()
+    return out
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -72,12 +156,15 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any,
-           threads: int, timeout_s: float, parent: int) -> None:
+           threads: int, timeout_s: float, parent: int, prefer_cpu: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
     _exit_with_parent(parent)
     torch.set_num_threads(threads)
-    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ["LOCAL_RANK"] = str(rank)  # this process's own environment: device_and_backend
     try:
-        init_process_group(rank, world, port, timeout_s)
+        init_process_group(rank, world, port, timeout_s, prefer_cpu, local_rank=rank)
         out = fn(rank, world, *args)
         results.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -95,8 +182,10 @@ def threads_per_rank(nprocs: int) -> int:
 
 
 def run_local(fn: Callable, nprocs: int, args: tuple = (), timeout: float = 600.0,
-              collective_timeout: float = 120.0) -> list[Any]:
+              collective_timeout: float = 120.0, prefer_cpu: bool = False) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``nprocs`` local ranks; return results by rank."""
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -104,7 +193,7 @@ def run_local(fn: Callable, nprocs: int, args: tuple = (), timeout: float = 600.
         ctx.Process(
             target=_child,
             args=(r, nprocs, port, fn, args, results, threads_per_rank(nprocs),
-                  collective_timeout, os.getpid()),
+                  collective_timeout, os.getpid(), prefer_cpu),
             daemon=True,
         )
         for r in range(nprocs)

@@ -42,7 +42,7 @@ and is the baseline the bench compares against.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,26 +84,21 @@ def shard_batch(x: torch.Tensor, y: torch.Tensor, grid: Any, layout: str = "zigz
 
 # ---------------------------------------------------------------------------------- statistics
 @dataclass
-class Stats:
-    """FLOPs the attention kernels of this process executed (for the balance measurement)."""
+class AttentionStats:
+    """FLOPs the ring attention kernels executed (for the balance measurement). Pass one as
+    ``ring_attention(..., stats=s)``: the forward adds its blocks, and the backward (which runs
+    later, through autograd) adds its own to the same object."""
 
-    enabled: bool = False
     flops: float = 0.0
     pairs: int = 0
-    log: list = field(default_factory=list)
 
     def reset(self) -> None:
-        self.flops, self.pairs, self.log = 0.0, 0, []
+        self.flops, self.pairs = 0.0, 0
 
-
-STATS = Stats()
-
-
-def _count(q: torch.Tensor, k: torch.Tensor, pairs: int) -> None:
-    if STATS.enabled:  # 2 matmuls (q kᵀ and p v), 2 FLOPs per multiply-add
-        b, g, rep, sq, d = q.shape
-        STATS.flops += 4.0 * b * g * rep * sq * k.shape[2] * d
-        STATS.pairs += pairs
+    def count(self, q: torch.Tensor, k: torch.Tensor, pairs: int) -> None:
+        b, g, rep, sq, d = q.shape  # 2 matmuls (q kᵀ and p v), 2 FLOPs per multiply-add
+        self.flops += 4.0 * b * g * rep * sq * k.shape[2] * d
+        self.pairs += pairs
 
 
 # ---------------------------------------------------------------------------------- block kernels
@@ -111,11 +106,11 @@ def _count(q: torch.Tensor, k: torch.Tensor, pairs: int) -> None:
 # repeat_interleave in ``causal_attention``; k, v (b, g, s, d); lse (b, g, rep, s) in fp32.
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-USE_FUSED = True  # the fused CPU kernel for blocks when present; False: the explicit math below
 
 
-def _fused(q: torch.Tensor) -> bool:
-    return USE_FUSED and _FLASH is not None and q.device.type == "cpu" and q.dtype == torch.float32
+def _fused(q: torch.Tensor, fused: bool) -> bool:
+    """The fused CPU kernel for blocks when asked for and present; else the explicit math."""
+    return fused and _FLASH is not None and q.device.type == "cpu" and q.dtype == torch.float32
 
 
 def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
@@ -137,9 +132,9 @@ def _heads(q: torch.Tensor, k: torch.Tensor):
     return qh, kh
 
 
-def _block_forward(q, k, v, causal, scale):
+def _block_forward(q, k, v, causal, scale, fused):
     """One block: (o, lse) of q (b, g, rep, sq, d) against k, v (b, g, sk, d)."""
-    if _fused(q):
+    if _fused(q, fused):
         b, g, rep, sq, d = q.shape
         qh, kh = _heads(q, k)
         vh = v.repeat_interleave(rep, dim=1) if rep > 1 else v
@@ -151,9 +146,9 @@ def _block_forward(q, k, v, causal, scale):
     return torch.matmul(p, v.unsqueeze(2)), lse
 
 
-def _block_backward(q, k, v, causal, lse, do, o, delta, scale):
+def _block_backward(q, k, v, causal, lse, do, o, delta, scale, fused):
     """One block's (dq, dk, dv), with the *merged* output ``o`` and ``lse`` of the whole row."""
-    if _fused(q):
+    if _fused(q, fused):
         b, g, rep, sq, d = q.shape
         qh, kh = _heads(q, k)
         vh = v.repeat_interleave(rep, dim=1) if rep > 1 else v
@@ -204,7 +199,7 @@ class RingAttention(torch.autograd.Function):
     """Causal attention over the cp-sharded sequence; q (b, s, h, d), k/v (b, s, g, d) local."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout):
+    def forward(ctx, q, k, v, group, layout, stats, fused):
         n, r = group.size, group.rank
         b, s, h, d = q.shape
         g = k.shape[2]
@@ -225,14 +220,16 @@ class RingAttention(torch.autograd.Function):
             src = (r - t) % n
             for rows, js, causal, pairs in step_plan(q_chunks, chunk_ids(src, n, layout), c):
                 kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
-                o, lse = _block_forward(qi[..., rows, :], kk, vv, causal, scale)
-                _count(qi[..., rows, :], kk, pairs)
+                o, lse = _block_forward(qi[..., rows, :], kk, vv, causal, scale, fused)
+                if stats is not None:
+                    stats.count(qi[..., rows, :], kk, pairs)
                 _merge(o_acc, lse_acc, o, lse, rows)
             if handle is not None:
                 handle.wait()
                 cur = nxt
         out = _from_inner_q(o_acc, q.dtype)
         ctx.group, ctx.layout, ctx.scale, ctx.g = group, layout, scale, g
+        ctx.stats, ctx.fused = stats, fused
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.save_for_backward(qi, kv, out, lse_acc)
         return out
@@ -241,11 +238,12 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qi, kv, out, lse = ctx.saved_tensors
         group, layout, scale, g = ctx.group, ctx.layout, ctx.scale, ctx.g
+        stats, fused = ctx.stats, ctx.fused
         n, r = group.size, group.rank
         c = qi.shape[-2] // 2
         doi = _to_inner_q(dout, g)
         oi = _to_inner_q(out, g)
-        delta = None if _fused(qi) else (doi * oi).sum(-1)  # the fused kernel forms its own
+        delta = None if _fused(qi, fused) else (doi * oi).sum(-1)  # the fused kernel forms its own
         dq = torch.zeros_like(qi)
         dkv_own = torch.zeros_like(kv)
         q_chunks = chunk_ids(r, n, layout)
@@ -271,8 +269,9 @@ class RingAttention(torch.autograd.Function):
                 dqb, dkb, dvb = _block_backward(qi[..., rows, :], kk, vv, causal, lse[..., rows],
                                                 doi[..., rows, :], oi[..., rows, :],
                                                 None if delta is None else delta[..., rows],
-                                                scale)
-                _count(qi[..., rows, :], kk, 2 * pairs)
+                                                scale, fused)
+                if stats is not None:
+                    stats.count(qi[..., rows, :], kk, 2 * pairs)
                 dq[..., rows, :] += dqb
                 for dst, part in ((contrib[0], dkb), (contrib[1], dvb)):
                     if js == [0, 1]:
@@ -299,13 +298,16 @@ class RingAttention(torch.autograd.Function):
         dq_out = _from_inner_q(dq, ctx.dtypes[0])
         dk = dkv_own[0].transpose(1, 2).to(ctx.dtypes[1])
         dv = dkv_own[1].transpose(1, 2).to(ctx.dtypes[2])
-        return dq_out, dk, dv, None, None
+        return dq_out, dk, dv, None, None, None, None
 
 
-def ring_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Tensor:
+def ring_attention(q, k, v, group: Any, layout: str = "zigzag", *,
+                   stats: AttentionStats | None = None, fused: bool = True) -> torch.Tensor:
+    """``stats``: count the executed blocks' FLOPs there (forward and backward); ``fused``:
+    False runs the explicit block math instead of the fused CPU kernel (any device and dtype)."""
     if group.size == 1:
         return L.causal_attention(q, k, v)
-    return RingAttention.apply(q, k, v, group, layout)
+    return RingAttention.apply(q, k, v, group, layout, stats, fused)
 
 
 # ---------------------------------------------------------------------------------- Ulysses

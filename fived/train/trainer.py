@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from ..comm import ops
 from ..comm.ops import Traffic
-from ..config import DIMS, ModelConfig, ParallelConfig, TrainConfig
-from ..dist.grid import DimGroup, Grid
+from ..config import ModelConfig, ParallelConfig, TrainConfig
+from ..dist.grid import GROUP_NAMES, DimGroup, Grid
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
 from ..model.moe import set_aux_grad_scale
@@ -35,7 +35,7 @@ from ..parallel.parallelize import dtype_of, parallelize
 from . import data as D
 
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "buffers", "padding")
-TRAFFIC_KEYS = DIMS + ("dense", "expert", "batch", "cp_tp")
+TRAFFIC_KEYS = GROUP_NAMES
 
 
 def measure_matmul_peak(seconds: float = 0.25, n: int = 512) -> float:
