@@ -116,25 +116,35 @@ def fived_runner(name: str, cfg: Any, par: Any, train: Any, rank: int, world: in
 
 def torch_ddp_runner(cfg: Any, train: Any, bucket_mb: float, world: int,
                      batch: Callable[[int], tuple]) -> Runner:
-    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..model import build_model
 
     model = build_model(cfg, train.seed)
     ddp = DDP(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+    return torch_runner("torch DDP", model, ddp, cfg, train, world, batch, set_to_none=False)
+
+
+def torch_runner(name: str, model: Any, forward: Any, cfg: Any, train: Any, world: int,
+                 batch: Callable[[int], tuple], set_to_none: bool) -> Runner:
+    """A torch peer's step: ``forward`` (the wrapped model) on the batch, AdamW, clipping.
+
+    Torch's wrappers average gradients over the world and fived sums them, so the peer's loss is
+    scaled by ``world`` to backpropagate the same gradient."""
+    import torch
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(train.beta1, train.beta2),
                             eps=train.eps, weight_decay=0.0)
-    scale = world / (train.global_batch * cfg.seq_len)  # DDP averages; fived sums
+    scale = world / (train.global_batch * cfg.seq_len)
 
     def step(i: int) -> None:
         x, y, pos = batch(i)
-        opt.zero_grad(set_to_none=False)
-        (ddp(x, pos, y) * scale).backward()
+        opt.zero_grad(set_to_none=set_to_none)
+        (forward(x, pos, y) * scale).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         opt.step()
 
-    return Runner("torch DDP", step, lambda: state_bytes_torch(model, opt))
+    return Runner(name, step, lambda: state_bytes_torch(model, opt))
 
 
 def run_rank(rank: int, world: int, build: Callable, args: argparse.Namespace) -> list[dict]:

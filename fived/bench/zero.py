@@ -14,11 +14,10 @@ from dataclasses import replace
 from typing import Any
 
 from . import harness
-from .harness import Runner, fived_runner, hidden_fraction, state_bytes_torch, torch_ddp_runner
+from .harness import Runner, fived_runner, hidden_fraction, torch_ddp_runner, torch_runner
 
 
 def fsdp2_runner(cfg: Any, train: Any, world: int, batch: Callable[[int], tuple]) -> Runner:
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -29,18 +28,7 @@ def fsdp2_runner(cfg: Any, train: Any, world: int, batch: Callable[[int], tuple]
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(train.beta1, train.beta2),
-                            eps=train.eps, weight_decay=0.0)
-    scale = world / (train.global_batch * cfg.seq_len)  # FSDP averages; fived sums
-
-    def step(i: int) -> None:
-        x, y, pos = batch(i)
-        opt.zero_grad(set_to_none=True)
-        (model(x, pos, y) * scale).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-        opt.step()
-
-    return Runner("torch FSDP2", step, lambda: state_bytes_torch(model, opt))
+    return torch_runner("torch FSDP2", model, model, cfg, train, world, batch, set_to_none=True)
 
 
 def zero_runners(cfg: Any, par: Any, train: Any, args: Any, rank: int, world: int,

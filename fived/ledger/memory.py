@@ -127,7 +127,9 @@ class Bucket:
         return self.padded - self.numel
 
 
-def _split(sizes: list[int], cap: int) -> list[list[int]]:
+def split_sizes(sizes: list[int], cap: int) -> list[list[int]]:
+    """Consecutive runs of ``sizes``, each closed before it would exceed ``cap`` (a run holds at
+    least one item): how the data-parallel engine cuts its buckets, shared with the runtime."""
     out: list[list[int]] = []
     cur: list[int] = []
     size = 0
@@ -186,7 +188,7 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     for _, n, ex in plist:
         groups.setdefault("expert" if ex else "dense", []).append(n)
     for g, ns in groups.items():
-        out += [Bucket(g, sum(piece), shards(g)) for piece in _split(ns, cap)]
+        out += [Bucket(g, sum(piece), shards(g)) for piece in split_sizes(ns, cap)]
     return tuple(out)
 
 

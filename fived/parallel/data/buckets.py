@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...ledger.memory import split_sizes
 from ..placement import Placement
 
 Named = tuple[str, nn.Parameter]
@@ -78,18 +79,11 @@ class Bucket:
 
 
 def split_buckets(named: list[Named], cap_elems: int) -> list[list[Named]]:
-    out: list[list[Named]] = []
-    cur: list[Named] = []
-    size = 0
-    for item in named:
-        n = item[1].numel()
-        if cur and size + n > cap_elems:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(item)
-        size += n
-    if cur:
-        out.append(cur)
+    """Runs of at most ``cap_elems`` elements, cut as the ledger cuts them (``split_sizes``)."""
+    out, start = [], 0
+    for run in split_sizes([p.numel() for _, p in named], cap_elems):
+        out.append(named[start:start + len(run)])
+        start += len(run)
     return out
 
 
