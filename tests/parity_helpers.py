@@ -19,6 +19,20 @@ from fived.testing import assemble_grads, grad_rel_diff, rel_diff, run_ranks
 TOL = 1e-5
 
 
+def offline_grid(par: ParallelConfig, rank: int):
+    """Rank ``rank``'s grid with every group it is in but no process group, for cutting a model
+    in this process (``parallelize_parts`` talks to no one). No process group is initialised
+    here, so a collective on it would fail, not go to the world. A one-rank layout can simply
+    ``connect`` instead."""
+    from fived.dist.grid import DimGroup, Grid
+
+    grid = Grid.from_config(par, rank)
+    for name in grid.group_names():
+        members = grid.members(Grid.named_dims(name))
+        grid.groups[name] = DimGroup(name, members, members.index(rank), None, None)
+    return grid
+
+
 def _train_runs(rank: int, world: int, runs: list[tuple]) -> list[dict[str, Any]]:
     from fived.train.trainer import train_rank
 

@@ -33,7 +33,7 @@ from fived.testing import assemble_grads, grad_rel_diff, rel_diff, small_train
 from fived.train import data as D
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parity_helpers import check_parity as _check, one_rank as _one_rank, train_runs  # noqa: E402,I001
+from parity_helpers import check_parity as _check, offline_grid, one_rank as _one_rank, train_runs  # noqa: E402,I001
 
 TOP2 = preset("tiny-moe")
 TOP1 = replace(TOP2, top_k=1)
@@ -134,10 +134,9 @@ def test_ep_cp_parity_dropless():
 # ------------------------------------------------------------------------ model-level checks
 
 def _rank_model(model_cfg, par: ParallelConfig, rank: int):
-    """This rank's (pp = 1) model and placements, built as the trainer builds them; the grid is
-    not connected (cutting a model talks to no one)."""
-    parts, placements = parallelize_parts(build_model(model_cfg, 7), Grid.from_config(par, rank),
-                                          par)
+    """This rank's (pp = 1) model and placements, built as the trainer builds them, in this
+    process (cutting a model talks to no one)."""
+    parts, placements = parallelize_parts(build_model(model_cfg, 7), offline_grid(par, rank), par)
     (model,) = parts
     return model, placements
 
