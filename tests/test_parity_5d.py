@@ -1,8 +1,8 @@
 """Every dimension at once: a 3-D, a 4-D and the full 5-D layout equal the one-rank run.
 
-* 3-D  tp2·pp2·dp2 (8 ranks) of tiny, with sequence parallelism;
-* 4-D  ep2·tp2·cp2·pp2 (16 ranks) of tiny-moe;
-* 5-D  tp2·cp2·ep2·pp2·dp2 (32 ranks) of tiny-moe.
+* 3-D  tp2·pp2·dp2 (8 ranks) of tiny, with sequence parallelism and ZeRO-2;
+* 4-D  ep2·tp2·cp2·pp2 (16 ranks) of tiny-moe (dense gradients reduced over ep·cp, DDP);
+* 5-D  tp2·cp2·ep2·pp2·dp2 (32 ranks) of tiny-moe, with ZeRO-1.
 
 Each trains 2 steps of a global batch of 8 sequences (2 micro-batches) and must match the
 one-rank run of the same model and data in the losses of both steps (1e-5 relative) and in
@@ -63,8 +63,8 @@ def check_layout(model, par: ParallelConfig, ref, path, timeout: float) -> None:
     assert main(["ledger", "--check", str(path)]) == 0
 
 
-def test_3d_tp_sp_pp_dp(references, tmp_path):
-    par = ParallelConfig(tp=2, pp=2, dp=2, sequence_parallel=True, micro_batches=2)
+def test_3d_tp_sp_pp_dp_zero2(references, tmp_path):
+    par = ParallelConfig(tp=2, pp=2, dp=2, sequence_parallel=True, zero=2, micro_batches=2)
     assert par.world_size == 8
     check_layout(TINY, par, references["tiny"], tmp_path / "3d.jsonl", timeout=600)
 
@@ -75,7 +75,7 @@ def test_4d_ep_tp_cp_pp(references, tmp_path):
     check_layout(MOE, par, references["tiny-moe"], tmp_path / "4d.jsonl", timeout=600)
 
 
-def test_5d_tp_cp_ep_pp_dp(references, tmp_path):
-    par = ParallelConfig(tp=2, cp=2, ep=2, pp=2, dp=2, micro_batches=2)
+def test_5d_tp_cp_ep_pp_dp_zero1(references, tmp_path):
+    par = ParallelConfig(tp=2, cp=2, ep=2, pp=2, dp=2, zero=1, micro_batches=2)
     assert par.world_size == 32
     check_layout(MOE, par, references["tiny-moe"], tmp_path / "5d.jsonl", timeout=900)
