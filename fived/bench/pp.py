@@ -49,9 +49,11 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
     from ..comm.ops import Traffic
     from ..config import ParallelConfig, preset
     from ..dist.grid import Grid
+    from ..model import build_model
     from ..model.layers import token_losses
+    from ..parallel.parallelize import parallelize_parts, pipeline_layout
     from ..parallel.pipeline.runtime import PipelineExecutor
-    from ..parallel.plan import Plan
+    from ..parallel.pipeline.stage import StageModel, stage_ids
 
     cfg = replace(preset(model_name), layers=layers)
     gen = torch.Generator().manual_seed(0)
@@ -65,7 +67,9 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
             continue
         par = ParallelConfig(pp=world, micro_batches=m, schedule=ours, virtual_stages=v)
         grid = Grid.from_config(par, rank).connect(Traffic())
-        ex = PipelineExecutor(cfg, par, Plan(cfg, par, 7, grid), grid)
+        chunks, _ = parallelize_parts(build_model(cfg, 7), grid, par)
+        stage = StageModel(chunks, stage_ids(pipeline_layout(par), rank))
+        ex = PipelineExecutor(cfg, par, grid, stage, torch.float32)
         ex.measure = False
         stages = [tp.PipelineStage(_Wrap(chunk, pos), rank + k * world, world * v,
                                    torch.device("cpu"), group=grid["pp"].pg)
