@@ -33,7 +33,8 @@ def offline_grid(par: ParallelConfig, rank: int):
     return grid
 
 
-def _train_runs(rank: int, world: int, runs: list[tuple]) -> list[dict[str, Any]]:
+def rank_runs(rank: int, world: int, runs: list[tuple]) -> list[dict[str, Any]]:
+    """On one rank: train each (model, layout, train) of ``runs``, recording the gradients."""
     from fived.train.trainer import train_rank
 
     return [train_rank(rank, world, m, p, t, show=False, record_grads=True) for m, p, t in runs]
@@ -51,7 +52,7 @@ def train_runs(runs: list[tuple[ModelConfig, ParallelConfig, TrainConfig]],
     """[(model, layout, train)] of one world size, trained in one spawn -> ``gathered`` each."""
     world = runs[0][1].world_size
     assert all(p.world_size == world for _, p, _ in runs), [p.describe() for _, p, _ in runs]
-    per_rank = run_ranks(_train_runs, world, runs, timeout=timeout)
+    per_rank = run_ranks(rank_runs, world, runs, timeout=timeout)
     return [gathered([per_rank[r][i] for r in range(world)]) for i in range(len(runs))]
 
 

@@ -19,7 +19,7 @@ from fived.parallel.tensor import tp_traffic_bytes
 from fived.testing import grad_rel_diff, rel_diff, run_ranks, small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parity_helpers import _train_runs, check_parity as _check, gathered, one_rank, train_runs  # noqa: E402,I001
+from parity_helpers import rank_runs, check_parity as _check, gathered, one_rank, train_runs  # noqa: E402,I001
 
 MODEL = preset("tiny")  # heads 4, kv_heads 2: tp=4 replicates the kv heads
 TIED = replace(MODEL, tied_embeddings=True)
@@ -64,7 +64,7 @@ WORLD2 = [  # overlap (the default) and the plain copy_to/gather_from regions (-
 def _world2(rank: int, world: int) -> dict:
     """Everything the default suite checks on 2 ranks, in one spawn."""
     return {"loss": _loss_grads(rank, world), "activations": _activations(rank, world),
-            "runs": _train_runs(rank, world, [(m, p, TRAIN) for m, p in WORLD2])}
+            "runs": rank_runs(rank, world, [(m, p, TRAIN) for m, p in WORLD2])}
 
 
 @pytest.fixture(scope="module")
