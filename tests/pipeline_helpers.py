@@ -11,15 +11,19 @@ from fived.config import ModelConfig, ParallelConfig, TrainConfig
 
 def train_many(rank: int, world: int, model: ModelConfig, pars: list[ParallelConfig],
                train: TrainConfig) -> list[dict[str, Any]]:
-    """Train several layouts of the same world size in one spawn (saves process start-ups)."""
+    """Train several layouts of the same world size in one spawn (saves process start-ups);
+    each summary holds this rank's first-step gradient pieces (``fived.testing.assemble_grads``
+    joins the ranks')."""
     from fived.train.trainer import train_rank
 
-    return [train_rank(rank, world, model, par, train, show=False) for par in pars]
+    return [train_rank(rank, world, model, par, train, show=False, record_grads=True)
+            for par in pars]
 
 
 def grads_one_step(rank: int, world: int, model: ModelConfig, par: ParallelConfig,
                    train: TrainConfig) -> dict[str, Any]:
-    """One step's reduced gradients by global parameter name, this rank's local loss, stats."""
+    """One step's reduced gradient pieces with their placements (``Trainer.grad_pieces``), this
+    rank's local loss, the executor's stats."""
     from fived.train.trainer import Trainer
 
     torch.manual_seed(train.seed)
@@ -28,8 +32,7 @@ def grads_one_step(rank: int, world: int, model: ModelConfig, par: ParallelConfi
     t.engine.zero_grad()
     loss = t.forward_backward(x, y, pos, 1.0 / (train.global_batch * model.seq_len))
     t.engine.finish()
-    grads = {n: p.grad.detach().double().numpy().copy() for n, p in t.stage.named_parameters()
-             if p.grad is not None}
+    grads = t.grad_pieces()
     stats = t.executor.stats if t.executor is not None else {}
     return {"grads": grads, "loss": float(loss), "stats": stats,
             "traffic": t.traffic.as_dict()}

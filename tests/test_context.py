@@ -4,19 +4,25 @@
   gathered sequence), its bytes on the wire (exact), its saved activations (exact formula, 1/cp)
   and its per-rank FLOPs (zigzag balanced, contiguous not) — one spawn per cp degree;
 * whole-model parity, cp ∈ {2, 4} × {ring, ulysses}, alone and with dp=2 / tp=2, on tiny and on
-  a sequence 8× longer — losses over 5 steps within 1e-5 relative, cp traffic per step exact.
+  a sequence 8× longer — losses over 5 steps and every parameter's gathered first-step gradient
+  within 1e-5 relative, cp traffic per step exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 
 import pytest
 import torch
 
 from fived.config import ConfigError, ParallelConfig, preset, validate
 from fived.parallel import context as C
-from fived.testing import rel_diff, run_ranks, small_train, train_layout
+from fived.testing import run_ranks, small_train
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import check_parity, one_rank, train_runs  # noqa: E402
 
 MODEL = preset("tiny")
 LONG = dataclasses.replace(MODEL, seq_len=512)  # 8× the tiny default
@@ -196,12 +202,12 @@ def test_ring_saves_only_local_tensors_on_one_rank():
 # ------------------------------------------------------------------------------ whole model
 @pytest.fixture(scope="module")
 def reference():
-    return train_layout(MODEL, ParallelConfig(), small_train())[0]
+    return one_rank(MODEL, small_train())
 
 
 @pytest.fixture(scope="module")
 def reference_long():
-    return train_layout(LONG, ParallelConfig(), small_train(global_batch=2))[0]
+    return one_rank(LONG, small_train(global_batch=2))
 
 
 def _check_cp_traffic(out, model, par, train):
@@ -210,15 +216,19 @@ def _check_cp_traffic(out, model, par, train):
     per = C.traffic_per_layer(par.cp_mode, b, model.seq_len // par.cp, hl, gl, model.head_dim,
                               par.cp)
     want = model.layers * (per["forward"] + per["backward"])
-    for rank_summary in out:
+    for rank_summary in out["ranks"]:
         for rank_traffic in rank_summary["history"][-1]["traffic_per_rank"]:
             assert rank_traffic["bytes"].get("cp", 0.0) == want
 
 
+def _train(model, par, train):
+    """Every rank's summary and the gathered first-step gradients (``parity_helpers``)."""
+    return train_runs([(model, par, train)])[0]
+
+
 def _parity(reference, model, par, train):
-    out = train_layout(model, par, train)
-    for rank_summary in out:
-        assert rel_diff(rank_summary["losses"], reference["losses"]) < 1e-5
+    out = _train(model, par, train)
+    check_parity(out, reference, par)  # every rank's losses, every parameter's gradient
     assert reference["losses"][-1] < reference["losses"][0]
     _check_cp_traffic(out, model, par, train)
     return out
@@ -253,9 +263,8 @@ def test_cp_with_tp_matches_one_rank(reference, mode):
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_cp_matrix(reference, cp, extra, mode):
     par = ParallelConfig(cp=cp, cp_mode=mode, **extra)
-    out = train_layout(MODEL, par, small_train())
-    for rank_summary in out:
-        assert rel_diff(rank_summary["losses"], reference["losses"]) < 1e-5
+    out = _train(MODEL, par, small_train())
+    check_parity(out, reference, par)
     if extra.get("recompute") is None:
         _check_cp_traffic(out, MODEL, par, small_train())
 
@@ -270,9 +279,7 @@ def test_cp4_with_tp2_matches_one_rank(reference):
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_cp_with_pp_matches_one_rank(reference, mode):
     par = ParallelConfig(cp=2, pp=2, micro_batches=2, cp_mode=mode)
-    out = train_layout(MODEL, par, small_train())
-    for rank_summary in out:
-        assert rel_diff(rank_summary["losses"], reference["losses"]) < 1e-5
+    check_parity(_train(MODEL, par, small_train()), reference, par)
 
 
 def test_cost_module_is_torch_free():

@@ -1,7 +1,8 @@
 """Mixture of experts and expert parallelism (issue 8).
 
-* parity (dropless, fp32): ep ∈ {2, 4}, top-1 and top-2, alone and with dp=2 (tp=2, pp=2 when
-  those dimensions are built), equal to the one-rank run to 1e-5 relative over 5 steps;
+* parity (dropless, fp32): ep ∈ {2, 4}, top-1 and top-2, alone and with dp=2, tp=2, pp=2, equal
+  to the one-rank run to 1e-5 relative over 5 steps — losses, grad norms, aux losses, routing,
+  and every parameter's gathered first-step gradient;
 * the aux losses: injected gradient == autograd of the explicit total; layout-independent value;
 * capacity: dropped assignments == a direct count on the one-rank run, and the same under ep;
 * ledger: each rank's expert-parameter bytes and its ep all-to-all bytes equal the formulas in
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from dataclasses import replace
 
 import pytest
@@ -24,11 +27,13 @@ from fived.dist.grid import Grid
 from fived.ledger.params import expert_param_bytes
 from fived.ledger.traffic import bytes_by_group, ep_routed_bytes, ep_traffic, micro_batch_size
 from fived.model import build_model
-from fived.model.moe import capacity, capacity_keep
-from fived.parallel.expert import moe_layers
-from fived.parallel.plan import Plan
-from fived.testing import rel_diff, small_train, train_layout
+from fived.model.moe import capacity, capacity_keep, moe_layers, set_aux_grad_scale
+from fived.parallel.parallelize import parallelize_parts
+from fived.testing import assemble_grads, grad_rel_diff, rel_diff, small_train
 from fived.train import data as D
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import check_parity as _check, offline_grid, one_rank as _one_rank, train_runs  # noqa: E402,I001
 
 TOP2 = preset("tiny-moe")
 TOP1 = replace(TOP2, top_k=1)
@@ -38,34 +43,33 @@ _cache: dict = {}
 
 
 def run(top_k: int, par: ParallelConfig, train: TrainConfig | None = None, model=None):
-    """Train once per (model, layout, run) per test session; every rank's summary."""
+    """Train once per (model, layout, run) per test session: every rank's summary
+    (``["ranks"]``) and the gathered first-step gradients (``["grads"]``)."""
     model = model or MODELS[top_k]
     train = train or small_train()
     key = (model, par, train)
     if key not in _cache:
-        _cache[key] = train_layout(model, par, train)
+        _cache[key] = train_runs([(model, par, train)])[0]
     return _cache[key]
 
 
 def one_rank(top_k: int, model=None, train: TrainConfig | None = None):
-    """The one-rank reference, in this process (world 1 needs no process group)."""
-    from fived.train.trainer import train_rank
-
+    """The one-rank reference, in this process, computed once per (model, run)."""
     model = model or MODELS[top_k]
     train = train or small_train()
     key = ("one", model, train)
     if key not in _cache:
-        _cache[key] = train_rank(0, 1, model, ParallelConfig(), train, show=False)
+        _cache[key] = _one_rank(model, train)
     return _cache[key]
 
 
 def check_parity(top_k: int, par: ParallelConfig) -> None:
     ref = one_rank(top_k)
     out = run(top_k, par)
-    for s in out:
-        assert len(s["losses"]) >= 5
-        assert rel_diff(s["losses"], ref["losses"]) < 1e-5, (par, s["losses"], ref["losses"])
-        for h, hr in zip(s["history"], ref["history"]):
+    assert len(ref["losses"]) >= 5
+    _check(out, ref, par)  # every rank's losses; every parameter's first-step gradient
+    for s in out["ranks"]:
+        for h, hr in zip(s["history"], ref["ranks"][0]["history"]):
             assert rel_diff([h["grad_norm"]], [hr["grad_norm"]]) < 1e-5
             assert rel_diff([h["moe"]["aux_loss"], h["moe"]["z_loss"]],
                             [hr["moe"]["aux_loss"], hr["moe"]["z_loss"]]) < 1e-5
@@ -129,23 +133,42 @@ def test_ep_cp_parity_dropless():
 
 # ------------------------------------------------------------------------ model-level checks
 
+def _rank_model(model_cfg, par: ParallelConfig, rank: int):
+    """This rank's (pp = 1) model and placements, built as the trainer builds them, in this
+    process (cutting a model talks to no one)."""
+    parts, placements = parallelize_parts(build_model(model_cfg, 7), offline_grid(par, rank), par)
+    (model,) = parts
+    return model, placements
+
+
 def test_parameter_names_do_not_depend_on_ep():
-    names = set(n for n, _ in build_model(TOP2, Plan(TOP2, ParallelConfig(), 7)).named_parameters())
+    full = dict(build_model(TOP2, 7).named_parameters())
+    assert any(n.endswith("block_sparse_moe.experts.3.w2.weight") for n in full)
     union: dict[str, torch.Tensor] = {}
-    full = dict(build_model(TOP2, Plan(TOP2, ParallelConfig(), 7)).named_parameters())
-    par = ParallelConfig(ep=4)
-    for r in range(4):
-        plan = Plan(TOP2, par, 7, Grid.from_config(par, r))
-        for n, p in build_model(TOP2, plan).named_parameters():
-            assert n in names
-            assert torch.equal(p, full[n])  # same init on any layout
-            if ".experts." in n:
-                assert n not in union
-                assert getattr(p, "_fived_expert", False)
-                e = int(n.split(".experts.")[1].split(".")[0])
-                assert e // (TOP2.experts // 4) == r  # contiguous blocks of experts
-            union[n] = p
-    assert set(union) == names
+    for par in (ParallelConfig(), ParallelConfig(ep=4)):
+        for r in range(par.ep):
+            model, placements = _rank_model(TOP2, par, r)
+            params = dict(model.named_parameters())
+            assert set(params) == set(placements)
+            for n, p in params.items():
+                assert n in full
+                assert torch.equal(p, full[n])  # same init on any layout
+                pl = placements[n]
+                assert (pl.name, pl.shape, pl.parts, pl.grad_sum) == (n, tuple(p.shape), 1, ())
+                if ".experts." in n:  # routed experts: reduced over dp·cp only, with any ep
+                    assert pl.grad_group == "expert", n
+                    e = int(n.split(".experts.")[1].split(".")[0])
+                    assert e // (TOP2.experts // par.ep) == r  # contiguous blocks of experts
+                    if par.ep > 1:
+                        assert n not in union
+                else:
+                    assert pl.grad_group == "dense", n
+                if par.ep > 1:
+                    union[n] = p
+            moes = moe_layers(model)
+            assert len(moes) == TOP2.layers
+            assert all((m.dispatch is None) == (par.ep == 1) for m in moes)
+    assert set(union) == set(full)
 
 
 def _batch(model, step=0, batch=4):
@@ -155,7 +178,8 @@ def _batch(model, step=0, batch=4):
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_aux_gradient_injection_equals_explicit_total(shared):
-    """Trainer convention: backward of CE·scale, aux losses injected with plan.loss_scale.
+    """Trainer convention: backward of CE·scale, aux losses injected with
+    ``set_aux_grad_scale(model, scale)`` (each MoE layer's ``aux_grad_scale``).
     Must equal autograd of CE·scale + Σ_layers aux_local·scale (aux_local = coef·seq_len·ΣB +
     coef_z·Σz², i.e. coef·ΣB/global_sequences + coef_z·Σz²/global_tokens after the scale)."""
     cfg = replace(TOP2, shared_expert=shared, aux_loss_coef=0.3, z_loss_coef=0.05)
@@ -163,10 +187,10 @@ def test_aux_gradient_injection_equals_explicit_total(shared):
     scale = 1.0 / x.numel()
     grads = []
     for inject in (True, False):
-        plan = Plan(cfg, ParallelConfig(), 7)
-        plan.loss_scale = scale if inject else 0.0
-        model = build_model(cfg, plan)
+        model = build_model(cfg, 7)
+        set_aux_grad_scale(model, scale if inject else 0.0)
         for m in moe_layers(model):
+            assert m.aux_grad_scale == (scale if inject else 0.0)
             m.keep_aux = True
         loss = model(x, pos, y) * scale
         if not inject:
@@ -175,18 +199,17 @@ def test_aux_gradient_injection_equals_explicit_total(shared):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-9, msg=n)
-    router = [n for n in grads[0] if n.endswith("router.weight")]
-    assert router and all(grads[0][n].abs().sum() > 0 for n in router)
+    router = [n for n in grads[0] if n.endswith("block_sparse_moe.gate.weight")]
+    assert len(router) == cfg.layers and all(grads[0][n].abs().sum() > 0 for n in router)
 
 
 def test_balance_loss_is_one_when_uniform():
     """B = E·Σ f·P is exactly 1 per sequence when the router probabilities are uniform."""
     cfg = replace(TOP2, layers=1)
-    plan = Plan(cfg, ParallelConfig(), 7)
-    model = build_model(cfg, plan)
+    model = build_model(cfg, 7)
     moe = moe_layers(model)[0]
     with torch.no_grad():
-        moe.router.weight.zero_()
+        moe.gate.weight.zero_()
     x = torch.randn(2, 8, cfg.hidden)
     moe(x)
     # zero router: p uniform (1/E); top-k picks the first k experts: f = 1/k on k experts
@@ -210,7 +233,8 @@ CAP = replace(TOP2, capacity_factor=1.0)
 
 def test_dropped_tokens_match_direct_count_and_ep():
     """The one-rank run's dropped assignments == a direct count from the router inputs
-    (Σ_seq Σ_e max(0, n_{seq,e} − C)); ep=2 drops exactly the same and keeps parity."""
+    (Σ_seq Σ_e max(0, n_{seq,e} − C)); ep=2 drops exactly the same and keeps parity (losses and
+    first-step gradients)."""
     from fived.train.trainer import Trainer
 
     train = small_train()
@@ -219,7 +243,7 @@ def test_dropped_tokens_match_direct_count_and_ep():
 
     def hook(mod, args):
         (x,) = args
-        logits = x.float().reshape(-1, x.shape[-1]) @ mod.router.weight.float().t()
+        logits = x.float().reshape(-1, x.shape[-1]) @ mod.gate.weight.float().t()
         top = logits.topk(CAP.top_k, dim=-1).indices.view(x.shape[0], -1)
         cap = math.ceil(CAP.capacity_factor * x.shape[1] * CAP.top_k / CAP.experts)
         for seq in top:
@@ -229,18 +253,19 @@ def test_dropped_tokens_match_direct_count_and_ep():
 
     for m in moe_layers(tr.stage):
         m.register_forward_pre_hook(hook)
-    ref = []
+    ref, grads = [], {}
     for step in range(train.steps):
         direct["dropped"] = 0
         direct["kept"].zero_()
-        rec = tr.step(step)
+        rec = tr.step(step, (lambda: grads.update(tr.grad_pieces())) if step == 0 else None)
         assert rec["moe"]["dropped"] == direct["dropped"] > 0
         assert rec["moe"]["tokens_per_expert"] == direct["kept"].tolist()
         ref.append(rec)
     out = run(2, ParallelConfig(ep=2), model=CAP)
-    for s in out:
+    for s in out["ranks"]:
         assert [h["moe"]["dropped"] for h in s["history"]] == [r["moe"]["dropped"] for r in ref]
         assert rel_diff(s["losses"], [r["loss"] for r in ref]) < 1e-5
+    assert grad_rel_diff(out["grads"], assemble_grads([grads])) < 1e-5
 
 
 # ------------------------------------------------------------------------ ledger
@@ -257,8 +282,8 @@ def test_expert_and_all_to_all_bytes_equal_formula(par):
     ep_groups = grid.partition(("ep",))
     layers_on_rank = TOP2.layers // par.pp
     forwards = [layers_on_rank * par.micro_batches] * par.world_size
-    ref_params = one_rank(2)["history"][-1]["memory"]["params"]
-    for s in out:
+    ref_params = one_rank(2)["ranks"][0]["history"][-1]["memory"]["params"]
+    for s in out["ranks"]:
         for h in s["history"]:
             moe = h["moe"]
             assert moe["forwards"] == forwards
@@ -273,12 +298,12 @@ def test_expert_and_all_to_all_bytes_equal_formula(par):
                 if par.pp == 1 and par.tp == 1:
                     assert mem["params"] == ref_params - all_experts + want
     if par.recompute == "full":  # stats are not re-counted by the recompute; parity holds
-        assert rel_diff(out[0]["losses"], one_rank(2)["losses"]) < 1e-5
+        _check(out, one_rank(2), par)
         return
     # the balanced-routing estimate is the right order of magnitude (routing is uneven)
     mb = micro_batch_size(par, small_train().global_batch)
     est = bytes_by_group(ep_traffic(TOP2, par, mb))["ep"]
-    assert 0.3 < out[0]["history"][-1]["traffic"]["ep"] / est < 3
+    assert 0.3 < out["ranks"][0]["history"][-1]["traffic"]["ep"] / est < 3
 
 
 def test_expert_bytes_formula_values():
@@ -314,13 +339,13 @@ def test_jsonl_and_display_carry_moe_stats(tmp_path, capsys):
 
 def _dispatch_rank(rank: int, world: int) -> list[float]:
     from fived.comm.ops import Traffic
-    from fived.model.moe import MoE
-    from fived.parallel.expert import dispatch
 
     par = ParallelConfig(ep=world)
     grid = Grid.from_config(par, rank).connect(Traffic())
-    moe = MoE(TOP2, Plan(TOP2, par, 7, grid), "layers.0.mlp.")
-    full = MoE(TOP2, Plan(TOP2, ParallelConfig(), 7), "layers.0.mlp.")
+    parts, _ = parallelize_parts(build_model(TOP2, 7), grid, par)
+    moe = moe_layers(parts[0])[0]  # this rank's experts; dispatch over grid["ep"]
+    full = moe_layers(build_model(TOP2, 7))[0]
+    assert moe.local_experts == [2 * rank, 2 * rank + 1]
     E, h = TOP2.experts, TOP2.hidden
     cases = {  # counts per expert this rank sends: uneven, all-remote, nothing at all
         "uneven": [3, 0, 5, 1] if rank == 0 else [0, 2, 0, 7],
@@ -332,7 +357,7 @@ def _dispatch_rank(rank: int, world: int) -> list[float]:
         gen = torch.Generator().manual_seed(100 + rank)
         rows = torch.randn(sum(counts), h, generator=gen)
         a, b = rows.clone().requires_grad_(True), rows.clone().requires_grad_(True)
-        y = dispatch(a, torch.tensor(counts), moe)
+        y = moe.dispatch(a, torch.tensor(counts), moe.compute_local)
         ref = full.compute_local(b, counts)
         (y * y).sum().backward()
         (ref * ref).sum().backward()

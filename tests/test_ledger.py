@@ -30,14 +30,10 @@ def test_mixtral_count_and_active():
 def test_tiny_matches_the_runtime_model():
     torch = pytest.importorskip("torch")
     from fived.model import build_model
-    from fived.parallel.plan import Plan
 
     for name in ("tiny", "tiny-moe"):
         m = preset(name)
-        try:
-            model = build_model(m, Plan(m, ParallelConfig(), 1))
-        except ModuleNotFoundError:
-            continue  # the MoE layer is not in this build
+        model = build_model(m, 1)
         assert sum(p.numel() for p in model.parameters()) == params.total_params(m)
     del torch
 
@@ -178,13 +174,16 @@ def test_pipeline_inflight_factor():
 def test_activations_match_saved_tensors(recompute):
     """fp32 one-rank forward: the ledger's activation bytes vs autograd's saved tensors."""
     torch = pytest.importorskip("torch")
+    from fived.comm.ops import Traffic
+    from fived.dist.grid import Grid
     from fived.model import build_model
-    from fived.parallel.plan import Plan
+    from fived.parallel.parallelize import parallelize_parts
     from fived.train.activations import SavedTensors
 
     m = preset("tiny")
     par = ParallelConfig(recompute=recompute)
-    model = build_model(m, Plan(m, par, 1))
+    grid = Grid.from_config(par).connect(Traffic())  # one rank: no process group needed
+    (model,), _ = parallelize_parts(build_model(m, 1), grid, par)
     b = 2
     x = torch.randint(0, m.vocab, (b, m.seq_len))
     with SavedTensors(list(model.parameters())) as s:

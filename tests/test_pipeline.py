@@ -1,8 +1,9 @@
 """Pipeline parity, traffic and measurement on gloo ranks.
 
-Default (fast): pp=2 × every schedule, pp=4 × 1F1B and ZB-H1, pp=2 × dp=2, each equal to the
-one-rank run to 1e-5 relative over 5 steps; pp bytes = activation + gradient bytes per boundary
-per micro-batch; gradients of one step equal the one-rank gradients; the measured bubble of a
+Default (fast): pp=2 × every schedule, pp=4 × 1F1B and ZB-H1, each equal to the one-rank run
+to 1e-5 relative over 5 steps (losses) and in every parameter's gathered first-step gradient;
+pp bytes = activation + gradient bytes per boundary per micro-batch; one step's gradients
+outside the training loop equal the one-rank gradients; the measured bubble of a
 sleep-dominated stage cost is within 15% of the formula. ``-m slow``: the full matrix
 pp ∈ {2, 4} × every schedule × m ∈ {pp, 2pp}, alone, with dp=2 and with tp=2.
 
@@ -18,9 +19,10 @@ import pytest
 
 from fived.config import ParallelConfig, preset
 from fived.parallel.pipeline import schedules as S
-from fived.testing import rel_diff, run_ranks, small_train
+from fived.testing import assemble_grads, grad_rel_diff, run_ranks, small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import check_parity, gathered, one_rank  # noqa: E402
 from pipeline_helpers import suite, train_many  # noqa: E402
 
 MODEL = preset("tiny")
@@ -33,15 +35,16 @@ def _par(schedule: str, pp: int, m: int, **kw) -> ParallelConfig:
 
 @pytest.fixture(scope="module")
 def reference():
-    out = run_ranks(suite, 1, MODEL, [ParallelConfig()], small_train(), [ParallelConfig()])[0]
-    return {"losses": out["train"][0]["losses"], "grads": out["grads"][0]}
+    """The one-rank run: losses, and the first step's gradients (the same step-0 batch and
+    initial weights as ``grads_one_step``)."""
+    return one_rank(MODEL, small_train())
 
 
 def _assert_parity(pars, out, reference):
+    """``out``: per rank, per layout, the trained summary with its gradient pieces."""
     for i, par in enumerate(pars):
-        for rank_out in out:
-            d = rel_diff(rank_out[i]["losses"], reference["losses"])
-            assert d < 1e-5, (par.describe(), par.schedule, par.micro_batches, d)
+        check_parity(gathered([rank_out[i] for rank_out in out]), reference,
+                     (par.describe(), par.schedule, par.micro_batches))
 
 
 def _assert_pp_bytes(pars, out, tr=None):
@@ -60,15 +63,16 @@ def _assert_pp_bytes(pars, out, tr=None):
             assert per_rank["bytes"]["pp"] == boundaries * par.micro_batches * act, (par, r)
 
 
-def _assert_grads(out, reference):
-    names = set()
-    for o in out:
-        for n, g in o["grads"].items():
-            r = reference["grads"]["grads"][n]
-            names.add(n)
-            assert abs(g - r).max() <= 1e-5 * abs(r).max() + 1e-12, n
-    assert names == set(reference["grads"]["grads"])
-    assert out[-1]["loss"] == pytest.approx(reference["grads"]["loss"], rel=1e-6)
+def _assert_grads(out, reference, model=MODEL, train=None):
+    """One step's gradients (``grads_one_step`` on every rank), gathered, equal the one-rank
+    first-step gradients: relative L2 per parameter, and elementwise to 1e-5 of its largest."""
+    train = train or small_train()
+    grads = assemble_grads([o["grads"] for o in out])
+    assert grad_rel_diff(grads, reference["grads"]) < 1e-5
+    for n, r in reference["grads"].items():
+        assert (grads[n] - r).abs().max() <= 1e-5 * r.abs().max() + 1e-12, n
+    tokens = train.global_batch * model.seq_len  # only the last stage holds the loss
+    assert out[-1]["loss"] == pytest.approx(reference["losses"][0] * tokens, rel=1e-6)
     assert all(o["loss"] == 0.0 for o in out[:-1])
 
 
@@ -134,8 +138,7 @@ TRAIN16 = small_train(global_batch=16)
 
 @pytest.fixture(scope="module")
 def reference8():
-    out = run_ranks(suite, 1, MODEL8, [ParallelConfig()], TRAIN16, [ParallelConfig()])[0]
-    return {"losses": out["train"][0]["losses"], "grads": out["grads"][0]}
+    return one_rank(MODEL8, TRAIN16)
 
 
 @pytest.mark.slow

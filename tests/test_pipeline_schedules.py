@@ -1,14 +1,20 @@
 """Schedules as data, the checker, the bubble arithmetic and the partition (no processes)."""
 
+import os
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
 from fived.config import ConfigError, ParallelConfig, preset
+from fived.model import build_model
+from fived.parallel.parallelize import parallelize_parts
 from fived.parallel.pipeline import schedules as S
-from fived.parallel.pipeline.stage import balanced_split, build_stage, partition
-from fived.parallel.plan import Plan
+from fived.parallel.pipeline.stage import StageModel, balanced_split, partition, stage_ids
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import offline_grid  # noqa: E402
 
 MATRIX = [(name, p, m) for name in S.NAMES for p in (2, 4) for m in (p, 2 * p)]
 
@@ -105,8 +111,8 @@ def test_executor_refuses_a_broken_schedule_before_running():
     s = _broken("1f1b", 2, 2)
     s.ranks[1].reverse()
     with pytest.raises(S.ScheduleError):
-        PipelineExecutor(preset("tiny"), ParallelConfig(pp=2, micro_batches=2), None,
-                         _FakeGrid(), sched=s)
+        PipelineExecutor(preset("tiny"), ParallelConfig(pp=2, micro_batches=2), _FakeGrid(),
+                         None, torch.float32, sched=s)
 
 
 class _FakeGrid:
@@ -140,18 +146,26 @@ def test_pp_layers_by_hand():
 
 @pytest.mark.parametrize("pp,v,layers", [(2, 1, ()), (4, 1, ()), (2, 2, ()), (2, 1, (3, 1))])
 def test_any_split_builds_the_same_model(pp, v, layers):
+    """Each pipeline rank's stage (its chunks of the plain model, as ``parallelize`` cuts them)
+    holds its layers under their global names with the one-rank weights and whole placements;
+    the ranks together hold every parameter exactly once."""
     cfg = preset("tiny")
-    one = Plan(cfg, ParallelConfig(), 7)
-    from fived.model import build_model
-
-    ref = dict(build_model(cfg, one).named_parameters())
+    ref = dict(build_model(cfg, 7).named_parameters())
     par = ParallelConfig(pp=pp, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b",
                          pp_layers=layers)
+    stages = partition(cfg, par)
     seen = {}
     for r in range(pp):
-        stage = build_stage(cfg, par, Plan(cfg, par, 7), r)
-        for n, p in stage.named_parameters():
+        chunks, placements = parallelize_parts(build_model(cfg, 7), offline_grid(par, r), par)
+        ids = stage_ids(par, r)
+        assert [c.layer_ids for c in chunks] == [stages[s] for s in ids]
+        assert [(c.first, c.last) for c in chunks] == [(s == 0, s == pp * v - 1) for s in ids]
+        stage = StageModel(chunks, ids)
+        named = dict(stage.named_parameters())
+        assert sorted(named) == sorted(placements)
+        for n, p in named.items():
             assert n not in seen, n
+            assert placements[n] == placements[n].__class__(n, tuple(ref[n].shape)), n
             seen[n] = p
     assert sorted(seen) == sorted(ref)
     for n, p in ref.items():

@@ -1,11 +1,14 @@
-"""Tensor (+ sequence) parallelism: parity with one rank, traffic == formula, SP activations.
+"""Tensor (+ sequence) parallelism: parity with one rank (losses and every parameter's gathered
+first-step gradient), traffic == formula, SP activations.
 
-Layouts that share a world size train in one spawn (``_train_many``) to keep the default suite
+Layouts that share a world size train in one spawn (``train_runs``) to keep the default suite
 short; the full matrix (tp ∈ {2, 4} × SP × dp × ZeRO) is under ``-m slow``.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import replace
 
 import pytest
@@ -13,45 +16,39 @@ import torch
 
 from fived.config import ParallelConfig, preset
 from fived.parallel.tensor import tp_traffic_bytes
-from fived.testing import rel_diff, run_ranks, small_train
+from fived.testing import grad_rel_diff, rel_diff, run_ranks, small_train
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import rank_runs, check_parity as _check, gathered, one_rank, train_runs  # noqa: E402,I001
 
 MODEL = preset("tiny")  # heads 4, kv_heads 2: tp=4 replicates the kv heads
 TIED = replace(MODEL, tied_embeddings=True)
 TRAIN = small_train()
 
 
-def _train_many(rank: int, world: int, runs: list) -> list:
-    from fived.train.trainer import train_rank
-
-    return [train_rank(rank, world, m, p, TRAIN, show=False) for m, p in runs]
-
-
-def train_many(runs: list) -> list[list[dict]]:
-    """[(model, par)] of one world size -> per run, every rank's summary."""
-    world = runs[0][1].world_size
-    assert all(p.world_size == world for _, p in runs)
-    per_rank = run_ranks(_train_many, world, runs, timeout=600)
-    return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
+def train_many(runs: list) -> list[dict]:
+    """[(model, par)] of one world size -> per run, every rank's summary and the gradients."""
+    return train_runs([(m, p, TRAIN) for m, p in runs])
 
 
 @pytest.fixture(scope="module")
 def reference():
-    ref, tied = train_many([(MODEL, ParallelConfig()), (TIED, ParallelConfig())])
-    return {False: ref[0], True: tied[0]}
+    return {False: one_rank(MODEL, TRAIN), True: one_rank(TIED, TRAIN)}
 
 
-def check_parity(out: list[dict], ref: dict) -> None:
+def check_parity(out: dict, ref: dict, what=None) -> None:
+    """Every rank's losses and grad norms over 5 steps, and the first step's gradients."""
     assert len(ref["losses"]) >= 5
-    for s in out:
-        assert rel_diff(s["losses"], ref["losses"]) < 1e-5, (s["losses"], ref["losses"])
-        norms = [h["grad_norm"] for h in s["history"]]
-        assert rel_diff(norms, [h["grad_norm"] for h in ref["history"]]) < 1e-5
+    _check(out, ref, what)
+    ref_norms = [h["grad_norm"] for h in ref["ranks"][0]["history"]]
+    for s in out["ranks"]:
+        assert rel_diff([h["grad_norm"] for h in s["history"]], ref_norms) < 1e-5, what
 
 
-def check_traffic(out: list[dict], model, par: ParallelConfig) -> None:
+def check_traffic(out: dict, model, par: ParallelConfig) -> None:
     micro = TRAIN.global_batch // (par.dp * par.ep) // par.micro_batches
     want = sum(tp_traffic_bytes(model, par, micro).values())
-    for s in out:
+    for s in out["ranks"]:
         for rank_traffic in s["history"][-1]["traffic_per_rank"]:
             assert rank_traffic["bytes"]["tp"] == want
         assert s["history"][-1]["traffic"]["tp"] == want
@@ -67,7 +64,7 @@ WORLD2 = [  # overlap (the default) and the plain copy_to/gather_from regions (-
 def _world2(rank: int, world: int) -> dict:
     """Everything the default suite checks on 2 ranks, in one spawn."""
     return {"loss": _loss_grads(rank, world), "activations": _activations(rank, world),
-            "runs": _train_many(rank, world, WORLD2)}
+            "runs": rank_runs(rank, world, [(m, p, TRAIN) for m, p in WORLD2])}
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +72,53 @@ def world2():
     per_rank = run_ranks(_world2, 2, timeout=600)
     return {"loss": [r["loss"] for r in per_rank],
             "activations": [r["activations"] for r in per_rank],
-            "runs": [[r["runs"][i] for r in per_rank] for i in range(len(WORLD2))]}
+            "runs": [gathered([r["runs"][i] for r in per_rank]) for i in range(len(WORLD2))]}
 
 
 def test_tp2_alone_sp_and_tied(reference, world2):
     for (model, par), out in zip(WORLD2, world2["runs"]):
-        check_parity(out, reference[model.tied_embeddings])
+        check_parity(out, reference[model.tied_embeddings], par)
         check_traffic(out, model, par)
+
+
+def _perturbed_reference(model, train, factor: float) -> dict:
+    """The one-rank run with every norm weight's gradient multiplied by ``factor`` inside the
+    backward (a tensor hook on the leaf): a wrong gradient that really drives the optimizer."""
+    from fived.train.trainer import Trainer
+
+    torch.manual_seed(train.seed)
+    tr = Trainer(model, ParallelConfig(), train, 0, 1)
+    hooked = [p.register_hook(lambda g: g * factor) for n, p in tr.stage.named_parameters()
+              if n.endswith("norm.weight")]
+    assert len(hooked) == 2 * model.layers + 1
+    grads: dict = {}
+    recs = [tr.step(k, (lambda: grads.update(tr.grad_pieces())) if k == 0 else None)
+            for k in range(train.steps)]
+    return gathered([{"losses": [r["loss"] for r in recs], "grads": grads}])
+
+
+def test_gradient_check_catches_what_the_losses_miss(reference, world2):
+    """The gradient comparison has teeth: a reference whose norm-weight gradients are 1e-3
+    relative too large — applied in its backward, so it trains on them — still has the same
+    losses (AdamW's update m/√v is invariant to a per-parameter gradient scale, so the loss
+    curve cannot show it), yet the gathered gradients of the tp2+sp run differ from it by
+    ~1e-3 on exactly the norm weights. Even a factor 2 (the classic SP bug: norm gradients
+    summed over tp twice) moves the 5 losses by less than the 1e-5 tolerance."""
+    (_, par), out = WORLD2[1], world2["runs"][1]
+    assert par.sequence_parallel and par.tp == 2  # the norms' gradients are summed over tp
+    norms = {n for n in out["grads"] if n.endswith("norm.weight")}
+    assert len(norms) == 2 * MODEL.layers + 1
+    for factor in (1 + 1e-3, 2.0):
+        bad = _perturbed_reference(MODEL, TRAIN, factor)
+        for s in out["ranks"]:  # the losses alone would pass it ...
+            assert rel_diff(s["losses"], bad["losses"]) < 1e-5, factor
+        d = grad_rel_diff(out["grads"], bad["grads"])  # ... the gradients do not
+        want = (factor - 1) / factor
+        assert abs(d - want) < 0.01 * want, (factor, d)
+        wrong = {n for n in bad["grads"]
+                 if grad_rel_diff({n: out["grads"][n]}, {n: bad["grads"][n]}) > 1e-5}
+        assert wrong == norms, sorted(wrong ^ norms)
+    assert grad_rel_diff(out["grads"], reference[False]["grads"]) < 1e-5
 
 
 def test_tp4_gqa_replicated_kv_and_dp2_tp2(reference):
@@ -91,7 +128,7 @@ def test_tp4_gqa_replicated_kv_and_dp2_tp2(reference):
         (MODEL, ParallelConfig(dp=2, tp=2, sequence_parallel=True)),
     ]
     for (model, par), out in zip(runs, train_many(runs)):
-        check_parity(out, reference[False])
+        check_parity(out, reference[False], par)
         check_traffic(out, model, par)
 
 
@@ -113,7 +150,7 @@ def _activations(rank: int, world: int) -> dict:
     from fived.comm.ops import Traffic
     from fived.dist.grid import Grid
     from fived.model import build_model
-    from fived.parallel.plan import Plan
+    from fived.parallel.parallelize import parallelize_parts
     from fived.train.activations import SavedTensors
 
     grid = Grid.from_config(ParallelConfig(tp=world), rank).connect(Traffic())
@@ -121,8 +158,9 @@ def _activations(rank: int, world: int) -> dict:
     pos = torch.arange(MODEL.seq_len)
     out = {}
     for sp in (False, True):
-        plan = Plan(MODEL, ParallelConfig(tp=world, sequence_parallel=sp), 7, grid)
-        model = build_model(MODEL, plan)
+        parts, _ = parallelize_parts(build_model(MODEL, 7), grid,
+                                     ParallelConfig(tp=world, sequence_parallel=sp))
+        (model,) = parts
         norms = [m for n, m in model.named_modules() if n.endswith("norm")]
         rec: dict[str, SavedTensors] = {}
 
@@ -215,7 +253,7 @@ ZERO = [
 @pytest.mark.parametrize("runs", [SLOW_2, SLOW_4], ids=["world2", "world4"])
 def test_full_matrix(reference, runs):
     for (model, par), out in zip(runs, train_many(runs)):
-        check_parity(out, reference[model.tied_embeddings])
+        check_parity(out, reference[model.tied_embeddings], par)
         check_traffic(out, model, par)
 
 
@@ -223,7 +261,7 @@ def test_full_matrix(reference, runs):
 def test_zero_dp2_tp2(reference):
     """dp=2 × tp=2 under ZeRO-1/2/3, with and without SP (one spawn)."""
     for (model, par), out in zip(ZERO, train_many(ZERO)):
-        check_parity(out, reference[False])
+        check_parity(out, reference[False], par)
         check_traffic(out, model, par)
 
 

@@ -1,0 +1,80 @@
+"""Loss *and* gradient parity against the one-rank reference, shared by the layout tests.
+
+Every parity test compares two things with the one-rank run of the same model and training:
+the losses of every step (every rank's copy) and the full first-step gradient of every
+parameter, gathered from all ranks' pieces to its global name and shape
+(``fived.testing.assemble_grads``; replicas must agree exactly). ``train_runs`` trains several
+layouts of one world size in one spawn (process start-ups dominate the tiny runs), each like
+``fived.testing.train_with_grads`` but keeping every rank's history (traffic, MoE statistics).
+Spawned ranks need importable functions, hence this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fived.config import ModelConfig, ParallelConfig, TrainConfig
+from fived.testing import assemble_grads, grad_rel_diff, rel_diff, run_ranks
+
+TOL = 1e-5
+
+
+def offline_grid(par: ParallelConfig, rank: int):
+    """Rank ``rank``'s grid with every group it is in but no process group, for cutting a model
+    in this process (``parallelize_parts`` talks to no one). No process group is initialised
+    here, so a collective on it would fail, not go to the world. A one-rank layout can simply
+    ``connect`` instead."""
+    from fived.dist.grid import DimGroup, Grid
+
+    grid = Grid.from_config(par, rank)
+    for name in grid.group_names():
+        members = grid.members(Grid.named_dims(name))
+        grid.groups[name] = DimGroup(name, members, members.index(rank), None, None)
+    return grid
+
+
+def rank_runs(rank: int, world: int, runs: list[tuple]) -> list[dict[str, Any]]:
+    """On one rank: train each (model, layout, train) of ``runs``, recording the gradients."""
+    from fived.train.trainer import train_rank
+
+    return [train_rank(rank, world, m, p, t, show=False, record_grads=True) for m, p, t in runs]
+
+
+def gathered(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run from every rank's summary: ``ranks`` (the summaries, their gradient pieces
+    removed), ``losses`` (rank 0's) and ``grads`` (every parameter's full first-step gradient)."""
+    grads = assemble_grads([s.pop("grads") for s in ranks])
+    return {"ranks": ranks, "losses": ranks[0]["losses"], "grads": grads}
+
+
+def train_runs(runs: list[tuple[ModelConfig, ParallelConfig, TrainConfig]],
+               timeout: float = 900.0) -> list[dict[str, Any]]:
+    """[(model, layout, train)] of one world size, trained in one spawn -> ``gathered`` each."""
+    world = runs[0][1].world_size
+    assert all(p.world_size == world for _, p, _ in runs), [p.describe() for _, p, _ in runs]
+    per_rank = run_ranks(rank_runs, world, runs, timeout=timeout)
+    return [gathered([per_rank[r][i] for r in range(world)]) for i in range(len(runs))]
+
+
+def one_rank(model: ModelConfig, train: TrainConfig) -> dict[str, Any]:
+    """The one-rank reference, in this process (world 1 needs no process group)."""
+    from fived.train.trainer import train_rank
+
+    return gathered([train_rank(0, 1, model, ParallelConfig(), train, show=False,
+                                record_grads=True)])
+
+
+def check_parity(out: dict[str, Any], ref: dict[str, Any], what: Any = "") -> None:
+    """Every rank's losses and the gathered first-step gradients equal the reference's."""
+    assert len(ref["losses"]) >= 2
+    for s in out["ranks"]:
+        d = rel_diff(s["losses"], ref["losses"])
+        assert d < TOL, (what, "losses", d, s["losses"], ref["losses"])
+    g = grad_rel_diff(out["grads"], ref["grads"])
+    assert g < TOL, (what, "gradients", g, worst_params(out["grads"], ref["grads"]))
+
+
+def worst_params(a: dict[str, Any], ref: dict[str, Any], n: int = 3) -> list[tuple[str, float]]:
+    """The ``n`` parameters whose gradients differ most (relative), for failure messages."""
+    d = {k: float((a[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)) for k in ref if k in a}
+    return sorted(d.items(), key=lambda kv: -kv[1])[:n]
