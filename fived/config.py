@@ -305,31 +305,42 @@ def validate(
         p.append(f"world size must be >= 1 (got {world_size!r})")
     if p:
         raise ConfigError(p)
-    if world_size is not None and world_size != par.world_size:
+    for check in (_check_world, _check_shapes, _check_tp, _check_pipeline, _check_cp,
+                  _check_experts):
+        check(p, model, par, world_size)
+    if train is not None:
+        _check_batch(p, par, train)
+    if p:
+        raise ConfigError(p)
+
+
+def _check_world(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
+                 ) -> None:
+    if world is not None and world != par.world_size:
         rest = par.world_size // par.dp
-        hint = (
-            f"use --dp {world_size // rest}"
-            if world_size % rest == 0
-            else f"choose degrees whose product is {world_size}"
-        )
-        p.append(
-            f"world size {world_size} != pp·dp·ep·cp·tp = {par.pp}·{par.dp}·{par.ep}·{par.cp}·"
-            f"{par.tp} = {par.world_size}; {hint}"
-        )
+        hint = (f"use --dp {world // rest}" if world % rest == 0
+                else f"choose degrees whose product is {world}")
+        p.append(f"world size {world} != pp·dp·ep·cp·tp = {par.pp}·{par.dp}·{par.ep}·{par.cp}·"
+                 f"{par.tp} = {par.world_size}; {hint}")
+
+
+def _check_shapes(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
+                  ) -> None:
     if model.hidden % model.heads:
         p.append(f"hidden {model.hidden} is not divisible by heads {model.heads}")
     if model.heads % model.kv_heads:
         p.append(f"heads {model.heads} is not divisible by kv_heads {model.kv_heads}")
     if model.head_dim % 2:
         p.append(f"head_dim {model.head_dim} must be even for RoPE")
+
+
+def _check_tp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None) -> None:
     tp = par.tp
     if tp > 1:
         _divides(p, tp, model.heads, "attention heads over tp", "pick a tp that divides the heads")
         if tp > model.kv_heads:
-            _divides(
-                p, model.kv_heads, tp, "tp over kv_heads (replicated kv heads)",
-                "tp must be a multiple of kv_heads when it exceeds them",
-            )
+            _divides(p, model.kv_heads, tp, "tp over kv_heads (replicated kv heads)",
+                     "tp must be a multiple of kv_heads when it exceeds them")
         else:
             _divides(p, tp, model.kv_heads, "kv heads over tp", "pick a tp dividing kv_heads")
         _divides(p, tp, model.ffn, "ffn over tp", "pick a tp dividing the ffn width")
@@ -339,32 +350,19 @@ def validate(
     if par.sequence_parallel and tp == 1:
         p.append("--sequence-parallel needs --tp > 1")
     if par.sequence_parallel:
-        _divides(
-            p, tp * par.cp, model.seq_len, "seq_len over cp·tp (sequence parallelism)",
-            "use a seq_len that cp·tp divides",
-        )
+        _divides(p, tp * par.cp, model.seq_len, "seq_len over cp·tp (sequence parallelism)",
+                 "use a seq_len that cp·tp divides")
+
+
+def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
+                    ) -> None:
     stages = par.pp * par.virtual_stages
     if par.pp_layers:
         if len(par.pp_layers) != stages or sum(par.pp_layers) != model.layers:
-            p.append(
-                f"--pp-layers {list(par.pp_layers)} must have pp·v = {stages} entries summing to "
-                f"{model.layers} layers"
-            )
+            p.append(f"--pp-layers {list(par.pp_layers)} must have pp·v = {stages} entries "
+                     f"summing to {model.layers} layers")
     else:
         _divides(p, stages, model.layers, "layers over pp·virtual_stages", "use --pp-layers")
-    if par.cp > 1:
-        _divides(p, 2 * par.cp, model.seq_len, "seq_len over 2·cp (zigzag)", "pick seq_len")
-        if par.cp_mode == "ulysses":
-            _divides(
-                p, par.cp, model.heads // max(tp, 1), "heads per tp rank over cp (ulysses)",
-                "use --cp-mode ring or a cp dividing heads/tp",
-            )
-    if par.ep > 1 and not model.is_moe:
-        p.append(f"--ep {par.ep} needs a MoE model (experts > 0); try --model tiny-moe")
-    if model.is_moe:
-        _divides(p, par.ep, model.experts, "experts over ep", "pick an ep dividing the experts")
-        if not 1 <= model.top_k <= model.experts:
-            p.append(f"top_k {model.top_k} must be in [1, experts={model.experts}]")
     if par.virtual_stages > 1 and par.schedule != "interleaved":
         p.append("--virtual-stages > 1 needs --schedule interleaved")
     if par.schedule == "interleaved" and par.pp > 1:
@@ -372,7 +370,7 @@ def validate(
             p.append("--schedule interleaved needs --virtual-stages >= 2")
         _divides(p, par.pp, par.micro_batches, "--micro-batches over --pp (interleaved)",
                  "give a multiple of --pp")
-    # the pipeline: what its runtime cannot do
+    # what the pipeline runtime cannot do
     if par.pp > 1 and model.tied_embeddings:
         p.append("--pp > 1 with tied embeddings: the embedding (first stage) and the head (last "
                  "stage) would need their gradients all-reduced between stages; use an untied "
@@ -386,21 +384,36 @@ def validate(
         sched = " and --schedule zb-h1" if par.schedule == "zb-h1" else ""
         p.append(f"--zero 3 with --pp {par.pp}{sched} is not built ({why}); use --zero 1 or "
                  "--zero 2 with pipeline parallelism, or --pp 1")
-    if train is not None:
-        replicas = par.dp * par.ep
-        if train.global_batch % replicas:
-            p.append(
-                f"--global-batch: global batch {train.global_batch} is not divisible by dp·ep = "
-                f"{replicas}; "
-                f"use --global-batch {replicas * max(1, train.global_batch // replicas)}"
-            )
-        elif (train.global_batch // replicas) % par.micro_batches:
-            p.append(
-                f"sequences per replica {train.global_batch // replicas} are not divisible by "
-                f"--micro-batches {par.micro_batches}"
-            )
-    if p:
-        raise ConfigError(p)
+
+
+def _check_cp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None) -> None:
+    if par.cp > 1:
+        _divides(p, 2 * par.cp, model.seq_len, "seq_len over 2·cp (zigzag)", "pick seq_len")
+        if par.cp_mode == "ulysses":
+            _divides(p, par.cp, model.heads // max(par.tp, 1),
+                     "heads per tp rank over cp (ulysses)",
+                     "use --cp-mode ring or a cp dividing heads/tp")
+
+
+def _check_experts(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
+                   ) -> None:
+    if par.ep > 1 and not model.is_moe:
+        p.append(f"--ep {par.ep} needs a MoE model (experts > 0); try --model tiny-moe")
+    if model.is_moe:
+        _divides(p, par.ep, model.experts, "experts over ep", "pick an ep dividing the experts")
+        if not 1 <= model.top_k <= model.experts:
+            p.append(f"top_k {model.top_k} must be in [1, experts={model.experts}]")
+
+
+def _check_batch(p: list[str], par: ParallelConfig, train: TrainConfig) -> None:
+    replicas = par.dp * par.ep
+    if train.global_batch % replicas:
+        p.append(f"--global-batch: global batch {train.global_batch} is not divisible by dp·ep = "
+                 f"{replicas}; use --global-batch "
+                 f"{replicas * max(1, train.global_batch // replicas)}")
+    elif (train.global_batch // replicas) % par.micro_batches:
+        p.append(f"sequences per replica {train.global_batch // replicas} are not divisible by "
+                 f"--micro-batches {par.micro_batches}")
 
 
 def check_outputs(train: TrainConfig) -> None:

@@ -95,11 +95,7 @@ def main(argv: list[str]) -> int:
     check_count("--gpus", gpus)
     check_count("--top", args.top)
     check_count("--max-virtual", args.max_virtual)
-    space = dict(
-        schedules=_names("--schedules", args.schedules, SCHEDULES),
-        micro_batch_sizes=_ints("--micro-batch-sizes", args.micro_batch_sizes, 1),
-        recomputes=_names("--recompute", args.search_recompute, RECOMPUTE),
-        zeros=_ints("--zero", args.search_zero, 0, 3), max_virtual=args.max_virtual)
+    space = _search_space(args)
     m = res.model
     train = replace(res.train, global_batch=global_batch(args, res))
     par = res.par
@@ -138,6 +134,21 @@ def main(argv: list[str]) -> int:
             doc["smallest_unfit"] = res_.smallest_unfit.as_dict()
         report.print_json(doc)
         return 0 if top else 1
+    return _print_result(con, res_, top, args, res, hw, gpus, gpn)
+
+
+def _search_space(args) -> dict:
+    """The layout search's options, each checked against its flag."""
+    return dict(
+        schedules=_names("--schedules", args.schedules, SCHEDULES),
+        micro_batch_sizes=_ints("--micro-batch-sizes", args.micro_batch_sizes, 1),
+        recomputes=_names("--recompute", args.search_recompute, RECOMPUTE),
+        zeros=_ints("--zero", args.search_zero, 0, 3), max_virtual=args.max_virtual)
+
+
+def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
+    """The counts, the top table, why the winner wins and its ledger command; 1 if none fits."""
+    m, par = res.model, res.par
     c = res_.counts
     con.print(f"considered {c.get('evaluated', 0)} layouts: {c.get('fit', 0)} fit, "
               f"{c.get('out_of_memory', 0)} do not fit in {fmt_b(hw.memory * args.mem_fraction)}, "
@@ -149,7 +160,22 @@ def main(argv: list[str]) -> int:
         con.print("[bold red]no layout fits[/]" + (
             f": the smallest needs {fmt_b(s.memory.total)} ({s.name()})" if s else ""))
         return 1
-    wide = args.wide
+    _print_top(con, top, args.wide)
+    con.print("[bold]why the best one wins[/]")
+    report.bullets(con, res_.reasons)
+    con.print("run the ledger of the winner:")
+    con.print(f"  fived ledger --model {m.name} --gpus {gpus} --gpu {args.gpu} "
+              + (f"--gpus-per-node {gpn} " if args.gpus_per_node else "") + _flags(top[0])
+              + (f" --seq-len {m.seq_len}" if "model.seq_len" in res.given else "")
+              + (f" --precision {par.precision}" if par.precision != "fp32" else "")
+              + (f" --grad-reduce-dtype {par.grad_reduce_dtype}"
+                 if par.grad_reduce_dtype != "fp32" else ""),
+              soft_wrap=True, markup=False)
+    return 0
+
+
+def _print_top(con, top, wide: bool) -> None:
+    """The table of the best layouts (80 columns; more with ``--wide``) and its legend."""
     cols = [("#", "r"), ("layout", "l"), ("mem/rank", "r")]
     if wide:
         cols += [("m", "r"), ("bubble", "r"), ("tp", "r"), ("cp", "r"), ("ep", "r"), ("pp", "r"),
@@ -174,17 +200,6 @@ def main(argv: list[str]) -> int:
         con.print("[dim]layout: degrees, v (interleaving), ZeRO stage, sp, b (sequences per "
                   "micro-batch), rc (recompute); mem/rank: the largest rank. --wide: "
                   "micro-batches, bubble, traffic per group, tokens/s; --json: all of it[/]")
-    con.print("[bold]why the best one wins[/]")
-    report.bullets(con, res_.reasons)
-    con.print("run the ledger of the winner:")
-    con.print(f"  fived ledger --model {m.name} --gpus {gpus} --gpu {args.gpu} "
-              + (f"--gpus-per-node {gpn} " if args.gpus_per_node else "") + _flags(top[0])
-              + (f" --seq-len {m.seq_len}" if "model.seq_len" in res.given else "")
-              + (f" --precision {par.precision}" if par.precision != "fp32" else "")
-              + (f" --grad-reduce-dtype {par.grad_reduce_dtype}"
-                 if par.grad_reduce_dtype != "fp32" else ""),
-              soft_wrap=True, markup=False)
-    return 0
 
 
 def _flags(p) -> str:
