@@ -42,11 +42,11 @@ def references():
 
 def check_layout(model, par: ParallelConfig, ref, path, timeout: float) -> None:
     from fived.cli import main
+    from fived.config import validate
     from fived.ledger import verify
-    from fived.train.trainer import check
 
     train = replace(TRAIN, metrics_out=str(path))
-    check(model, par, train, par.world_size)  # a rejected layout fails here, saying why
+    validate(model, par, train, par.world_size)  # a rejected layout fails here, saying why
     losses, grads = train_with_grads(model, par, train, timeout=timeout)
     ref_losses, ref_grads = ref
     assert len(losses) == TRAIN.steps

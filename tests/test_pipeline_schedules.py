@@ -173,8 +173,8 @@ def test_any_split_builds_the_same_model(pp, v, layers):
 
 
 def test_tied_embeddings_are_rejected_with_pp():
-    from fived.parallel.pipeline.runtime import check_config
+    from fived.config import ConfigError, validate
 
-    msg = check_config(replace(preset("tiny"), tied_embeddings=True), ParallelConfig(pp=2))
-    assert msg and "tied" in msg[0]
-    assert not check_config(preset("tiny"), ParallelConfig(pp=2))
+    with pytest.raises(ConfigError, match="tied"):
+        validate(replace(preset("tiny"), tied_embeddings=True), ParallelConfig(pp=2))
+    validate(preset("tiny"), ParallelConfig(pp=2))
