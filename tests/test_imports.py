@@ -255,3 +255,40 @@ def test_clean_fake_package_passes(tmp_path):
 def test_fived_imports_one_way():
     found = problems(ROOT, "fived")
     assert not found, "\n" + "\n".join(found)
+
+
+def package_arrows(root: Path, pkg: str) -> dict[str, set[str]]:
+    """Sub-package (or top module) → the sub-packages of ``pkg`` it imports."""
+    edges, _ = import_graph(root, pkg)
+
+    def top(mod: str) -> str:
+        parts = mod.split(".")
+        return parts[1] if len(parts) > 1 else parts[0]
+
+    out: dict[str, set[str]] = defaultdict(set)
+    for a, targets in edges.items():
+        for b in targets:
+            if top(a) != top(b):
+                out[top(a)].add(top(b))
+    return out
+
+
+def documented_arrows(text: str) -> dict[str, set[str]]:
+    """The ``name -> a, b.c, ...`` lines of docs/architecture.md, as package → packages."""
+    out = {}
+    for line in text.splitlines():
+        head, sep, rest = line.partition("->")
+        if not sep or " " in head.strip() or not head.strip():
+            continue
+        rest = rest.split("(")[0]
+        out[head.strip()] = {t.strip().split(".")[0] for t in rest.split(",") if t.strip()}
+    return out
+
+
+def test_architecture_page_draws_the_real_arrows():
+    """docs/architecture.md lists, per package, exactly what it imports from fived."""
+    real = package_arrows(ROOT, "fived")
+    doc = documented_arrows((ROOT / "docs" / "architecture.md").read_text())
+    for name in ("cli", "bench", "viz", "train", "parallel", "optim", "model", "ledger", "dist",
+                 "comm"):
+        assert doc.get(name) == real.get(name, set()), (name, doc.get(name), real.get(name))
