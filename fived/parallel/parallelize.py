@@ -50,10 +50,6 @@ class Parallelized:
     engine: Any  # fived.parallel.data engine (DDP / ZeRO-1/2/3)
     executor: PipelineExecutor | None  # pp > 1
 
-    @property
-    def blocks(self) -> list[nn.Module]:
-        return list(self.model.layers.values())
-
 
 def pipeline_layout(par: Any) -> Any:
     """The layout the pipeline runs: virtual stages count only for the interleaved schedule."""
