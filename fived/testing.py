@@ -46,16 +46,32 @@ def small_train(**kw: Any) -> TrainConfig:
 def train_with_grads(model: ModelConfig, par: ParallelConfig, train: TrainConfig,
                      timeout: float = 300.0) -> tuple[list[float], dict[str, Any]]:
     """Train ``par``; (losses, every parameter's full first-step gradient by global name)."""
-    out = run_ranks(_train_grads, par.world_size, model, par, train, timeout=timeout)
-    return out[0]["losses"], assemble_grads([o["grads"] for o in out])
+    run = train_runs([(model, par, train)], timeout=timeout)[0]
+    return run["losses"], run["grads"]
 
 
-def _train_grads(rank: int, world: int, model: ModelConfig, par: ParallelConfig,
-                 train: TrainConfig) -> dict[str, Any]:
+def rank_runs(rank: int, world: int, runs: list[tuple]) -> list[dict[str, Any]]:
+    """On one rank: train each (model, layout, train) of ``runs``, recording the gradients."""
     from .train.trainer import train_rank
 
-    s = train_rank(rank, world, model, par, train, show=False, record_grads=True)
-    return {"losses": s["losses"], "grads": s["grads"]}
+    return [train_rank(rank, world, m, p, t, show=False, record_grads=True) for m, p, t in runs]
+
+
+def gathered(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run from every rank's summary: ``ranks`` (the summaries, their gradient pieces
+    removed), ``losses`` (rank 0's) and ``grads`` (every parameter's full first-step gradient)."""
+    grads = assemble_grads([s.pop("grads") for s in ranks])
+    return {"ranks": ranks, "losses": ranks[0]["losses"], "grads": grads}
+
+
+def train_runs(runs: list[tuple[ModelConfig, ParallelConfig, TrainConfig]],
+               timeout: float = 900.0) -> list[dict[str, Any]]:
+    """[(model, layout, train)] of one world size, trained in one spawn (process start-ups
+    dominate tiny runs) -> ``gathered`` each."""
+    world = runs[0][1].world_size
+    assert all(p.world_size == world for _, p, _ in runs), [p.describe() for _, p, _ in runs]
+    per_rank = run_ranks(rank_runs, world, runs, timeout=timeout)
+    return [gathered([per_rank[r][i] for r in range(world)]) for i in range(len(runs))]
 
 
 def assemble_grads(per_rank: list[dict[str, tuple[dict[str, Any], Any]]]) -> dict[str, Any]:

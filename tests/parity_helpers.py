@@ -4,9 +4,8 @@ Every parity test compares two things with the one-rank run of the same model an
 the losses of every step (every rank's copy) and the full first-step gradient of every
 parameter, gathered from all ranks' pieces to its global name and shape
 (``fived.testing.assemble_grads``; replicas must agree exactly). ``train_runs`` trains several
-layouts of one world size in one spawn (process start-ups dominate the tiny runs), each like
-``fived.testing.train_with_grads`` but keeping every rank's history (traffic, MoE statistics).
-Spawned ranks need importable functions, hence this module.
+layouts of one world size in one spawn (``fived.testing.train_runs``, re-exported here with
+``rank_runs`` and ``gathered``), keeping every rank's history (traffic, MoE statistics).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fived.config import ModelConfig, ParallelConfig, TrainConfig
-from fived.testing import assemble_grads, grad_rel_diff, rel_diff, run_ranks
+from fived.testing import gathered, grad_rel_diff, rank_runs, rel_diff, train_runs  # noqa: F401
 
 TOL = 1e-5
 
@@ -31,29 +30,6 @@ def offline_grid(par: ParallelConfig, rank: int):
         members = grid.members(Grid.named_dims(name))
         grid.groups[name] = DimGroup(name, members, members.index(rank), None, None)
     return grid
-
-
-def rank_runs(rank: int, world: int, runs: list[tuple]) -> list[dict[str, Any]]:
-    """On one rank: train each (model, layout, train) of ``runs``, recording the gradients."""
-    from fived.train.trainer import train_rank
-
-    return [train_rank(rank, world, m, p, t, show=False, record_grads=True) for m, p, t in runs]
-
-
-def gathered(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """One run from every rank's summary: ``ranks`` (the summaries, their gradient pieces
-    removed), ``losses`` (rank 0's) and ``grads`` (every parameter's full first-step gradient)."""
-    grads = assemble_grads([s.pop("grads") for s in ranks])
-    return {"ranks": ranks, "losses": ranks[0]["losses"], "grads": grads}
-
-
-def train_runs(runs: list[tuple[ModelConfig, ParallelConfig, TrainConfig]],
-               timeout: float = 900.0) -> list[dict[str, Any]]:
-    """[(model, layout, train)] of one world size, trained in one spawn -> ``gathered`` each."""
-    world = runs[0][1].world_size
-    assert all(p.world_size == world for _, p, _ in runs), [p.describe() for _, p, _ in runs]
-    per_rank = run_ranks(rank_runs, world, runs, timeout=timeout)
-    return [gathered([per_rank[r][i] for r in range(world)]) for i in range(len(runs))]
 
 
 def one_rank(model: ModelConfig, train: TrainConfig) -> dict[str, Any]:
