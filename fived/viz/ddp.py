@@ -115,7 +115,7 @@ def rank_fn(rank: int, world: int, bucket_mb: float, sweep: list[float], steps: 
 
     def timed(vs: dict[str, Any]) -> dict[str, float]:
         times: dict[str, list[float]] = {k: [] for k in vs}
-        for k, v in vs.items():
+        for v in vs.values():
             step(v, 0)
         for rep in range(steps):
             for k in (list(vs) if rep % 2 == 0 else list(reversed(vs))):
