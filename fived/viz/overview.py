@@ -201,13 +201,14 @@ def draw_grid(d: dict[str, Any], f: Any) -> None:
                                                           [dim] else ""), fontsize=7)
 
 
-def iron_data() -> dict[str, Any]:
+def iron_data(m: Any = None, par: ParallelConfig = IRON_LAYOUT, hw_name: str = IRON_HW,
+              global_batch: int = IRON_GLOBAL_BATCH, gpn: int | None = None) -> dict[str, Any]:
     from ..ledger.hardware import PRESETS as HW
     from ..ledger.planner import predict
 
-    m = PRESETS[IRON_MODEL]
-    hw = HW[IRON_HW]
-    p = predict(m, IRON_LAYOUT, hw, IRON_GLOBAL_BATCH)
+    m = m or PRESETS[IRON_MODEL]
+    hw = HW[hw_name]
+    p = predict(m, par, hw, global_batch, gpn)
     groups: dict[str, dict[str, Any]] = {}
     for c, link, secs in p.collectives:
         g = groups.setdefault(c.group, {"bytes": 0.0, "seconds": 0.0, "link": link, "ops": []})
@@ -217,8 +218,8 @@ def iron_data() -> dict[str, Any]:
             g["ops"].append(c.op)
     for g in groups.values():
         g["bandwidth"] = hw.intra_bw if g["link"] == "intra" else hw.inter_bw
-    return {"model": m.name, "layout": p.name(), "hardware": hw.name, "world": IRON_LAYOUT.world_size,
-            "global_batch": IRON_GLOBAL_BATCH, "groups": groups, "traffic": p.traffic,
+    return {"model": m.name, "layout": p.name(), "hardware": hw.name, "world": par.world_size,
+            "gpus_per_node": gpn or hw.gpus_per_node, "global_batch": global_batch, "groups": groups, "traffic": p.traffic,
             "times": p.times, "step_seconds": p.step_seconds,
             "links": {"intra": hw.intra_bw, "inter": hw.inter_bw}}
 
