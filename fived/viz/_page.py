@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError([f"--hardware: unknown {a.hardware!r}; choose from {', '.join(HW)}"])
     parts = parse_parts(a.parts)
     t0 = time.perf_counter()
-    meta: dict[str, Any] = {"made": datetime.datetime.now(datetime.timezone.utc)
+    meta: dict[str, Any] = {"made": datetime.datetime.now(datetime.UTC)
                             .strftime("%Y-%m-%d %H:%M UTC"), "host": platform.node(),
                             "cpus": os.cpu_count()}
     if layout:

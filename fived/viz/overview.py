@@ -219,7 +219,8 @@ def iron_data(m: Any = None, par: ParallelConfig = IRON_LAYOUT, hw_name: str = I
     for g in groups.values():
         g["bandwidth"] = hw.intra_bw if g["link"] == "intra" else hw.inter_bw
     return {"model": m.name, "layout": p.name(), "hardware": hw.name, "world": par.world_size,
-            "gpus_per_node": gpn or hw.gpus_per_node, "global_batch": global_batch, "groups": groups, "traffic": p.traffic,
+            "gpus_per_node": gpn or hw.gpus_per_node, "global_batch": global_batch,
+            "groups": groups, "traffic": p.traffic,
             "times": p.times, "step_seconds": p.step_seconds,
             "links": {"intra": hw.intra_bw, "inter": hw.inter_bw}}
 
