@@ -118,7 +118,6 @@ def draw_walls(d: dict[str, Any], f: Any) -> None:
         xs = [int(k) for k in t]
         a2.plot(xs, [v / 86400 for v in t.values()], color=COLORS[i], marker=".",
                 label=f"{name}, D=20Ψ")
-    a2.axhline(30, color="black", ls=":", lw=0.8)
     a2.set(xscale="log", yscale="log", xlabel="devices N", ylabel="days at 100% of peak",
            title="time wall: 6ΨD / (N·peak)")
     a2.legend(fontsize=6)
@@ -234,14 +233,16 @@ def draw_iron(d: dict[str, Any], f: Any) -> None:
     for i, n in enumerate(names):
         a1.text(i, g[n]["bytes"] / 1e9, f"{g[n]['link']}\n{g[n]['bandwidth'] / 1e9:.0f} GB/s",
                 ha="center", va="bottom", fontsize=6)
-    a1.set(ylabel="GB sent per rank per step", title="bytes per dimension (ledger)")
+    a1.set(ylabel="GB sent per rank per step (log)", title="bytes per dimension (ledger)",
+           yscale="log")
     a2.bar(names, [g[n]["seconds"] for n in names],
            color=[COLORS[0] if g[n]["link"] == "intra" else COLORS[3] for n in names])
     comp = sum(v for k, v in d["times"].items() if k in ("forward", "backward", "compute"))
     if comp:
         a2.axhline(comp, color="black", ls="--", lw=0.8, label="compute per step")
         a2.legend(fontsize=6)
-    a2.set(ylabel="seconds per step on its link", title="bytes / link bandwidth")
+    a2.set(ylabel="seconds per step on its link (log)", title="bytes / link bandwidth",
+           yscale="log")
 
 
 def figures(quick: bool, tick) -> list[Figure]:
