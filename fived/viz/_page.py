@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
     a = parser().parse_args(sys.argv[1:] if argv is None else argv)
     res = flags.configs(a)
+    if a.print_config:
+        return flags.print_config(res, "fived report: the layout page's configuration")
     layout = any(k.startswith("parallel.") or k == "model.name" for k in res.given)
     if a.hardware not in HW:
         raise ConfigError([f"--hardware: unknown {a.hardware!r}; choose from {', '.join(HW)}"])
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = check_values(res.model, res.par, None)
         if problems:
             raise ConfigError(problems)
-        validate(res.model, res.par)
+        validate(res.model, res.par, res.train)
         os.makedirs(a.out, exist_ok=True)
         print(f"fived report: layout {res.par.describe()} of {res.model.name} → {a.out}/",
               flush=True)
