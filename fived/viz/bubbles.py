@@ -102,7 +102,9 @@ def draw_measured(d: dict[str, Any], f: Any) -> None:
            title=f"p = {d['pp']}: measured (dots) vs formula (dashed)")
     ax.set_xticks([r["m"] for r in next(iter(d["schedules"].values()))],
                   [str(r["m"]) for r in next(iter(d["schedules"].values()))])
-    ax.xaxis.set_minor_locator(__import__("matplotlib.ticker").ticker.NullLocator())
+    from matplotlib.ticker import NullLocator
+
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.legend(fontsize=7)
 
 

@@ -87,7 +87,9 @@ def draw_acts(d: dict[str, Any], f: Any) -> None:
     ax.set(xscale="log", yscale="log", xlabel="sequence length",
            ylabel="activation MB saved on rank 0", title=f"n = {d['world']} ranks, batch 1")
     ax.set_xticks(xs, [str(s) for s in xs])
-    ax.xaxis.set_minor_locator(__import__("matplotlib.ticker").ticker.NullLocator())
+    from matplotlib.ticker import NullLocator
+
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.legend(fontsize=6)
 
 

@@ -179,18 +179,20 @@ def grid_data(par: ParallelConfig = GRID_LAYOUT, gpn: int = GRID_GPN) -> dict[st
 
 
 def draw_grid(d: dict[str, Any], f: Any) -> None:
+    from matplotlib.patches import Rectangle
+
     dims = list(d["groups"])
     axes = f.subplots(1, len(dims), squeeze=False)[0]
     n, gpn = d["world"], d["gpus_per_node"]
     for ax, dim in zip(axes, dims):
         for gi, members in enumerate(d["groups"][dim]):
             for r in members:
-                ax.add_patch(__import__("matplotlib.patches").patches.Rectangle(
+                ax.add_patch(Rectangle(
                     (r % gpn, -(r // gpn)), 0.9, 0.9, color=COLORS[gi % len(COLORS)]))
                 ax.text(r % gpn + 0.45, -(r // gpn) + 0.45, str(r), ha="center", va="center",
                         color="white", fontsize=7)
         for node in range((n + gpn - 1) // gpn):
-            ax.add_patch(__import__("matplotlib.patches").patches.Rectangle(
+            ax.add_patch(Rectangle(
                 (-0.05, -node - 0.05), gpn, 1.0, fill=False, ec="black", lw=1.2))
         ax.set_xlim(-0.2, gpn + 0.1)
         ax.set_ylim(-((n - 1) // gpn) - 0.2, 1.1)
