@@ -24,7 +24,7 @@ from ._fig import COLORS, Figure, part_main
 
 def setup(quick: bool) -> dict[str, Any]:
     if quick:
-        return {"pp": 2, "ms": [2, 4], "unit": 0.01, "steps": 2}
+        return {"pp": 2, "ms": [2, 4], "unit": 0.02, "steps": 2}
     return {"pp": 4, "ms": [2, 4, 8], "unit": 0.04, "steps": 3}
 
 
