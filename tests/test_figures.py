@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from fived.config import PRESETS, ParallelConfig
+from fived.config import PRESETS, ModelConfig, ParallelConfig
 
 
 def quiet(_text: str) -> None:
@@ -93,6 +93,22 @@ def test_gantt_data_is_the_schedule():
         # every forward of every micro-batch of every stage is drawn
         f = sum(1 for spans in g["spans"] for s in spans if s[0] == "F")
         assert f == 8 * 4 * g["v"]
+
+
+def test_every_size_the_parts_run_is_valid():
+    """The full-size layouts are valid before anything runs (a bad one fails the 10-min run)."""
+    from fived.config import validate
+    from fived.parallel.pipeline import schedules as S
+    from fived.viz import bubbles
+
+    for quick in (True, False):
+        c = bubbles.setup(quick)
+        for name in S.NAMES:
+            for m in c["ms"]:
+                par = bubbles.par_for(name, c["pp"], m)
+                S.check(S.build(name, c["pp"], m, par.virtual_stages))
+                assert max(c["ms"]) % m == 0  # the global batch splits into m micro-batches
+                validate(ModelConfig(layers=2 * c["pp"]), par)
 
 
 # ------------------------------------------------------------------ runs

@@ -22,9 +22,26 @@ from ._fig import PARTS, add_args, progress, run_part, summary
 
 
 def run_all(out: str, quick: bool, parts: list[str], show: bool = True) -> dict:
-    recs, seconds = [], {}
+    """Run every part; a part that fails is reported in ``index["failed"]`` and the others still
+    run. ``OUT/index.json`` is rewritten after each part."""
+    import traceback
+
+    recs, seconds, failed = [], {}, {}
     t0 = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    os.makedirs(out, exist_ok=True)
+
+    def write() -> dict:
+        index = {"schema": "fived.viz.index/1", "quick": quick, "parts": parts,
+                 "seconds": seconds, "total_seconds": time.perf_counter() - t0,
+                 "loadavg_1m_at_start": load, "cpus": os.cpu_count(),
+                 "command": f"fived figures all --out {out}" + (" --quick" if quick else "")
+                 + ("" if parts == list(PARTS) else f" --parts {','.join(parts)}"),
+                 "failed": failed, "figures": recs}
+        with open(os.path.join(out, "index.json"), "w") as fh:
+            json.dump(index, fh, indent=1, default=float)
+        return index
+
     with progress(len(parts)) as bar:
         task = bar.add_task("starting", total=len(parts))
 
@@ -35,19 +52,17 @@ def run_all(out: str, quick: bool, parts: list[str], show: bool = True) -> dict:
 
         for part in parts:
             t = time.perf_counter()
-            mod = importlib.import_module(f"fived.viz.{part}")
-            recs += run_part(part, mod.figures, out, quick, tick)
+            try:
+                mod = importlib.import_module(f"fived.viz.{part}")
+                recs += run_part(part, mod.figures, out, quick, tick)
+            except Exception as e:  # noqa: BLE001 — report it, run the other parts
+                failed[part] = f"{type(e).__name__}: {e}"
+                bar.console.print(f"[red]{part} failed[/]: {failed[part]}\n"
+                                  + traceback.format_exc(limit=3))
             seconds[part] = time.perf_counter() - t
             bar.update(task, advance=1)
-    index = {"schema": "fived.viz.index/1", "quick": quick, "parts": parts,
-             "seconds": seconds, "total_seconds": time.perf_counter() - t0,
-             "loadavg_1m_at_start": load, "cpus": os.cpu_count(),
-             "command": f"fived figures all --out {out}" + (" --quick" if quick else "")
-             + ("" if parts == list(PARTS) else f" --parts {','.join(parts)}"),
-             "figures": recs}
-    with open(os.path.join(out, "index.json"), "w") as fh:
-        json.dump(index, fh, indent=1, default=float)
-    return index
+            write()
+    return write()
 
 
 def parse_parts(text: str) -> list[str]:
@@ -72,4 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     index = run_all(a.out, a.quick, parts)
     summary(index["figures"], a.out, index["total_seconds"])
     print("seconds per part: " + ", ".join(f"{k} {v:.0f}" for k, v in index["seconds"].items()))
+    if index["failed"]:
+        print(f"FAILED: {', '.join(index['failed'])} (see above)", file=sys.stderr)
+        return 1
     return 0

@@ -9,7 +9,7 @@
 
 Each F/B/W action sleeps a fixed time on top of its (tiny) real work, as the pipeline tests do, so
 the stage cost is uniform and the machine's load does not drown the schedule's geometry.
-``fived figures bubbles --out DIR [--quick]`` (quick: p=2, m ∈ {2, 4}, short sleeps).
+``fived figures bubbles --out DIR [--quick]`` (quick: p=2, m ∈ {2, 4}; full: p=4, m ∈ {4, 8, 16}).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ._fig import COLORS, Figure, part_main
 def setup(quick: bool) -> dict[str, Any]:
     if quick:
         return {"pp": 2, "ms": [2, 4], "unit": 0.02, "steps": 2}
-    return {"pp": 4, "ms": [2, 4, 8], "unit": 0.04, "steps": 3}
+    return {"pp": 4, "ms": [4, 8, 16], "unit": 0.03, "steps": 3}  # interleaved: m % pp == 0
 
 
 def par_for(name: str, pp: int, m: int) -> ParallelConfig:
