@@ -5,6 +5,10 @@ one spawn (``fived.train.trainer.train_rank``, no display) and returns, per run 
 order, the last step's record: ``memory_per_rank`` (the engines' ``memory()`` bytes),
 ``traffic_per_rank`` (bytes and seconds by group name), ``seconds`` (the step's wall time) and
 the losses. These are the numbers ``fived ledger --check`` compares with the ledger.
+
+Every rank runs one intra-op thread, whatever the world size, so that step times of different
+world sizes compare the same per-rank resources (and a one-rank run does not spin two OpenMP
+threads against a loaded machine: that made a tiny step take seconds).
 """
 
 from __future__ import annotations
@@ -13,7 +17,11 @@ from typing import Any
 
 
 def rank_fn(rank: int, world: int, runs: list[tuple]) -> list[dict[str, Any]]:
+    import torch
+
     from ..train.trainer import train_rank
+
+    torch.set_num_threads(1)
 
     out = []
     for m, p, t in runs:
