@@ -83,7 +83,7 @@ def draw_diagrams(d: dict[str, Any], f: Any) -> None:
     n = d["world"]
     for ax, (op, o) in zip(axes, d["ops"].items()):
         ax.axis("off")
-        ax.set_xlim(0, 2 * n + 3)
+        ax.set_xlim(-0.6, 2 * n + 4.2)
         ax.set_ylim(-n - 0.5, 1)
         ax.set_title(op, fontsize=8)
         ax.text(n / 2, 0.4, "in", ha="center", fontsize=6)
@@ -186,7 +186,7 @@ def figures(quick: bool, tick) -> list[Figure]:
         Figure("collectives-diagrams", f"Who sends what to whom ({n} ranks, measured)",
                "collectives", "run", "each primitive once through fived.comm.ops on spawned "
                "gloo ranks; inputs tagged 10·rank + index; bytes = this rank's Traffic",
-               dia, draw_diagrams, size=(10.0, 4.0)),
+               dia, draw_diagrams, size=(12.0, 4.4)),
         Figure("collectives-bandwidth", f"algbw and busbw vs size, {n} ranks, gloo",
                "collectives", "run", f"{doc['command']} (fived.bench.comm.rank_main); fit "
                "fived.comm.bench.fit_alpha_beta", doc, draw_bandwidth, size=(11.0, 5.0)),
