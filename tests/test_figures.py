@@ -185,6 +185,14 @@ def test_report_layout_and_bad_input(tmp_path, capsys):
     g = Grid.from_config(ParallelConfig(tp=2, pp=2, dp=2))
     assert [tuple(x) for x in rec["data"]["groups"]["tp"]] == g.partition(("tp",))
     assert (out / "index.html").read_text().count("data:image/png") == 2
+    # --measure: a 2-step run of the layout, every rank's bytes equal to the ledger's
+    out = tmp_path / "meas"
+    assert main(["report", "--out", str(out), "--dp", "2", "--zero", "2", "--measure"]) == 0
+    ranks = json.loads((out / "layout-measured.json").read_text())["data"]["ranks"]
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["measured_states"] == r["ledger_states"]
+        assert r["measured_traffic"] == r["ledger_traffic"] and r["ledger_traffic"]["dense"] > 0
     bad = tmp_path / "bad"
     assert main(["report", "--out", str(bad), "--tp", "3"]) == 2
     assert not bad.exists()

@@ -5,6 +5,9 @@
     fived report --out DIR --from FIGDIR         # a page from an existing `figures all` folder
     fived report --out DIR --model llama3-70b --tp 8 --pp 4 --dp 8 --gpus-per-node 8
                                                  # one layout: its grid and iron rule (ledger)
+    fived report --out DIR --tp 2 --dp 2 --measure
+                                                 # ... and a 2-step run of it on local ranks:
+                                                 # every rank's bytes measured beside the ledger
 
 The page (``DIR/index.html``) opens offline: every figure is embedded as a PNG data URI, and under
 each one are its source (ledger or run), how it was made, the command that makes it again, a
@@ -129,6 +132,58 @@ def layout_figures(res: Any, hw: str, gpn: int | None, global_batch: int) -> lis
     ]
 
 
+def layout_measured(res: Any) -> Figure:
+    """A two-step run of the layout on local gloo ranks; every rank's model-state bytes and
+    bytes sent per group, beside ``fived.ledger.verify.predict_rank`` (``fived ledger --check``)."""
+    from dataclasses import replace as _replace
+
+    from ..ledger.verify import predict_rank
+    from ._runs import train_many
+
+    m, par, train = res.model, res.par, _replace(res.train, steps=2, metrics_out="")
+    run = train_many([(m, par, train)])[0]
+    keys = ("params", "grads", "master", "optimizer")
+    ranks = []
+    for r in range(par.world_size):
+        mem_l, traf_l = predict_rank(m, par, train.global_batch, r)
+        ranks.append({"rank": r,
+                      "measured_states": sum(run["memory_per_rank"][r][k] for k in keys),
+                      "ledger_states": sum(mem_l[k] for k in keys),
+                      "measured_traffic": run["traffic_per_rank"][r]["bytes"],
+                      "ledger_traffic": {k: v for k, v in traf_l.items() if v}})
+    data = {"model": m.name, "layout": par.describe(), "global_batch": train.global_batch,
+            "step_s": run["seconds"], "losses": run["losses"], "ranks": ranks,
+            "note": "MoE all-to-all bytes follow the router; the ledger here assumes uniform "
+                    "routing" if m.is_moe else ""}
+    return Figure("layout-measured", f"{m.name} on {par.describe()}: every rank measured vs "
+                  "the ledger", "layout", "ledger+run", "a 2-step fived train of the layout on "
+                  "local gloo ranks (last step) beside fived.ledger.verify.predict_rank", data,
+                  draw_measured, size=(9.0, 3.6))
+
+
+def draw_measured(d: dict[str, Any], f: Any) -> None:
+    from ._fig import COLORS
+
+    a1, a2 = f.subplots(1, 2)
+    rs = d["ranks"]
+    xs = [r["rank"] for r in rs]
+    a1.bar(xs, [r["measured_states"] / 1e6 for r in rs], color=COLORS[0], label="measured")
+    a1.scatter(xs, [r["ledger_states"] / 1e6 for r in rs], marker="_", s=200, color="black",
+               zorder=3, label="ledger")
+    a1.set(xlabel="rank", ylabel="model-state MB", title="memory per rank")
+    a1.legend(fontsize=6)
+    groups = sorted({g for r in rs for g in r["measured_traffic"]} - {"metrics"})
+    bottom = [0.0] * len(rs)
+    for i, g in enumerate(groups):
+        v = [r["measured_traffic"].get(g, 0.0) / 1e6 for r in rs]
+        a2.bar(xs, v, bottom=bottom, color=COLORS[i % len(COLORS)], label=g)
+        bottom = [b + x for b, x in zip(bottom, v)]
+    a2.scatter(xs, [sum(r["ledger_traffic"].values()) / 1e6 for r in rs], marker="_", s=200,
+               color="black", zorder=3, label="ledger total")
+    a2.set(xlabel="rank", ylabel="MB sent in the step", title="traffic per rank by group")
+    a2.legend(fontsize=6)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fived report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,6 +197,9 @@ def parser() -> argparse.ArgumentParser:
                     help="a fived.ledger.hardware preset for the layout page (default h100-sxm)")
     ap.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
                     help="devices per node for the layout page (default: the hardware's)")
+    ap.add_argument("--measure", action="store_true",
+                    help="layout page: also run it for 2 steps on pp·dp·ep·cp·tp local ranks and "
+                         "show every rank's bytes beside the ledger (small models only)")
     flags.add_config_flags(ap, groups=("model", "layout", "run"),
                            only=("model", "tp", "cp", "ep", "dp", "pp", "zero", "precision",
                                  "sequence_parallel", "micro_batches", "global_batch",
@@ -176,8 +234,11 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         folder = a.out
         cmd = "fived report " + " ".join(argv if argv is not None else sys.argv[1:])
-        recs = [save(f, folder, cmd)
-                for f in layout_figures(res, a.hardware, a.gpus_per_node, res.train.global_batch)]
+        figs = layout_figures(res, a.hardware, a.gpus_per_node, res.train.global_batch)
+        if a.measure:
+            print(f"running {res.par.world_size} local rank(s) for 2 steps ...", flush=True)
+            figs.append(layout_measured(res))
+        recs = [save(f, folder, cmd) for f in figs]
         title = f"fived: {res.model.name} on {res.par.describe()}"
         meta["command"] = cmd
     else:
