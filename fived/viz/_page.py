@@ -87,7 +87,7 @@ def figure_html(rec: dict[str, Any], folder: str) -> str:
             f'{html.escape(rec["how"])}<br><b>make it again</b>: <code>'
             f'{html.escape(rec["command"])}</code></p>\n'
             f"<details><summary>the numbers ({len(rows)} shown; the full record below)"
-            f"</summary><table><tr><th>value</th><th></th></tr>{table}</table>"
+            f"</summary><table><tr><th>number</th><th>value</th></tr>{table}</table>"
             f"<pre>{raw}</pre></details>\n")
 
 
