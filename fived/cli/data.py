@@ -17,7 +17,7 @@ from .report import console, fmt_n, print_json, show, table
 EXAMPLES = """examples:
   fived data prepare notes/ --out data/notes                       # byte tokens (257 symbols)
   fived data prepare $(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])') \\
-      --glob '*.py' --train-bpe 4096 --out data/stdlib             # train a BPE on the input
+      --glob '*.py' --exclude site-packages,test,tests --train-bpe 4096 --out data/stdlib
   fived data prepare a.jsonl b.jsonl --field text --tokenizer tokenizer.json --out data/ab
   fived data prepare shard.parquet --column content --out data/pq
   fived data info data/stdlib
@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                                                     "(default: text)")
     p.add_argument("--glob", default="*", help="in folders, only files matching this pattern "
                                                "(default: every file), e.g. '*.py'")
+    p.add_argument("--exclude", default="", metavar="PATTERN,...",
+                   help="in folders, skip files and folders whose name matches one of these "
+                        "patterns, e.g. 'site-packages,test,tests'")
     p.add_argument("--val-fraction", type=float, default=0.01, metavar="F",
                    help="documents held out for validation, evenly spread (default: 0.01)")
     p.add_argument("--workers", type=int, default=0, metavar="N",
@@ -94,7 +97,8 @@ def main(argv: list[str]) -> int:
     check_count("--workers", args.workers, least=0)
     opts = Options(inputs=tuple(args.inputs), out=args.out, tokenizer=args.tokenizer,
                    train_bpe=args.train_bpe, field=args.field, column=args.column,
-                   glob=args.glob, val_fraction=args.val_fraction, workers=args.workers)
+                   glob=args.glob, val_fraction=args.val_fraction, workers=args.workers,
+                   exclude=tuple(e.strip() for e in args.exclude.split(",") if e.strip()))
     meta = prepare(opts, log=(lambda s: None) if args.json else print)
     if args.json:
         print_json(meta)

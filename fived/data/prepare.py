@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ class Options:
     field: str = "text"
     column: str = "text"
     glob: str = "*"
+    exclude: tuple[str, ...] = ()  # folder or file name patterns skipped in folders
     val_fraction: float = 0.01
     workers: int = 0  # 0: every core
 
@@ -67,8 +69,10 @@ def kind_of(path: Path) -> str:
         else "text"
 
 
-def find_sources(inputs: tuple[str, ...], glob: str) -> list[tuple[Path, str]]:
-    """Every input file with its kind; folders walked (sorted, hidden entries skipped)."""
+def find_sources(inputs: tuple[str, ...], glob: str, exclude: tuple[str, ...] = ()
+                 ) -> list[tuple[Path, str]]:
+    """Every input file with its kind; folders walked (sorted; hidden entries and entries
+    whose name matches an ``exclude`` pattern skipped, with everything under them)."""
     if not inputs:
         raise ConfigError(["fived data prepare: give at least one INPUT (a file or a folder)"])
     out: list[tuple[Path, str]] = []
@@ -76,7 +80,8 @@ def find_sources(inputs: tuple[str, ...], glob: str) -> list[tuple[Path, str]]:
         p = Path(name)
         if p.is_dir():
             files = sorted(f for f in p.rglob(glob) if f.is_file()
-                           and not any(x.startswith(".") for x in f.relative_to(p).parts))
+                           and not any(x.startswith(".") or any(fnmatch(x, e) for e in exclude)
+                                       for x in f.relative_to(p).parts))
             if not files:
                 raise ConfigError([f"INPUT {name}: no file under it matches --glob {glob!r}"])
             out += [(f, kind_of(f)) for f in files]
@@ -149,7 +154,8 @@ def source_hash(sources: list[tuple[Path, str]], opts: Options, tok_id: str) -> 
         st = p.stat()
         files.append([str(p.resolve()), st.st_size, st.st_mtime_ns, kind])
     doc = {"format": FORMAT, "files": files, "tokenizer": tok_id, "val": opts.val_fraction,
-           "field": opts.field, "column": opts.column, "glob": opts.glob}
+           "field": opts.field, "column": opts.column, "glob": opts.glob,
+           "exclude": list(opts.exclude)}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -240,7 +246,7 @@ def prepare(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]
         raise ConfigError(["--train-bpe and --tokenizer FILE exclude each other; give one"])
     out = Path(opts.out)
     exists = check_out(out)
-    sources = find_sources(opts.inputs, opts.glob)
+    sources = find_sources(opts.inputs, opts.glob, opts.exclude)
     tok: T.Tokenizer | None = None
     if opts.train_bpe:
         if not T.MIN_BPE <= opts.train_bpe <= T.MAX_BPE:

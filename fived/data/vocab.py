@@ -34,11 +34,14 @@ class MaskedLoss(nn.Module):
 
 
 def mask_padded_logits(model: nn.Module, used: int, vocab: int) -> int:
-    """Wrap every ``loss`` module of ``model`` (shared ones once); returns how many."""
+    """Wrap every ``loss`` module of ``model`` and of its pipeline chunks (shared ones once);
+    returns how many."""
     if used >= vocab:
         return 0
     wrapped: dict[int, MaskedLoss] = {}
-    for m in list(model.modules()):
+    # a pipeline StageModel keeps its chunks (which own the loss) in a plain list
+    roots = [model, *getattr(model, "chunk_models", [])]
+    for m in [m for r in roots for m in r.modules()]:
         inner = m._modules.get("loss")
         if inner is None or isinstance(inner, MaskedLoss) or isinstance(m, MaskedLoss):
             continue

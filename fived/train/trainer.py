@@ -88,7 +88,9 @@ class Trainer:
         self.loader = Loader(data, "train", prefetch=t.prefetch, **kw)
         if t.eval_every:
             self.eval_loader = Loader(data, "val", shuffle=False, **kw)
-        mask_padded_logits(self.stage, data.vocab, self.cfg.vocab)
+        masked = mask_padded_logits(self.stage, data.vocab, self.cfg.vocab)
+        if data.vocab < self.cfg.vocab and getattr(self.stage, "last", True) and not masked:
+            raise RuntimeError("the padded vocabulary rows could not be masked: no loss module")
 
     # -------------------------------------------------------------------- data position
     def data_state(self) -> dict[str, Any]:
