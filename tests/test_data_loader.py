@@ -113,3 +113,50 @@ def test_data_state_refuses_other_data(data, tmp_path):
         b.load_data_state(dict(b.data_state(), corpus_mb=8.0))
     with pytest.raises(ConfigError, match="model's vocab is 256"):
         Trainer(ModelConfig(seq_len=L), ParallelConfig(), train, 0, 1)
+
+
+def test_bench_data_loader_outpaces_the_trainer(data):
+    from fived.bench.data import parser, run
+
+    args = parser().parse_args(["--data", str(data.path), "--batches", "30"])
+    args.model, args.global_batch, args.steps, args.corpus_mb = "tiny", 8, 1, 4.0
+    res = run(args, log=lambda s: None)
+    assert res["loader_tokens_per_s"] > 0 and res["trainer_tokens_per_s"] > 0
+    assert res["ratio"] >= 50 and res["ok"], res
+
+
+def test_tensorboard_and_eval_records(data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fived.config import ParallelConfig
+    from fived.train.trainer import train_rank
+
+    model = ModelConfig(vocab=384, seq_len=L, layers=1, hidden=32, heads=2, kv_heads=1, ffn=64)
+    train = TrainConfig(global_batch=4, steps=3, data=str(data.path), eval_every=2,
+                        eval_batches=2, tensorboard=str(tmp_path / "tb"))
+    out = train_rank(0, 1, model, ParallelConfig(), train, show=False, peak_flops=1e9)
+    assert [s for s, _ in out["val"]] == [0, 1, 2]
+    ev = EventAccumulator(str(tmp_path / "tb"))
+    ev.Reload()
+    tags = set(ev.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "speed/tokens_per_s", "speed/mfu",
+                "memory/params", "memory/optimizer", "val/loss", "val/perplexity"):
+        assert tag in tags, (tag, sorted(tags))
+    assert [e.value for e in ev.Scalars("val/loss")] == pytest.approx([v for _, v in out["val"]])
+    assert [e.step for e in ev.Scalars("train/loss")] == [0, 1, 2]
+
+
+def test_tensorboard_writes_bytes_per_dimension(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fived.train.tb import TensorBoard
+
+    tb = TensorBoard(str(tmp_path))
+    tb.log({"step": 4, "loss": 1.0, "traffic_per_rank": [
+        {"bytes": {"tp": 10.0, "dense": 5.0, "metrics": 1.0}}, {"bytes": {"tp": 30.0}}]})
+    tb.close()
+    ev = EventAccumulator(str(tmp_path))
+    ev.Reload()
+    assert {"traffic/tp", "traffic/dense"} <= set(ev.Tags()["scalars"])
+    assert "traffic/metrics" not in ev.Tags()["scalars"]
+    assert ev.Scalars("traffic/tp")[0].value == 30.0  # the busiest rank's bytes
