@@ -22,8 +22,8 @@ def data_dir(tmp_path_factory):
     return str(d / "out")
 
 
-def run_cfg(data_dir, **kw):
-    model = model_for_data(preset("tiny"), data_dir)
+def run_cfg(data_dir, name="tiny", **kw):
+    model = model_for_data(preset(name), data_dir)
     assert model.vocab == 384  # 257 byte symbols, padded to a multiple of 128
     train = small_train(steps=3, data=data_dir, eval_every=2, eval_batches=2, **kw)
     return model, train
@@ -48,11 +48,12 @@ def test_dp2_tp2_cp2_on_prepared_data_equals_one_rank(data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("par", [ParallelConfig(pp=2, tp=2, dp=2, zero=1, micro_batches=2),
-                                 ParallelConfig(tp=4, sequence_parallel=True, dp=2, zero=3)],
-                         ids=lambda p: p.describe())
-def test_more_layouts_on_prepared_data(data_dir, par):
-    model, train = run_cfg(data_dir)
+@pytest.mark.parametrize("name,par", [
+    ("tiny", ParallelConfig(pp=2, tp=2, dp=2, zero=1, micro_batches=2)),
+    ("tiny", ParallelConfig(tp=4, sequence_parallel=True, dp=2, zero=3)),
+    ("tiny-moe", ParallelConfig(ep=2, tp=2, dp=2))], ids=lambda p: getattr(p, "describe", str)())
+def test_more_layouts_on_prepared_data(data_dir, name, par):
+    model, train = run_cfg(data_dir, name)
     validate(model, par, train, 8)
     ref = one_rank(model, train)
     out = train_runs([(model, par, train)], timeout=900)[0]

@@ -64,8 +64,8 @@ def main(argv: list[str]) -> int:
                                f"does not exist"])
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
         print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
-              f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens",
-              flush=True)
+              f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens"
+              + (f" · data {train.data} (vocab {model.vocab})" if train.data else ""), flush=True)
     from ..dist.launch import RankFailure, run_local
     from ..train.trainer import measure_matmul_peak, train_rank
 

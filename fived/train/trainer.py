@@ -153,6 +153,7 @@ class Trainer:
         """One optimizer step; ``on_grads()`` (tests) runs once the gradients are reduced."""
         self.traffic.reset()
         t0 = time.perf_counter()
+        waited = self.loader.wait_s if self.loader is not None else 0.0
         x, y, positions = self.local_data(step)
         self.next_step = step + 1
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
@@ -172,6 +173,8 @@ class Trainer:
         loss = self.global_loss(local_loss) / global_tokens
         rec = {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped}
+        if self.loader is not None:  # seconds this step waited for the prefetch thread
+            rec["data_wait_s"] = self.loader.wait_s - waited
         if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
             rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.parallel.placements,
                                        self.world_metrics, global_tokens, seconds, self.traffic)
@@ -192,6 +195,9 @@ class Trainer:
             total += self.forward_backward(x, y, positions, 0.0)
             self.engine.finish()
         self.engine.zero_grad()
+        for m in self.stage.modules():  # MoE routing statistics belong to training steps
+            if hasattr(m, "reset_stats"):
+                m.reset_stats()
         loss = self.global_loss(total) / (n * self.tcfg.global_batch * self.cfg.seq_len)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
 
