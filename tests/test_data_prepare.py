@@ -170,3 +170,14 @@ def test_train_rejects_bad_data_before_any_rank(corpus, tmp_path):
     assert r.returncode == 0 and "vocab = 384" in r.stdout, r.stdout + r.stderr
     with pytest.raises(ConfigError, match="not a prepared data directory"):
         read_meta(corpus)
+
+
+def test_data_info_and_prepare_cli(corpus, tmp_path):
+    out = tmp_path / "d"
+    r = fived("data", "prepare", str(corpus), "--out", str(out), "--val-fraction", "0.2",
+              "--workers", "1")
+    assert r.returncode == 0 and "train" in r.stdout and "vocab 384" in r.stdout, r.stderr
+    r = fived("data", "info", str(out), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["documents"] == 10
+    r = fived("data", "prepare", str(corpus), "--out", str(out), "--val-fraction", "0.2")
+    assert r.returncode == 0 and "up to date" in r.stdout

@@ -16,6 +16,7 @@ record, so a run cannot mix token ids of two tokenizers.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -118,7 +119,7 @@ def train_bpe(texts: Iterable[str], vocab: int, length: int | None = None) -> HF
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS_NAMES[0]],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+                                  show_progress=sys.stderr.isatty())
     tok.train_from_iterator(_nonempty(texts), trainer=trainer, length=length)
     return HFTokenizer(tok)
 
