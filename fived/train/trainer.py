@@ -8,6 +8,11 @@ Per step every rank
 3. reduces gradients (the engine: DDP or ZeRO), clips by the global norm and steps AdamW;
 4. reports loss, tokens, seconds, model-state bytes and bytes sent per dimension.
 
+The data is the built-in corpus (``fived.train.data``) or, with ``--data DIR``, the prefetching
+loader of ``fived.data.loader`` (rows of the batch group only; the padded vocabulary masked);
+``evaluate`` gives the validation loss, ``data_state``/``load_data_state`` the data position
+a checkpoint stores (docs/data.md).
+
 ``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.dist.launch``).
 """
 
