@@ -64,6 +64,16 @@ def test_byte_format_split_and_index(corpus, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+def test_few_documents_hold_out_the_last(tmp_path):
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text(f"text {i}")
+    meta = prepare(Options((str(tmp_path),), str(tmp_path.parent / (tmp_path.name + "-out")),
+                           val_fraction=0.01, workers=1), QUIET)
+    assert meta["splits"]["val"]["documents"] == 1 and meta["splits"]["train"]["documents"] == 2
+    d = DataDir(tmp_path.parent / (tmp_path.name + "-out"))
+    assert bytes(np.asarray(d.tokens("val"))[:-1].astype(np.uint8)) == b"text 2"
+
+
 def test_rerun_is_a_noop_and_a_change_redoes_it(corpus, tmp_path):
     out = tmp_path / "out"
     opts = Options((str(corpus),), str(out), val_fraction=0.2, workers=1)

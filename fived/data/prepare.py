@@ -14,7 +14,8 @@ Documents: a text file is one document; a JSONL line is one (``--field``); a par
 (``--column``); empty ones are skipped. Non-empty document ``i`` (in input order: the inputs as
 given, folders walked in sorted order) is held out for validation when
 ``floor((i + 1)·f) > floor(i·f)`` for ``f = --val-fraction``: exactly ``floor(n·f)`` documents,
-evenly spread. A BPE tokenizer (``--train-bpe``) is trained on the training documents only.
+evenly spread; when that is none (fewer than ``1/f`` documents) the last document is held
+out. A BPE tokenizer (``--train-bpe``) is trained on the training documents only.
 
 Tokenizing runs on ``--workers`` processes (all cores by default) over chunks of documents, in
 order. Everything is written into a temporary directory beside ``--out`` and renamed onto it at
@@ -302,14 +303,23 @@ def _write(tmp: Path, tok: T.Tokenizer, sources: list[tuple[Path, str]], opts: O
     progress = Progress("tokenizing")
     chars: deque[int] = deque()
 
+    held: list[tuple[bytes, int]] = []  # the latest training document, written at the next
+
+    def put(s: str, piece: bytes, n: int) -> None:
+        files[s].write(piece)
+        hashes[s].update(piece)
+        offsets[s].append(offsets[s][-1] + n)
+
     def write(flat: np.ndarray, lens: np.ndarray) -> None:
         ends = np.cumsum(lens)
         for e, n in zip(ends.tolist(), lens.tolist()):
-            s = "val" if is_val(counts["docs"], opts.val_fraction) else "train"
             piece = flat[e - n:e].tobytes()
-            files[s].write(piece)
-            hashes[s].update(piece)
-            offsets[s].append(offsets[s][-1] + n)
+            if is_val(counts["docs"], opts.val_fraction):
+                put("val", piece, n)
+            else:
+                if held:
+                    put("train", *held.pop())
+                held.append((piece, n))
             counts["docs"] += 1
             counts["tokens"] += n
         counts["chars"] += chars.popleft()
@@ -335,6 +345,9 @@ def _write(tmp: Path, tok: T.Tokenizer, sources: list[tuple[Path, str]], opts: O
                         write(*pending.popleft().get())
                 while pending:
                     write(*pending.popleft().get())
+        if held:  # floor(n·f) = 0 held out nothing: the last document is the validation split
+            last_to_val = opts.val_fraction > 0 and len(offsets["val"]) == 1 and counts["docs"] > 1
+            put("val" if last_to_val else "train", *held.pop())
     finally:
         for f in files.values():
             f.close()
@@ -344,9 +357,8 @@ def _write(tmp: Path, tok: T.Tokenizer, sources: list[tuple[Path, str]], opts: O
         raise ConfigError([f"INPUT {' '.join(opts.inputs)}: no text (every document is empty)"])
     n_val = len(offsets["val"]) - 1
     if opts.val_fraction > 0 and n_val == 0:
-        raise ConfigError([f"--val-fraction {opts.val_fraction:g} holds out none of the "
-                           f"{counts['docs']} document(s) (floor(n·f) = 0); raise it, add "
-                           f"documents, or pass --val-fraction 0"])
+        raise ConfigError([f"--val-fraction {opts.val_fraction:g} holds out none: the input is "
+                           f"one document; add documents or pass --val-fraction 0"])
     splits = {}
     for s in ("train", "val"):
         np.save(tmp / f"{s}.idx.npy", np.asarray(offsets[s], dtype=np.int64))
