@@ -10,7 +10,7 @@ import pytest
 
 from fived.config import ConfigError
 from fived.data.meta import padded_vocab, read_meta
-from fived.data.prepare import Options, is_val, prepare
+from fived.data.prepare import Options, is_val, prepare, training_documents
 from fived.data.shards import DataDir
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -70,6 +70,10 @@ def test_few_documents_hold_out_the_last(tmp_path):
     meta = prepare(Options((str(tmp_path),), str(tmp_path.parent / (tmp_path.name + "-out")),
                            val_fraction=0.01, workers=1), QUIET)
     assert meta["splits"]["val"]["documents"] == 1 and meta["splits"]["train"]["documents"] == 2
+    assert list(training_documents(iter(["a", "b", "c"]), 0.01)) == ["a", "b"]
+    assert list(training_documents(iter(["a", "b", "c"]), 0.0)) == ["a", "b", "c"]
+    assert list(training_documents(iter(f"{i}" for i in range(10)), 0.2)) == \
+        [f"{i}" for i in range(10) if i not in (4, 9)]
     d = DataDir(tmp_path.parent / (tmp_path.name + "-out"))
     assert bytes(np.asarray(d.tokens("val"))[:-1].astype(np.uint8)) == b"text 2"
 

@@ -148,6 +148,22 @@ def is_val(i: int, fraction: float) -> bool:
     return int((i + 1) * fraction) > int(i * fraction)
 
 
+def training_documents(docs: Iterator[str], fraction: float) -> Iterator[str]:
+    """The documents ``_write`` puts in the training split (the last one held back until it
+    is known not to become the validation split)."""
+    held, n, n_val = None, 0, 0
+    for i, d in enumerate(docs):
+        n += 1
+        if is_val(i, fraction):
+            n_val += 1
+            continue
+        if held is not None:
+            yield held
+        held = d
+    if held is not None and not (fraction > 0 and n_val == 0 and n > 1):
+        yield held
+
+
 def source_hash(sources: list[tuple[Path, str]], opts: Options, tok_id: str) -> str:
     """What prepare would read and how: equal hashes -> the same output (the no-op test)."""
     files = []
@@ -267,9 +283,8 @@ def prepare(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]
         f"({', '.join(sorted(fields))}) -> {out}")
     if tok is None:
         log(f"training a byte-level BPE of {opts.train_bpe} symbols on the training documents")
-        train_docs = (d for i, d in enumerate(documents(sources, opts.field, opts.column))
-                      if not is_val(i, opts.val_fraction))
-        tok = T.train_bpe(train_docs, opts.train_bpe)
+        docs = documents(sources, opts.field, opts.column)
+        tok = T.train_bpe(training_documents(docs, opts.val_fraction), opts.train_bpe)
         log(f"BPE trained in {time.perf_counter() - t0:.1f} s (tokenizer {tok.hash[:12]})")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
