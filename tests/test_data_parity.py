@@ -25,12 +25,12 @@ def data_dir(tmp_path_factory):
 def run_cfg(data_dir, name="tiny", **kw):
     model = model_for_data(preset(name), data_dir)
     assert model.vocab == 384  # 257 byte symbols, padded to a multiple of 128
-    train = small_train(steps=3, data=data_dir, eval_every=2, eval_batches=2, **kw)
+    train = small_train(steps=3, data=data_dir, eval_every=3, eval_batches=2, **kw)
     return model, train
 
 
 def check_eval(out, ref):
-    assert [s for s, _ in ref["ranks"][0]["val"]] == [0, 1, 2]
+    assert [s for s, _ in ref["ranks"][0]["val"]] == [0, 2]  # after step 0 and the last
     for s in out["ranks"]:
         d = rel_diff([v for _, v in s["val"]], [v for _, v in ref["ranks"][0]["val"]])
         assert d < TOL, ("validation loss", d, s["val"], ref["ranks"][0]["val"])

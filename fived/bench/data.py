@@ -110,18 +110,21 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     args = flags.parse(parser(), argv)
-    from ..cli.report import console, show, table
+    from rich.console import Console
+    from rich.table import Table
 
     print(f"fived bench data: loader vs trainer, model {args.model}, global batch "
           f"{args.global_batch}", flush=True)
     res = run(args)
-    con = console()
-    t = table("fived bench data — tokens/s, one process", [("what", "l"), ("tokens/s", "r")])
+    con = Console(highlight=False)
+    t = Table(title="fived bench data — tokens/s, one process", header_style="bold")
+    t.add_column("what")
+    t.add_column("tokens/s", justify="right")
     t.add_row("loader, read on the step's thread", f"{res['loader_tokens_per_s']:,.0f}")
     t.add_row("loader, through the prefetch thread", f"{res['loader_prefetch_tokens_per_s']:,.0f}")
     t.add_row(f"trainer, {res['model']}, 1 rank", f"{res['trainer_tokens_per_s']:,.0f}")
     t.add_row("ratio loader / trainer (slower loader)", f"{res['ratio']:,.0f}×")
-    show(con, t)
+    con.print(t)
     con.print(f"the training steps waited {1000 * res['trainer_wait_s']:.2f} ms for data in "
               f"{res['trainer_step_s']:.2f} s; required ratio >= {res['min_ratio']:g}: "
               f"{'yes' if res['ok'] else 'NO'}")
