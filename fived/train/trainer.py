@@ -192,12 +192,13 @@ class Trainer:
         with a zero loss scale; the gradients are then discarded."""
         assert self.eval_loader is not None
         n = self.tcfg.eval_batches
-        total = torch.zeros((), dtype=torch.float32)
+        total = None  # on whatever device the step's loss is
         set_aux_grad_scale(self.stage, 0.0)
         for k in range(n):
-            x, y, positions = self.shard(*self.eval_loader.batch(k))
+            x, y, positions = self.shard(*self.eval_loader.get(k))
             self.engine.zero_grad()
-            total += self.forward_backward(x, y, positions, 0.0)
+            loss = self.forward_backward(x, y, positions, 0.0)
+            total = loss if total is None else total + loss
             self.engine.finish()
         self.engine.zero_grad()
         for m in self.stage.modules():  # MoE routing statistics belong to training steps
