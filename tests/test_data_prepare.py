@@ -195,3 +195,22 @@ def test_data_info_and_prepare_cli(corpus, tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["documents"] == 10
     r = fived("data", "prepare", str(corpus), "--out", str(out), "--val-fraction", "0.2")
     assert r.returncode == 0 and "up to date" in r.stdout
+
+
+def test_large_vocabulary_is_uint32_and_eos_is_appended(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(70_000)}
+    words["[UNK]"] = 70_000
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("w1 w69999 w5")
+    (tmp_path / "in" / "b.txt").write_text("w7 zzz")
+    meta = prepare(Options((str(tmp_path / "in"),), str(tmp_path / "out"),
+                           tokenizer=str(tmp_path / "tokenizer.json"), val_fraction=0.0,
+                           workers=1), QUIET)
+    assert meta["dtype"] == "uint32" and meta["vocab"] == 70_002 and meta["eos"] == 70_001
+    assert np.asarray(DataDir(tmp_path / "out").tokens("train")).tolist() == \
+        [1, 69_999, 5, 70_001, 7, 70_000, 70_001]
