@@ -183,6 +183,14 @@ class TrainConfig:
     corpus_mb: float = spec(4.0, "MB of the built-in corpus (this Python's stdlib source)", gt=0)
     metrics_out: str = spec("", "write one JSON line per step to this file", metavar="FILE")
     log_every: int = spec(1, "print a line every N steps", ge=1)
+    data: str = spec("", "train on a prepared data directory (`fived data prepare`); the model "
+                         "vocab becomes its tokenizer's, padded to a multiple of 128",
+                     metavar="DIR", shown="the built-in corpus")
+    eval_every: int = spec(0, "validation loss and perplexity every N steps and after the last "
+                              "(0: never; needs --data)", ge=0)
+    eval_batches: int = spec(4, "global batches of the validation split per evaluation", ge=1)
+    prefetch: int = spec(2, "batches the --data loader reads ahead in a background thread", ge=1)
+    tensorboard: str = spec("", "write TensorBoard scalars to this directory", metavar="DIR")
 
 
 def preset(name: str) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""fived's command line: train | grid | plan | ledger | bench | figures | report.
+"""fived's command line: train | data | grid | plan | ledger | bench | figures | report.
 
 One module per command (``fived.cli.train``, ``grid``, ``plan``, ``ledger``), one flag set
 shared by all (``fived.cli.flags``), one ``fived.config.validate``. ``fived bench NAME`` and
@@ -25,6 +25,7 @@ EXAMPLES = """examples:
   fived train --tp 2 --dp 2 --zero 1           # 2D layout on 4 ranks
   fived train --config run.toml --steps 10     # TOML first, flags override it
   fived train --tp 2 --print-config            # the effective configuration, as TOML
+  fived data prepare notes/ --train-bpe 4096 --out data/notes && fived train --data data/notes
   torchrun --nproc-per-node 8 -m fived train --model small --pp 2 --tp 2 --dp 2
   fived grid --tp 2 --pp 2 --dp 2 --gpus-per-node 4
   fived ledger --model llama2-7b --gpus 8 --precision bf16 --zero 3
@@ -37,6 +38,7 @@ EXAMPLES = """examples:
 
 COMMANDS = {
     "train": "train a model on local ranks or under torchrun",
+    "data": "prepare text for `fived train --data DIR` (fived data prepare|info)",
     "grid": "print every rank's coordinates and groups",
     "plan": "search the layouts of a model on a cluster, fastest first",
     "ledger": "memory / FLOPs / traffic / time breakdown of one layout",
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch("fived.bench" if argv[0] == "bench" else "fived.viz", argv[0], argv[1:])
     if argv and argv[0] == "report":  # the page lives with the figures (fived.viz._page)
         return run("report", importlib.import_module("fived.viz._page").main, argv[1:])
-    if argv and argv[0] in ("train", "grid", "plan", "ledger"):
+    if argv and argv[0] in ("train", "data", "grid", "plan", "ledger"):
         mod = importlib.import_module(f"{__package__}.{argv[0]}")
         return run(argv[0], mod.main, argv[1:])
     ap = parser()

@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 
 from ..config import ConfigError, check_count, check_outputs, fill_dp, validate
+from ..data.meta import check_data_run, model_for_data
 from ..dist.launch import torchrun_env
 from . import flags
 from .main import EXAMPLES
@@ -35,7 +36,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     res = flags.configs(args)
-    model, train = res.model, res.train
+    train = res.train
+    # --data: the vocabulary is the tokenizer's, padded (fived.data.meta.padded_vocab)
+    model = model_for_data(res.model, train.data, "model.vocab" in res.given)
+    res = replace(res, model=model)
     env = torchrun_env()  # (rank, world, local_rank) under torchrun, else None
     if env:
         world = env[1]
@@ -47,13 +51,21 @@ def main(argv: list[str]) -> int:
         raise ConfigError([f"--timeout must be > 0 seconds (got {args.timeout:g})"])
     par, world = fill_dp(res.par, res.dp_given, world)
     validate(model, par, train, world)
+    check_data_run(model, model.seq_len, train)
     if args.print_config:
         return flags.print_config(replace(res, par=par), f"fived train: {world} rank(s)")
     check_outputs(train)
+    if train.tensorboard:
+        from pathlib import Path
+
+        parent = Path(train.tensorboard).resolve().parent
+        if not parent.is_dir():
+            raise ConfigError([f"--tensorboard {train.tensorboard}: directory {str(parent)!r} "
+                               f"does not exist"])
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
         print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
-              f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens",
-              flush=True)
+              f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens"
+              + (f" · data {train.data} (vocab {model.vocab})" if train.data else ""), flush=True)
     from ..dist.launch import RankFailure, run_local
     from ..train.trainer import measure_matmul_peak, train_rank
 
