@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..comm import ops
 from ..comm.ops import Traffic
-from ..config import ModelConfig, ParallelConfig, TrainConfig
+from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..dist.grid import GROUP_NAMES, DimGroup, Grid
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
@@ -60,6 +60,10 @@ class Trainer:
         self.grid = Grid.from_config(par, rank).connect(self.traffic)
         self.coords = self.grid.coords()
         model = build_model(model_cfg, train.seed, dtype_of(par.precision))
+        if train.init_from:  # Hugging Face weights into the plain model, before any cut
+            from ..checkpoint.hf import load_hf_into
+
+            load_hf_into(model, train.init_from)
         self.parallel = parallelize(model, self.grid, par, train)
         self.stage = self.parallel.model
         self.engine = self.parallel.engine
@@ -67,6 +71,19 @@ class Trainer:
         self.metrics_group = replace(self.grid["pp"], name="metrics")
         self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
                                       dist.group.WORLD if world > 1 else None, self.traffic)
+
+    # -------------------------------------------------------------------- data position
+    def data_state(self) -> dict[str, Any]:
+        """Where the data stands, for a checkpoint (JSON). Built-in corpus: a batch is a pure
+        function of (seed, step), so the step (saved beside it) is the position."""
+        return {"source": "builtin", "corpus_mb": self.tcfg.corpus_mb, "seed": self.tcfg.seed}
+
+    def load_data_state(self, saved: dict[str, Any]) -> None:
+        """Restore the data position from a checkpoint; ConfigError if it is another source."""
+        mine = self.data_state()
+        if saved and saved.get("source") != mine["source"]:
+            raise ConfigError([f"--resume: the checkpoint's data source is {saved.get('source')!r}"
+                               f", this run reads {mine['source']!r}"])
 
     # -------------------------------------------------------------------- one step
     def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,8 +192,18 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     def record() -> None:
         grads.update(trainer.grad_pieces())
 
+    start, saver = 0, None
+    if train.resume:  # fived.checkpoint: any layout's checkpoint into this one
+        from ..checkpoint import load, resolve
+
+        start = load(trainer, resolve(train.resume))
+    if train.save_dir:
+        from ..checkpoint import Saver
+
+        saver = Saver(trainer, train.save_dir, train.save_every, train.keep, train.async_save)
     try:
-        for step in range(train.steps):
+        end = min(train.steps, train.stop_after or train.steps)
+        for step in range(start, end):
             rec = trainer.step(step, record if (record_grads and step == 0) else None)
             mems, traffic = trainer.gather_stats(trainer.engine.memory())
             rec["memory"] = mems[0]
@@ -187,13 +214,17 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             rec["mfu"] = flops_tok * rec["tokens_per_s"] / peak_flops if peak_flops else 0.0
             history.append(rec)
             if out_file:
-                if step == 0:  # what ran, so `fived ledger --check FILE` needs nothing else
+                if step == start:  # what ran, so `fived ledger --check FILE` needs nothing else
                     rec = {**rec, "run": {"model": asdict(model_cfg), "parallel": asdict(par),
                                           "global_batch": train.global_batch}}
                 out_file.write(json.dumps(rec) + "\n")
                 out_file.flush()
             if display:
                 display.update(rec)
+            if saver and saver.due(step + 1, end):
+                saver.save(step + 1, mems)
+        if saver:
+            saver.wait()
     finally:
         if display:
             display.close()

@@ -1,0 +1,150 @@
+"""Checkpoints (fived.checkpoint): bit-exact resume on the same layout, resharding to another
+layout, atomic saves that survive kill -9, clear errors. docs/checkpoints.md.
+
+Every multi-rank test trains several runs in one spawn (process start-ups dominate tiny runs):
+the run that never stops, the run that stops after ``K`` steps and saves, and the resumed run."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fived.checkpoint.pieces import Pieces, boxes
+from fived.checkpoint.storage import safe_unpickle
+from fived.config import PRESETS, ConfigError, ParallelConfig
+from fived.testing import rel_diff, run_ranks, small_train
+
+DENSE, MOE = PRESETS["tiny"], PRESETS["tiny-moe"]
+K = 3
+TRAIN = small_train(steps=5)
+
+
+def _losses(rank: int, world: int, runs: list) -> list[list[float]]:
+    from fived.train.trainer import train_rank
+
+    return [train_rank(rank, world, m, p, t, show=False)["losses"] for m, p, t in runs]
+
+
+def _triple(m, par, t, d):
+    """(the straight run, K steps then save to d, resume from d)."""
+    return [(m, par, t), (m, par, replace(t, stop_after=K, save_dir=str(d))),
+            (m, par, replace(t, resume=str(d)))]
+
+
+# ------------------------------------------------------------------ pieces (no ranks)
+@pytest.mark.parametrize("shape", [(5,), (4, 6), (3, 4, 5), (2, 3, 2, 4)])
+def test_boxes_cover_every_element_range_exactly(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    full = torch.arange(n).view(shape)
+    for a in range(0, n, 3):
+        for b in range(a + 1, n + 1, 5):
+            got = []
+            bs = boxes(shape, a, b)
+            assert len(bs) <= 2 * len(shape) - 1
+            for off, sz in bs:
+                sl = tuple(slice(o, o + s) for o, s in zip(off, sz))
+                got.append(full[sl].reshape(-1))
+            assert torch.equal(torch.cat(got), torch.arange(a, b)), (shape, a, b)
+
+
+def test_pieces_are_views_with_global_offsets():
+    flat = torch.arange(10.0)  # elements 3..12 of a (2, 8) piece at row 4 of a (8, 8) tensor
+    p = Pieces((8, 8), torch.float32)
+    p.add_range(flat, (2, 8), (4, 0), 3, 13)
+    assert [o for o, _ in p.items] == [(4, 3), (5, 0)]
+    p.items[1][1][0, 0] = -1
+    assert flat[5] == -1  # a view: saving copies nothing
+    assert p.size() == torch.Size((8, 8)) and p.numel() == 10
+
+
+def test_metadata_unpickler_refuses_code():
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        safe_unpickle(pickle.dumps(Evil()))
+    assert safe_unpickle(pickle.dumps(torch.Size([2, 3]))) == torch.Size([2, 3])
+
+
+# ------------------------------------------------------------------ bit-exact, same layout
+def test_resume_is_bit_exact_on_the_same_layout(tmp_path):
+    """Each ZeRO stage, tp+sp, pp (1f1b, interleaved), cp, ep (MoE), bf16 masters."""
+    layouts = [
+        (DENSE, ParallelConfig(dp=4, zero=3)),
+        (DENSE, ParallelConfig(tp=2, dp=2, zero=2, sequence_parallel=True)),
+        (DENSE, ParallelConfig(pp=2, dp=2, zero=1, schedule="interleaved", virtual_stages=2,
+                               micro_batches=4)),
+        (DENSE, ParallelConfig(cp=2, dp=2, zero=0, precision="bf16")),
+        (MOE, ParallelConfig(ep=2, dp=2, zero=1)),
+    ]
+    runs = []
+    for i, (m, par) in enumerate(layouts):
+        runs += _triple(m, par, TRAIN, tmp_path / f"c{i}")
+    out = run_ranks(_losses, 4, runs, timeout=900)[0]
+    for i, (_, par) in enumerate(layouts):
+        full, first, rest = out[3 * i:3 * i + 3]
+        assert len(first) == K and len(rest) == TRAIN.steps - K
+        assert first + rest == full, (par.describe(), full, first + rest)
+        assert (tmp_path / f"c{i}" / f"step-{K:06d}" / "manifest.json").is_file()
+
+
+# ------------------------------------------------------------------ reshard
+def test_reshard_dense_and_moe_to_other_layouts(tmp_path):
+    """dp2·ZeRO-1 -> tp2·pp2 (ZeRO-0); MoE ep2 -> ep4 (4 ranks, other world size)."""
+    save2 = [(DENSE, ParallelConfig(dp=2, zero=1)), (MOE, ParallelConfig(ep=2, zero=2))]
+    runs = []
+    for i, (m, par) in enumerate(save2):
+        runs += _triple(m, par, TRAIN, tmp_path / f"a{i}")[:2]
+    ref = run_ranks(_losses, 2, runs, timeout=900)[0]
+    res4 = [(DENSE, ParallelConfig(tp=2, pp=2)), (MOE, ParallelConfig(ep=4, zero=1))]
+    out = run_ranks(_losses, 4, [(m, p, replace(TRAIN, resume=str(tmp_path / f"a{i}")))
+                                 for i, (m, p) in enumerate(res4)], timeout=900)[0]
+    for i in range(2):
+        full = ref[2 * i]
+        assert rel_diff(out[i], full[K:]) < 1e-5, (res4[i][1].describe(), out[i], full[K:])
+
+
+# ------------------------------------------------------------------ atomic: kill -9
+def _killed_during_save(rank: int, world: int, m, par, t, kill_step: int):
+    """Train with saves; rank 0 dies by SIGKILL once every rank's data of step ``kill_step`` is
+    written, before the manifest and the rename (the worst moment)."""
+    from fived.checkpoint import storage
+    from fived.train.trainer import train_rank
+
+    real = storage.finalize
+
+    def finalize(root, step, manifest, keep=0):
+        if step == kill_step and rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(root, step, manifest, keep)
+
+    storage.finalize = finalize
+    return train_rank(rank, world, m, par, t, show=False)["losses"]
+
+
+def test_kill9_during_save_leaves_the_previous_checkpoint(tmp_path):
+    d = tmp_path / "ck"
+    par = ParallelConfig(dp=2, zero=2)
+    t = replace(TRAIN, steps=6, save_dir=str(d), save_every=2)
+    with pytest.raises(Exception):
+        run_ranks(_killed_during_save, 2, DENSE, par, t, 4, timeout=300)
+    names = sorted(p.name for p in d.iterdir())
+    assert "step-000002" in names and "step-000004" not in names, names
+    assert ".tmp-step-000004" in names  # hidden, never read
+    from fived.checkpoint import resolve
+
+    assert resolve(d).name == "step-000002"
+    full, resumed = run_ranks(_losses, 2, [(DENSE, par, replace(t, save_dir="")),
+                                           (DENSE, par, replace(t, resume=str(d),
+                                                                save_dir=str(d)))],
+                              timeout=600)[0]
+    assert resumed == full[2:]
+    assert not (d / ".tmp-step-000004").exists()  # the next save cleaned it
