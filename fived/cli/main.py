@@ -1,4 +1,5 @@
-"""fived's command line: train | grid | plan | ledger | bench | figures.
+"""fived's command line: train | grid | plan | ledger | bench | figures | checkpoint | export |
+import.
 
 One module per command (``fived.cli.train``, ``grid``, ``plan``, ``ledger``), one flag set
 shared by all (``fived.cli.flags``), one ``fived.config.validate``. ``fived bench NAME`` and
@@ -30,6 +31,8 @@ EXAMPLES = """examples:
   fived plan --model llama3-70b --gpus 64 --precision bf16 --global-batch-tokens 4M
   fived bench comm --nprocs 2 -b 1K -e 16M -f 4 --json
   fived figures schedule --schedule interleaved --pp 4 --micro-batches 8
+  fived train --save-dir ck --save-every 10 && fived train --resume ck --tp 2 --pp 2
+  fived checkpoint inspect ck        fived export ck --hf hf_out     fived import hf_out --save-dir ck2
 """
 
 COMMANDS = {
@@ -39,6 +42,9 @@ COMMANDS = {
     "ledger": "memory / FLOPs / traffic / time breakdown of one layout",
     "bench": "benchmarks against PyTorch's own: {}",
     "figures": "figures: {}",
+    "checkpoint": "inspect a checkpoint: step, layout, tensors, bytes per rank vs the ledger",
+    "export": "export a checkpoint to a Hugging Face directory (safetensors + config.json)",
+    "import": "import a local Hugging Face Llama/Mixtral directory as a checkpoint",
 }
 
 
@@ -98,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bench", "figures"):
         return _dispatch("fived.bench" if argv[0] == "bench" else "fived.viz", argv[0], argv[1:])
-    if argv and argv[0] in ("train", "grid", "plan", "ledger"):
-        mod = importlib.import_module(f"{__package__}.{argv[0]}")
+    if argv and argv[0] in ("train", "grid", "plan", "ledger", "checkpoint", "export", "import"):
+        name = "hf_import" if argv[0] == "import" else argv[0]
+        mod = importlib.import_module(f"{__package__}.{name}")
         return run(argv[0], mod.main, argv[1:])
     ap = parser()
     ap.parse_args(argv)  # --help, or an unknown command: argparse says so (exit 0 / 2)
