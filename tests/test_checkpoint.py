@@ -16,7 +16,8 @@ import torch
 
 from fived.checkpoint.pieces import Pieces, boxes
 from fived.checkpoint.storage import safe_unpickle
-from fived.config import PRESETS, ConfigError, ParallelConfig
+from fived.config import PRESETS, ParallelConfig
+from fived.dist.launch import RankFailure
 from fived.testing import rel_diff, run_ranks, small_train
 
 DENSE, MOE = PRESETS["tiny"], PRESETS["tiny-moe"]
@@ -74,42 +75,96 @@ def test_metadata_unpickler_refuses_code():
     assert safe_unpickle(pickle.dumps(torch.Size([2, 3]))) == torch.Size([2, 3])
 
 
-# ------------------------------------------------------------------ bit-exact, same layout
-def test_resume_is_bit_exact_on_the_same_layout(tmp_path):
-    """Each ZeRO stage, tp+sp, pp (1f1b, interleaved), cp, ep (MoE), bf16 masters."""
-    layouts = [
-        (DENSE, ParallelConfig(dp=4, zero=3)),
-        (DENSE, ParallelConfig(tp=2, dp=2, zero=2, sequence_parallel=True)),
-        (DENSE, ParallelConfig(pp=2, dp=2, zero=1, schedule="interleaved", virtual_stages=2,
-                               micro_batches=4)),
-        (DENSE, ParallelConfig(cp=2, dp=2, zero=0, precision="bf16")),
-        (MOE, ParallelConfig(ep=2, dp=2, zero=1)),
-    ]
+# ------------------------------------------------------------------ bit-exact and reshard
+SAVED = {  # saved on 2 ranks
+    "dense-dp2-z1": (DENSE, ParallelConfig(dp=2, zero=1)),
+    "moe-ep2-z2": (MOE, ParallelConfig(ep=2, zero=2)),
+    "dense-tp2-sp": (DENSE, ParallelConfig(tp=2, sequence_parallel=True)),
+    "dense-pp2-v2": (DENSE, ParallelConfig(pp=2, schedule="interleaved", virtual_stages=2,
+                                           micro_batches=4, zero=1)),
+    "moe-cp2-z3": (MOE, ParallelConfig(ep=1, cp=2, zero=3)),
+}
+RESUMED = [  # (saved, layout it resumes under, on 4 ranks)
+    ("dense-dp2-z1", ParallelConfig(tp=2, pp=2)),
+    ("moe-ep2-z2", ParallelConfig(ep=4, zero=1)),
+    ("dense-tp2-sp", ParallelConfig(dp=4, zero=3)),
+    ("dense-pp2-v2", ParallelConfig(cp=2, dp=2, zero=2, cp_mode="ulysses")),
+    ("dense-dp2-z1", ParallelConfig(pp=4, schedule="zb-h1", micro_batches=4)),
+    ("moe-cp2-z3", ParallelConfig(ep=2, tp=2, zero=1)),
+]
+DEFAULT = ("dense-dp2-z1", "moe-ep2-z2")
+
+
+def _reshard(tmp_path, names, resumed):
     runs = []
-    for i, (m, par) in enumerate(layouts):
+    for name in names:
+        runs += _triple(*SAVED[name], TRAIN, tmp_path / name)[:2]
+    ref = run_ranks(_losses, 2, runs, timeout=900)[0]
+    for i, name in enumerate(names):  # the interrupted run equals the straight one so far
+        assert ref[2 * i + 1] == ref[2 * i][:K], name
+    full = {name: ref[2 * i] for i, name in enumerate(names)}
+    out = run_ranks(_losses, 4, [(SAVED[name][0], par, replace(TRAIN, resume=str(tmp_path / name)))
+                                 for name, par in resumed], timeout=900)[0]
+    for (name, par), got in zip(resumed, out):
+        assert len(got) == TRAIN.steps - K
+        assert rel_diff(got, full[name][K:]) < 1e-5, (name, par.describe(), got, full[name][K:])
+
+
+def test_reshard_dense_and_moe_to_other_layouts(tmp_path):
+    """dp2·ZeRO-1 -> tp2·pp2 (ZeRO-0); MoE ep2·ZeRO-2 -> ep4·ZeRO-1 (2 -> 4 ranks)."""
+    _reshard(tmp_path, DEFAULT, [r for r in RESUMED if r[0] in DEFAULT][:2])
+
+
+@pytest.mark.slow
+def test_reshard_matrix(tmp_path):
+    """dp <-> tp(+SP) <-> pp (interleaved, zb-h1) <-> cp (ring, Ulysses) <-> ep, every ZeRO
+    stage on either side, 2 -> 4 ranks; and 2 -> 1 rank."""
+    _reshard(tmp_path, list(SAVED), RESUMED)
+    one = run_ranks(_losses, 1, [(m, ParallelConfig(), replace(TRAIN, resume=str(tmp_path / n)))
+                                 for n, (m, _) in SAVED.items()], timeout=900)[0]
+    full = run_ranks(_losses, 1, [(m, ParallelConfig(), TRAIN) for m, _ in SAVED.values()],
+                     timeout=900)[0]
+    for got, ref in zip(one, full):
+        assert rel_diff(got, ref[K:]) < 1e-5
+
+
+def test_resume_is_bit_exact_async_save(tmp_path):
+    """The same layout: K steps, save in the background, exit, resume == never stopped."""
+    par = ParallelConfig(dp=2, zero=2)
+    runs = _triple(DENSE, par, replace(TRAIN, async_save=True), tmp_path / "a")
+    full, first, rest = run_ranks(_losses, 2, runs, timeout=600)[0]
+    assert first + rest == full
+
+
+BIT_EXACT = [
+    (DENSE, ParallelConfig(dp=4, zero=3)),
+    (DENSE, ParallelConfig(dp=4, zero=0, precision="bf16")),
+    (DENSE, ParallelConfig(dp=2, zero=1, precision="fp16")),
+    (DENSE, ParallelConfig(tp=2, dp=2, zero=2, sequence_parallel=True)),
+    (DENSE, ParallelConfig(pp=2, dp=2, zero=1, schedule="interleaved", virtual_stages=2,
+                           micro_batches=4)),
+    (DENSE, ParallelConfig(pp=4, schedule="1f1b", micro_batches=4)),
+    (DENSE, ParallelConfig(pp=2, dp=2, schedule="gpipe", micro_batches=2, zero=2)),
+    (DENSE, ParallelConfig(pp=2, tp=2, schedule="zb-h1", micro_batches=4)),
+    (DENSE, ParallelConfig(cp=2, dp=2, zero=0, precision="bf16")),
+    (DENSE, ParallelConfig(cp=4, cp_mode="ulysses", zero=1)),
+    (MOE, ParallelConfig(ep=2, dp=2, zero=1)),
+    (MOE, ParallelConfig(ep=4, zero=3)),
+    (MOE, ParallelConfig(ep=2, pp=2, micro_batches=2)),
+]
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact_on_the_same_layout(tmp_path):
+    """Each dimension, each ZeRO stage, every pp schedule, MoE, bf16 and fp16 (loss scaler)."""
+    runs = []
+    for i, (m, par) in enumerate(BIT_EXACT):
         runs += _triple(m, par, TRAIN, tmp_path / f"c{i}")
-    out = run_ranks(_losses, 4, runs, timeout=900)[0]
-    for i, (_, par) in enumerate(layouts):
+    out = run_ranks(_losses, 4, runs, timeout=1800)[0]
+    for i, (_, par) in enumerate(BIT_EXACT):
         full, first, rest = out[3 * i:3 * i + 3]
         assert len(first) == K and len(rest) == TRAIN.steps - K
         assert first + rest == full, (par.describe(), full, first + rest)
-        assert (tmp_path / f"c{i}" / f"step-{K:06d}" / "manifest.json").is_file()
-
-
-# ------------------------------------------------------------------ reshard
-def test_reshard_dense_and_moe_to_other_layouts(tmp_path):
-    """dp2·ZeRO-1 -> tp2·pp2 (ZeRO-0); MoE ep2 -> ep4 (4 ranks, other world size)."""
-    save2 = [(DENSE, ParallelConfig(dp=2, zero=1)), (MOE, ParallelConfig(ep=2, zero=2))]
-    runs = []
-    for i, (m, par) in enumerate(save2):
-        runs += _triple(m, par, TRAIN, tmp_path / f"a{i}")[:2]
-    ref = run_ranks(_losses, 2, runs, timeout=900)[0]
-    res4 = [(DENSE, ParallelConfig(tp=2, pp=2)), (MOE, ParallelConfig(ep=4, zero=1))]
-    out = run_ranks(_losses, 4, [(m, p, replace(TRAIN, resume=str(tmp_path / f"a{i}")))
-                                 for i, (m, p) in enumerate(res4)], timeout=900)[0]
-    for i in range(2):
-        full = ref[2 * i]
-        assert rel_diff(out[i], full[K:]) < 1e-5, (res4[i][1].describe(), out[i], full[K:])
 
 
 # ------------------------------------------------------------------ atomic: kill -9
@@ -134,7 +189,7 @@ def test_kill9_during_save_leaves_the_previous_checkpoint(tmp_path):
     d = tmp_path / "ck"
     par = ParallelConfig(dp=2, zero=2)
     t = replace(TRAIN, steps=6, save_dir=str(d), save_every=2)
-    with pytest.raises(Exception):
+    with pytest.raises(RankFailure):
         run_ranks(_killed_during_save, 2, DENSE, par, t, 4, timeout=300)
     names = sorted(p.name for p in d.iterdir())
     assert "step-000002" in names and "step-000004" not in names, names

@@ -5,6 +5,7 @@ every rank wrote are simply all intersected with the whole tensor."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,9 @@ def whole_model(ckpt: Path, man: dict[str, Any], dtype: torch.dtype | None = Non
         src = f"master.{n}" if f"master.{n}" in tensors else f"model.{n}"
         meta = tensors[src]
         dest[src] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
-    dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner(), no_dist=True)
     saved = getattr(torch, tensors[f"model.{names[0]}"]["dtype"]) if names else torch.float32
     out = {}
     for n in names:
@@ -74,8 +77,10 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, seq_len: int | None = No
     root.mkdir(parents=True, exist_ok=True)
     S.clean_tmp(root)
     tmp = S.tmp_dir(root, 0)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=SavePlanner(),
-             no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=SavePlanner(),
+                 no_dist=True)
     man = {"family": "fived", "step": 0, "world": 1, "imported_from": str(hf_dir),
            "config": {"model": asdict(cfg), "parallel": asdict(ParallelConfig(precision=dtype)),
                       "train": asdict(TrainConfig(model=cfg.name))},

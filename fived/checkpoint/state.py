@@ -142,8 +142,9 @@ class Saver:
     """Periodic saves of one rank (``--save-dir --save-every --keep --async-save``)."""
 
     def __init__(self, trainer: Any, root: str, every: int, keep: int = 0,
-                 use_async: bool = False):
+                 use_async: bool = False, verbose: bool = False):
         self.trainer, self.root, self.every, self.keep = trainer, Path(root), every, keep
+        self.verbose = verbose
         self.use_async = use_async
         self.pending: Any = None
         self.group = None
@@ -188,7 +189,11 @@ class Saver:
             fut.result()
         if self.trainer.rank == 0:
             man["tensors"] = tensor_table(tmp)
-            S.finalize(self.root, done, man, self.keep)
+            final = S.finalize(self.root, done, man, self.keep)
+            if self.verbose:
+                nbytes = sum(f.stat().st_size for f in final.iterdir())
+                print(f"checkpoint: {final} ({nbytes / 2**20:.1f} MiB"
+                      f"{', written in the background' if fut is not None else ''})", flush=True)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
 

@@ -200,7 +200,8 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     if train.save_dir:
         from ..checkpoint import Saver
 
-        saver = Saver(trainer, train.save_dir, train.save_every, train.keep, train.async_save)
+        saver = Saver(trainer, train.save_dir, train.save_every, train.keep, train.async_save,
+                      verbose=show)
     try:
         end = min(train.steps, train.stop_after or train.steps)
         for step in range(start, end):
