@@ -134,7 +134,7 @@ def _train_and_save(rank, world, m, par, t):
     return train_rank(rank, world, m, par, t, show=False)["losses"]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_export_loads_in_transformers_with_fived_logits(tmp_path, kind):
     """Train 2 steps from an HF model (tp2 or ep2, ZeRO-1), export, load in transformers."""
     src = tmp_path / "src"
@@ -193,3 +193,42 @@ def test_fused_transformers5_experts_are_read(tmp_path):
     assert torch.equal(t["layers.0.block_sparse_moe.experts.1.w3.weight"], w3[1])
     assert torch.equal(t["layers.0.block_sparse_moe.experts.0.w2.weight"], w2[0])
     assert "layers.0.block_sparse_moe.gate.weight" in t
+
+
+# ------------------------------------------------------------------ the commands' bad input
+def test_import_inspect_and_bad_input_exit_2(tmp_path, capsys):
+    """fived import / checkpoint inspect work; each bad input is one error, exit 2, nothing
+    overwritten (in-process: no ranks start)."""
+    from fived.cli.main import main
+
+    src = tmp_path / "hf"
+    make_hf(src)
+    ck = tmp_path / "ck"
+    assert main(["import", str(src), "--save-dir", str(ck)]) == 0
+    assert (ck / "step-000000" / "manifest.json").is_file()
+    assert main(["checkpoint", "inspect", str(ck), "--files"]) == 0
+    assert "step 0" in capsys.readouterr().out
+
+    def fails(argv, *words):
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and all(w in err for w in words), err
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
+
+    fails(["import", str(src), "--save-dir", str(ck)], "already holds checkpoints")
+    fails(["train", "--resume", str(tmp_path / "nope")], "no such directory")
+    (tmp_path / "empty").mkdir()
+    fails(["train", "--resume", str(tmp_path / "empty")], "no complete checkpoint")
+    fails(["train", "--resume", str(src)], "Hugging Face model")
+    fails(["train", "--init-from", str(tmp_path / "empty")], "no config.json")
+    fails(["train", "--resume", str(ck), "--model", "tiny-moe"], "MoE")
+    fails(["train", "--resume", str(ck), "--model", "tiny"],
+          "layers.0.mlp.up_proj.weight: saved (48, 32), expected (176, 64)")
+    fails(["export", str(ck), "--hf", str(src)], "not an empty directory")
+    data = next((ck / "step-000000").glob("*.distcp"))
+    with open(data, "r+b") as f:
+        f.seek(10)
+        f.write(b"\x00\x01")
+    fails(["train", "--resume", str(ck)], data.name, "sha256")
+    fails(["checkpoint", "inspect", str(ck), "--files"], data.name)

@@ -54,7 +54,8 @@ def checkpoint_inputs(model, train, given):
 
         ckpt = resolve(train.resume)
         man = verify(ckpt)
-        if not {k for k in given if k.startswith("model.") and k != "model.seq_len"}:
+        if "train.model" not in given and not {k for k in given if k.startswith("model.")
+                                               and k != "model.seq_len"}:
             model = replace(model_of(man), seq_len=model.seq_len if "model.seq_len" in given
                             else model_of(man).seq_len)
         check_compatible(man, param_shapes(model), model.is_moe)
