@@ -205,3 +205,14 @@ def test_kill9_during_save_leaves_the_previous_checkpoint(tmp_path):
                               timeout=600)[0]
     assert resumed == full[2:]
     assert not (d / ".tmp-step-000004").exists()  # the next save cleaned it
+
+
+def test_architecture_page_draws_the_checkpoint_arrows():
+    """docs/architecture.md's ``checkpoint ->`` line is what fived.checkpoint imports."""
+    from pathlib import Path
+
+    from test_imports import ROOT, documented_arrows, package_arrows
+
+    real = package_arrows(ROOT, "fived")
+    doc = documented_arrows((Path(ROOT) / "docs" / "architecture.md").read_text())
+    assert doc["checkpoint"] == real["checkpoint"], (doc["checkpoint"], real["checkpoint"])
