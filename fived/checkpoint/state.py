@@ -281,13 +281,15 @@ def load(trainer: Any, ckpt: str | Path) -> int:
     check_compatible(man, expected, t.cfg.is_moe, whole=False)
     tensors = man["tensors"]
     per, _ = optimizer_states(eng.opt, len(eng.buckets))
+    opt_man = man.get("optimizer") or {}
+    same_opt = opt_man.get("type") == type(eng.opt).__name__  # else: a fresh optimizer state
     src = "master" if any(k.startswith("master.") for k in tensors) else "model"
     dest: dict[str, Any] = {}
     for i, g, gshape, shape, shift, prange, srange in owned(eng, t.parallel.placements):
         b = eng.buckets[i]
         _add(dest, f"{src}.{g}", gshape, b.master, shape, shift, prange, srange)
         for sname, flats in per.items():
-            if f"optim.{sname}.{g}" in tensors:
+            if same_opt and f"optim.{sname}.{g}" in tensors:
                 _add(dest, f"optim.{sname}.{g}", gshape, flats[i], shape, shift, prange, srange)
     rng = {}
     for k, v in rng_state().items():
@@ -296,8 +298,7 @@ def load(trainer: Any, ckpt: str | Path) -> int:
     dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner())
     with torch.no_grad():
         eng.publish_params()
-    opt_man = man.get("optimizer") or {}
-    if any(k.startswith("optim.") for k in tensors) and opt_man.get("scalars"):
+    if same_opt and any(k.startswith("optim.") for k in tensors) and opt_man.get("scalars"):
         sd = eng.opt.state_dict()
         for k, v in opt_man["scalars"].items():
             sd[k] = torch.tensor(v)
