@@ -89,6 +89,11 @@ def main(argv: list[str]) -> int:
         print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
               f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens",
               flush=True)
+        if train.resume:
+            print(f"resuming from {train.resume} (any layout: fived.checkpoint, global names)",
+                  flush=True)
+        if train.init_from:
+            print(f"weights from the Hugging Face directory {train.init_from}", flush=True)
     from ..dist.launch import RankFailure, run_local
     from ..train.trainer import measure_matmul_peak, train_rank
 
