@@ -75,6 +75,21 @@ def test_metadata_unpickler_refuses_code():
     assert safe_unpickle(pickle.dumps(torch.Size([2, 3]))) == torch.Size([2, 3])
 
 
+def test_metadata_with_pickled_objects_is_refused(tmp_path):
+    """DCP would torch.load(weights_only=False) a non-tensor entry: the reader refuses it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from fived.checkpoint.storage import safe_reader
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"x": torch.ones(2), "obj": {"a": 1}}, checkpoint_id=str(tmp_path), no_dist=True)
+    with pytest.raises(pickle.UnpicklingError, match="non-tensor entries"):
+        safe_reader(tmp_path).read_metadata()
+
+
 # ------------------------------------------------------------------ bit-exact and reshard
 SAVED = {  # saved on 2 ranks
     "dense-dp2-z1": (DENSE, ParallelConfig(dp=2, zero=1)),

@@ -65,6 +65,10 @@ class LoadPlanner(DefaultLoadPlanner):
         self.original_state_dict = self.state_dict = state_dict
         self.metadata, self.is_coordinator = metadata, is_coordinator
 
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise ValueError(f"{read_item.dest_index.fqn}: a pickled object in the checkpoint; fived "
+                         "never loads those (it would run code)")
+
     def lookup_tensor(self, index: Any) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
         return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else (

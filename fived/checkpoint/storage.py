@@ -197,6 +197,13 @@ def safe_reader(path: str | Path):
         def read_metadata(self, *args: Any, **kwargs: Any):
             md_path = Path(self.path) / ".metadata"
             md = safe_unpickle(md_path.read_bytes())
+            from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+            odd = [k for k, v in md.state_dict_metadata.items()
+                   if not isinstance(v, TensorStorageMetadata)]
+            if odd:  # DCP would torch.load(weights_only=False) such entries: never
+                raise pickle.UnpicklingError(f"{md_path}: non-tensor entries {odd[:5]} "
+                                             "(fived checkpoints hold tensors only)")
             if getattr(md, "storage_meta", None) is None:
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
