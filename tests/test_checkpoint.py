@@ -156,7 +156,7 @@ def test_reshard_matrix(tmp_path):
 BIT_EXACT = [
     (DENSE, ParallelConfig(dp=4, zero=3)),
     (DENSE, ParallelConfig(dp=4, zero=0, precision="bf16")),
-    (DENSE, ParallelConfig(dp=2, zero=1, precision="fp16")),
+    (DENSE, ParallelConfig(dp=4, zero=1, precision="fp16")),
     (DENSE, ParallelConfig(tp=2, dp=2, zero=2, sequence_parallel=True)),
     (DENSE, ParallelConfig(pp=2, dp=2, zero=1, schedule="interleaved", virtual_stages=2,
                            micro_batches=4)),
@@ -185,29 +185,39 @@ def test_resume_is_bit_exact_on_the_same_layout(tmp_path):
 
 
 # ------------------------------------------------------------------ atomic: kill -9
-def _killed_during_save(rank: int, world: int, m, par, t, kill_step: int):
-    """Train with saves; rank 0 dies by SIGKILL once every rank's data of step ``kill_step`` is
-    written, before the manifest and the rename (the worst moment)."""
+def _killed_during_save(rank: int, world: int, m, par, t, kill_step: int, when: str):
+    """Train with saves; one rank dies by SIGKILL during the save of step ``kill_step``:
+    ``rename``: rank 0 once every rank's data is written, before the manifest and the rename;
+    ``write``: rank 1 as it starts writing its data file."""
+    from torch.distributed.checkpoint import filesystem
+
     from fived.checkpoint import storage
     from fived.train.trainer import train_rank
 
-    real = storage.finalize
+    real_finalize, real_write = storage.finalize, filesystem.FileSystemWriter.write_data
 
     def finalize(root, step, manifest, keep=0):
-        if step == kill_step and rank == 0:
+        if when == "rename" and step == kill_step and rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(root, step, manifest, keep)
+        return real_finalize(root, step, manifest, keep)
+
+    def write_data(self, plan, planner):
+        if when == "write" and rank == 1 and f"step-{kill_step:06d}" in str(self.path):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write(self, plan, planner)
 
     storage.finalize = finalize
+    filesystem.FileSystemWriter.write_data = write_data
     return train_rank(rank, world, m, par, t, show=False)["losses"]
 
 
-def test_kill9_during_save_leaves_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("when", ["rename", pytest.param("write", marks=pytest.mark.slow)])
+def test_kill9_during_save_leaves_the_previous_checkpoint(tmp_path, when):
     d = tmp_path / "ck"
     par = ParallelConfig(dp=2, zero=2)
     t = replace(TRAIN, steps=6, save_dir=str(d), save_every=2)
     with pytest.raises(RankFailure):
-        run_ranks(_killed_during_save, 2, DENSE, par, t, 4, timeout=300)
+        run_ranks(_killed_during_save, 2, DENSE, par, t, 4, when, timeout=300)
     names = sorted(p.name for p in d.iterdir())
     assert "step-000002" in names and "step-000004" not in names, names
     assert ".tmp-step-000004" in names  # hidden, never read
@@ -220,6 +230,7 @@ def test_kill9_during_save_leaves_the_previous_checkpoint(tmp_path):
                               timeout=600)[0]
     assert resumed == full[2:]
     assert not (d / ".tmp-step-000004").exists()  # the next save cleaned it
+    assert resolve(d).name == "step-000006"
 
 
 def test_architecture_page_draws_the_checkpoint_arrows():
