@@ -29,7 +29,6 @@ without optimizer states (``fived import``) starts the optimizer fresh.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -318,7 +317,3 @@ def load(trainer: Any, ckpt: str | Path) -> int:
         torch.cuda.set_rng_state(rng["cuda"])
     t.load_data_state(man.get("data") or {})
     return int(man["step"])
-
-
-def summary_json(man: dict[str, Any]) -> str:
-    return json.dumps({k: man[k] for k in ("step", "world") if k in man})
