@@ -106,6 +106,9 @@ RESUMED = [  # (saved, layout it resumes under, on 4 ranks)
     ("dense-pp2-v2", ParallelConfig(cp=2, dp=2, zero=2, cp_mode="ulysses")),
     ("dense-dp2-z1", ParallelConfig(pp=4, schedule="zb-h1", micro_batches=4)),
     ("moe-cp2-z3", ParallelConfig(ep=2, tp=2, zero=1)),
+    ("dense-tp2-sp", ParallelConfig(pp=2, dp=2, schedule="interleaved", virtual_stages=2,
+                                    micro_batches=4, zero=2)),
+    ("moe-ep2-z2", ParallelConfig(ep=2, pp=2, micro_batches=2, precision="fp32")),
 ]
 DEFAULT = ("dense-dp2-z1", "moe-ep2-z2")
 
