@@ -191,6 +191,19 @@ class TrainConfig:
     eval_batches: int = spec(4, "global batches of the validation split per evaluation", ge=1)
     prefetch: int = spec(2, "batches the --data loader reads ahead in a background thread", ge=1)
     tensorboard: str = spec("", "write TensorBoard scalars to this directory", metavar="DIR")
+    # checkpoints (fived.checkpoint, docs/checkpoints.md)
+    save_dir: str = spec("", "save checkpoints under this directory (DIR/step-N)", metavar="DIR")
+    save_every: int = spec(0, "save every N steps and after the last (0: only after the last, "
+                              "when --save-dir is given)", ge=0)
+    keep: int = spec(0, "keep only the newest K checkpoints (0: all)", ge=0, metavar="K")
+    async_save: bool = spec(False, "write checkpoints in the background while training goes on")
+    stop_after: int = spec(0, "stop after this many steps of --steps (0: all); the schedule "
+                              "stays --steps long, so --resume continues it exactly", ge=0)
+    resume: str = spec("", "resume from DIR (its newest checkpoint) or DIR/step-N, any layout",
+                       metavar="DIR")
+    init_from: str = spec("", "start from a Hugging Face Llama/Mixtral directory (safetensors + "
+                              "config.json); the model shape comes from its config.json",
+                          metavar="HF_DIR")
 
 
 def preset(name: str) -> ModelConfig:

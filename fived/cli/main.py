@@ -1,4 +1,5 @@
-"""fived's command line: train | data | grid | plan | ledger | bench | figures | report.
+"""fived's command line: train | data | grid | plan | ledger | bench | figures | report |
+checkpoint | export | import.
 
 One module per command (``fived.cli.train``, ``grid``, ``plan``, ``ledger``), one flag set
 shared by all (``fived.cli.flags``), one ``fived.config.validate``. ``fived bench NAME`` and
@@ -34,6 +35,8 @@ EXAMPLES = """examples:
   fived figures schedule --schedule interleaved --pp 4 --micro-batches 8
   fived figures all --out figs --quick         # every figure: PNG + SVG + JSON + command
   fived report --out report --from figs        # one offline HTML page of them
+  fived train --save-dir ck --save-every 10 && fived train --resume ck --tp 2 --pp 2
+  fived checkpoint inspect ck        fived export ck --hf hf_out     fived import hf_out --save-dir ck2
 """
 
 COMMANDS = {
@@ -45,6 +48,9 @@ COMMANDS = {
     "bench": "benchmarks against PyTorch's own: {}",
     "figures": "figures: {}",
     "report": "one self-contained HTML page of the figures (or of one layout)",
+    "checkpoint": "inspect a checkpoint: step, layout, tensors, bytes per rank vs the ledger",
+    "export": "export a checkpoint to a Hugging Face directory (safetensors + config.json)",
+    "import": "import a local Hugging Face Llama/Mixtral directory as a checkpoint",
 }
 
 
@@ -106,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch("fived.bench" if argv[0] == "bench" else "fived.viz", argv[0], argv[1:])
     if argv and argv[0] == "report":  # the page lives with the figures (fived.viz._page)
         return run("report", importlib.import_module("fived.viz._page").main, argv[1:])
-    if argv and argv[0] in ("train", "data", "grid", "plan", "ledger"):
-        mod = importlib.import_module(f"{__package__}.{argv[0]}")
+    if argv and argv[0] in ("train", "data", "grid", "plan", "ledger", "checkpoint", "export", "import"):
+        name = "hf_import" if argv[0] == "import" else argv[0]
+        mod = importlib.import_module(f"{__package__}.{name}")
         return run(argv[0], mod.main, argv[1:])
     ap = parser()
     ap.parse_args(argv)  # --help, or an unknown command: argparse says so (exit 0 / 2)

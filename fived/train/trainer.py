@@ -66,6 +66,10 @@ class Trainer:
         self.grid = Grid.from_config(par, rank).connect(self.traffic)
         self.coords = self.grid.coords()
         model = build_model(model_cfg, train.seed, dtype_of(par.precision))
+        if train.init_from:  # Hugging Face weights into the plain model, before any cut
+            from ..checkpoint.hf import load_hf_into
+
+            load_hf_into(model, train.init_from)
         self.parallel = parallelize(model, self.grid, par, train)
         self.stage = self.parallel.model
         self.engine = self.parallel.engine
@@ -274,8 +278,19 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     def record() -> None:
         grads.update(trainer.grad_pieces())
 
+    start, saver = 0, None
+    if train.resume:  # fived.checkpoint: any layout's checkpoint into this one
+        from ..checkpoint import load, resolve
+
+        start = load(trainer, resolve(train.resume))
+    if train.save_dir:
+        from ..checkpoint import Saver
+
+        saver = Saver(trainer, train.save_dir, train.save_every, train.keep, train.async_save,
+                      verbose=show)
     try:
-        for step in range(train.steps):
+        end = min(train.steps, train.stop_after or train.steps)
+        for step in range(start, end):
             rec = trainer.step(step, record if (record_grads and step == 0) else None)
             mems, traffic = trainer.gather_stats(trainer.engine.memory())
             rec["memory"] = mems[0]
@@ -295,13 +310,17 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
                 tb.log(rec)
             history.append(rec)
             if out_file:
-                if step == 0:  # what ran, so `fived ledger --check FILE` needs nothing else
+                if step == start:  # what ran, so `fived ledger --check FILE` needs nothing else
                     rec = {**rec, "run": {"model": asdict(model_cfg), "parallel": asdict(par),
                                           "global_batch": train.global_batch}}
                 out_file.write(json.dumps(rec) + "\n")
                 out_file.flush()
             if display:
                 display.update(rec)
+            if saver and saver.due(step + 1, end):
+                saver.save(step + 1, mems)
+        if saver:
+            saver.wait()
     finally:
         trainer.close()
         if tb:
