@@ -152,31 +152,58 @@ def fastest_adamw(params: Any, train: Any, lr: float = 1e-3) -> Any:
     6.2 / 1.4 ms for FSDP2's DTensor shards, see docs/benchmarks.md), ``foreach=True`` where a
     torch build has no fused kernel for them."""
     import torch
+    from torch.distributed.tensor import DTensor
 
     params = list(params)
+    # one kernel cannot take DTensors and plain tensors together (a TP model's unsharded
+    # norms): one parameter group each, stepped one after the other
+    groups = [{"params": g} for g in ([p for p in params if isinstance(p, DTensor)],
+                                      [p for p in params if not isinstance(p, DTensor)]) if g]
     kw = dict(lr=lr, betas=(train.beta1, train.beta2), eps=train.eps, weight_decay=0.0)
     try:
-        return torch.optim.AdamW(params, fused=True, **kw)
+        return torch.optim.AdamW(groups, fused=True, **kw)
     except (RuntimeError, ValueError):
-        return torch.optim.AdamW(params, foreach=True, **kw)
+        return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
+def clip_grads(params: list[Any], max_norm: float) -> None:
+    """torch's global-norm clipping (``get_total_norm`` + ``clip_grads_with_norm_``, foreach)
+    over parameters that may mix DTensors (TP/FSDP2 shards) and plain tensors (a DTensor
+    model's unsharded norms): each kind's norm is taken on its own (a DTensor's made whole with
+    ``full_tensor``), then combined — fived's ``engine.clip`` computes the same norm."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[bool, list[Any]] = {True: [], False: []}
+    for p in params:
+        if p.grad is not None:
+            groups[isinstance(p.grad, DTensor)].append(p)
+    sq = torch.zeros((), dtype=torch.float32)
+    for ps in groups.values():
+        if ps:
+            n = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0, foreach=True)
+            n = n.full_tensor() if isinstance(n, DTensor) else n
+            sq = sq + n.float() ** 2
+    total = sq.sqrt()
+    for ps in groups.values():
+        if ps:
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=True)
 
 
 def torch_runner(name: str, model: Any, forward: Any, cfg: Any, train: Any, world: int,
                  batch: Callable[[int], tuple], set_to_none: bool, peer: bool = False) -> Runner:
     """A torch peer's step: ``forward`` (the wrapped model) on the batch, the fastest AdamW
-    (``fastest_adamw``) and the same global-norm clipping as fived (``clip_grad_norm_``,
-    foreach).
+    (``fastest_adamw``) and the same global-norm clipping as fived (``clip_grads``).
 
     Torch's wrappers average gradients over the world and fived sums them, so the peer's loss is
     scaled by ``world`` to backpropagate the same gradient."""
-    import torch
 
     opt = fastest_adamw(model.parameters(), train)
     params = list(model.parameters())
     scale = world / (train.global_batch * cfg.seq_len)
 
     def optimizer() -> None:
-        torch.nn.utils.clip_grad_norm_(params, train.grad_clip, foreach=True)
+        clip_grads(params, train.grad_clip)
         opt.step()
 
     def step(i: int) -> float:
