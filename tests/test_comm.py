@@ -513,6 +513,10 @@ def test_bench_comm_cli_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     doc = json.loads(printed)
     assert doc == json.loads(out.read_text())
+    from fived.bench import schema
+
+    schema.validate(doc)  # the fived.bench document; the sweep is in its extras
+    doc = {**doc["extra"], "rows": [r["extra"] for r in doc["rows"]]}
     assert doc["schema"] == bench.SCHEMA and doc["world"] == 2 and doc["backend"] == "gloo"
     have = {(r["op"], r["impl"]) for r in doc["rows"]}
     assert have == set(bench.plan(list(bench.BENCH_OPS), list(bench.IMPLS)))

@@ -156,3 +156,24 @@ def _plain(x: Any) -> Any:
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     return str(x)
+
+
+def comm_document(doc: dict[str, Any]) -> dict[str, Any]:
+    """``fived bench comm``'s sweep (``fived.comm.bench.result_dict``, schema in docs/comm.md)
+    as a ``fived.bench`` document: one row per (collective, size, implementation) — variant
+    ``"all_reduce 16M"``, implementation ``backend`` (the peer) or ``ring``, step_s = one
+    collective's median time, bytes_sent = what fived.comm's Traffic charged per call; each
+    row's ``extra`` is the sweep's row (op, size_bytes, time_us, algbw_GBps, busbw_GBps ...)
+    and the document's ``extra`` the rest of the sweep (world, fits, fits_by_impl, sizes ...)."""
+    from ..comm.bench import format_size
+
+    rows = [row(f"{r['op']} {format_size(r['size_bytes'])}", r["impl"], r["time_us"] * 1e-6,
+                peer=r["impl"] == "backend", bytes_sent=r["recorded_bytes"], **r)
+            for r in doc["rows"]]
+    keys = ("host", "cpus", "loadavg_1m", "torch", "threads_per_rank", "backend", "device",
+            "date")
+    mach = {k: doc.get(k) for k in keys} | {"python": platform.python_version()}
+    argv = doc.get("command", "fived bench comm").split()[3:]
+    extra = {k: v for k, v in doc.items() if k not in ("rows", "command")}
+    settings = {k: doc.get(k) for k in ("dtype", "iters", "warmup", "sizes", "ops", "impls")}
+    return document("comm", argv, rows, settings=settings, extra=extra, mach=mach)
