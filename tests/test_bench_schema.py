@@ -19,10 +19,10 @@ def _doc(capsys, text=None):
 
 
 def _check_ratios(doc):
-    peers = {r["variant"]: r["step_s"] for r in doc["rows"] if r["peer"]}
+    peers = {r["variant"]: r for r in doc["rows"] if r["peer"]}
     for r in doc["rows"]:
         if r["variant"] in peers:
-            assert math.isclose(r["ratio"], r["step_s"] / peers[r["variant"]])
+            assert math.isclose(r["ratio"], schema.ratio(r, peers[r["variant"]]))
         else:
             assert r["ratio"] is None
 
@@ -32,6 +32,10 @@ def test_validate_rejects_what_is_not_the_schema():
                                           schema.row("v", "torch", 1.0, peer=True)],
                            mach={k: None for k in schema.MACHINE_FIELDS})
     assert good["rows"][0]["ratio"] == 0.5 and good["command"] == "fived bench x --a"
+    # with per-repetition times: the median of the paired ratios, not the ratio of medians
+    a = schema.row("v", "fived", 2.0, times_s=[1.0, 2.0, 9.0])
+    b = schema.row("v", "torch", 4.0, peer=True, times_s=[2.0, 8.0, 3.0])
+    assert schema.with_ratios([a, b])[0]["ratio"] == 0.5 and b["ratio"] == 1.0
     for breaks in (lambda d: d.pop("machine"), lambda d: d.update(version=2),
                    lambda d: d["rows"][0].pop("optimizer_s"),
                    lambda d: d["rows"][0].update(step_s=0.0),

@@ -19,8 +19,10 @@ A ROW is one (variant, implementation) measured::
                            "DTensor", "torch", "backend", "ring" ...
     peer            bool   this row is the variant's reference (its ratio is 1.0)
     step_s          float  median seconds of one step (one collective for comm), slowest rank
-    ratio           float|None  step_s / the peer row's step_s of the same variant
-                           (None: the variant has no peer)
+    ratio           float|None  against the peer row of the same variant: the median over the
+                           repetitions of (this repetition's time / the peer's), the two run
+                           back to back — or step_s / peer step_s where a bench keeps no
+                           per-repetition times (``ratio``); None: the variant has no peer
     state_bytes     int|None    model-state bytes per rank (params + grads + master + optimizer
                            state as held), None where the bench holds no model
     bytes_sent      float|None  bytes one rank sent per step (fived.comm's Traffic; the
@@ -28,7 +30,8 @@ A ROW is one (variant, implementation) measured::
     optimizer_s     float|None  median seconds of the optimizer step alone (clip + AdamW),
                            None where the bench runs no optimizer
     extra           dict   the row's bench-specific values (free-form; documented per bench in
-                           docs/benchmarks.md): losses, gradient gaps, busbw, comm hidden ...
+                           docs/benchmarks.md): losses, gradient gaps, busbw, comm hidden ...;
+                           ``times_s``: the per-repetition times, where the bench keeps them
 
 ``validate(doc)`` raises ``ValueError`` naming the first field that is missing or of the wrong
 type; every bench's test runs it on the bench's real output.
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
 import time
 from typing import Any
@@ -81,12 +85,24 @@ def row(variant: str, implementation: str, step_s: float, *, peer: bool = False,
             "optimizer_s": None if optimizer_s is None else float(optimizer_s), "extra": extra}
 
 
+def ratio(r: dict[str, Any], peer: dict[str, Any]) -> float:
+    """``r`` against its peer: the median over the repetitions of the per-repetition ratio when
+    both rows carry their repetitions' times (``extra["times_s"]``, run back to back,
+    alternating), else step_s / the peer's step_s. The paired median is what the benches
+    report: on a shared machine the load drifts during a run, and a ratio of medians taken
+    from different repetitions mixes the load of one with that of another."""
+    a, b = r["extra"].get("times_s"), peer["extra"].get("times_s")
+    if a and b and len(a) == len(b) and all(b):
+        return float(statistics.median(x / y for x, y in zip(a, b)))
+    return r["step_s"] / peer["step_s"]
+
+
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Fill each row's ``ratio`` = step_s / its variant's peer row's step_s."""
-    peers = {r["variant"]: r["step_s"] for r in rows if r["peer"]}
+    """Fill each row's ``ratio`` against its variant's peer row (``ratio``)."""
+    peers = {r["variant"]: r for r in rows if r["peer"]}
     for r in rows:
         base = peers.get(r["variant"])
-        r["ratio"] = r["step_s"] / base if base else None
+        r["ratio"] = None if base is None else (1.0 if r is base else ratio(r, base))
     return rows
 
 

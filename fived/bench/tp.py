@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                                    state_bytes=out[0][k]["state"],
                                    bytes_sent=max(sent) if sent else None,
                                    optimizer_s=med(k, "opts"), first_loss=out[0][k]["loss"],
+                                   times_s=[max(o[k]["times"][i] for o in out)
+                                            for i in range(args.reps)],
                                    grad_rel_gap=out[0][k]["grad_gap"]))
     doc = schema.document("tp", argv, rows, settings=vars(args),
                           extra={"model": cfg.name, "tp": args.tp},
