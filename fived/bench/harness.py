@@ -84,6 +84,7 @@ class Runner:
         self.waits: list[float] = []
         self.sent: list[float] = []
         self.opts: list[float] = []
+        self.cpus: list[float] = []
         self.opt = 0.0
         self.first_loss: float | None = None
 
@@ -265,14 +266,17 @@ def run_rank(rank: int, world: int, build: Callable, args: argparse.Namespace) -
         order = runners if rep % 2 == 0 else list(reversed(runners))
         for r in order:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for i in range(args.steps):
                 r.step(rep * args.steps + i)
             rt = torch.tensor([(time.perf_counter() - t0) / args.steps, r.take_opt() / args.steps],
                               dtype=torch.float64)
+            cpu = torch.tensor([(time.process_time() - c0) / args.steps], dtype=torch.float64)
             dist.all_reduce(rt, op=dist.ReduceOp.MAX)  # a step ends on the slowest rank
+            dist.all_reduce(cpu)  # the CPU work of a step: every rank's, all its threads
             r.times.append(float(rt[0]))
             r.opts.append(float(rt[1]))
+            r.cpus.append(float(cpu[0]))
             if r.wait:
                 w, b = r.wait()
                 r.waits.append(w / args.steps)
@@ -282,6 +286,7 @@ def run_rank(rank: int, world: int, build: Callable, args: argparse.Namespace) -
             print(f"  rep {rep + 1}/{args.reps}: {line}", flush=True)
     return [{"name": r.name, "peer": r.peer, "step_s": statistics.median(r.times),
              "times": r.times, "optimizer_s": statistics.median(r.opts),
+             "cpu_s": statistics.median(r.cpus),
              "state_bytes": r.memory(), "first_loss": r.first_loss,
              "bytes_sent": max(r.sent) if r.sent else None,
              "wait_s": statistics.median(r.waits) if r.waits else None} for r in runners]
@@ -301,7 +306,7 @@ def schema_rows(rows: list[dict], variant: str, hidden: dict[str, float | None]
     return [schema.row(variant, r["name"], r["step_s"], peer=r["peer"],
                        state_bytes=r["state_bytes"], bytes_sent=r["bytes_sent"],
                        optimizer_s=r["optimizer_s"], times_s=r["times"],
-                       first_loss=r["first_loss"], comm_wait_s=r["wait_s"],
+                       first_loss=r["first_loss"], comm_wait_s=r["wait_s"], cpu_s=r["cpu_s"],
                        comm_hidden=hidden.get(r["name"])) for r in rows]
 
 

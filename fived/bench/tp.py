@@ -192,25 +192,27 @@ def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str
     say(f"  checked: equal first loss and gradients ({gaps})")
     times: dict[str, list[float]] = {k: [] for k in steps}
     opts: dict[str, list[float]] = {k: [] for k in steps}
+    cpus: dict[str, list[float]] = {k: [] for k in steps}
     last: dict[str, float] = {}
     keys = list(steps)
     for r in range(args.warmup + args.reps):
         for k in (keys if r % 2 == 0 else keys[::-1]):  # the order flips every repetition
             dist.barrier()
             info[k]["opt"] = 0.0
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             steps[k](r + 1)
             dt = last[k] = time.perf_counter() - t0
             if r >= args.warmup:
                 times[k].append(dt)
                 opts[k].append(info[k]["opt"])
+                cpus[k].append(time.process_time() - c0)
         if rank == 0:
             label = "warmup" if r < args.warmup else f"rep {r - args.warmup + 1}/{args.reps}"
             say(f"  {label}: " + "  ".join(f"{k} {last[k] * 1e3:.1f} ms" for k in steps))
     out = {}
     for k in steps:
         st = info[k].get("state")
-        out[k] = {"times": times[k], "opts": opts[k], "loss": info[k]["loss"],
+        out[k] = {"times": times[k], "opts": opts[k], "cpus": cpus[k], "loss": info[k]["loss"],
                   "grad_gap": info[k]["grad_gap"],
                   "sent": max(info[k]["sent"]) if info[k]["sent"] else None,
                   "state": (st["params"] + st["grads"] + st["master"] + st["optimizer"]) if st
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                                    optimizer_s=med(k, "opts"), first_loss=out[0][k]["loss"],
                                    times_s=[max(o[k]["times"][i] for o in out)
                                             for i in range(args.reps)],
+                                   cpu_s=statistics.median(sum(o[k]["cpus"][i] for o in out)
+                                                           for i in range(args.reps)),
                                    grad_rel_gap=out[0][k]["grad_gap"]))
     doc = schema.document("tp", argv, rows, settings=vars(args),
                           extra={"model": cfg.name, "tp": args.tp},
