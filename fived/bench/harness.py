@@ -3,9 +3,13 @@
 
 The variants alternate inside every repetition (the order flips each time) and each
 repetition times ``--steps`` optimizer steps after a warm-up; the table shows medians over
-``--reps``. Columns: step time and its ratio to the PyTorch peer, model-state bytes per rank
-(params + grads + master + optimizer, from the tensors held), and for fived the fraction of
-communication hidden by overlap::
+``--reps`` and the ratio to the PyTorch peer as the median of the per-repetition ratios
+(``schema.ratio``). Fair peers: every torch peer steps with torch's fastest AdamW for its
+tensors (``fastest_adamw``: fused) and the same global-norm clipping (``clip_grads``); the
+optimizer's seconds (clip + AdamW) are a column for both sides, and the first step's loss of
+every implementation is asserted equal on every rank (``check_losses``). Columns: step time,
+ratio, optimizer time, model-state bytes per rank (params + grads + master + optimizer, from
+the tensors held), bytes sent, and for fived the fraction of communication hidden by overlap::
 
     hidden = 1 − (comm wait with overlap) / (comm wait with --no-overlap)
 

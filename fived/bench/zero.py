@@ -1,7 +1,8 @@
 """``fived bench zero``: fived ZeRO-1/2/3 against PyTorch FSDP2 (``fully_shard`` per block and
 on the root, its default ``reshard_after_forward=True``: the ZeRO-3 schedule), plus PyTorch DDP
 for scale, on the same model, ranks and data in one run (alternating, medians; see
-``fived.bench.harness`` for the method). The "comm hidden" column for fived ZeRO-3 compares its
+``fived.bench.harness`` for the method: every torch peer runs fused AdamW and fived's
+clipping). The "comm hidden" column for fived ZeRO-3 compares its
 wait for collectives with prefetch and overlapped reduce-scatters against ``--no-overlap``
 (gathers on demand, reductions after backward).
 """

@@ -2,7 +2,9 @@
 
 The bandwidth-optimal ring (Patarasuk & Yuan 2009; the algorithm behind NCCL's and Horovod's
 ring all-reduce). The ``n`` members form a ring ``m -> m+1 (mod n)``; the buffer is cut into
-``n`` equal chunks (padded with zeros at the end when its length is not a multiple of ``n``).
+``n`` chunks: all-reduce cuts the flat buffer in place into ``tensor_split`` chunks of
+``⌊N/n⌋`` or ``⌈N/n⌉`` elements (no padding, no copy); reduce-scatter and all-gather cut rows
+along ``dim`` into chunks of ``c = ceil(R/n)`` rows (reduce-scatter pads with zero rows).
 
 * **reduce-scatter**, ``n−1`` steps: at step ``s`` member ``m`` sends chunk ``(m−s−1) mod n`` to
   ``m+1`` and adds the chunk ``(m−s−2) mod n`` it receives from ``m−1`` into its own copy.
@@ -11,20 +13,26 @@ ring all-reduce). The ``n`` members form a ring ``m -> m+1 (mod n)``; the buffer
   at step 0, then the one it just received) and receives chunk ``(m−s−1) mod n``.
 * **all-reduce** = reduce-scatter then all-gather: ``2(n−1)`` steps.
 
-Every step is one ``fived.comm.ops.exchange`` (a batched isend to the next member and irecv from
-the previous one), so the bytes are counted. The whole collective is then recorded once in the
-group's ``Traffic`` under the collective's name (``all_reduce``, ``all_gather``,
-``reduce_scatter``; override with ``record_as``), exactly as the backend collective would be.
+**Pipelined** (``_Ring.run``): what step ``s`` sends is what step ``s−1`` received, so every
+chunk travels as ``P`` pieces of about ``PIECE_BYTES``; piece ``k`` of step ``s`` is isent as
+soon as piece ``k`` of step ``s−1`` has arrived and been reduced, receives are posted
+``WINDOW_STEPS`` steps ahead, and gloo moves one piece while this member adds the previous one.
 
-Bytes one member sends, with ``c = ceil(R/n)`` rows of ``b`` bytes per chunk (``R`` rows along
-the split dimension; a flat tensor has rows of one element)::
+The bytes sent are tallied and the whole collective is recorded once in the group's
+``Traffic`` under the collective's name (``all_reduce``, ``all_gather``, ``reduce_scatter``;
+override with ``record_as``), exactly as the backend collective would be.
 
-    reduce_scatter  (n−1)·c·b       = volume.bytes_sent("reduce_scatter", R·b, n) + (n−1)·(c−R/n)·b
-    all_reduce      2·(n−1)·c·b     = volume.bytes_sent("all_reduce", R·b, n)     + 2(n−1)·(c−R/n)·b
-    all_gather      (n−1)·R_in·b    = volume.bytes_sent("all_gather", n·R_in·b, n)   (no padding)
+Bytes member ``m`` sends, ``b`` bytes per row (a flat tensor has rows of one element), ``c_i``
+the all-reduce's chunk lengths::
 
-so the recorded bytes equal the backend collective's exactly when ``R`` is a multiple of ``n``,
-and exceed them by the padding rows that travel otherwise.
+    reduce_scatter  (n−1)·c·b            = volume.bytes_sent("reduce_scatter", R·b, n) + (n−1)·(c−R/n)·b
+    all_reduce      (2N − c_m − c_{m+1})·b = volume.bytes_sent("all_reduce", N·b, n) when n | N
+    all_gather      (n−1)·R_in·b         = volume.bytes_sent("all_gather", n·R_in·b, n)
+
+so the recorded bytes equal the backend collective's exactly when ``n`` divides the length
+(always for an all-reduce on two members); otherwise reduce-scatter sends its padding rows and
+all-reduce's per-member bytes differ from 2(n−1)/n·N·b by less than two elements (their sum over
+the members is exact).
 
 Reduce-scatter of a length not divisible by ``n``: member ``m`` receives rows
 ``[m·c, min((m+1)·c, R))`` of the sum (the boundaries ``torch.chunk`` uses; a trailing member may
