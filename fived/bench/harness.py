@@ -320,7 +320,7 @@ def report(doc: dict) -> None:
     from rich.table import Table
 
     peer = next((r["implementation"] for r in doc["rows"] if r["peer"]), "?")
-    t = Table(title=f"medians over the repetitions; ratio = step / {peer}")
+    t = Table(title=f"medians over the repetitions; ratio = paired median vs {peer}")
     for c in ("implementation", "step ms", "ratio", "optim ms", "state MB", "sent MB",
               "hidden"):
         t.add_column(c, justify="right" if c != "implementation" else "left")
