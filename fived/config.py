@@ -42,6 +42,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 CP_MODES = ("ring", "ulysses")
+COLLECTIVES = ("backend", "ring")
 DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
 DEFAULT_WORLD = 4  # ranks `fived train` starts when nothing says otherwise
 
@@ -146,6 +147,9 @@ class ParallelConfig:
     order: tuple[str, ...] = spec(DIMS, "grid order, outermost first", metavar="pp,dp,ep,cp,tp")
     bucket_mb: float = spec(25.0, "gradient bucket size in MB", gt=0)
     overlap: bool = spec(True, "reduce gradients during backward (--no-overlap: after it)")
+    collectives: str = spec("backend", "data-parallel gradient reduction (and ZeRO-1/2's "
+                            "parameter all-gather): the backend's collective, or fived's "
+                            "send/recv ring (fived.comm.ring)", choices=COLLECTIVES)
     pp_layers: tuple[int, ...] = spec((), "layers per (virtual) stage by hand, e.g. 3,5",
                                       metavar="N,N,...", shown="balanced")
 

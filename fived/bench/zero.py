@@ -1,10 +1,12 @@
 """``fived bench zero``: fived ZeRO-1/2/3 against PyTorch FSDP2 (``fully_shard`` per block and
 on the root, its default ``reshard_after_forward=True``: the ZeRO-3 schedule), plus PyTorch DDP
 for scale, on the same model, ranks and data in one run (alternating, medians; see
-``fived.bench.harness`` for the method). The "comm hidden" column for fived ZeRO-3 compares its
+``fived.bench.harness`` for the method: every torch peer runs fused AdamW and fived's
+clipping). The "comm hidden" column for fived ZeRO-3 compares its
 wait for collectives with prefetch and overlapped reduce-scatters against ``--no-overlap``
 (gathers on demand, reductions after backward). FSDP1 (``FullyShardedDataParallel``, one unit
-per block, ``use_orig_params``, its own ``clip_grad_norm_``) runs beside them as the older peer.
+per block, ``use_orig_params``, fused AdamW, its own ``clip_grad_norm_``) runs beside them as
+the older peer.
 """
 
 from __future__ import annotations
@@ -34,30 +36,36 @@ def fsdp2_runner(cfg: Any, train: Any, world: int, batch: Callable[[int], tuple]
 
 def fsdp1_runner(cfg: Any, train: Any, world: int, batch: Callable[[int], tuple]) -> Runner:
     """torch FSDP1: ``FullyShardedDataParallel`` wrapping each block (and the root), FULL_SHARD,
-    the same AdamW and clipping as the other peers (FSDP1's own global-norm clip)."""
+    the same fastest AdamW as the other peers (``harness.fastest_adamw``) and the same global-norm
+    clipping (FSDP1's own ``clip_grad_norm_``, which knows its flat shards)."""
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from ..model import build_model
-    from .harness import state_bytes_torch
+    from .harness import fastest_adamw, state_bytes_torch
 
     model = build_model(cfg, train.seed)
     block = type(next(iter(model.layers.values())))
     wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}),
                    device_id=torch.device("cpu"), use_orig_params=True)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, betas=(train.beta1, train.beta2),
-                            eps=train.eps, weight_decay=0.0)
+    opt = fastest_adamw(wrapped.parameters(), train)
     scale = world / (train.global_batch * cfg.seq_len)  # FSDP averages, fived sums
 
-    def step(i: int) -> None:
-        x, y, pos = batch(i)
-        opt.zero_grad(set_to_none=True)
-        (wrapped(x, pos, y) * scale).backward()
+    def optimizer() -> None:
         wrapped.clip_grad_norm_(train.grad_clip)
         opt.step()
 
-    return Runner("torch FSDP1", step, lambda: state_bytes_torch(wrapped, opt))
+    def step(i: int) -> float:
+        x, y, pos = batch(i)
+        opt.zero_grad(set_to_none=True)
+        loss = wrapped(x, pos, y)
+        (loss * scale).backward()
+        runner.timed_opt(optimizer)
+        return float(loss.detach())
+
+    runner = Runner("torch FSDP1", step, lambda: state_bytes_torch(wrapped, opt))
+    return runner
 
 
 def zero_runners(cfg: Any, par: Any, train: Any, args: Any, rank: int, world: int,

@@ -232,7 +232,9 @@ def sweep(group: Any, traffic: Any, pairs: list[tuple[str, str]], sizes: list[in
     """Time every (op, impl) at every size on ``group``; every member calls it identically.
 
     Each timed iteration starts after a barrier; the iteration's time is the slowest member's,
-    and a point's time is the median over iterations. ``on_point`` sees each row as it is done.
+    and a point's time is the median over iterations. The implementations of one collective
+    (backend, ring) alternate iteration by iteration at each size, the order flipping each
+    time, so that the machine's load falls on both alike. ``on_point`` sees each row as it is done.
     """
     import torch
 
@@ -245,34 +247,44 @@ def sweep(group: Any, traffic: Any, pairs: list[tuple[str, str]], sizes: list[in
     n = group.size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
+    impls_of: dict[str, list[str]] = {}
     for op, impl in pairs:
+        impls_of.setdefault(op, []).append(impl)
+    for op, impls in impls_of.items():
         vop = VOLUME_OP[op]
         for size in sizes:
             count = elements(op, size, elem, n)
             s_bytes = count * elem
-            fn = _op_fn(op, impl, group, count, dtype, device)
-            for _ in range(warmup):
-                fn()
-            sync()
-            traffic.reset()
-            times = []
-            for _ in range(iters):
-                ops.barrier(group)
-                t0 = time.perf_counter()
-                fn()
+            fns = {impl: _op_fn(op, impl, group, count, dtype, device) for impl in impls}
+            per_call = {}
+            for impl, fn in fns.items():
+                for _ in range(warmup):
+                    fn()
                 sync()
-                times.append(time.perf_counter() - t0)
-            rec = traffic.records.get((group.name, vop))
-            per_call = rec.bytes / max(rec.calls, 1) if rec is not None else 0.0
-            stats = torch.tensor(times + [per_call], dtype=torch.float64, device=device)
-            ops.all_reduce(stats, quiet, op="max")
-            stats = stats.cpu().tolist()
-            t = statistics.median(stats[:-1])
-            row = Row(op, impl, s_bytes, count, dtype_name, t * 1e6, algbw(s_bytes, t),
-                      busbw(op, n, s_bytes, t), bus_bytes(op, s_bytes, n), stats[-1])
-            rows.append(row)
-            if on_point is not None:
-                on_point(row)
+                traffic.reset()
+                fn()  # one untimed call: the bytes fived.comm's Traffic charges per call
+                sync()
+                rec = traffic.records.get((group.name, vop))
+                per_call[impl] = rec.bytes / max(rec.calls, 1) if rec is not None else 0.0
+            times: dict[str, list[float]] = {impl: [] for impl in impls}
+            for it in range(iters):  # the implementations alternate, the order flips each time
+                for impl in (impls if it % 2 == 0 else impls[::-1]):
+                    ops.barrier(group)
+                    t0 = time.perf_counter()
+                    fns[impl]()
+                    sync()
+                    times[impl].append(time.perf_counter() - t0)
+            for impl in impls:
+                stats = torch.tensor(times[impl] + [per_call[impl]], dtype=torch.float64,
+                                     device=device)
+                ops.all_reduce(stats, quiet, op="max")
+                stats = stats.cpu().tolist()
+                t = statistics.median(stats[:-1])
+                row = Row(op, impl, s_bytes, count, dtype_name, t * 1e6, algbw(s_bytes, t),
+                          busbw(op, n, s_bytes, t), bus_bytes(op, s_bytes, n), stats[-1])
+                rows.append(row)
+                if on_point is not None:
+                    on_point(row)
     traffic.reset()
     return rows
 
