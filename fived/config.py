@@ -42,6 +42,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 CP_MODES = ("ring", "ulysses")
+ZERO_ALIGN = ("none", "rows")
+OPTIMIZERS = ("adamw", "adafactor", "muon", "rownorm")
 DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
 DEFAULT_WORLD = 4  # ranks `fived train` starts when nothing says otherwise
 
@@ -148,6 +150,9 @@ class ParallelConfig:
     overlap: bool = spec(True, "reduce gradients during backward (--no-overlap: after it)")
     pp_layers: tuple[int, ...] = spec((), "layers per (virtual) stage by hand, e.g. 3,5",
                                       metavar="N,N,...", shown="balanced")
+    zero_align: str = spec("none", "ZeRO shard boundaries: anywhere, or on whole rows of every "
+                                   "matrix (padding; a row-local optimizer then needs no "
+                                   "reduction)", choices=ZERO_ALIGN)
 
     @property
     def world_size(self) -> int:
@@ -183,6 +188,9 @@ class TrainConfig:
     corpus_mb: float = spec(4.0, "MB of the built-in corpus (this Python's stdlib source)", gt=0)
     metrics_out: str = spec("", "write one JSON line per step to this file", metavar="FILE")
     log_every: int = spec(1, "print a line every N steps", ge=1)
+    optimizer: str = spec("adamw", "adamw (elementwise), adafactor (factored second moment), "
+                                   "muon (orthogonalised hidden matrices, AdamW elsewhere), "
+                                   "rownorm (row-normalised momentum)", choices=OPTIMIZERS)
 
 
 def preset(name: str) -> ModelConfig:
@@ -310,6 +318,7 @@ def validate(
         check(p, model, par, world_size)
     if train is not None:
         _check_batch(p, par, train)
+    _check_zero_align(p, par)
     if p:
         raise ConfigError(p)
 
@@ -414,6 +423,12 @@ def _check_batch(p: list[str], par: ParallelConfig, train: TrainConfig) -> None:
     elif (train.global_batch // replicas) % par.micro_batches:
         p.append(f"sequences per replica {train.global_batch // replicas} are not divisible by "
                  f"--micro-batches {par.micro_batches}")
+
+
+def _check_zero_align(p: list[str], par: ParallelConfig) -> None:
+    if par.zero_align == "rows" and par.zero == 0:
+        p.append("--zero-align rows: aligns ZeRO shards, but --zero 0 keeps none; use --zero 1, "
+                 "2 or 3, or drop --zero-align")
 
 
 def check_outputs(train: TrainConfig) -> None:

@@ -46,6 +46,7 @@ rank r holds at its peak — GPipe m; 1F1B and ZB-H1 min(p − r, m); interleave
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -89,6 +90,32 @@ def bytes_per_param(par: ParallelConfig) -> int:
 def shard_len(numel: int, n: int) -> int:
     """Elements of one shard of a flat buffer of ``numel`` padded to n·⌈numel/n⌉."""
     return -(-numel // n) if n > 1 else numel
+
+
+def aligned_shard_len(sizes: list[int], rows: list[int], n: int) -> int:
+    """The smallest shard length S >= ⌈Σsizes/n⌉ whose boundaries i·S (0 < i < n) all fall on a
+    whole row of the parameter they land in (``sizes[j]`` elements in rows of ``rows[j]``), or
+    past the end (``--zero-align rows``)."""
+    total = sum(sizes)
+    offs = [0]
+    for s in sizes:
+        offs.append(offs[-1] + s)
+    S = max(1, -(-total // n))
+    while True:
+        bad = None
+        for i in range(1, n):
+            x = i * S
+            if x >= total:
+                break
+            j = bisect_right(offs, x) - 1
+            r = (x - offs[j]) % rows[j]
+            if r:
+                bad = (i, x - r + rows[j])
+                break
+        if bad is None:
+            return S
+        i, nxt = bad
+        S = max(S + 1, -(-nxt // i))
 
 
 def shard_real(numel: int, n: int, index: int) -> int:

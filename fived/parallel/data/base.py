@@ -30,13 +30,23 @@ exactly; ``buffers`` is the step's peak of transient buffers (ZeRO-2/3).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...comm import ops
-from ...optim import FlatAdamW, accumulate_sq, clip_coef, model_parallel_sq, scale_
+from ...optim import (
+    BucketPieces,
+    Piece,
+    accumulate_sq,
+    clip_coef,
+    make_optimizer,
+    matrix_shape,
+    model_parallel_sq,
+    scale_,
+)
 from ..placement import Placement, replicated
 from ..precision import MasterPolicy, loss_scaler
 from .buckets import Bucket, Named, by_group, nbytes, split_buckets
@@ -84,9 +94,51 @@ class DataParallel:
             for j, p in enumerate(b.params):
                 self.where[id(p)] = (b, j)
                 p.register_post_accumulate_grad_hook(self.grad_ready)
-        self.opt = FlatAdamW([b.master for b in self.buckets], train.beta1, train.beta2,
-                             train.eps, train.weight_decay)
+        self.opt = make_optimizer(getattr(train, "optimizer", "adamw"),
+                                  [b.master for b in self.buckets], self.optimizer_pieces(),
+                                  grid, train, aligned_rows=self.aligned_rows())
         self.zero_grad()
+
+    # ------------------------------------------------------------------ the optimizer's view
+    def aligned_rows(self) -> bool:
+        """ZeRO shards start and end on whole rows (``--zero-align rows``)."""
+        return getattr(self.par, "zero_align", "none") == "rows" and self.stage > 0
+
+    def optimizer_pieces(self) -> list[BucketPieces]:
+        """Every bucket's parameters as ``fived.optim.Piece``s: the local and global matrix,
+        the tp cut (from the ``Placement``) and the elements this rank owns."""
+        out = []
+        for b in self.buckets:
+            pieces = []
+            for j, (name, p) in enumerate(zip(b.names, b.params)):
+                pl = self.placements[name]
+                off, n = b.offsets[j], p.numel()
+                a, e = max(off, b.lo), min(off + n, b.hi)
+                if a >= e:
+                    a = e = b.lo
+                    off_a, off_e = 0, 0
+                else:
+                    off_a, off_e = a - off, e - off
+                pieces.append(Piece(name, matrix_shape(tuple(p.shape)), matrix_shape(pl.shape),
+                                    pl.dim, pl.parts, pl.index, off, off_a, off_e, a - b.lo,
+                                    e - b.lo, ndim=len(pl.shape)))
+            out.append(BucketPieces(b.index, b.group_name, b.group, b.shards > 1,
+                                    b.shard_numel, b.padded, pieces))
+        return out
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Each parameter's fp32 master as this rank's piece (tp/ep cuts stay), whole over the
+        ZeRO group (all-gathered under ``metrics``), keyed by name (tests)."""
+        out = {}
+        for b in self.buckets:
+            flat = b.master.float()
+            if b.shards > 1:
+                full = torch.empty(b.padded, dtype=torch.float32)
+                ops.all_gather_into(full, flat.contiguous(), replace(b.group, name="metrics"))
+                flat = full
+            for j, name in enumerate(b.names):
+                out[name] = b.view(flat, j).detach().clone()
+        return out
 
     # ------------------------------------------------------------------ what a stage says
     def shard_count(self, group: Any) -> int:
@@ -123,7 +175,8 @@ class DataParallel:
             group = self.grid[name]
             for piece in self.split(items):
                 b = Bucket(piece, [self.placements[n] for n, _ in piece], name, group,
-                           self.shard_count(group), len(self.buckets), tp, unit)
+                           self.shard_count(group), len(self.buckets), tp, unit,
+                           align_rows=self.aligned_rows())
                 self.buckets.append(b)
                 self.order.setdefault(name, []).append(b)
 
@@ -340,7 +393,7 @@ class DataParallel:
         out = [self.param_state(b), self.grad_state(b)]
         if self.policy.separate_master:
             out.append(b.master)
-        return out + [self.opt.m[i], self.opt.v[i]]
+        return out + self.opt.flat_state(i)
 
     def padding_bytes(self) -> float:
         """Bytes of padding in the states this rank holds; a shard's padding is counted as its
