@@ -16,6 +16,7 @@ import pytest
 
 from fived.config import OPTIMIZERS as CONFIG_OPTIMIZERS
 from fived.config import ConfigError, ParallelConfig, preset, validate
+from fived.ledger.verify import compare_record
 from fived.optim import OPTIMIZERS
 from fived.testing import assemble_grads, rel_diff, run_ranks, small_train
 
@@ -43,9 +44,9 @@ def _train(rank: int, world: int, runs: list[tuple]) -> list[dict]:
         losses = [tr.step(s)["loss"] for s in range(t.steps)]
         params = tr.engine.full_params()
         pieces = {n: (asdict(tr.parallel.placements[n]), v.numpy()) for n, v in params.items()}
-        mem = tr.engine.memory()
-        out.append({"losses": losses, "params": pieces, "memory": mem,
-                    "traffic": tr.traffic.bytes_by_dim()})
+        mem = {k: int(v) for k, v in tr.engine.memory().items()}
+        traffic = {k: v for k, v in tr.traffic.bytes_by_dim().items() if k != "metrics"}
+        out.append({"losses": losses, "params": pieces, "memory": mem, "traffic": traffic})
     return out
 
 
@@ -81,8 +82,18 @@ def layouts_check(model, layouts: list[ParallelConfig], opts=OPTIMIZERS) -> None
         validate(r[0], r[1], r[2])
     outs = train_runs(runs)
     for (m, p, t), out in zip(runs, outs):
-        check(out, reference(m, t.optimizer), f"{t.optimizer} {p.describe()} {p.zero_align}",
-              t.optimizer)
+        what = f"{t.optimizer} {p.describe()} {p.zero_align}"
+        check(out, reference(m, t.optimizer), what, t.optimizer)
+        ledger_check(m, p, t, out, what)
+
+
+def ledger_check(m, p: ParallelConfig, t, out: dict, what: str) -> None:
+    """The ledger's state bytes and traffic (with the optimizer's own terms) equal what every
+    rank measured in its last step, to the byte."""
+    rec = {"memory_per_rank": [r["memory"] for r in out["ranks"]],
+           "traffic_per_rank": [{"bytes": r["traffic"]} for r in out["ranks"]]}
+    bad = compare_record(m, p, t.global_batch, rec, optimizer=t.optimizer)
+    assert not bad, (what, bad)
 
 
 def test_optimizer_names_agree():

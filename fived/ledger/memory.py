@@ -140,10 +140,11 @@ class Bucket:
     numel: int
     shards: int
     unit: int = -1  # ZeRO-3: the block it gathers with (-1: the root — embedding, norm, head)
+    aligned: int = 0  # --zero-align rows: the padded length with row-aligned shards (0: none)
 
     @property
     def padded(self) -> int:
-        return -(-self.numel // self.shards) * self.shards
+        return self.aligned or -(-self.numel // self.shards) * self.shards
 
     @property
     def shard(self) -> int:
@@ -179,7 +180,13 @@ def _state_key(par: ParallelConfig) -> ParallelConfig:
 
 
 def buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Bucket]:
-    return list(_buckets(m, _state_key(par), pp_rank))
+    out = list(_buckets(m, _state_key(par), pp_rank))
+    if par.zero_align == "rows" and par.zero:  # shards on whole rows (fived.ledger.optimizers)
+        from .optimizers import opt_buckets
+
+        obs = opt_buckets(m, _state_key(par), pp_rank)
+        out = [replace(b, aligned=ob.padded) if b.shards > 1 else b for b, ob in zip(out, obs)]
+    return out
 
 
 @lru_cache(maxsize=8192)
@@ -220,22 +227,30 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
 
 
 def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_index: int = 0,
-                 expert_index: int = 0) -> dict[str, float]:
+                 expert_index: int = 0, optimizer: str = "adamw") -> dict[str, float]:
     """Bytes of params, grads, master, optimizer, buffers, padding on one rank — what the
     runtime's ``engine.memory()`` reports from its tensors. Each key counts the tensors as held
     (padded flat buffers and equal shards); ``padding`` is the padding's share of them (a full
     buffer's pad, a shard's pad/N), so that a rank's keys = formula(Ψ) + padding.
     ``buffers`` (transient full gradient buffers of ZeRO-2, gathered ZeRO-3 units) is the
     engine's measured peak and is predicted as 0 here; ``comm_buffers`` estimates it.
-    ``dense_index``/``expert_index`` are accepted for callers that pass a rank's place in its
-    group; with equal shards no key depends on it."""
-    del dense_index, expert_index
-    return dict(_model_states(m, _state_key(par), pp_rank))
+    ``optimizer``: the ``--optimizer`` whose state is counted (``fived.ledger.optimizers``);
+    ``dense_index``/``expert_index``: the rank's place in its groups (Muon's AdamW state is
+    the owned elements of the embedding, head and norms, which depends on the shard)."""
+    out = dict(_model_states(m, _state_key(par), pp_rank, optimizer))
+    if optimizer != "adamw":
+        from .optimizers import state_bytes
+
+        out["optimizer"] = state_bytes(m, par, optimizer, pp_rank, dense_index,
+                                       expert_index)["optimizer"]
+    return out
 
 
 @lru_cache(maxsize=8192)
-def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple:
+def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int,
+                  optimizer: str = "adamw") -> tuple:
     pb, gb, mb = param_bytes(par), grad_bytes(par), master_bytes(par)
+    flat = {"adamw": OPTIMIZER_BYTES, "rownorm": 4, "muon": 4}.get(optimizer, 0)
     z = par.zero
     out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "buffers": 0, "padding": 0.0}
     for b in buckets(m, par, pp_rank):
@@ -248,8 +263,7 @@ def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple:
         out["master"] += mb * (full if s_full else shard)
         out["optimizer"] += OPTIMIZER_BYTES * (full if s_full else shard)
         if pad:
-            for per, is_full in ((pb, p_full), (gb, g_full), (mb, s_full),
-                                 (OPTIMIZER_BYTES // 2, s_full), (OPTIMIZER_BYTES // 2, s_full)):
+            for per, is_full in ((pb, p_full), (gb, g_full), (mb, s_full), (flat, s_full)):
                 if per:
                     out["padding"] += pad * per if is_full else pad * per / n
     return tuple(out.items())
