@@ -138,3 +138,42 @@ def test_parity_world4_matrix(par):
                                  ParallelConfig(ep=2, dp=2, zero=1)], ids=lambda p: p.describe())
 def test_parity_moe_matrix(par):
     layouts_check(MOE, [par])
+
+
+def test_aligned_shards_fall_on_rows():
+    """``--zero-align rows``: every boundary i·S lands on a whole row; S is the smallest such
+    length ≥ ⌈numel/N⌉, and the padding it costs is what the ledger reports."""
+    from fived.ledger.memory import aligned_shard_len
+
+    sizes, rows = [64 * 176, 64, 176 * 64, 256 * 64], [64, 64, 176, 64]
+    for n in (2, 3, 4, 8):
+        S = aligned_shard_len(sizes, rows, n)
+        assert S >= -(-sum(sizes) // n)
+        offs = [0]
+        for s in sizes:
+            offs.append(offs[-1] + s)
+        for i in range(1, n):
+            x = i * S
+            j = max(k for k in range(len(sizes)) if offs[k] <= x) if x < offs[-1] else None
+            assert j is None or (x - offs[j]) % rows[j] == 0, (n, S, i)
+
+
+def test_ledger_optimizer_terms_measured_on_tiny():
+    """The numbers docs/optimizers.md quotes (tiny, measured by the parity runs above)."""
+    from fived.ledger.memory import model_states
+    from fived.ledger.traffic import step_bytes
+
+    def extra(par, o):
+        a, b = step_bytes(TINY, par, 8, 0, "adamw"), step_bytes(TINY, par, 8, 0, o)
+        return {k: b[k] - a.get(k, 0.0) for k in b if b[k] != a.get(k, 0.0)}
+
+    z2, z3r, tp2 = (ParallelConfig(dp=2, zero=2), ParallelConfig(dp=2, zero=3, zero_align="rows"),
+                    ParallelConfig(tp=2))
+    assert extra(z2, "adamw") == {}
+    assert extra(z2, "adafactor") == {"dense": 23588.0}
+    assert extra(z2, "rownorm") == {"dense": 11812.0}
+    assert extra(z3r, "rownorm") == {}  # aligned shards: rows are whole, nothing to reduce
+    assert extra(tp2, "muon") == {"tp": 368640.0}
+    assert model_states(TINY, z2, optimizer="adafactor")["optimizer"] == 23588
+    assert model_states(TINY, z2, optimizer="rownorm")["optimizer"] == 435328
+    assert model_states(TINY, z3r, optimizer="adamw")["padding"] == 512.0
