@@ -143,7 +143,7 @@ def test_parity_moe_matrix(par):
 def test_aligned_shards_fall_on_rows():
     """``--zero-align rows``: every boundary i·S lands on a whole row; S is the smallest such
     length ≥ ⌈numel/N⌉, and the padding it costs is what the ledger reports."""
-    from fived.ledger.memory import aligned_shard_len
+    from fived.ledger.optimizers import aligned_shard_len
 
     sizes, rows = [64 * 176, 64, 176 * 64, 256 * 64], [64, 64, 176, 64]
     for n in (2, 3, 4, 8):

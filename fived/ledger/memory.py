@@ -46,11 +46,12 @@ rank r holds at its peak — GPipe m; 1F1B and ZB-H1 min(p − r, m); interleave
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..config import ModelConfig, ParallelConfig
+from .optimizers import opt_buckets
+from .optimizers import state_bytes as optimizer_state_bytes
 from .params import rank_stages, stage_layers
 
 GB = 1e9
@@ -90,32 +91,6 @@ def bytes_per_param(par: ParallelConfig) -> int:
 def shard_len(numel: int, n: int) -> int:
     """Elements of one shard of a flat buffer of ``numel`` padded to n·⌈numel/n⌉."""
     return -(-numel // n) if n > 1 else numel
-
-
-def aligned_shard_len(sizes: list[int], rows: list[int], n: int) -> int:
-    """The smallest shard length S >= ⌈Σsizes/n⌉ whose boundaries i·S (0 < i < n) all fall on a
-    whole row of the parameter they land in (``sizes[j]`` elements in rows of ``rows[j]``), or
-    past the end (``--zero-align rows``)."""
-    total = sum(sizes)
-    offs = [0]
-    for s in sizes:
-        offs.append(offs[-1] + s)
-    S = max(1, -(-total // n))
-    while True:
-        bad = None
-        for i in range(1, n):
-            x = i * S
-            if x >= total:
-                break
-            j = bisect_right(offs, x) - 1
-            r = (x - offs[j]) % rows[j]
-            if r:
-                bad = (i, x - r + rows[j])
-                break
-        if bad is None:
-            return S
-        i, nxt = bad
-        S = max(S + 1, -(-nxt // i))
 
 
 def shard_real(numel: int, n: int, index: int) -> int:
@@ -180,13 +155,11 @@ def _state_key(par: ParallelConfig) -> ParallelConfig:
 
 
 def buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Bucket]:
-    out = list(_buckets(m, _state_key(par), pp_rank))
+    raw = _buckets(m, _state_key(par), pp_rank)
     if par.zero_align == "rows" and par.zero:  # shards on whole rows (fived.ledger.optimizers)
-        from .optimizers import opt_buckets
-
-        obs = opt_buckets(m, _state_key(par), pp_rank)
-        out = [replace(b, aligned=ob.padded) if b.shards > 1 else b for b, ob in zip(out, obs)]
-    return out
+        obs = opt_buckets(m, _state_key(par), pp_rank, raw)
+        return [replace(b, aligned=ob.padded) if b.shards > 1 else b for b, ob in zip(raw, obs)]
+    return list(raw)
 
 
 @lru_cache(maxsize=8192)
@@ -239,10 +212,8 @@ def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_in
     the owned elements of the embedding, head and norms, which depends on the shard)."""
     out = dict(_model_states(m, _state_key(par), pp_rank, optimizer))
     if optimizer != "adamw":
-        from .optimizers import state_bytes
-
-        out["optimizer"] = state_bytes(m, par, optimizer, pp_rank, dense_index,
-                                       expert_index)["optimizer"]
+        obs = opt_buckets(m, _state_key(par), pp_rank, tuple(buckets(m, par, pp_rank)))
+        out["optimizer"] = optimizer_state_bytes(obs, par, optimizer, dense_index, expert_index)
     return out
 
 

@@ -19,17 +19,44 @@ Extra traffic per step, bytes sent per rank (N = the bucket group, 4-byte statis
                tp: all-gather (tp−1) · 4 · R·C per tp-cut hidden matrix
 
 ``--zero-align rows`` pads each sharded bucket so every shard boundary falls on a whole row
-(``memory.aligned_shard_len``); rownorm then needs no ZeRO reduction.
+(``aligned_shard_len``); rownorm then needs no ZeRO reduction.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from ..config import ModelConfig, ParallelConfig
-from .memory import aligned_shard_len, grad_bytes, group_sizes, split_sizes
 from .params import block_of, param_list
+
+
+def aligned_shard_len(sizes: list[int], rows: list[int], n: int) -> int:
+    """The smallest shard length S >= ⌈Σsizes/n⌉ whose boundaries i·S (0 < i < n) all fall on a
+    whole row of the parameter they land in (``sizes[j]`` elements in rows of ``rows[j]``), or
+    past the end (``--zero-align rows``)."""
+    total = sum(sizes)
+    offs = [0]
+    for s in sizes:
+        offs.append(offs[-1] + s)
+    S = max(1, -(-total // n))
+    while True:
+        bad = None
+        for i in range(1, n):
+            x = i * S
+            if x >= total:
+                break
+            j = bisect_right(offs, x) - 1
+            r = (x - offs[j]) % rows[j]
+            if r:
+                bad = (i, x - r + rows[j])
+                break
+        if bad is None:
+            return S
+        i, nxt = bad
+        S = max(S + 1, -(-nxt // i))
 
 
 @dataclass(frozen=True)
@@ -96,42 +123,26 @@ def _padded(ps: list[Param], shards: int, align: bool) -> int:
 
 
 @lru_cache(maxsize=4096)
-def opt_buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> tuple[OptBucket, ...]:
-    """The engine's buckets with their parameters (the layout of ``memory._buckets``)."""
-    plist = [param_shape(m, par, n, k, ex) for n, k, ex in reversed(param_list(m, par, pp_rank))]
-    sizes = group_sizes(par)
+def opt_buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int, bks: tuple[Any, ...]
+                ) -> tuple[OptBucket, ...]:
+    """The engine's buckets ``bks`` (``memory._buckets``: group, numel, shards, unit, in
+    launch order) with their parameters, and their padded length (row-aligned under
+    ``--zero-align rows``)."""
     align = par.zero_align == "rows" and par.zero > 0
-
-    def shards(g: str) -> int:
-        return sizes[g] if par.zero and sizes[g] > 1 else 1
-
-    def group(p: Param) -> str:
-        return "expert" if p.expert else "dense"
-
-    out: list[OptBucket] = []
-    if par.zero == 3:
-        units: dict[int, list[Param]] = {}
-        for p in plist:
-            b = block_of(p.name)
-            units.setdefault(-1 if b is None else b, []).append(p)
-        for u in sorted((u for u in units if u >= 0), reverse=True) + (
-                [-1] if -1 in units else []):
-            by: dict[str, list[Param]] = {}
-            for p in units[u]:
-                by.setdefault(group(p), []).append(p)
-            out += [OptBucket(g, shards(g), tuple(ps), _padded(ps, shards(g), align))
-                    for g, ps in by.items()]
-        return tuple(out)
-    cap = max(1, int(par.bucket_mb * 2**20 / grad_bytes(par)))
-    groups: dict[str, list[Param]] = {}
-    for p in plist:
-        groups.setdefault(group(p), []).append(p)
-    for g, ps in groups.items():
-        start = 0
-        for run in split_sizes([p.numel for p in ps], cap):
-            piece = ps[start:start + len(run)]
-            start += len(run)
-            out.append(OptBucket(g, shards(g), tuple(piece), _padded(piece, shards(g), align)))
+    queues: dict[tuple[int, str], list[Param]] = {}
+    for n, k, ex in reversed(param_list(m, par, pp_rank)):
+        p = param_shape(m, par, n, k, ex)
+        unit = (-1 if block_of(n) is None else block_of(n)) if par.zero == 3 else 0
+        queues.setdefault((unit, "expert" if ex else "dense"), []).append(p)
+    out = []
+    for b in bks:
+        q = queues[(b.unit if par.zero == 3 else 0, b.group)]
+        took, size = [], 0
+        while size < b.numel:
+            took.append(q.pop(0))
+            size += took[-1].numel
+        assert size == b.numel, (b, size)
+        out.append(OptBucket(b.group, b.shards, tuple(took), _padded(took, b.shards, align)))
     return tuple(out)
 
 
@@ -145,13 +156,12 @@ def owned(b: OptBucket, index: int) -> list[tuple[Param, int]]:
     return out
 
 
-def state_bytes(m: ModelConfig, par: ParallelConfig, optimizer: str, pp_rank: int = 0,
-                dense_index: int = 0, expert_index: int = 0) -> dict[str, float]:
-    """{"optimizer": state bytes, "flat_per_elem": bytes per element of the flat (shard-shaped)
-    state, for the padding share} on one rank."""
+def state_bytes(obs: tuple[OptBucket, ...], par: ParallelConfig, optimizer: str,
+                dense_index: int = 0, expert_index: int = 0) -> int:
+    """The optimizer's state bytes on one rank (its place in the dense / expert group)."""
     flat = {"adamw": 8, "rownorm": 4, "muon": 4, "adafactor": 0}[optimizer]
     total = 0
-    for b in opt_buckets(m, par, pp_rank):
+    for b in obs:
         held = b.padded if (par.zero == 0 or b.shards == 1) else b.shard
         total += flat * held
         if optimizer == "adafactor":
@@ -159,15 +169,16 @@ def state_bytes(m: ModelConfig, par: ParallelConfig, optimizer: str, pp_rank: in
         elif optimizer == "muon":
             idx = expert_index if b.group == "expert" else dense_index
             total += sum(4 * k for p, k in owned(b, idx) if not p.muon)
-    return {"optimizer": total, "flat_per_elem": flat}
+    return total
 
 
-def traffic(m: ModelConfig, par: ParallelConfig, optimizer: str, pp_rank: int = 0
+def traffic(obs: tuple[OptBucket, ...], par: ParallelConfig, optimizer: str
             ) -> list[tuple[str, str, int, int]]:
-    """(group, op, buffer bytes S, ranks n) of every extra collective one step runs."""
+    """(group, op, buffer bytes S, ranks n) of every extra collective one step runs, from the
+    rank's buckets (``opt_buckets``)."""
     if optimizer == "adamw":
         return []
-    bks = opt_buckets(m, par, pp_rank)
+    bks = obs
     out: list[tuple[str, str, int, int]] = []
     if optimizer == "muon":
         for b in bks:

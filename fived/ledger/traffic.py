@@ -53,6 +53,8 @@ from ..comm.volume import bytes_sent
 from ..config import ModelConfig, ParallelConfig
 from .context import ulysses_kv_heads
 from .memory import _state_key, act_bytes, buckets, grad_bytes, group_sizes, param_bytes
+from .optimizers import opt_buckets
+from .optimizers import traffic as optimizer_traffic_of
 from .params import rank_stages, stage_layers
 
 COUNT_BYTES = 8  # the ep routing counts travel as int64
@@ -352,10 +354,11 @@ def optimizer_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0,
                       optimizer: str = "adamw") -> list[Collective]:
     """The optimizer's own collectives (row/column statistics, Muon's gathers):
     ``fived.ledger.optimizers.traffic``."""
-    from .optimizers import traffic
-
+    if optimizer == "adamw":
+        return []
+    obs = opt_buckets(m, _state_key(par), pp_rank, tuple(buckets(m, par, pp_rank)))
     return [Collective(g, op, float(size), n, 1, f"{optimizer} state", "step")
-            for g, op, size, n in traffic(m, par, optimizer, pp_rank)]
+            for g, op, size, n in optimizer_traffic_of(obs, par, optimizer)]
 
 
 def step_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,

@@ -8,7 +8,7 @@ member owns an equal contiguous shard:
 
 With ``align_rows`` (``--zero-align rows``) S is the smallest shard length ≥ ⌈numel/N⌉ whose
 boundaries i·S all fall on whole rows of the parameter they cut (a 1-D parameter is one row;
-``fived.ledger.memory.aligned_shard_len``): a row-local optimizer then finds every row on one
+``fived.ledger.optimizers.aligned_shard_len``): a row-local optimizer then finds every row on one
 member; the extra padding N·S − numel is the price.
 
 ``split_buckets`` cuts a list of parameters (already in launch order) into runs of at most
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...ledger.memory import aligned_shard_len, split_sizes
+from ...ledger.memory import split_sizes
+from ...ledger.optimizers import aligned_shard_len
 from ..placement import Placement
 
 Named = tuple[str, nn.Parameter]
