@@ -44,6 +44,7 @@ RECOMPUTE = ("none", "selective", "full")
 CP_MODES = ("ring", "ulysses")
 ZERO_ALIGN = ("none", "rows")
 OPTIMIZERS = ("adamw", "adafactor", "muon", "rownorm")
+MASTER_WEIGHTS = ("fp32", "none", "sr", "kahan")
 DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
 DEFAULT_WORLD = 4  # ranks `fived train` starts when nothing says otherwise
 
@@ -144,6 +145,9 @@ class ParallelConfig:
     precision: str = spec("fp32", "compute precision (bf16/fp16 keep fp32 master weights)",
                           choices=PRECISIONS)
     grad_reduce_dtype: str = spec("fp32", "dtype gradients are reduced in", choices=GRAD_REDUCE_DTYPES)
+    master_weights: str = spec("fp32", "bf16 parameters' master copy: fp32, or none (round to "
+                                       "nearest), sr (stochastic rounding), kahan (bf16 "
+                                       "compensation)", choices=MASTER_WEIGHTS)
     cp_mode: str = spec("ring", "context-parallel attention", choices=CP_MODES)
     order: tuple[str, ...] = spec(DIMS, "grid order, outermost first", metavar="pp,dp,ep,cp,tp")
     bucket_mb: float = spec(25.0, "gradient bucket size in MB", gt=0)
@@ -426,6 +430,9 @@ def _check_batch(p: list[str], par: ParallelConfig, train: TrainConfig) -> None:
 
 
 def _check_zero_align(p: list[str], par: ParallelConfig) -> None:
+    if par.master_weights != "fp32" and par.precision != "bf16":
+        p.append(f"--master-weights {par.master_weights}: drops the fp32 master of bf16 "
+                 f"parameters, but --precision is {par.precision}; use --precision bf16")
     if par.zero_align == "rows" and par.zero == 0:
         p.append("--zero-align rows: aligns ZeRO shards, but --zero 0 keeps none; use --zero 1, "
                  "2 or 3, or drop --zero-align")

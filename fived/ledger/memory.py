@@ -72,7 +72,10 @@ def grad_bytes(par: ParallelConfig) -> int:
 
 
 def master_bytes(par: ParallelConfig) -> int:
-    return 0 if par.precision == "fp32" else 4
+    """fp32 master 4; without one (``--master-weights none|sr``) 0; Kahan's bf16 compensation 2."""
+    if par.precision == "fp32":
+        return 0
+    return {"fp32": 4, "kahan": 2}.get(par.master_weights, 0)
 
 
 OPTIMIZER_BYTES = 8  # Adam m and v in fp32
