@@ -120,14 +120,16 @@ def main(argv: list[str]) -> int:
         con.print(f"[bold]fived plan[/]: {m.name} ({fmt_n(P.total_params(m))} params, seq "
                   f"{m.seq_len}) on {gpus}× {hw.name} ({gpn} per node) · global batch {gb} × "
                   f"{m.seq_len} = {fmt_n(gb * m.seq_len)} tokens · {par.precision}, "
-                  f"{par.grad_reduce_dtype} gradients")
+                  f"{par.grad_reduce_dtype} gradients · {train.optimizer}")
     res_ = PL.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
-                   precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype, **space)
+                   precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype,
+                   optimizer=train.optimizer, **space)
     top = res_.ranked[:args.top]
     if args.json:
         doc = {"model": m.name, "seq_len": m.seq_len, "gpus": gpus, "gpus_per_node": gpn,
                "hardware": hw.as_dict(), "global_batch": gb, "global_batch_tokens": gb * m.seq_len,
                "precision": par.precision, "grad_reduce_dtype": par.grad_reduce_dtype,
+               "optimizer": train.optimizer,
                "efficiency": args.efficiency, "counts": res_.counts, "reasons": res_.reasons,
                "top": [p.as_dict() for p in top]}
         if not top and res_.smallest_unfit:

@@ -454,20 +454,21 @@ class RankMemory:
 
 
 def rank_memory(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
-                opts: ActivationOptions = EAGER) -> RankMemory:
-    return RankMemory(pp_rank, model_states(m, par, pp_rank),
+                opts: ActivationOptions = EAGER, optimizer: str = "adamw") -> RankMemory:
+    return RankMemory(pp_rank, model_states(m, par, pp_rank, optimizer=optimizer),
                       activations(m, par, micro_batch, pp_rank, opts),
                       comm_buffers(m, par, micro_batch, pp_rank),
                       inflight_microbatches(par, pp_rank))
 
 
 def largest_rank(m: ModelConfig, par: ParallelConfig, micro_batch: int,
-                 opts: ActivationOptions = EAGER) -> RankMemory:
+                 opts: ActivationOptions = EAGER, optimizer: str = "adamw") -> RankMemory:
     """The pipeline rank with the most bytes (ties: the lowest rank)."""
     ranks = sorted({0, par.pp - 1} | ({1} if par.pp > 2 else set()))
     if par.pp <= 8:
         ranks = list(range(par.pp))
-    return max((rank_memory(m, par, micro_batch, r, opts) for r in ranks), key=lambda r: r.total)
+    return max((rank_memory(m, par, micro_batch, r, opts, optimizer) for r in ranks),
+               key=lambda r: r.total)
 
 
 def fmt_bytes(n: float) -> str:

@@ -147,11 +147,11 @@ def aggregate(colls: list[Collective]) -> list[Collective]:
 def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int,
             gpus_per_node: int | None = None, efficiency: float = 0.7,
             memory_fraction: float = 0.9,
-            opts: ActivationOptions = GPU_ACTIVATIONS) -> Prediction:
+            opts: ActivationOptions = GPU_ACTIVATIONS, optimizer: str = "adamw") -> Prediction:
     """Memory, traffic and time of one layout (see the module docstring)."""
     gpn = gpus_per_node or hw.gpus_per_node
     b = micro_batch_size(par, global_batch)
-    mem = largest_rank(m, par, b, opts)
+    mem = largest_rank(m, par, b, opts, optimizer)
     rate = hw.peak_flops * efficiency
     tokens_mb = b * m.seq_len / par.cp
     mb = par.micro_batches
@@ -178,7 +178,7 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
         t_rc = attn_core
     else:
         t_rc = 0.0
-    colls = aggregate(step_traffic(m, par, b, r))
+    colls = aggregate(step_traffic(m, par, b, r, optimizer))
     timed: list[tuple[Collective, str, float]] = []
     per: dict[tuple[str, str], float] = {}
     links: dict[str, tuple[float, float, str]] = {}
@@ -317,14 +317,15 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
 
 def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
          gpus_per_node: int | None = None, efficiency: float = 0.7, memory_fraction: float = 0.9,
-         top: int = 10, **space) -> PlanResult:
+         top: int = 10, optimizer: str = "adamw", **space) -> PlanResult:
     """Every layout that fits, fastest first (``ranked``), with what was discarded."""
     gpn = gpus_per_node or hw.gpus_per_node
     counts: dict[str, int] = {}
     fits: list[Prediction] = []
     smallest: Prediction | None = None
     for par, _b in candidates(m, gpus, gpn, global_batch, counts=counts, **space):
-        pr = predict(m, par, hw, global_batch, gpn, efficiency, memory_fraction)
+        pr = predict(m, par, hw, global_batch, gpn, efficiency, memory_fraction,
+                     optimizer=optimizer)
         counts["evaluated"] = counts.get("evaluated", 0) + 1
         if pr.fits:
             fits.append(pr)
