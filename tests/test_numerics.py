@@ -80,3 +80,48 @@ def test_master_weights_track_fp32_and_ledger_counts_master_bytes():
             assert max(lost) > 0.01, lost  # updates lost to rounding, measured
         if mode == "kahan":
             assert max(lost) < 1e-3, lost
+
+
+def _experiment(name: str, tmp_path, *extra: str) -> dict:
+    import json
+
+    from fived.bench import numerics
+
+    assert numerics.main([name, "--layers", "1", "--out", str(tmp_path), *extra]) == 0
+    assert (tmp_path / f"numerics-{name}.png").stat().st_size > 1000
+    return json.loads((tmp_path / f"numerics-{name}.json").read_text())["result"]
+
+
+def test_experiment_reduce_bf16_error_grows_with_dp(tmp_path):
+    r = _experiment("reduce", tmp_path)
+    assert r["dp"] == [1, 2, 4, 8, 16]
+    assert r["fp32"][0] == 0.0  # one shard: nothing summed
+    assert all(f < 1e-6 < b for f, b in zip(r["fp32"], r["bf16"]))
+    assert r["bf16"][-1] > r["bf16"][0]  # each hop rounds: the error grows with dp
+
+
+def test_experiment_fp16_scaler_trajectory_follows_its_rule(tmp_path):
+    """The recorded scale halves after every step that overflowed (skipped) and only then,
+    doubles after 5 clean steps; overflow counts are > 0 exactly on skipped steps."""
+    r = _experiment("fp16", tmp_path, "--steps", "6")
+    assert r["scale"][0] == 2.0 ** 24
+    clean = 0
+    for i in range(len(r["scale"]) - 1):
+        assert (r["overflow"][i] > 0) == r["skipped"][i]
+        clean = 0 if r["skipped"][i] else clean + 1
+        want = r["scale"][i] / 2 if r["skipped"][i] else (
+            r["scale"][i] * 2 if clean == 5 else r["scale"][i])
+        clean = 0 if clean == 5 else clean
+        assert r["scale"][i + 1] == want, (i, r["scale"])
+    assert all(0 <= u <= 1 for u in r["underflow"])
+
+
+@pytest.mark.slow
+def test_experiment_masters_and_moments(tmp_path):
+    r = _experiment("masters", tmp_path, "--steps", "4")
+    assert r["fp32"]["master_bytes"] == 2 * r["kahan"]["master_bytes"] > 0
+    assert r["none"]["master_bytes"] == r["sr"]["master_bytes"] == 0
+    assert max(r["none"]["lost_fraction"]) > max(r["kahan"]["lost_fraction"])
+    m = _experiment("moments", tmp_path, "--steps", "4")
+    assert max(m["fp32"]["m_lost"]) == max(m["fp32"]["v_lost"]) == 0.0
+    assert max(m["bf16"]["v_lost"]) > 0.0
