@@ -9,8 +9,10 @@
     reduce      summing dp gradient shards in bf16 vs fp32, in ring order (each hop rounds to
                 the reduction dtype): relative error against the float64 sum as dp grows, on the
                 real per-shard gradients of the model
-    fp16        fp16 with dynamic loss scaling: per step the scale, overflow (non-finite
-                gradient elements) and underflow (gradient elements flushed to 0 in fp16) counts
+    fp16        fp16 with dynamic loss scaling (from 2²⁴, growth every 5 clean steps): per step
+                the scale, overflow (non-finite gradient elements), underflow (dense gradient
+                elements flushed to 0 / left subnormal in fp16 at that scale) and the elements
+                whose true value g/S is below fp16's smallest subnormal (would flush at S = 1)
     optimizers  bytes sent and step time of every --optimizer on dp2 ZeRO-2, dp2 ZeRO-3 with
                 row-aligned shards, tp2 (2 ranks; the bytes are the ledger's to the byte)
 
@@ -202,14 +204,29 @@ def fp16(args) -> dict[str, Any]:
     tr = _trainer(m, ParallelConfig(precision="fp16", grad_reduce_dtype="bf16"), t)
     sc = tr.engine.scaler
     sc.scale, sc.growth_interval = 2.0 ** 24, 5  # start too high, grow fast: both directions
-    rec: dict[str, list[float]] = {"scale": [], "overflow": [], "underflow": [], "skipped": [],
-                                   "loss": []}
+    rec: dict[str, list[float]] = {"scale": [], "overflow": [], "underflow": [], "subnormal": [],
+                                   "flush_at_scale_1": [], "skipped": [], "loss": []}
 
     def count():
-        gs = tr.engine.owned_grads()
-        rec["overflow"].append(sum(int((~torch.isfinite(g)).sum()) for g in gs))
-        rec["underflow"].append(sum(int((g == 0).sum()) for g in gs)
-                                / sum(g.numel() for g in gs))
+        """Non-finite gradient elements (overflow), and among the dense parameters' elements
+        (not the embedding, whose rows of bytes absent from the batch are exactly 0) those
+        flushed to 0 and those left subnormal (< 2⁻¹⁴) in the fp16 gradient."""
+        n = zeros = sub = over = flush1 = 0
+        for b in tr.engine.buckets:
+            for j, name in enumerate(b.names):
+                g = b.view(b.grad_shard, j)
+                over += int((~torch.isfinite(g)).sum())
+                if name.startswith("embed_tokens"):
+                    continue
+                n += g.numel()
+                zeros += int((g == 0).sum())
+                sub += int(((g != 0) & (g.abs() < 2.0 ** -14)).sum())
+                true = g.float().abs() / sc.scale  # the gradient the scale multiplied
+                flush1 += int(((true > 0) & (true < 2.0 ** -25)).sum())
+        rec["overflow"].append(over)
+        rec["flush_at_scale_1"].append(flush1 / n)
+        rec["underflow"].append(zeros / n)  # flushed to 0 at this step's scale
+        rec["subnormal"].append(sub / n)
 
     for s in range(t.steps):
         rec["scale"].append(sc.scale)
@@ -221,9 +238,11 @@ def fp16(args) -> dict[str, Any]:
 
 
 def fp16_rows(res) -> list[list[str]]:
-    return [[str(i), f"{s:g}", str(o), f"{u:.4f}", "yes" if k else ""]
-            for i, (s, o, u, k) in enumerate(zip(res["scale"], res["overflow"],
-                                                 res["underflow"], res["skipped"]))]
+    return [[str(i), f"{s:g}", str(o), f"{u:.5f}", f"{sn:.4f}", f"{f1:.4f}",
+             "yes" if k else ""]
+            for i, (s, o, u, sn, f1, k) in enumerate(zip(
+                res["scale"], res["overflow"], res["underflow"], res["subnormal"],
+                res["flush_at_scale_1"], res["skipped"]))]
 
 
 # ----------------------------------------------------------------------------- optimizers
@@ -306,8 +325,10 @@ def figure(name: str, res: dict, path: str) -> None:
         for i, k in enumerate(res["skipped"]):
             if k:
                 a.axvline(i, color="r", alpha=0.3)
-        b.plot(res["underflow"], label="grad elements = 0")
-        b.set_title("fp16 gradient underflow (fraction)")
+        b.plot(res["underflow"], label="= 0 (underflow)")
+        b.plot(res["subnormal"], label="subnormal")
+        b.plot(res["flush_at_scale_1"], label="would flush at scale 1")
+        b.set_title("fp16 gradient elements (fraction, no embedding)")
     elif name == "optimizers":
         lays = list(res)
         opts = list(res[lays[0]])
@@ -340,7 +361,7 @@ HEADERS = {
     "masters": ["master", "final loss", "vs fp32", "lost/step", "master B"],
     "moments": ["m, v dtype", "final loss", "vs fp32", "v underflow", "m lost", "v lost"],
     "reduce": ["dp", "bf16 ring", "bf16 inputs", "fp32 ring"],
-    "fp16": ["step", "scale", "overflow", "underflow", "skipped"],
+    "fp16": ["step", "scale", "overflow", "zero", "subnormal", "0 at S=1", "skipped"],
     "optimizers": ["layout", "optimizer", "state B", "extra sent B", "ledger", "step ms"],
 }
 RUN = {"masters": (masters, masters_rows), "moments": (moments, moments_rows),
