@@ -119,7 +119,8 @@ def test_parity_world2_zero_shards_and_tp_cuts():
 @pytest.mark.parametrize("par", [
     ParallelConfig(dp=2), ParallelConfig(dp=2, zero=1), ParallelConfig(dp=2, zero=3),
     ParallelConfig(dp=2, zero=1, zero_align="rows"), ParallelConfig(pp=2),
-    ParallelConfig(tp=2, sequence_parallel=True)], ids=lambda p: f"{p.describe()}-{p.zero_align}")
+    ParallelConfig(tp=2, sequence_parallel=True), ParallelConfig(cp=2),
+    ParallelConfig(cp=2, zero=2)], ids=lambda p: f"{p.describe()}-{p.zero_align}")
 def test_parity_world2_matrix(par):
     layouts_check(TINY, [par])
 
