@@ -1,6 +1,9 @@
 """The shared base of the data-parallel engines (DDP in ``ddp``, ZeRO-1/2 in ``zero12``, ZeRO-3
 in ``zero3``): flat buckets, the gradient hooks and launch order, ``finish``, the global norm,
-clipping and the AdamW step on fp32 masters, and the memory report.
+clipping and the optimizer step on fp32 masters (``--optimizer``: ``fived.optim.make_optimizer``,
+which gets each bucket's ``Piece`` table from ``optimizer_pieces``; without a master,
+``--master-weights none|sr|kahan``, it steps a transient fp32 working copy: ``step_in_place``),
+and the memory report.
 
 Every rank computes the gradient of Σ_local-tokens CE / global_tokens, so the *sum* over the
 data-parallel group is exactly the one-rank gradient (no averaging, any number of micro-batches).
