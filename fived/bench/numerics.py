@@ -311,7 +311,8 @@ def figure(name: str, res: dict, path: str) -> None:
             a.plot([x - y for x, y in zip(v["loss"], res["fp32"]["loss"])], label=k)
             b.plot(v["v_lost"], label=f"{k} v lost")
             b.plot(v["m_lost"], "--", label=f"{k} m lost")
-        a.set_title("loss − fp32-moments loss")
+        a.set_yscale("symlog", linthresh=1e-4)
+        a.set_title("loss − fp32-moments loss (symlog)")
         b.set_title("moment updates lost (fraction)")
     elif name == "reduce":
         for k in ("bf16", "bf16_input_only", "fp32"):
