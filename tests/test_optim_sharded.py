@@ -197,3 +197,18 @@ def test_plan_and_ledger_count_the_optimizer():
     assert four.counts["evaluated"] == 4 * one.counts["evaluated"]
     assert {p.optimizer for p in four.ranked} == set(OPTIMIZERS)
     assert any(p.name().endswith(" muon") for p in four.ranked)
+
+
+def test_ledger_check_reads_the_runs_optimizer(tmp_path):
+    """``fived ledger --check`` on a ``--metrics-out`` file of a Muon run: the file says which
+    optimizer ran, and the ledger then agrees to the byte (AdamW's prediction would not)."""
+    from fived.ledger.verify import compare_file, run_of_file
+    from fived.train.trainer import train_rank
+
+    out = tmp_path / "m.jsonl"
+    train_rank(0, 1, TINY, ParallelConfig(), small_train(optimizer="muon", steps=2,
+                                                          metrics_out=str(out)), show=False)
+    m, par, gb = run_of_file(str(out))
+    assert compare_file(m, par, gb, str(out)) == []
+    rec = [__import__("json").loads(x) for x in out.read_text().splitlines()][-1]
+    assert compare_record(m, par, gb, rec, optimizer="adamw")  # the wrong optimizer differs
