@@ -125,3 +125,19 @@ def test_experiment_masters_and_moments(tmp_path):
     m = _experiment("moments", tmp_path, "--steps", "4")
     assert max(m["fp32"]["m_lost"]) == max(m["fp32"]["v_lost"]) == 0.0
     assert max(m["bf16"]["v_lost"]) > 0.0
+
+
+def test_master_weights_under_zero_shards():
+    """``--master-weights kahan|none`` with ZeRO-2 on 2 ranks: each member writes its shard
+    back into bf16 and all-gathers it; the losses follow the one-rank run of the same mode and
+    the ledger's bytes (master 2 or 0 bytes per owned element) are the engine's."""
+    from fived.testing import rank_runs, run_ranks
+
+    t = small_train(steps=3, lr=1e-3, warmup=2)
+    for mode in ("kahan", "none"):
+        one = _run(mode, steps=3)[0]
+        par = ParallelConfig(precision="bf16", master_weights=mode, dp=2, zero=2)
+        ranks = [r[0] for r in run_ranks(rank_runs, 2, [(SMALL, par, t)])]
+        for s in ranks:
+            assert max(abs(a - b) for a, b in zip(s["losses"], one)) < 2e-3, (mode, s["losses"])
+        assert compare_record(SMALL, par, t.global_batch, ranks[0]["history"][-1]) == []
