@@ -340,6 +340,7 @@ def figure(name: str, res: dict, path: str) -> None:
             b.bar(xs, [res[lay][o]["seconds"] * 1e3 for lay in lays], w, label=o)
         for ax in (a, b):
             ax.set_xticks([i + 0.4 - w / 2 for i in range(len(lays))], lays)
+            ax.set_xlabel("layout")
         a.set_title("MB sent per rank per step")
         b.set_title("step time (ms, median)")
     for ax in axes:
