@@ -100,6 +100,7 @@ def test_experiment_reduce_bf16_error_grows_with_dp(tmp_path):
     assert r["bf16"][-1] > r["bf16"][0]  # each hop rounds: the error grows with dp
 
 
+@pytest.mark.slow
 def test_experiment_fp16_scaler_trajectory_follows_its_rule(tmp_path):
     """The recorded scale halves after every step that overflowed (skipped) and only then,
     doubles after 5 clean steps; overflow counts are > 0 exactly on skipped steps."""
