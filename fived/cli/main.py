@@ -1,8 +1,9 @@
-"""fived's command line: train | grid | plan | ledger | bench | figures.
+"""fived's command line: train | grid | plan | ledger | bench | figures | report.
 
 One module per command (``fived.cli.train``, ``grid``, ``plan``, ``ledger``), one flag set
 shared by all (``fived.cli.flags``), one ``fived.config.validate``. ``fived bench NAME`` and
-``fived figures NAME`` run ``fived.bench.NAME`` / ``fived.viz.NAME``.
+``fived figures NAME`` run ``fived.bench.NAME`` / ``fived.viz.NAME``; ``fived report`` runs
+``fived.viz._page`` (the HTML page of the figures; ``fived.cli.report`` is the table formatter).
 
 The error rule: bad input is one ``ConfigError`` naming the flag, printed without a traceback,
 exit code 2, before any rank starts or any file is written.
@@ -30,6 +31,8 @@ EXAMPLES = """examples:
   fived plan --model llama3-70b --gpus 64 --precision bf16 --global-batch-tokens 4M
   fived bench comm --nprocs 2 -b 1K -e 16M -f 4 --json
   fived figures schedule --schedule interleaved --pp 4 --micro-batches 8
+  fived figures all --out figs --quick         # every figure: PNG + SVG + JSON + command
+  fived report --out report --from figs        # one offline HTML page of them
 """
 
 COMMANDS = {
@@ -39,6 +42,7 @@ COMMANDS = {
     "ledger": "memory / FLOPs / traffic / time breakdown of one layout",
     "bench": "benchmarks against PyTorch's own: {}",
     "figures": "figures: {}",
+    "report": "one self-contained HTML page of the figures (or of one layout)",
 }
 
 
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bench", "figures"):
         return _dispatch("fived.bench" if argv[0] == "bench" else "fived.viz", argv[0], argv[1:])
+    if argv and argv[0] == "report":  # the page lives with the figures (fived.viz._page)
+        return run("report", importlib.import_module("fived.viz._page").main, argv[1:])
     if argv and argv[0] in ("train", "grid", "plan", "ledger"):
         mod = importlib.import_module(f"{__package__}.{argv[0]}")
         return run(argv[0], mod.main, argv[1:])

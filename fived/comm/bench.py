@@ -2,8 +2,8 @@
 
 For a collective named by a buffer of ``S`` bytes (``fived.comm.volume``'s ``S``: the all-reduce
 buffer, the all-gather *output*, the reduce-scatter *input*, the all-to-all local input, the
-broadcast/reduce buffer, the send/recv message) that takes ``t`` seconds (median over the timed
-iterations of the slowest rank's time)::
+broadcast/reduce buffer, the scatter input / gather output, the send/recv message) that takes
+``t`` seconds (median over the timed iterations of the slowest rank's time)::
 
     algbw = S / t                                   (GB/s, 1 GB = 1e9 bytes)
     busbw = algbw · busbw_factor(op, n)             (2(n−1)/n all-reduce; (n−1)/n all-gather,
@@ -34,7 +34,7 @@ from .volume import busbw_factor, bytes_sent
 
 #: the collectives the sweep knows, in the order it runs and prints them
 BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
-             "sendrecv")
+             "scatter", "gather", "sendrecv")
 #: the implementations: the backend's own collective (through ``fived.comm.ops``) and fived's ring
 IMPLS = ("backend", "ring")
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -207,6 +207,13 @@ def _op_fn(op: str, impl: str, group: Any, count: int, dtype: Any, device: Any) 
         return lambda: ops.broadcast(x, group, src=0)
     if op == "reduce":
         return lambda: ops.reduce(x, group, dst=0)
+    if op == "scatter":  # S = the root's full buffer, n chunks of S/n
+        out = torch.empty(count // n, dtype=dtype, device=device)
+        chunks = list(x.chunk(n))
+        return lambda: ops.scatter(chunks, out, group, src=0)
+    if op == "gather":  # S = the gathered buffer on the root
+        part = torch.zeros(count // n, dtype=dtype, device=device)
+        return lambda: ops.gather(part, group, dst=0)
     if op == "sendrecv":
         buf = torch.empty_like(x)
         nxt, prv = (group.rank + 1) % n, (group.rank - 1) % n
