@@ -41,12 +41,14 @@ def _train(rank: int, world: int, runs: list[tuple]) -> list[dict]:
     out = []
     for m, p, t in runs:
         tr = Trainer(m, p, t, rank, world)
-        losses = [tr.step(s)["loss"] for s in range(t.steps)]
+        recs = [tr.step(s) for s in range(t.steps)]
+        losses = [r["loss"] for r in recs]
         params = tr.engine.full_params()
         pieces = {n: (asdict(tr.parallel.placements[n]), v.numpy()) for n, v in params.items()}
         mem = {k: int(v) for k, v in tr.engine.memory().items()}
         traffic = {k: v for k, v in tr.traffic.bytes_by_dim().items() if k != "metrics"}
-        out.append({"losses": losses, "params": pieces, "memory": mem, "traffic": traffic})
+        out.append({"losses": losses, "params": pieces, "memory": mem, "traffic": traffic,
+                    "moe": recs[-1].get("moe")})  # the routing: exact ep bytes
     return out
 
 
@@ -91,7 +93,8 @@ def ledger_check(m, p: ParallelConfig, t, out: dict, what: str) -> None:
     """The ledger's state bytes and traffic (with the optimizer's own terms) equal what every
     rank measured in its last step, to the byte."""
     rec = {"memory_per_rank": [r["memory"] for r in out["ranks"]],
-           "traffic_per_rank": [{"bytes": r["traffic"]} for r in out["ranks"]]}
+           "traffic_per_rank": [{"bytes": r["traffic"]} for r in out["ranks"]],
+           "moe": out["ranks"][0]["moe"]}
     bad = compare_record(m, p, t.global_batch, rec, optimizer=t.optimizer)
     assert not bad, (what, bad)
 
