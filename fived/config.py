@@ -43,6 +43,9 @@ GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 CP_MODES = ("ring", "ulysses")
 COLLECTIVES = ("backend", "ring")
+ZERO_ALIGN = ("none", "rows")
+OPTIMIZERS = ("adamw", "adafactor", "muon", "rownorm")
+MASTER_WEIGHTS = ("fp32", "none", "sr", "kahan")
 DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
 DEFAULT_WORLD = 4  # ranks `fived train` starts when nothing says otherwise
 
@@ -143,6 +146,9 @@ class ParallelConfig:
     precision: str = spec("fp32", "compute precision (bf16/fp16 keep fp32 master weights)",
                           choices=PRECISIONS)
     grad_reduce_dtype: str = spec("fp32", "dtype gradients are reduced in", choices=GRAD_REDUCE_DTYPES)
+    master_weights: str = spec("fp32", "bf16 parameters' master copy: fp32, or none (round to "
+                                       "nearest), sr (stochastic rounding), kahan (bf16 "
+                                       "compensation)", choices=MASTER_WEIGHTS)
     cp_mode: str = spec("ring", "context-parallel attention", choices=CP_MODES)
     order: tuple[str, ...] = spec(DIMS, "grid order, outermost first", metavar="pp,dp,ep,cp,tp")
     bucket_mb: float = spec(25.0, "gradient bucket size in MB", gt=0)
@@ -152,6 +158,9 @@ class ParallelConfig:
                             "send/recv ring (fived.comm.ring)", choices=COLLECTIVES)
     pp_layers: tuple[int, ...] = spec((), "layers per (virtual) stage by hand, e.g. 3,5",
                                       metavar="N,N,...", shown="balanced")
+    zero_align: str = spec("none", "ZeRO shard boundaries: anywhere, or on whole rows of every "
+                                   "matrix (padding; a row-local optimizer then needs no "
+                                   "reduction)", choices=ZERO_ALIGN)
 
     @property
     def world_size(self) -> int:
@@ -208,6 +217,9 @@ class TrainConfig:
     init_from: str = spec("", "start from a Hugging Face Llama/Mixtral directory (safetensors + "
                               "config.json); the model shape comes from its config.json",
                           metavar="HF_DIR")
+    optimizer: str = spec("adamw", "adamw (elementwise), adafactor (factored second moment), "
+                                   "muon (orthogonalised hidden matrices, AdamW elsewhere), "
+                                   "rownorm (row-normalised momentum)", choices=OPTIMIZERS)
 
 
 def preset(name: str) -> ModelConfig:
@@ -335,6 +347,7 @@ def validate(
         check(p, model, par, world_size)
     if train is not None:
         _check_batch(p, par, train)
+    _check_zero_align(p, par)
     if p:
         raise ConfigError(p)
 
@@ -439,6 +452,15 @@ def _check_batch(p: list[str], par: ParallelConfig, train: TrainConfig) -> None:
     elif (train.global_batch // replicas) % par.micro_batches:
         p.append(f"sequences per replica {train.global_batch // replicas} are not divisible by "
                  f"--micro-batches {par.micro_batches}")
+
+
+def _check_zero_align(p: list[str], par: ParallelConfig) -> None:
+    if par.master_weights != "fp32" and par.precision != "bf16":
+        p.append(f"--master-weights {par.master_weights}: drops the fp32 master of bf16 "
+                 f"parameters, but --precision is {par.precision}; use --precision bf16")
+    if par.zero_align == "rows" and par.zero == 0:
+        p.append("--zero-align rows: aligns ZeRO shards, but --zero 0 keeps none; use --zero 1, "
+                 "2 or 3, or drop --zero-align")
 
 
 def check_outputs(train: TrainConfig) -> None:

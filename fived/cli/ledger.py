@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
     else:
         opts = M.ActivationOptions(args.attention, kv_repeat=False, fused_norm=True)
     doc = ledger_document(m, par, hw, gb, gpn, args.efficiency, args.mem_fraction, opts,
-                          train_tokens)
+                          train_tokens, train.optimizer)
     if args.json:
         report.print_json(doc)
         return 0
@@ -208,7 +208,7 @@ def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: boo
 
 def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,
                     gpn: int, efficiency: float, mem_fraction: float,
-                    opts, train_tokens: float) -> dict:
+                    opts, train_tokens: float, optimizer: str = "adamw") -> dict:
     """Everything ``fived ledger`` prints, as one JSON-able dict."""
     from ..ledger import bubble as B
     from ..ledger import compute as C
@@ -220,7 +220,7 @@ def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,
     n = P.total_params(m)
     counts = P.param_counts(m)
     b = micro_batch_size(par, global_batch)
-    pr = PL.predict(m, par, hw, global_batch, gpn, efficiency, mem_fraction, opts)
+    pr = PL.predict(m, par, hw, global_batch, gpn, efficiency, mem_fraction, opts, optimizer)
     ranks = P.all_rank_params(m, par)
     fwd = C.forward_flops_per_token(m)
     attn = C.attention_flops_per_token(m)

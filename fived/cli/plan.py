@@ -11,6 +11,7 @@ import argparse
 
 from ..config import (
     DEFAULT_WORLD,
+    OPTIMIZERS,
     RECOMPUTE,
     SCHEDULES,
     ConfigError,
@@ -63,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
                    help="ZeRO stages to try (default: 0,1,2,3)")
     g.add_argument("--max-virtual", type=int, default=4, metavar="N",
                    help="largest interleaving factor v (default: 4)")
+    g.add_argument("--optimizers", dest="search_optimizers", default="", metavar="LIST",
+                   help=f"optimizers to try, of {', '.join(OPTIMIZERS)} (their state bytes and "
+                        "traffic; default: only --optimizer)")
     return ap
 
 
@@ -120,14 +124,17 @@ def main(argv: list[str]) -> int:
         con.print(f"[bold]fived plan[/]: {m.name} ({fmt_n(P.total_params(m))} params, seq "
                   f"{m.seq_len}) on {gpus}× {hw.name} ({gpn} per node) · global batch {gb} × "
                   f"{m.seq_len} = {fmt_n(gb * m.seq_len)} tokens · {par.precision}, "
-                  f"{par.grad_reduce_dtype} gradients")
+                  f"{par.grad_reduce_dtype} gradients · "
+                  f"{', '.join(_optimizers(args, train))}")
     res_ = PL.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
-                   precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype, **space)
+                   precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype,
+                   optimizer=_optimizers(args, train), **space)
     top = res_.ranked[:args.top]
     if args.json:
         doc = {"model": m.name, "seq_len": m.seq_len, "gpus": gpus, "gpus_per_node": gpn,
                "hardware": hw.as_dict(), "global_batch": gb, "global_batch_tokens": gb * m.seq_len,
                "precision": par.precision, "grad_reduce_dtype": par.grad_reduce_dtype,
+               "optimizers": list(_optimizers(args, train)),
                "efficiency": args.efficiency, "counts": res_.counts, "reasons": res_.reasons,
                "top": [p.as_dict() for p in top]}
         if not top and res_.smallest_unfit:
@@ -144,6 +151,12 @@ def _search_space(args) -> dict:
         micro_batch_sizes=_ints("--micro-batch-sizes", args.micro_batch_sizes, 1),
         recomputes=_names("--recompute", args.search_recompute, RECOMPUTE),
         zeros=_ints("--zero", args.search_zero, 0, 3), max_virtual=args.max_virtual)
+
+
+def _optimizers(args, train) -> tuple[str, ...]:
+    """``--optimizers LIST`` (the search), else the one ``--optimizer``."""
+    return (_names("--optimizers", args.search_optimizers, OPTIMIZERS)
+            if args.search_optimizers else (train.optimizer,))
 
 
 def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
@@ -169,7 +182,8 @@ def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
               + (f" --seq-len {m.seq_len}" if "model.seq_len" in res.given else "")
               + (f" --precision {par.precision}" if par.precision != "fp32" else "")
               + (f" --grad-reduce-dtype {par.grad_reduce_dtype}"
-                 if par.grad_reduce_dtype != "fp32" else ""),
+                 if par.grad_reduce_dtype != "fp32" else "")
+              + (f" --optimizer {top[0].optimizer}" if top[0].optimizer != "adamw" else ""),
               soft_wrap=True, markup=False)
     return 0
 

@@ -50,6 +50,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..config import ModelConfig, ParallelConfig
+from .optimizers import opt_buckets
+from .optimizers import state_bytes as optimizer_state_bytes
 from .params import rank_stages, stage_layers
 
 GB = 1e9
@@ -70,7 +72,10 @@ def grad_bytes(par: ParallelConfig) -> int:
 
 
 def master_bytes(par: ParallelConfig) -> int:
-    return 0 if par.precision == "fp32" else 4
+    """fp32 master 4; without one (``--master-weights none|sr``) 0; Kahan's bf16 compensation 2."""
+    if par.precision == "fp32":
+        return 0
+    return {"fp32": 4, "kahan": 2}.get(par.master_weights, 0)
 
 
 OPTIMIZER_BYTES = 8  # Adam m and v in fp32
@@ -113,10 +118,11 @@ class Bucket:
     numel: int
     shards: int
     unit: int = -1  # ZeRO-3: the block it gathers with (-1: the root — embedding, norm, head)
+    aligned: int = 0  # --zero-align rows: the padded length with row-aligned shards (0: none)
 
     @property
     def padded(self) -> int:
-        return -(-self.numel // self.shards) * self.shards
+        return self.aligned or -(-self.numel // self.shards) * self.shards
 
     @property
     def shard(self) -> int:
@@ -152,7 +158,11 @@ def _state_key(par: ParallelConfig) -> ParallelConfig:
 
 
 def buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Bucket]:
-    return list(_buckets(m, _state_key(par), pp_rank))
+    raw = _buckets(m, _state_key(par), pp_rank)
+    if par.zero_align == "rows" and par.zero:  # shards on whole rows (fived.ledger.optimizers)
+        obs = opt_buckets(m, _state_key(par), pp_rank, raw)
+        return [replace(b, aligned=ob.padded) if b.shards > 1 else b for b, ob in zip(raw, obs)]
+    return list(raw)
 
 
 @lru_cache(maxsize=8192)
@@ -193,22 +203,28 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
 
 
 def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_index: int = 0,
-                 expert_index: int = 0) -> dict[str, float]:
+                 expert_index: int = 0, optimizer: str = "adamw") -> dict[str, float]:
     """Bytes of params, grads, master, optimizer, buffers, padding on one rank — what the
     runtime's ``engine.memory()`` reports from its tensors. Each key counts the tensors as held
     (padded flat buffers and equal shards); ``padding`` is the padding's share of them (a full
     buffer's pad, a shard's pad/N), so that a rank's keys = formula(Ψ) + padding.
     ``buffers`` (transient full gradient buffers of ZeRO-2, gathered ZeRO-3 units) is the
     engine's measured peak and is predicted as 0 here; ``comm_buffers`` estimates it.
-    ``dense_index``/``expert_index`` are accepted for callers that pass a rank's place in its
-    group; with equal shards no key depends on it."""
-    del dense_index, expert_index
-    return dict(_model_states(m, _state_key(par), pp_rank))
+    ``optimizer``: the ``--optimizer`` whose state is counted (``fived.ledger.optimizers``);
+    ``dense_index``/``expert_index``: the rank's place in its groups (Muon's AdamW state is
+    the owned elements of the embedding, head and norms, which depends on the shard)."""
+    out = dict(_model_states(m, _state_key(par), pp_rank, optimizer))
+    if optimizer != "adamw":
+        obs = opt_buckets(m, _state_key(par), pp_rank, tuple(buckets(m, par, pp_rank)))
+        out["optimizer"] = optimizer_state_bytes(obs, par, optimizer, dense_index, expert_index)
+    return out
 
 
 @lru_cache(maxsize=8192)
-def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple:
+def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int,
+                  optimizer: str = "adamw") -> tuple:
     pb, gb, mb = param_bytes(par), grad_bytes(par), master_bytes(par)
+    flat = {"adamw": OPTIMIZER_BYTES, "rownorm": 4, "muon": 4}.get(optimizer, 0)
     z = par.zero
     out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "buffers": 0, "padding": 0.0}
     for b in buckets(m, par, pp_rank):
@@ -221,8 +237,7 @@ def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple:
         out["master"] += mb * (full if s_full else shard)
         out["optimizer"] += OPTIMIZER_BYTES * (full if s_full else shard)
         if pad:
-            for per, is_full in ((pb, p_full), (gb, g_full), (mb, s_full),
-                                 (OPTIMIZER_BYTES // 2, s_full), (OPTIMIZER_BYTES // 2, s_full)):
+            for per, is_full in ((pb, p_full), (gb, g_full), (mb, s_full), (flat, s_full)):
                 if per:
                     out["padding"] += pad * per if is_full else pad * per / n
     return tuple(out.items())
@@ -439,20 +454,21 @@ class RankMemory:
 
 
 def rank_memory(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
-                opts: ActivationOptions = EAGER) -> RankMemory:
-    return RankMemory(pp_rank, model_states(m, par, pp_rank),
+                opts: ActivationOptions = EAGER, optimizer: str = "adamw") -> RankMemory:
+    return RankMemory(pp_rank, model_states(m, par, pp_rank, optimizer=optimizer),
                       activations(m, par, micro_batch, pp_rank, opts),
                       comm_buffers(m, par, micro_batch, pp_rank),
                       inflight_microbatches(par, pp_rank))
 
 
 def largest_rank(m: ModelConfig, par: ParallelConfig, micro_batch: int,
-                 opts: ActivationOptions = EAGER) -> RankMemory:
+                 opts: ActivationOptions = EAGER, optimizer: str = "adamw") -> RankMemory:
     """The pipeline rank with the most bytes (ties: the lowest rank)."""
     ranks = sorted({0, par.pp - 1} | ({1} if par.pp > 2 else set()))
     if par.pp <= 8:
         ranks = list(range(par.pp))
-    return max((rank_memory(m, par, micro_batch, r, opts) for r in ranks), key=lambda r: r.total)
+    return max((rank_memory(m, par, micro_batch, r, opts, optimizer) for r in ranks),
+               key=lambda r: r.total)
 
 
 def fmt_bytes(n: float) -> str:

@@ -89,13 +89,15 @@ class Prediction:
     traffic: dict[str, float]  # bytes per step by group (slowest rank)
     collectives: list[tuple[Collective, str, float]] = field(default_factory=list)
     slow_rank: int = 0
+    optimizer: str = "adamw"  # the --optimizer whose state and traffic are counted
 
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.device_memory
 
     def name(self) -> str:
-        return layout_name(self.par, self.micro_batch)
+        name = layout_name(self.par, self.micro_batch)
+        return name if self.optimizer == "adamw" else f"{name} {self.optimizer}"
 
     def as_dict(self) -> dict:
         p = self.par
@@ -147,11 +149,11 @@ def aggregate(colls: list[Collective]) -> list[Collective]:
 def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int,
             gpus_per_node: int | None = None, efficiency: float = 0.7,
             memory_fraction: float = 0.9,
-            opts: ActivationOptions = GPU_ACTIVATIONS) -> Prediction:
+            opts: ActivationOptions = GPU_ACTIVATIONS, optimizer: str = "adamw") -> Prediction:
     """Memory, traffic and time of one layout (see the module docstring)."""
     gpn = gpus_per_node or hw.gpus_per_node
     b = micro_batch_size(par, global_batch)
-    mem = largest_rank(m, par, b, opts)
+    mem = largest_rank(m, par, b, opts, optimizer)
     rate = hw.peak_flops * efficiency
     tokens_mb = b * m.seq_len / par.cp
     mb = par.micro_batches
@@ -178,7 +180,7 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
         t_rc = attn_core
     else:
         t_rc = 0.0
-    colls = aggregate(step_traffic(m, par, b, r))
+    colls = aggregate(step_traffic(m, par, b, r, optimizer))
     timed: list[tuple[Collective, str, float]] = []
     per: dict[tuple[str, str], float] = {}
     links: dict[str, tuple[float, float, str]] = {}
@@ -224,7 +226,7 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
     tps = tokens / step
     mfu = C.model_flops_per_token(m) * tps / (par.world_size * hw.peak_flops)
     return Prediction(par, b, global_batch, mem, hw.memory * memory_fraction, times, step, tps,
-                      mfu, B.bubble_fraction(par), bytes_by_group(colls), timed, r)
+                      mfu, B.bubble_fraction(par), bytes_by_group(colls), timed, r, optimizer)
 
 
 # ------------------------------------------------------------------------ the search
@@ -317,21 +319,25 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
 
 def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
          gpus_per_node: int | None = None, efficiency: float = 0.7, memory_fraction: float = 0.9,
-         top: int = 10, **space) -> PlanResult:
-    """Every layout that fits, fastest first (``ranked``), with what was discarded."""
+         top: int = 10, optimizer: str | tuple[str, ...] = "adamw", **space) -> PlanResult:
+    """Every layout that fits, fastest first (``ranked``), with what was discarded;
+    ``optimizer``: one ``--optimizer`` or several, each layout evaluated with each."""
+    optimizers = (optimizer,) if isinstance(optimizer, str) else tuple(optimizer)
     gpn = gpus_per_node or hw.gpus_per_node
     counts: dict[str, int] = {}
     fits: list[Prediction] = []
     smallest: Prediction | None = None
     for par, _b in candidates(m, gpus, gpn, global_batch, counts=counts, **space):
-        pr = predict(m, par, hw, global_batch, gpn, efficiency, memory_fraction)
-        counts["evaluated"] = counts.get("evaluated", 0) + 1
-        if pr.fits:
-            fits.append(pr)
-        else:
-            counts["out_of_memory"] = counts.get("out_of_memory", 0) + 1
-            if smallest is None or pr.memory.total < smallest.memory.total:
-                smallest = pr
+        for opt in optimizers:
+            pr = predict(m, par, hw, global_batch, gpn, efficiency, memory_fraction,
+                         optimizer=opt)
+            counts["evaluated"] = counts.get("evaluated", 0) + 1
+            if pr.fits:
+                fits.append(pr)
+            else:
+                counts["out_of_memory"] = counts.get("out_of_memory", 0) + 1
+                if smallest is None or pr.memory.total < smallest.memory.total:
+                    smallest = pr
     fits = rank_layouts(fits)
     counts["fit"] = len(fits)
     res = PlanResult(fits, counts, smallest)

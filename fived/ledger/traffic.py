@@ -53,6 +53,8 @@ from ..comm.volume import bytes_sent
 from ..config import ModelConfig, ParallelConfig
 from .context import ulysses_kv_heads
 from .memory import _state_key, act_bytes, buckets, grad_bytes, group_sizes, param_bytes
+from .optimizers import opt_buckets
+from .optimizers import traffic as optimizer_traffic_of
 from .params import rank_stages, stage_layers
 
 COUNT_BYTES = 8  # the ep routing counts travel as int64
@@ -348,14 +350,26 @@ def ep_routed_bytes(m: ModelConfig, counts: list[list[list[float]]],
 
 
 # ------------------------------------------------------------------------ everything
-def step_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0
-                 ) -> list[Collective]:
+def optimizer_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0,
+                      optimizer: str = "adamw") -> list[Collective]:
+    """The optimizer's own collectives (row/column statistics, Muon's gathers):
+    ``fived.ledger.optimizers.traffic``."""
+    if optimizer == "adamw":
+        return []
+    obs = opt_buckets(m, _state_key(par), pp_rank, tuple(buckets(m, par, pp_rank)))
+    return [Collective(g, op, float(size), n, 1, f"{optimizer} state", "step")
+            for g, op, size, n in optimizer_traffic_of(obs, par, optimizer)]
+
+
+def step_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+                 optimizer: str = "adamw") -> list[Collective]:
     """Every collective one rank at pipeline coordinate ``pp_rank`` runs in one step."""
     return (dp_traffic(m, par, pp_rank) + tp_traffic(m, par, micro_batch, pp_rank)
             + pp_traffic(m, par, micro_batch, pp_rank) + cp_traffic(m, par, micro_batch, pp_rank)
-            + ep_traffic(m, par, micro_batch, pp_rank))
+            + ep_traffic(m, par, micro_batch, pp_rank)
+            + optimizer_traffic(m, par, pp_rank, optimizer))
 
 
-def step_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0
-               ) -> dict[str, float]:
-    return bytes_by_group(step_traffic(m, par, micro_batch, pp_rank))
+def step_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+               optimizer: str = "adamw") -> dict[str, float]:
+    return bytes_by_group(step_traffic(m, par, micro_batch, pp_rank, optimizer))

@@ -39,17 +39,17 @@ def routed_ep_bytes(m: ModelConfig, par: ParallelConfig, moe: dict) -> list[floa
                            par.recompute == "full")
 
 
-def predict_rank(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int
-                 ) -> tuple[dict[str, int], dict[str, float]]:
+def predict_rank(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
+                 optimizer: str = "adamw") -> tuple[dict[str, int], dict[str, float]]:
     """(engine.memory() bytes, traffic bytes by group) the ledger predicts for one rank."""
     c = coords(par, rank)
     mem = model_states(m, par, c["pp"], group_index(par, "dense", rank),
-                       group_index(par, "expert", rank))
-    return mem, step_bytes(m, par, micro_batch_size(par, global_batch), c["pp"])
+                       group_index(par, "expert", rank), optimizer)
+    return mem, step_bytes(m, par, micro_batch_size(par, global_batch), c["pp"], optimizer)
 
 
 def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,
-                   skip_buffers: bool | None = None) -> list[str]:
+                   skip_buffers: bool | None = None, optimizer: str = "adamw") -> list[str]:
     """Mismatches between one step record and the ledger, one line each ([] = exact).
 
     ``buffers`` is the engine's measured peak of transient buffers (ZeRO-2 full gradient
@@ -64,7 +64,7 @@ def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: 
     trs = rec.get("traffic_per_rank") or [{"bytes": rec["traffic"]}]
     routed = routed_ep_bytes(m, par, rec.get("moe") or {})
     for rank, (mem, tr) in enumerate(zip(mems, trs)):
-        pm, pt = predict_rank(m, par, global_batch, rank)
+        pm, pt = predict_rank(m, par, global_batch, rank, optimizer)
         if routed is not None:
             pt["ep"] = routed[rank]
         pm = {k: int(v) for k, v in pm.items()}
@@ -104,4 +104,5 @@ def compare_file(m: ModelConfig, par: ParallelConfig, global_batch: int, path: s
         recs = [json.loads(line) for line in f if line.strip()]
     if not recs:
         return [f"{path}: no step records"]
-    return compare_record(m, par, global_batch, recs[step], skip_buffers)
+    optimizer = (recs[0].get("run") or {}).get("optimizer", "adamw")  # the run's --optimizer
+    return compare_record(m, par, global_batch, recs[step], skip_buffers, optimizer)

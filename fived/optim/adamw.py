@@ -40,6 +40,10 @@ class FlatAdamW:
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.m + self.v)
 
+    def flat_state(self, i: int) -> list[torch.Tensor]:
+        """The state laid out like ``params[i]`` (a bucket's owned shard): m and v."""
+        return [self.m[i], self.v[i]]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {f"m.{i}": m for i, m in enumerate(self.m)}
         out.update({f"v.{i}": v for i, v in enumerate(self.v)})

@@ -312,7 +312,8 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             if out_file:
                 if step == start:  # what ran, so `fived ledger --check FILE` needs nothing else
                     rec = {**rec, "run": {"model": asdict(model_cfg), "parallel": asdict(par),
-                                          "global_batch": train.global_batch}}
+                                          "global_batch": train.global_batch,
+                                          "optimizer": train.optimizer}}
                 out_file.write(json.dumps(rec) + "\n")
                 out_file.flush()
             if display:

@@ -1,6 +1,9 @@
 """The shared base of the data-parallel engines (DDP in ``ddp``, ZeRO-1/2 in ``zero12``, ZeRO-3
 in ``zero3``): flat buckets, the gradient hooks and launch order, ``finish``, the global norm,
-clipping and the AdamW step on fp32 masters, and the memory report.
+clipping and the optimizer step on fp32 masters (``--optimizer``: ``fived.optim.make_optimizer``,
+which gets each bucket's ``Piece`` table from ``optimizer_pieces``; without a master,
+``--master-weights none|sr|kahan``, it steps a transient fp32 working copy: ``step_in_place``),
+and the memory report.
 
 Every rank computes the gradient of Σ_local-tokens CE / global_tokens, so the *sum* over the
 data-parallel group is exactly the one-rank gradient (no averaging, any number of micro-batches).
@@ -30,15 +33,25 @@ exactly; ``buffers`` is the step's peak of transient buffers (ZeRO-2/3).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...comm import ops
-from ...optim import FlatAdamW, accumulate_sq, clip_coef, model_parallel_sq, scale_
+from ...optim import (
+    BucketPieces,
+    Piece,
+    accumulate_sq,
+    clip_coef,
+    make_optimizer,
+    matrix_shape,
+    model_parallel_sq,
+    scale_,
+)
 from ..placement import Placement, replicated
-from ..precision import MasterPolicy, loss_scaler
+from ..precision import MasterPolicy, loss_scaler, write_back
 from .buckets import Bucket, Named, by_group, nbytes, split_buckets
 
 
@@ -65,7 +78,11 @@ class DataParallel:
         if missing:
             raise ValueError(f"no Placement for parameters {missing}")
         self.policy = MasterPolicy.of(self.params[0].dtype if self.params else torch.float32,
-                                      par.grad_reduce_dtype)
+                                      par.grad_reduce_dtype,
+                                      getattr(par, "master_weights", "fp32"))
+        self.measure_rounding = False  # numerics experiments: count updates lost to rounding
+        self.rounding = {"moved": 0, "lost": 0}
+        self.sr_gen = torch.Generator().manual_seed(int(train.seed) * 1_000_003 + getattr(grid, "rank", 0))
         self.scaler = loss_scaler(model, self.policy.compute)
         self.overflow = False
         self.unscaled = False  # fp16: gradients already divided by the loss scale this step
@@ -84,9 +101,55 @@ class DataParallel:
             for j, p in enumerate(b.params):
                 self.where[id(p)] = (b, j)
                 p.register_post_accumulate_grad_hook(self.grad_ready)
-        self.opt = FlatAdamW([b.master for b in self.buckets], train.beta1, train.beta2,
-                             train.eps, train.weight_decay)
+        self.opt = make_optimizer(getattr(train, "optimizer", "adamw"),
+                                  [b.master for b in self.buckets], self.optimizer_pieces(),
+                                  grid, train, aligned_rows=self.aligned_rows())
+        if self.policy.in_place:  # no master: the optimizer gets a working copy per step
+            for b in self.buckets:
+                b.master = None
+            self.opt.params = [torch.empty(0) for _ in self.buckets]
         self.zero_grad()
+
+    # ------------------------------------------------------------------ the optimizer's view
+    def aligned_rows(self) -> bool:
+        """ZeRO shards start and end on whole rows (``--zero-align rows``)."""
+        return getattr(self.par, "zero_align", "none") == "rows" and self.stage > 0
+
+    def optimizer_pieces(self) -> list[BucketPieces]:
+        """Every bucket's parameters as ``fived.optim.Piece``s: the local and global matrix,
+        the tp cut (from the ``Placement``) and the elements this rank owns."""
+        out = []
+        for b in self.buckets:
+            pieces = []
+            for j, (name, p) in enumerate(zip(b.names, b.params)):
+                pl = self.placements[name]
+                off, n = b.offsets[j], p.numel()
+                a, e = max(off, b.lo), min(off + n, b.hi)
+                if a >= e:
+                    a = e = b.lo
+                    off_a, off_e = 0, 0
+                else:
+                    off_a, off_e = a - off, e - off
+                pieces.append(Piece(name, matrix_shape(tuple(p.shape)), matrix_shape(pl.shape),
+                                    pl.dim, pl.parts, pl.index, off, off_a, off_e, a - b.lo,
+                                    e - b.lo, ndim=len(pl.shape)))
+            out.append(BucketPieces(b.index, b.group_name, b.group, b.shards > 1,
+                                    b.shard_numel, b.padded, pieces))
+        return out
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Each parameter's fp32 master as this rank's piece (tp/ep cuts stay), whole over the
+        ZeRO group (all-gathered under ``metrics``), keyed by name (tests)."""
+        out = {}
+        for b in self.buckets:
+            flat = b.master.float() if b.master is not None else self.working_copy(b)
+            if b.shards > 1:
+                full = torch.empty(b.padded, dtype=torch.float32)
+                ops.all_gather_into(full, flat.contiguous(), replace(b.group, name="metrics"))
+                flat = full
+            for j, name in enumerate(b.names):
+                out[name] = b.view(flat, j).detach().clone()
+        return out
 
     # ------------------------------------------------------------------ what a stage says
     def shard_count(self, group: Any) -> int:
@@ -123,7 +186,8 @@ class DataParallel:
             group = self.grid[name]
             for piece in self.split(items):
                 b = Bucket(piece, [self.placements[n] for n, _ in piece], name, group,
-                           self.shard_count(group), len(self.buckets), tp, unit)
+                           self.shard_count(group), len(self.buckets), tp, unit,
+                           align_rows=self.aligned_rows())
                 self.buckets.append(b)
                 self.order.setdefault(name, []).append(b)
 
@@ -137,6 +201,10 @@ class DataParallel:
         b.param_full = flat
         b.param_shard = self.own_shard(flat, b)
         b.master = b.param_shard.float().clone() if self.policy.separate_master else b.param_shard
+        if self.policy.in_place:  # shapes the optimizer's state; dropped after it is built
+            b.master = b.param_shard.float()
+        b.comp = (torch.zeros_like(b.param_shard) if self.policy.master == "kahan"
+                  and self.policy.in_place else None)
         self.build_grads(b)
 
     def own_shard(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
@@ -322,9 +390,45 @@ class DataParallel:
         elif self.overflow:
             return False
         with torch.no_grad():
+            if self.policy.in_place:
+                self.step_in_place(lr)
+                return True
+            before = ([b.param_shard.clone() for b in self.buckets] if self.measure_rounding
+                      and self.policy.separate_master else None)
+            olds = [b.master.clone() for b in self.buckets] if before is not None else None
             self.opt.step(self.owned_grads(), lr)
             self.publish_params()
+            if before is not None:
+                self.count_rounding([(b.master != o) & (b.param_shard == p)
+                                     for b, o, p in zip(self.buckets, olds, before)],
+                                    [b.master != o for b, o in zip(self.buckets, olds)])
         return True
+
+    def working_copy(self, b: Bucket) -> torch.Tensor:
+        """Without a master: the fp32 value the bf16 parameters (and Kahan's c) stand for."""
+        w = b.param_shard.float()
+        return w.add_(b.comp.float()) if b.comp is not None else w
+
+    def step_in_place(self, lr: float) -> None:
+        """``--master-weights none|sr|kahan``: step a transient fp32 working copy and write it
+        back into the bf16 parameters (``fived.parallel.precision.write_back``)."""
+        works = [self.working_copy(b) for b in self.buckets]
+        self.opt.params = works
+        self.opt.step(self.owned_grads(), lr)
+        lost, moved = [], []
+        for b, w in zip(self.buckets, works):
+            old = self.working_copy(b)
+            lost.append(write_back(b.param_shard, w, self.policy.master, b.comp, self.sr_gen))
+            moved.append(w != old)
+        self.opt.params = [torch.empty(0) for _ in self.buckets]
+        if self.measure_rounding:
+            self.count_rounding(lost, moved)
+        self.gather_params()
+
+    def count_rounding(self, lost: list[torch.Tensor], moved: list[torch.Tensor]) -> None:
+        """Owned elements whose optimizer update moved the fp32 value but not the stored one."""
+        self.rounding = {"moved": int(sum(int(m.sum()) for m in moved)),
+                         "lost": int(sum(int(x.sum()) for x in lost))}
 
     def publish_params(self) -> None:
         """Write the updated masters back into the compute-dtype parameters."""
@@ -340,7 +444,9 @@ class DataParallel:
         out = [self.param_state(b), self.grad_state(b)]
         if self.policy.separate_master:
             out.append(b.master)
-        return out + [self.opt.m[i], self.opt.v[i]]
+        if b.comp is not None:
+            out.append(b.comp)
+        return out + self.opt.flat_state(i)
 
     def padding_bytes(self) -> float:
         """Bytes of padding in the states this rank holds; a shard's padding is counted as its
@@ -358,6 +464,7 @@ class DataParallel:
         """Bytes this rank holds, from the tensors themselves."""
         master = (sum(nbytes(b.master) for b in self.buckets)
                   if self.policy.separate_master else 0)
+        master += sum(nbytes(b.comp) for b in self.buckets if b.comp is not None)
         return {
             "params": sum(nbytes(self.param_state(b)) for b in self.buckets),
             "grads": sum(nbytes(self.grad_state(b)) for b in self.buckets),

@@ -6,6 +6,11 @@ member owns an equal contiguous shard:
     padded = ⌈numel / N⌉ · N        S = padded / N        member i owns [i·S, (i+1)·S)
     pad    = padded − numel          (< N elements; reported as ``memory()["padding"]``)
 
+With ``align_rows`` (``--zero-align rows``) S is the smallest shard length ≥ ⌈numel/N⌉ whose
+boundaries i·S all fall on whole rows of the parameter they cut (a 1-D parameter is one row;
+``fived.ledger.optimizers.aligned_shard_len``): a row-local optimizer then finds every row on one
+member; the extra padding N·S − numel is the price.
+
 ``split_buckets`` cuts a list of parameters (already in launch order) into runs of at most
 ``cap`` elements (``par.bucket_mb`` of gradient); a parameter is never split across buckets.
 """
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from ...ledger.memory import split_sizes
+from ...ledger.optimizers import aligned_shard_len
 from ..placement import Placement
 
 Named = tuple[str, nn.Parameter]
@@ -32,7 +38,8 @@ class Bucket:
     ``shards`` equal shards; ``tp`` sets the norm weights of the placements."""
 
     def __init__(self, named: list[Named], placements: list[Placement], group_name: str,
-                 group: Any, shards: int, index: int, tp: int, unit: int = -1):
+                 group: Any, shards: int, index: int, tp: int, unit: int = -1,
+                 align_rows: bool = False):
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.group_name, self.group, self.index, self.unit = group_name, group, index, unit
@@ -45,6 +52,10 @@ class Bucket:
         self.numel = off
         self.shards = shards
         self.padded = -(-off // shards) * shards
+        if align_rows and shards > 1:
+            rows = [p.shape[-1] if p.dim() > 1 else p.numel() for p in self.params]
+            self.padded = aligned_shard_len([p.numel() for p in self.params], rows,
+                                            shards) * shards
         self.pad = self.padded - off
         self.shard_numel = self.padded // shards
         member = group.rank if shards > 1 else 0
@@ -56,6 +67,7 @@ class Bucket:
         self.param_full: torch.Tensor | None = None   # compute dtype, padded
         self.param_shard: torch.Tensor | None = None  # compute dtype, own shard
         self.master: torch.Tensor | None = None       # fp32 owned elements (may alias params)
+        self.comp: torch.Tensor | None = None         # --master-weights kahan: bf16 compensation
         self.grad: torch.Tensor | None = None         # full gradient buffer (padded)
         self.grad_shard: torch.Tensor | None = None   # owned gradient elements
         self.segments = self.owned_segments([pl.norm_weight(tp) for pl in placements])

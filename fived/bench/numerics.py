@@ -1,0 +1,399 @@
+"""Part 8 and 9 experiments, each measured: ``fived bench numerics EXPERIMENT``.
+
+    masters     bf16 parameters: fp32 master vs in place (round to nearest), stochastic
+                rounding, Kahan compensation — loss per step and the fraction of the optimizer's
+                parameter updates that round to zero in the stored bf16 value
+    moments     AdamW's m and v stored in fp32, bf16, fp16 (fp32 parameters): per step the
+                fraction of v that underflowed to 0 where g ≠ 0, of m and v updates lost (the
+                stored value did not move although the update was not 0), and the loss
+    reduce      summing dp gradient shards in bf16 vs fp32, in ring order (each hop rounds to
+                the reduction dtype): relative error against the float64 sum as dp grows, on the
+                real per-shard gradients of the model
+    fp16        fp16 with dynamic loss scaling (from 2²⁴, growth every 5 clean steps): per step
+                the scale, overflow (non-finite gradient elements), underflow (dense gradient
+                elements flushed to 0 / left subnormal in fp16 at that scale) and the elements
+                whose true value g/S is below fp16's smallest subnormal (would flush at S = 1)
+    optimizers  bytes sent and step time of every --optimizer on dp2 ZeRO-2, dp2 ZeRO-3 with
+                row-aligned shards, tp2 (2 ranks; the bytes are the ledger's to the byte)
+
+Each writes ``OUT/numerics-EXPERIMENT.json`` (every measured number) and a PNG, and prints a
+short table. One rank unless said; the model is ``tiny`` cut to ``--layers`` blocks (default 2)
+so bf16/fp16 on a CPU stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..config import ParallelConfig, TrainConfig, preset
+
+EXPERIMENTS = ("masters", "moments", "reduce", "fp16", "optimizers")
+
+
+def model_cfg(layers: int):
+    return replace(preset("tiny"), layers=layers)
+
+
+def train_cfg(steps: int, lr: float) -> TrainConfig:
+    return TrainConfig(steps=steps, global_batch=8, lr=lr, warmup=2, seed=7, log_every=1)
+
+
+def _trainer(m, par, t):
+    from ..train.trainer import Trainer
+
+    return Trainer(m, par, t, 0, 1)
+
+
+def progress(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------- masters
+def masters(args) -> dict[str, Any]:
+    m, t = model_cfg(args.layers), train_cfg(args.steps, args.lr)
+    out: dict[str, Any] = {}
+    for mode in ("fp32", "none", "sr", "kahan"):
+        tr = _trainer(m, ParallelConfig(precision="bf16", master_weights=mode), t)
+        tr.engine.measure_rounding = True
+        losses, lost = [], []
+        for s in range(t.steps):
+            losses.append(tr.step(s)["loss"])
+            r = tr.engine.rounding
+            lost.append(r["lost"] / max(1, r["moved"]))
+        out[mode] = {"loss": losses, "lost_fraction": lost,
+                     "master_bytes": int(tr.engine.memory()["master"])}
+        progress(f"  masters {mode:5s} final loss {losses[-1]:.4f}  updates lost "
+                 f"{sum(lost) / len(lost):.3f}")
+    return out
+
+
+def masters_rows(res) -> list[list[str]]:
+    ref = res["fp32"]["loss"]
+    return [[k, f"{v['loss'][-1]:.4f}", f"{v['loss'][-1] - ref[-1]:+.4f}",
+             f"{sum(v['lost_fraction']) / len(v['lost_fraction']):.3f}",
+             str(v["master_bytes"])] for k, v in res.items()]
+
+
+# ----------------------------------------------------------------------------- moments
+class CountingAdamW:
+    """AdamW with m and v stored in ``dtype`` (the update computed in fp32, then stored): the
+    same update as ``fived.optim.FlatAdamW``, and per step the counts of what storage lost."""
+
+    def __init__(self, opt, dtype: torch.dtype):
+        self.o = opt
+        self.dtype = dtype
+        self.m = [x.to(dtype) for x in opt.m]
+        self.v = [x.to(dtype) for x in opt.v]
+        self.counts: dict[str, float] = {}
+
+    def step(self, grads, lr):
+        o = self.o
+        o.t += 1
+        b1, b2 = o.beta1, o.beta2
+        c1, c2 = 1 - b1 ** o.t, 1 - b2 ** o.t
+        n = vz = ml = vl = 0
+        for p, g, m, v in zip(o.params, grads, self.m, self.v):
+            g = g.float()
+            m32 = m.float() * b1 + (1 - b1) * g
+            v32 = v.float() * b2 + (1 - b2) * g * g
+            m_new, v_new = m32.to(self.dtype), v32.to(self.dtype)
+            nz = g != 0
+            n += int(nz.sum())
+            vz += int(((v_new == 0) & nz).sum())
+            ml += int(((m_new == m) & (m32 != m.float()) & nz).sum())
+            vl += int(((v_new == (v.float() * b2).to(self.dtype)) & nz & (v32 != v.float() * b2))
+                      .sum())
+            m.copy_(m_new)
+            v.copy_(v_new)
+            if o.wd:
+                p.mul_(1 - lr * o.wd)
+            p.addcdiv_(m.float(), (v.float() / c2).sqrt_().add_(o.eps), value=-lr / c1)
+        self.counts = {"v_underflow": vz / max(1, n), "m_lost": ml / max(1, n),
+                       "v_lost": vl / max(1, n)}
+
+
+def moments(args) -> dict[str, Any]:
+    m, t = model_cfg(args.layers), train_cfg(args.steps, args.lr)
+    out: dict[str, Any] = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
+                        ("fp16", torch.float16)):
+        tr = _trainer(m, ParallelConfig(), t)
+        opt = CountingAdamW(tr.engine.opt, dtype)
+        tr.engine.opt = opt
+        rec: dict[str, list[float]] = {"loss": [], "v_underflow": [], "m_lost": [], "v_lost": []}
+        for s in range(t.steps):
+            rec["loss"].append(tr.step(s)["loss"])
+            for k, v in opt.counts.items():
+                rec[k].append(v)
+        out[name] = rec
+        progress(f"  moments {name}: final loss {rec['loss'][-1]:.4f}  v underflow "
+                 f"{max(rec['v_underflow']):.4f}  m lost {max(rec['m_lost']):.4f}  v lost "
+                 f"{max(rec['v_lost']):.4f}")
+    return out
+
+
+def moments_rows(res) -> list[list[str]]:
+    ref = res["fp32"]["loss"][-1]
+    return [[k, f"{v['loss'][-1]:.4f}", f"{v['loss'][-1] - ref:+.4f}",
+             f"{max(v['v_underflow']):.4f}", f"{max(v['m_lost']):.4f}",
+             f"{max(v['v_lost']):.4f}"] for k, v in res.items()]
+
+
+# ----------------------------------------------------------------------------- reduce
+def shard_grads(m, t, shards: int) -> list[torch.Tensor]:
+    """The model's flat fp32 gradient of each of ``shards`` equal parts of one global batch
+    (each part's Σ CE / global tokens, as every dp rank computes it)."""
+    from ..model.llama import build_model
+    from ..train.data import global_batch
+
+    model = build_model(m, t.seed)
+    x, y = global_batch(0, t.seed, t.global_batch, m.seq_len, t.corpus_mb)
+    positions = torch.arange(m.seq_len)
+    n = x.shape[0] // shards
+    out = []
+    for i in range(shards):
+        model.zero_grad()
+        loss = model(x[i * n:(i + 1) * n], positions, y[i * n:(i + 1) * n])
+        (loss / (x.shape[0] * m.seq_len)).backward()
+        out.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+    return out
+
+
+def ring_sum(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Σ parts in ring order, rounding to ``dtype`` after each hop (reduce-scatter's chunks each
+    start at a different rank; the rounding per hop is the same)."""
+    acc = parts[0].to(dtype)
+    for p in parts[1:]:
+        acc = (acc.float() + p.to(dtype).float()).to(dtype)
+    return acc.double()
+
+
+def reduce(args) -> dict[str, Any]:
+    m, t = model_cfg(args.layers), replace(train_cfg(1, args.lr), global_batch=16)
+    out: dict[str, Any] = {"dp": [], "bf16": [], "fp32": [], "bf16_input_only": []}
+    for dp in (1, 2, 4, 8, 16):
+        parts = shard_grads(m, t, dp)
+        exact = torch.stack([p.double() for p in parts]).sum(0)
+        norm = float(exact.norm())
+        out["dp"].append(dp)
+        for key, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            out[key].append(float((ring_sum(parts, dt) - exact).norm()) / norm)
+        # the rounding of the inputs alone (each shard sent in bf16, summed exactly)
+        inp = torch.stack([p.to(torch.bfloat16).double() for p in parts]).sum(0)
+        out["bf16_input_only"].append(float((inp - exact).norm()) / norm)
+        progress(f"  reduce dp={dp:2d}: bf16 {out['bf16'][-1]:.2e}  fp32 {out['fp32'][-1]:.2e}")
+    return out
+
+
+def reduce_rows(res) -> list[list[str]]:
+    return [[str(d), f"{b:.2e}", f"{i:.2e}", f"{f:.2e}"]
+            for d, b, i, f in zip(res["dp"], res["bf16"], res["bf16_input_only"], res["fp32"])]
+
+
+# ----------------------------------------------------------------------------- fp16
+def fp16(args) -> dict[str, Any]:
+    m, t = model_cfg(args.layers), train_cfg(args.steps, args.lr)
+    tr = _trainer(m, ParallelConfig(precision="fp16", grad_reduce_dtype="bf16"), t)
+    sc = tr.engine.scaler
+    sc.scale, sc.growth_interval = 2.0 ** 24, 5  # start too high, grow fast: both directions
+    rec: dict[str, list[float]] = {"scale": [], "overflow": [], "underflow": [], "subnormal": [],
+                                   "flush_at_scale_1": [], "skipped": [], "loss": []}
+
+    def count():
+        """Non-finite gradient elements (overflow), and among the dense parameters' elements
+        (not the embedding, whose rows of bytes absent from the batch are exactly 0) those
+        flushed to 0 and those left subnormal (< 2⁻¹⁴) in the fp16 gradient."""
+        n = zeros = sub = over = flush1 = 0
+        for b in tr.engine.buckets:
+            for j, name in enumerate(b.names):
+                g = b.view(b.grad_shard, j)
+                over += int((~torch.isfinite(g)).sum())
+                if name.startswith("embed_tokens"):
+                    continue
+                n += g.numel()
+                zeros += int((g == 0).sum())
+                sub += int(((g != 0) & (g.abs() < 2.0 ** -14)).sum())
+                true = g.float().abs() / sc.scale  # the gradient the scale multiplied
+                flush1 += int(((true > 0) & (true < 2.0 ** -25)).sum())
+        rec["overflow"].append(over)
+        rec["flush_at_scale_1"].append(flush1 / n)
+        rec["underflow"].append(zeros / n)  # flushed to 0 at this step's scale
+        rec["subnormal"].append(sub / n)
+
+    for s in range(t.steps):
+        rec["scale"].append(sc.scale)
+        r = tr.step(s, count)
+        rec["skipped"].append(bool(r["skipped"]))
+        rec["loss"].append(r["loss"])
+    progress(f"  fp16: {sum(rec['skipped'])} skipped steps, final scale {sc.scale:g}")
+    return rec
+
+
+def fp16_rows(res) -> list[list[str]]:
+    return [[str(i), f"{s:g}", str(o), f"{u:.5f}", f"{sn:.4f}", f"{f1:.4f}",
+             "yes" if k else ""]
+            for i, (s, o, u, sn, f1, k) in enumerate(zip(
+                res["scale"], res["overflow"], res["underflow"], res["subnormal"],
+                res["flush_at_scale_1"], res["skipped"]))]
+
+
+# ----------------------------------------------------------------------------- optimizers
+def _opt_rank(rank: int, world: int, runs: list[tuple]) -> list[dict]:
+    from ..train.trainer import Trainer
+
+    out = []
+    for m, p, t in runs:
+        tr = Trainer(m, p, t, rank, world)
+        secs, traffic = [], {}
+        for s in range(t.steps):
+            secs.append(tr.step(s)["seconds"])
+            traffic = {k: v for k, v in tr.traffic.bytes_by_dim().items() if k != "metrics"}
+        out.append({"seconds": sorted(secs[1:])[len(secs[1:]) // 2], "traffic": traffic,
+                    "state": int(tr.engine.memory()["optimizer"])})
+    return out
+
+
+def optimizers(args) -> dict[str, Any]:
+    from ..config import OPTIMIZERS
+    from ..dist.launch import run_local
+    from ..ledger.traffic import step_bytes
+
+    m = model_cfg(args.layers)
+    layouts = {"dp2 zero2": ParallelConfig(dp=2, zero=2),
+               "dp2 zero3 rows": ParallelConfig(dp=2, zero=3, zero_align="rows"),
+               "tp2": ParallelConfig(tp=2)}
+    runs = [(m, p, replace(train_cfg(max(3, args.steps // 4), args.lr), optimizer=o))
+            for p in layouts.values() for o in OPTIMIZERS]
+    res = run_local(_opt_rank, 2, (runs,), timeout=1800, collective_timeout=600)[0]
+    out: dict[str, Any] = {}
+    for (mm, p, t), r, name in zip(runs, res, [n for n in layouts for _ in OPTIMIZERS]):
+        base = step_bytes(mm, p, t.global_batch // (p.dp * p.ep), 0, "adamw")
+        extra = sum(r["traffic"].values()) - sum(base.values())
+        out.setdefault(name, {})[t.optimizer] = {
+            "seconds": r["seconds"], "bytes": sum(r["traffic"].values()), "extra_bytes": extra,
+            "ledger_bytes": sum(step_bytes(mm, p, t.global_batch // (p.dp * p.ep), 0,
+                                           t.optimizer).values()),
+            "state_bytes": r["state"]}
+    return out
+
+
+def optimizers_rows(res) -> list[list[str]]:
+    return [[lay, o, f"{v['state_bytes']:,}", f"{v['extra_bytes']:,.0f}",
+             "yes" if v["bytes"] == v["ledger_bytes"] else "NO", f"{v['seconds'] * 1e3:.0f}"]
+            for lay, d in res.items() for o, v in d.items()]
+
+
+# ----------------------------------------------------------------------------- figures
+def figure(name: str, res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    a, b = axes
+    if name == "masters":
+        for k, v in res.items():
+            a.plot([x - y for x, y in zip(v["loss"], res["fp32"]["loss"])], label=k)
+            b.plot(v["lost_fraction"], label=k)
+        a.set_title("loss − fp32-master loss")
+        b.set_title("updates lost to bf16 rounding")
+    elif name == "moments":
+        for k, v in res.items():
+            a.plot([x - y for x, y in zip(v["loss"], res["fp32"]["loss"])], label=k)
+            b.plot(v["v_lost"], label=f"{k} v lost")
+            b.plot(v["m_lost"], "--", label=f"{k} m lost")
+        a.set_yscale("symlog", linthresh=1e-4)
+        a.set_title("loss − fp32-moments loss (symlog)")
+        b.set_title("moment updates lost (fraction)")
+    elif name == "reduce":
+        for k in ("bf16", "bf16_input_only", "fp32"):
+            a.loglog(res["dp"], [max(x, 1e-12) for x in res[k]], "o-", label=k)
+        a.set_title("‖sum − fp64 sum‖ / ‖fp64 sum‖")
+        a.set_xlabel("dp")
+        b.axis("off")
+    elif name == "fp16":
+        a.semilogy(res["scale"], label="loss scale")
+        a.set_title("loss scale (skipped steps marked)")
+        for i, k in enumerate(res["skipped"]):
+            if k:
+                a.axvline(i, color="r", alpha=0.3)
+        b.plot(res["underflow"], label="= 0 (underflow)")
+        b.plot(res["subnormal"], label="subnormal")
+        b.plot(res["flush_at_scale_1"], label="would flush at scale 1")
+        b.set_title("fp16 gradient elements (fraction, no embedding)")
+    elif name == "optimizers":
+        lays = list(res)
+        opts = list(res[lays[0]])
+        w = 0.8 / len(opts)
+        for j, o in enumerate(opts):
+            xs = [i + j * w for i in range(len(lays))]
+            a.bar(xs, [res[lay][o]["bytes"] / 1e6 for lay in lays], w, label=o)
+            b.bar(xs, [res[lay][o]["seconds"] * 1e3 for lay in lays], w, label=o)
+        for ax in (a, b):
+            ax.set_xticks([i + 0.4 - w / 2 for i in range(len(lays))], lays)
+            ax.set_xlabel("layout")
+        a.set_title("MB sent per rank per step")
+        b.set_title("step time (ms, median)")
+    for ax in axes:
+        if ax.has_data():
+            ax.legend(fontsize=7)
+            ax.set_xlabel(ax.get_xlabel() or "step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
+
+
+def text_table(headers: list[str], rows: list[list[str]]) -> str:
+    w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(n) for h, n in zip(headers, w))]
+    lines += ["  ".join(c.rjust(n) for c, n in zip(r, w)) for r in rows]
+    return "\n".join(lines)
+
+
+HEADERS = {
+    "masters": ["master", "final loss", "vs fp32", "lost/step", "master B"],
+    "moments": ["m, v dtype", "final loss", "vs fp32", "v underflow", "m lost", "v lost"],
+    "reduce": ["dp", "bf16 ring", "bf16 inputs", "fp32 ring"],
+    "fp16": ["step", "scale", "overflow", "zero", "subnormal", "0 at S=1", "skipped"],
+    "optimizers": ["layout", "optimizer", "state B", "extra sent B", "ledger", "step ms"],
+}
+RUN = {"masters": (masters, masters_rows), "moments": (moments, moments_rows),
+       "reduce": (reduce, reduce_rows), "fp16": (fp16, fp16_rows),
+       "optimizers": (optimizers, optimizers_rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fived bench numerics", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment", choices=EXPERIMENTS)
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    ap.add_argument("--layers", type=int, default=2, help="blocks of the tiny model (default 2)")
+    ap.add_argument("--out", default=".", help="directory for the JSON and the PNG")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    progress(f"fived bench numerics {args.experiment}: tiny with {args.layers} blocks, "
+             f"{args.steps} steps")
+    t0 = time.perf_counter()
+    run, rows = RUN[args.experiment]
+    res = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"numerics-{args.experiment}")
+    with open(base + ".json", "w") as f:
+        json.dump({"experiment": args.experiment, "args": vars(args), "result": res}, f)
+    figure(args.experiment, res, base + ".png")
+    print(text_table(HEADERS[args.experiment], rows(res)))
+    print(f"wrote {base}.json and {base}.png ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
