@@ -11,7 +11,8 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..config import ConfigError, check_count, check_outputs, fill_dp, validate
+from ..config import (ConfigError, check_count, check_outputs, check_runtime_model, fill_dp,
+                      validate)
 from ..dist.launch import torchrun_env
 from . import flags
 from .main import EXAMPLES
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError([f"--timeout must be > 0 seconds (got {args.timeout:g})"])
     par, world = fill_dp(res.par, res.dp_given, world)
     validate(model, par, train, world)
+    check_runtime_model(model)
     if args.print_config:
         return flags.print_config(replace(res, par=par), f"fived train: {world} rank(s)")
     check_outputs(train)
