@@ -11,8 +11,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..config import (ConfigError, check_count, check_outputs, check_runtime_model, fill_dp,
-                      validate)
+from ..config import ConfigError, check_count, check_outputs, check_runtime_model, fill_dp, validate
 from ..dist.launch import torchrun_env
 from . import flags
 from .main import EXAMPLES
