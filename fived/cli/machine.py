@@ -1,0 +1,110 @@
+"""``--gpu this-machine``: a hardware preset measured here, for the roofline clock.
+
+On ``ranks`` local processes at once (the contention a ``fived train`` of that many ranks sees,
+each with the runtime's threads per rank), each process times
+
+* a 1×1 matmul: the per-op overhead (dispatch);
+* a sweep of fp32 matmuls (M, N, K) around the shapes of the small presets' blocks, and fits
+  t = overhead + 2MNK / (P · Π_d d/(d + d0)) per d0 on a grid (P the median of what each
+  shape implies; the d0 with the smallest median relative error wins): P is the ceiling
+  (peak_fp32 with gemm_eff = 1), d0 the curve's half-saturation dimension;
+* an element-wise add over 32 MB (read 2, write 1): the memory bandwidth (mem_eff = 1).
+
+The link (α, β) comes from ``fived bench comm --json`` (``--bench-json``), else a gloo-like
+guess (``fived.ledger.hardware.this_machine``). The medians over the ranks are used.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+
+SHAPES = [(m, n, k) for m in (128, 512, 2048) for n, k in ((64, 128), (128, 128), (352, 128),
+                                                          (128, 352), (128, 2048))]
+SHAPES += [(128, 128, 16), (128, 16, 128), (2048, 256, 128)]
+
+
+def _time(fn, seconds: float, trials: int = 5) -> float:
+    """Median over ``trials`` of the mean time of calls filling ``seconds / trials``."""
+    fn()
+    out = []
+    for _ in range(trials):
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            reps += 1
+            dt = time.perf_counter() - t0
+            if dt >= seconds / trials and reps >= 2:
+                out.append(dt / reps)
+                break
+    return statistics.median(out)
+
+
+def sweep(seconds: float = 0.03) -> dict:
+    """Timings on this process: [(M, N, K, s)] and the add's bytes/s."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    one = torch.ones(1, 1)
+    overhead = _time(lambda: one @ one, seconds)
+    rows = []
+    for m, n, k in SHAPES:
+        a = torch.randn(m, k, generator=g)
+        b = torch.randn(k, n, generator=g)
+        rows.append((m, n, k, _time(lambda a=a, b=b: a @ b, seconds)))
+    x = torch.randn(8 * 2**20, generator=g)
+    y = torch.randn(8 * 2**20, generator=g)
+    bw = 3 * x.numel() * 4 / _time(lambda: x.add_(y), seconds * 3)
+    return {"rows": rows, "bw": bw, "overhead": overhead}
+
+
+def _rank_sweep(rank: int, world: int, seconds: float) -> dict:
+    return sweep(seconds)
+
+
+def fit_gemm(rows: list[tuple[int, int, int, float]], overhead: float) -> dict:
+    """With the measured per-op overhead subtracted, the ceiling P per d0 on a grid (the
+    median of each shape's implied P), the best d0 by the median relative error."""
+    best = None
+    for d0 in (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0):
+        x = [2.0 * m * n * k / ((m / (m + d0)) * (n / (n + d0)) * (k / (k + d0)))
+             for m, n, k, _ in rows]
+        ps = [xi / max(r[3] - overhead, 1e-9) for xi, r in zip(x, rows)]
+        p = statistics.median(ps)
+        err = statistics.median(abs((overhead + xi / p) / r[3] - 1) for xi, r in zip(x, rows))
+        if best is None or err < best["error"]:
+            best = {"d0": d0, "peak": p, "overhead": overhead, "error": err}
+    return best
+
+
+def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float = 0.03):
+    """The measured preset (``fived.ledger.hardware.Hardware``) for ``ranks`` local ranks."""
+    from ..dist.launch import run_local
+    from ..ledger import hardware as H
+
+    base = H.this_machine(bench_json)
+    if ranks > 1:
+        outs = run_local(_rank_sweep, ranks, (seconds,), timeout=300.0)
+    else:
+        import torch
+
+        from ..dist.launch import threads_per_rank
+
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads_per_rank(1))
+        try:
+            outs = [sweep(seconds)]
+        finally:
+            torch.set_num_threads(old)
+    n = len(SHAPES)
+    rows = [(*SHAPES[i], statistics.median(o["rows"][i][3] for o in outs)) for i in range(n)]
+    fit = fit_gemm(rows, statistics.median(o["overhead"] for o in outs))
+    bw = statistics.median(o["bw"] for o in outs)
+    return replace(base, peak_flops=fit["peak"], peak_fp32=fit["peak"], gemm_eff=1.0,
+                   gemm_d0=fit["d0"], overhead=fit["overhead"], hbm_bw=bw, mem_eff=1.0,
+                   attn_eff=1.0, cores=ranks,
+                   note=base.note + f"; fp32 matmul sweep on {ranks} rank(s): ceiling "
+                   f"{fit['peak'] / 1e9:.1f} GFLOP/s, d0 {fit['d0']:g}, overhead "
+                   f"{fit['overhead'] * 1e6:.1f} µs/op (median error {fit['error']:.0%}); "
+                   f"memory {bw / 1e9:.1f} GB/s")
