@@ -19,13 +19,15 @@ def main(args: argparse.Namespace) -> int:
 
     con = report.console(args.wide)
     runs = V.load()
-    con.print(f"fived ledger --validate: {len(runs)} published runs ({V.RUNS.name}); "
-              "predicting each ...")
+    if not args.json:
+        con.print(f"fived ledger --validate: {len(runs)} published runs ({V.RUNS.name}); "
+                  "predicting each ...")
     checks = V.check_all(runs)
     summ = V.summary(checks)
     fit = None
     if args.refit:
-        con.print("refitting the clock's global constants on a grid (a minute) ...")
+        if not args.json:
+            con.print("refitting the clock's global constants on a grid (a minute) ...")
         consts, fs = V.fit(runs)
         fit = {"constants": consts, "summary": fs}
     if args.json:
