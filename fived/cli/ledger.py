@@ -84,14 +84,15 @@ def check_cluster(args: argparse.Namespace) -> None:
         raise ConfigError(problems)
 
 
-def hardware(args: argparse.Namespace, ranks: int = 1):
-    """The preset, or for ``this-machine`` a measured one (``fived.cli.machine``)."""
+def hardware(args: argparse.Namespace, ranks: int = 1, shapes: list | None = None):
+    """The preset, or for ``this-machine`` a measured one (``fived.cli.machine``; ``shapes``:
+    the layout's GEMMs, timed as they will run)."""
     from ..ledger import hardware as H
 
     if args.gpu == "this-machine":
         from .machine import this_machine
 
-        return this_machine(args.bench_json, ranks=ranks)
+        return this_machine(args.bench_json, ranks=ranks, shapes=shapes)
     return H.get(args.gpu, args.bench_json)
 
 
@@ -100,7 +101,7 @@ def clock_options(args: argparse.Namespace):
 
     eager = args.gpu == "this-machine"  # the fived runtime's attention: scores in memory
     return ClockOptions(attention="materialised" if eager or args.attention == "materialised"
-                        else "flash", tp_overlap=args.tp_overlap)
+                        else "flash", tp_overlap=args.tp_overlap, fused=not eager)
 
 
 def global_batch(args: argparse.Namespace, res: flags.Resolved) -> int:
@@ -185,7 +186,17 @@ def main(argv: list[str]) -> int:
     except ValueError:
         raise ConfigError([f"--train-tokens {args.train_tokens!r}: give a count like 1T or 2e12"]
                           ) from None
-    hw = hardware(args, world)
+    shapes = None
+    if args.gpu == "this-machine":
+        from ..ledger.roofline import gemm_shapes
+        from ..ledger.traffic import micro_batch_size
+
+        import sys
+
+        print(f"fived ledger: measuring this machine on {world} rank(s) ...", flush=True,
+              file=sys.stderr)
+        shapes = gemm_shapes(m, par, micro_batch_size(par, gb), clock_options(args))
+    hw = hardware(args, world, shapes)
     gpn = args.gpus_per_node or hw.gpus_per_node
     from ..ledger import memory as M
 

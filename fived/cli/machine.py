@@ -41,7 +41,7 @@ def _time(fn, seconds: float, trials: int = 5) -> float:
     return statistics.median(out)
 
 
-def sweep(seconds: float = 0.03) -> dict:
+def sweep(seconds: float = 0.03, shapes: list | None = None) -> dict:
     """Timings on this process: [(M, N, K, s)] and the add's bytes/s."""
     import torch
 
@@ -49,7 +49,7 @@ def sweep(seconds: float = 0.03) -> dict:
     one = torch.ones(1, 1)
     overhead = _time(lambda: one @ one, seconds)
     rows = []
-    for m, n, k in SHAPES:
+    for m, n, k in shapes or SHAPES:
         a = torch.randn(m, k, generator=g)
         b = torch.randn(k, n, generator=g)
         rows.append((m, n, k, _time(lambda a=a, b=b: a @ b, seconds)))
@@ -59,8 +59,8 @@ def sweep(seconds: float = 0.03) -> dict:
     return {"rows": rows, "bw": bw, "overhead": overhead}
 
 
-def _rank_sweep(rank: int, world: int, seconds: float) -> dict:
-    return sweep(seconds)
+def _rank_sweep(rank: int, world: int, seconds: float, shapes: list | None) -> dict:
+    return sweep(seconds, shapes)
 
 
 def fit_gemm(rows: list[tuple[int, int, int, float]], overhead: float) -> dict:
@@ -78,14 +78,18 @@ def fit_gemm(rows: list[tuple[int, int, int, float]], overhead: float) -> dict:
     return best
 
 
-def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float = 0.03):
-    """The measured preset (``fived.ledger.hardware.Hardware``) for ``ranks`` local ranks."""
+def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float = 0.03,
+                 shapes: list | None = None):
+    """The measured preset (``fived.ledger.hardware.Hardware``) for ``ranks`` local ranks;
+    with ``shapes`` (``roofline.gemm_shapes`` of a layout) those GEMMs are timed too and kept
+    as the preset's ``gemm_table``."""
     from ..dist.launch import run_local
     from ..ledger import hardware as H
 
     base = H.this_machine(bench_json)
     if ranks > 1:
-        outs = run_local(_rank_sweep, ranks, (seconds,), timeout=300.0)
+        outs = run_local(_rank_sweep, ranks, (seconds, None), timeout=300.0)
+        tabs = run_local(_rank_sweep, ranks, (seconds, shapes), timeout=300.0) if shapes else []
     else:
         import torch
 
@@ -95,16 +99,20 @@ def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float =
         torch.set_num_threads(threads_per_rank(1))
         try:
             outs = [sweep(seconds)]
+            tabs = [sweep(seconds, shapes)] if shapes else []
         finally:
             torch.set_num_threads(old)
     n = len(SHAPES)
     rows = [(*SHAPES[i], statistics.median(o["rows"][i][3] for o in outs)) for i in range(n)]
     fit = fit_gemm(rows, statistics.median(o["overhead"] for o in outs))
     bw = statistics.median(o["bw"] for o in outs)
-    return replace(base, peak_flops=fit["peak"], peak_fp32=fit["peak"], gemm_eff=1.0,
+    table = tuple((*shapes[i], statistics.median(o["rows"][i][3] for o in tabs))
+                  for i in range(len(shapes))) if shapes else ()
+    return replace(base, gemm_table=table, peak_flops=fit["peak"], peak_fp32=fit["peak"], gemm_eff=1.0,
                    gemm_d0=fit["d0"], overhead=fit["overhead"], hbm_bw=bw, mem_eff=1.0,
                    attn_eff=1.0, cores=ranks,
                    note=base.note + f"; fp32 matmul sweep on {ranks} rank(s): ceiling "
                    f"{fit['peak'] / 1e9:.1f} GFLOP/s, d0 {fit['d0']:g}, overhead "
                    f"{fit['overhead'] * 1e6:.1f} µs/op (median error {fit['error']:.0%}); "
-                   f"memory {bw / 1e9:.1f} GB/s")
+                   f"memory {bw / 1e9:.1f} GB/s"
+                   + (f"; {len(table)} GEMM shapes of the layout timed" if table else ""))

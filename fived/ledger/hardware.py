@@ -47,6 +47,9 @@ class Hardware:
     mem_eff: float = 0.80  # achievable fraction of hbm_bw for element-wise kernels
     overhead: float = 0.0  # seconds per kernel/op beyond its roofline time (launch, dispatch)
     cores: int = 0  # this-machine: CPU cores the ranks share (0: a device per rank)
+    # this-machine: measured (M, N, K, seconds per call) of the shapes a layout runs; a GEMM
+    # found here takes its measured time (overhead included) instead of the curve's
+    gemm_table: tuple[tuple[float, float, float, float], ...] = ()
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -52,6 +52,13 @@ class ClockOptions:
 
     attention: str = "flash"  # flash | materialised (the fived runtime's eager attention)
     tp_overlap: bool = False  # TP collectives hidden behind the GEMMs (Megatron --tp-comm-overlap)
+    fused: bool = True  # element-wise work in fused kernels (GPU stacks); False: eager PyTorch
+
+
+# Eager PyTorch (the fived runtime on a CPU) runs each element-wise step as its own kernel:
+# (kernels, bytes as a multiple of the fused kernel's) per forward op, e.g. RMSNorm = pow,
+# mean, rsqrt·mul, ·gain; RoPE = two muls, the half rotation (slice, neg, cat) and an add.
+EAGER = {"norms": (4, 3.0), "rope": (6, 3.0), "mlp.act": (2, 5 / 3), "residual": (1, 1.0)}
 
 
 def dtype_bytes(par: ParallelConfig) -> int:
@@ -65,7 +72,27 @@ def gemm_efficiency(hw: Hardware, m: float, n: float, k: float) -> float:
     return eff
 
 
+def _table_seconds(op: Op, hw: Hardware) -> float | None:
+    """A GEMM's time from ``hw.gemm_table`` (this-machine), scaled by FLOPs from the nearest
+    measured shape (log distance); None when there is no table."""
+    if not hw.gemm_table:
+        return None
+    import math
+
+    m, n, k = op.dims
+
+    def dist(row):
+        return sum(abs(math.log(max(a, 1.0) / max(b, 1.0))) for a, b in zip(row[:3], (m, n, k)))
+
+    row = min(hw.gemm_table, key=dist)
+    return op.count * row[3] * (m * n * k) / (row[0] * row[1] * row[2])
+
+
 def op_seconds(op: Op, hw: Hardware, precision: str) -> float:
+    if op.kind == "gemm":
+        measured = _table_seconds(op, hw)
+        if measured is not None:
+            return measured
     peak = hw.matmul_peak(precision)
     bw = hw.hbm_bw * hw.mem_eff
     t_mem = op.bytes / bw
@@ -89,8 +116,8 @@ def _gemm_bwd(op: Op, e: int) -> list[Op]:
                                                                 op.count)]
 
 
-def _mem(name: str, nbytes: float) -> Op:
-    return Op(name, "mem", 0.0, nbytes)
+def _mem(name: str, nbytes: float, count: float = 1.0) -> Op:
+    return Op(name, "mem", 0.0, nbytes, count=count)
 
 
 def block_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions
@@ -130,13 +157,16 @@ def block_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions
             act += 2 * e * t * f
         gemms += [_gemm("mlp.up", t, f, h, e), _gemm("mlp.down", t, h, f, e)]
     core = _attention_ops(m, par, b, opts, e)
-    mems = [_mem("norms", 2 * 2 * e * t_sp * h), _mem("residual", 2 * 3 * e * t_sp * h),
+    mems = [_mem("norms", 2 * 2 * e * t_sp * h, 2), _mem("residual", 2 * 3 * e * t_sp * h, 2),
             _mem("mlp.act", act)]
     if m.positions == "rope":
-        mems.append(_mem("rope", 2 * e * t * (hq + hkv)))
+        mems.append(_mem("rope", 2 * e * t * (hq + hkv), 2))
+    if not opts.fused:
+        mems = [Op(o.name, "mem", 0.0, o.bytes * EAGER[o.name][1],
+                   count=o.count * EAGER[o.name][0]) for o in mems]
     fwd = gemms + core["fwd"] + mems
     bwd = [g for op in gemms for g in _gemm_bwd(op, e)] + core["bwd"]
-    bwd += [_mem(op.name + ".bwd", 2 * op.bytes) for op in mems]
+    bwd += [_mem(op.name + ".bwd", 2 * op.bytes, 2 * op.count) for op in mems]
     return {"fwd": fwd, "bwd": bwd, "core_fwd": core["fwd"]}
 
 
@@ -183,6 +213,16 @@ def stage_extra_ops(m: ModelConfig, par: ParallelConfig, b: int, first: bool, la
         bwd += [_mem("final_norm.bwd", 4 * e * t * m.hidden), *_gemm_bwd(head, e),
                 _mem("loss.bwd", t * v * (4 + e))]
     return {"fwd": fwd, "bwd": bwd}
+
+
+def gemm_shapes(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions | None = None
+                ) -> list[tuple[int, int, int]]:
+    """Every distinct GEMM shape (M, N, K) one micro-batch runs on any pipeline rank."""
+    ops = block_ops(m, par, b, opts or ClockOptions())
+    ext = stage_extra_ops(m, par, b, True, True)
+    out = {tuple(int(round(d)) for d in o.dims) for o in ops["fwd"] + ops["bwd"] + ext["fwd"]
+           + ext["bwd"] if o.kind == "gemm"}
+    return sorted(out)
 
 
 def _seconds(ops: list[Op], hw: Hardware, precision: str, kind: str | None = None) -> float:
