@@ -188,10 +188,10 @@ def main(argv: list[str]) -> int:
                           ) from None
     shapes = None
     if args.gpu == "this-machine":
+        import sys
+
         from ..ledger.roofline import gemm_shapes
         from ..ledger.traffic import micro_batch_size
-
-        import sys
 
         print(f"fived ledger: measuring this machine on {world} rank(s) ...", flush=True,
               file=sys.stderr)
