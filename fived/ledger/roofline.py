@@ -31,6 +31,7 @@ Communication is ``hardware.collective_seconds`` (α-β), composed by ``planner.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..config import ModelConfig, ParallelConfig
 from .hardware import Hardware
@@ -234,8 +235,13 @@ def micro_batch_times(m: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
                       ) -> dict[str, float]:
     """Seconds of one micro-batch on a pipeline rank with ``layers`` blocks: fwd, bwd,
     recompute, and the parts communication can hide behind (gemm, attn_core), memory-bound."""
+    return dict(_micro_batch_times(m, par, b, hw, layers, first, last, opts or ClockOptions()))
+
+
+@lru_cache(maxsize=65536)
+def _micro_batch_times(m: ModelConfig, par: ParallelConfig, b: int, hw: Hardware, layers: int,
+                       first: bool, last: bool, opts: ClockOptions) -> dict[str, float]:
     p = par.precision
-    opts = opts or ClockOptions()
     blk = block_ops(m, par, b, opts)
     ext = stage_extra_ops(m, par, b, first, last)
     f_blk = _seconds(blk["fwd"], hw, p)
