@@ -59,7 +59,9 @@ def published_flops_per_token(m: ModelConfig, convention: str) -> float:
     raise ValueError(f"unknown FLOP convention {convention!r}")
 
 
-def _virtual(rule: str, layers: int, pp: int) -> int:
+def _virtual(rule, layers: int, pp: int) -> int:
+    if isinstance(rule, int):
+        return rule if pp > 1 else 1
     if pp == 1 or rule != "max-divisor-8":
         return 1
     per = layers // pp
@@ -78,19 +80,26 @@ def load(path: Path | str = RUNS) -> list[Run]:
         h = md["hidden"]
         m = ModelConfig(name=row["name"], vocab=kv["vocab"], hidden=h, layers=md["layers"],
                         heads=md["heads"], kv_heads=md.get("kv_heads", md["heads"]),
-                        ffn=md.get("ffn", kv.get("ffn_mult", 4) * h), seq_len=kv["seq_len"],
+                        ffn=md.get("ffn", kv.get("ffn_mult", 4) * h),
+                        seq_len=md.get("seq_len", kv.get("seq_len")),
                         # with pp > 1 Megatron keeps the tied embedding's copy on the last
                         # stage (a separate head, as an untied model; fived refuses tied + pp)
                         tied_embeddings=kv.get("tied_embeddings", False)
                         and row["parallel"].get("pp", 1) == 1,
-                        mlp=kv.get("mlp", "swiglu"), positions=kv.get("positions", "rope"),
+                        mlp=md.get("mlp", kv.get("mlp", "swiglu")),
+                        positions=kv.get("positions", "rope"),
                         norm=kv.get("norm", "rmsnorm"), bias=kv.get("bias", False))
         pd = row["parallel"]
         tp, pp, dp = pd.get("tp", 1), pd.get("pp", 1), pd.get("dp", 1)
         b = kv.get("micro_batch", 1)
         per_replica = row["global_batch"] // dp
         v = _virtual(kv.get("virtual", ""), m.layers, pp)
-        par = ParallelConfig(
+        split: tuple[int, ...] = ()
+        if kv.get("pp_layers_rule") == "first-last-minus-one" and pp > 1:
+            n = pp * v  # the first and the last (virtual) stage hold one layer less
+            per = (m.layers + 2) // n
+            split = (per - 1,) + (per,) * (n - 2) + (per - 1,)
+        par = ParallelConfig(pp_layers=split,
             tp=tp, pp=pp, dp=dp, cp=pd.get("cp", 1), zero=kv.get("zero", 0),
             schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v,
             micro_batches=per_replica // b, sequence_parallel=kv.get("sequence_parallel", False)
