@@ -101,7 +101,8 @@ def clock_options(args: argparse.Namespace):
 
     eager = args.gpu == "this-machine"  # the fived runtime's attention: scores in memory
     return ClockOptions(attention="materialised" if eager or args.attention == "materialised"
-                        else "flash", tp_overlap=args.tp_overlap, fused=not eager)
+                        else "flash", tp_overlap=args.tp_overlap, fused=not eager,
+                        comm_overlap=not eager)
 
 
 def global_batch(args: argparse.Namespace, res: flags.Resolved) -> int:

@@ -8,7 +8,10 @@ each with the runtime's threads per rank), each process times
   t = overhead + 2MNK / (P · Π_d d/(d + d0)) per d0 on a grid (P the median of what each
   shape implies; the d0 with the smallest median relative error wins): P is the ceiling
   (peak_fp32 with gemm_eff = 1), d0 the curve's half-saturation dimension;
-* an element-wise add over 32 MB (read 2, write 1): the memory bandwidth (mem_eff = 1).
+* an element-wise add over 32 MB (read 2, write 1): the memory bandwidth (mem_eff = 1);
+* the runtime model (``fived.model``) at a tiny width with 1 and 3 blocks, forward and
+  backward: what the eager runtime costs beyond its kernels, per block and per stage (the
+  per-op ``overhead`` is then 0: it is inside these and inside the timed GEMMs).
 
 The link (α, β) comes from ``fived bench comm --json`` (``--bench-json``), else a gloo-like
 guess (``fived.ledger.hardware.this_machine``). The medians over the ranks are used.
@@ -60,7 +63,35 @@ def sweep(seconds: float = 0.03, shapes: list | None = None) -> dict:
 
 
 def _rank_sweep(rank: int, world: int, seconds: float, shapes: list | None) -> dict:
-    return sweep(seconds, shapes)
+    out = sweep(seconds, shapes)
+    if shapes is None:
+        out["framework"] = framework_overhead(seconds)
+    return out
+
+
+def framework_overhead(seconds: float = 0.03) -> tuple[float, float]:
+    """(per block, per stage) seconds of the runtime model's forward + backward beyond its
+    kernels: ``fived.model`` at a tiny width (2 tokens, hidden 8) with 1 and 3 blocks, where
+    every kernel is ~free and what remains is dispatch and autograd."""
+    import torch
+
+    from ..config import ModelConfig
+    from ..model.llama import build_model
+
+    times = {}
+    for layers in (1, 3):
+        cfg = ModelConfig(name="probe", vocab=8, hidden=8, layers=layers, heads=2, kv_heads=1,
+                          ffn=8, seq_len=2)
+        model = build_model(cfg, 0)
+        x = torch.zeros(1, 2, dtype=torch.long)
+        pos = torch.arange(2)
+
+        def step(model=model, x=x, pos=pos):
+            model(x, pos, x).backward()
+
+        times[layers] = _time(step, seconds * 2)
+    block = max((times[3] - times[1]) / 2, 0.0)
+    return block, max(times[1] - block, 0.0)
 
 
 def fit_gemm(rows: list[tuple[int, int, int, float]], overhead: float) -> dict:
@@ -99,6 +130,7 @@ def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float =
         torch.set_num_threads(threads_per_rank(1))
         try:
             outs = [sweep(seconds)]
+            outs[0]["framework"] = framework_overhead(seconds)
             tabs = [sweep(seconds, shapes)] if shapes else []
         finally:
             torch.set_num_threads(old)
@@ -108,11 +140,16 @@ def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float =
     bw = statistics.median(o["bw"] for o in outs)
     table = tuple((*shapes[i], statistics.median(o["rows"][i][3] for o in tabs))
                   for i in range(len(shapes))) if shapes else ()
-    return replace(base, gemm_table=table, peak_flops=fit["peak"], peak_fp32=fit["peak"], gemm_eff=1.0,
-                   gemm_d0=fit["d0"], overhead=fit["overhead"], hbm_bw=bw, mem_eff=1.0,
+    block = statistics.median(o["framework"][0] for o in outs)
+    stage = statistics.median(o["framework"][1] for o in outs)
+    return replace(base, gemm_table=table, block_overhead=block, stage_overhead=stage,
+                   peak_flops=fit["peak"], peak_fp32=fit["peak"], gemm_eff=1.0,
+                   gemm_d0=fit["d0"], overhead=0.0, hbm_bw=bw, mem_eff=1.0,
                    attn_eff=1.0, cores=ranks,
                    note=base.note + f"; fp32 matmul sweep on {ranks} rank(s): ceiling "
-                   f"{fit['peak'] / 1e9:.1f} GFLOP/s, d0 {fit['d0']:g}, overhead "
-                   f"{fit['overhead'] * 1e6:.1f} µs/op (median error {fit['error']:.0%}); "
+                   f"{fit['peak'] / 1e9:.1f} GFLOP/s, d0 {fit['d0']:g}, "
+                   f"{fit['overhead'] * 1e6:.1f} µs per matmul call (median error "
+                   f"{fit['error']:.0%}); runtime overhead {block * 1e3:.2f} ms per block, "
+                   f"{stage * 1e3:.2f} ms per stage; "
                    f"memory {bw / 1e9:.1f} GB/s"
                    + (f"; {len(table)} GEMM shapes of the layout timed" if table else ""))

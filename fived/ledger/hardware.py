@@ -50,6 +50,11 @@ class Hardware:
     # this-machine: measured (M, N, K, seconds per call) of the shapes a layout runs; a GEMM
     # found here takes its measured time (overhead included) instead of the curve's
     gemm_table: tuple[tuple[float, float, float, float], ...] = ()
+    # this-machine: the eager runtime's own cost beyond its kernels, measured on a tiny model
+    # (fived.cli.machine): seconds per block per micro-batch (forward + backward), and per
+    # micro-batch for the embedding, head and loss; the per-op ``overhead`` is then 0
+    block_overhead: float = 0.0
+    stage_overhead: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

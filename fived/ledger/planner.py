@@ -232,10 +232,11 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
     if clock.tp_overlap:  # chunked collectives run under the matmuls they feed
         tp = max(0.0, tp - ct["gemm"])
     ep = sum(v for (g, _), v in per.items() if g == "ep") / mb
-    cp = max(0.0, sum(v for (g, _), v in per.items() if g == "cp") / mb - 3 * attn_core)
+    cp = sum(v for (g, _), v in per.items() if g == "cp") / mb
+    cp = max(0.0, cp - 3 * attn_core) if clock.comm_overlap else cp
     pp = sum(v for (g, _), v in per.items() if g == "pp") / mb
     dp_groups = ("dense", "expert")
-    overlap = par.overlap
+    overlap = par.overlap and clock.comm_overlap
     zero_mb = 0.0
     dp_step = 0.0
     if par.zero == 3:

@@ -14,7 +14,9 @@ sequence parallelism the norms and residuals see T/tp of them. Each operation is
            RoPE on q and k, SiLU·mul (read 2, write 1) or GELU (read, write), the embedding
            gather, the cross-entropy over the logits; backward moves twice the forward's bytes
 
-plus ``overhead`` seconds per operation (kernel launch on a GPU, Python dispatch on a CPU).
+plus ``overhead`` seconds per operation (kernel launch on a GPU). On this machine (``--gpu
+this-machine``) the eager runtime's own cost is measured instead, per block and per stage
+(``block_overhead``, ``stage_overhead``: a tiny model's forward and backward).
 e is the compute dtype's bytes; peak the dense bf16 (or fp32) matmul FLOP/s; bw the HBM
 bandwidth. The cuts follow the runtime: q/o and the MLP are cut tp ways, k/v
 min(tp, kv_heads) ways; routed experts are whole on every tp rank and see T·top_k·ep/E tokens
@@ -54,6 +56,7 @@ class ClockOptions:
     attention: str = "flash"  # flash | materialised (the fived runtime's eager attention)
     tp_overlap: bool = False  # TP collectives hidden behind the GEMMs (Megatron --tp-comm-overlap)
     fused: bool = True  # element-wise work in fused kernels (GPU stacks); False: eager PyTorch
+    comm_overlap: bool = True  # False: communication shares the compute's cores (a CPU), exposed
 
 
 # Eager PyTorch (the fived runtime on a CPU) runs each element-wise step as its own kernel:
@@ -247,9 +250,11 @@ def _micro_batch_times(m: ModelConfig, par: ParallelConfig, b: int, hw: Hardware
     f_blk = _seconds(blk["fwd"], hw, p)
     b_blk = _seconds(blk["bwd"], hw, p)
     core = _seconds(blk["core_fwd"], hw, p)
+    # the eager runtime's own cost (this-machine): a third in the forward, two in the backward
+    over = layers * hw.block_overhead + (hw.stage_overhead if first or last else 0.0)
     out = {
-        "fwd": layers * f_blk + _seconds(ext["fwd"], hw, p),
-        "bwd": layers * b_blk + _seconds(ext["bwd"], hw, p),
+        "fwd": layers * f_blk + _seconds(ext["fwd"], hw, p) + over / 3,
+        "bwd": layers * b_blk + _seconds(ext["bwd"], hw, p) + 2 * over / 3,
         "attn_core": layers * core,
         "gemm": layers * (_seconds(blk["fwd"], hw, p, "gemm") + _seconds(blk["bwd"], hw, p,
                                                                           "gemm")),
