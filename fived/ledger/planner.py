@@ -2,12 +2,13 @@
 
 Time model of one optimizer step on the slowest pipeline rank (every term is reported):
 
-    t_f      forward FLOPs of the rank's micro-batch / (peak · efficiency)   (model convention,
-             attention not causal-halved, so MFU ≤ efficiency by construction)
-    t_b      2·t_f;   t_rc  the recompute FLOPs (full: + the layers' forward; selective: + the
-             attention core's forward) at the same rate
+    t_f, t_b, t_rc   the rank's forward, backward and recompute (full: the blocks' forward
+             again; selective: the attention core's) of one micro-batch: the roofline clock
+             (``roofline.micro_batch_times``: every op at its shape), or with ``efficiency``
+             the old flat clock (forward FLOPs / (peak · efficiency), backward 2×)
     per micro-batch, exposed (not overlapped) communication:
-      tp     every TP/SP collective (it sits between two matmuls that need its result)
+      tp     every TP/SP collective (it sits between two matmuls that need its result);
+             with ``ClockOptions.tp_overlap`` max(0, tp − the GEMM time)
       ep     every all-to-all (dispatch and combine block the experts)
       cp     max(0, ring time − attention-core time): the next K/V block moves while this one
              is used
@@ -21,11 +22,14 @@ Time model of one optimizer step on the slowest pipeline rank (every term is rep
            ZeRO-1/2 parameter all-gather the first micro-batch's forward (``--no-overlap``:
            fully exposed); exposed = max(0, comm − window)
     opt    optimizer step: 2 · model-state bytes / HBM bandwidth (read and write once)
+    (with ``ClockOptions.comm_overlap`` False — a CPU, where gloo shares the cores — nothing
+    is hidden: dp and cp are fully exposed)
     T_step = T_pipe + dp + opt;  tokens/s = global tokens / T_step;
     MFU    = model FLOPs per token · tokens/s / (world · peak)
 
 Each collective costs ``hardware.collective_seconds`` on the intra-node link when its group
-sits inside one node, else on the inter-node link.
+sits inside one node, else on the inter-node link at g × one NIC's bandwidth, g = the group's
+ranks per node (NCCL runs a ring per NIC; ``ranks_per_node``).
 
 The planner enumerates (tp, cp, pp, v, dp, ep, zero, micro-batch size, recompute), keeps what
 ``fived.config.validate`` accepts, discards what breaks the iron rule (tp·cp ranks — the groups
