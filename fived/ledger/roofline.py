@@ -83,13 +83,20 @@ def _table_seconds(op: Op, hw: Hardware) -> float | None:
         return None
     import math
 
-    m, n, k = op.dims
+    m, n, k = _table_dims(op)
 
     def dist(row):
         return sum(abs(math.log(max(a, 1.0) / max(b, 1.0))) for a, b in zip(row[:3], (m, n, k)))
 
     row = min(hw.gemm_table, key=dist)
-    return op.count * row[3] * (m * n * k) / (row[0] * row[1] * row[2])
+    return row[3] * (m * n * k) / (row[0] * row[1] * row[2])
+
+
+def _table_dims(op: Op) -> tuple[float, float, float]:
+    """A batched GEMM (count > 1: per-head scores, experts) runs as one call: timed as one
+    GEMM of the same FLOPs, (count·M) × K by K × N."""
+    m, n, k = op.dims
+    return (m * op.count, n, k)
 
 
 def op_seconds(op: Op, hw: Hardware, precision: str) -> float:
@@ -224,8 +231,8 @@ def gemm_shapes(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions 
     """Every distinct GEMM shape (M, N, K) one micro-batch runs on any pipeline rank."""
     ops = block_ops(m, par, b, opts or ClockOptions())
     ext = stage_extra_ops(m, par, b, True, True)
-    out = {tuple(int(round(d)) for d in o.dims) for o in ops["fwd"] + ops["bwd"] + ext["fwd"]
-           + ext["bwd"] if o.kind == "gemm"}
+    out = {tuple(int(round(d)) for d in _table_dims(o)) for o in ops["fwd"] + ops["bwd"]
+           + ext["fwd"] + ext["bwd"] if o.kind == "gemm"}
     return sorted(out)
 
 
