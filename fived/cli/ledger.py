@@ -84,7 +84,8 @@ def check_cluster(args: argparse.Namespace) -> None:
         raise ConfigError(problems)
 
 
-def hardware(args: argparse.Namespace, ranks: int = 1, shapes: list | None = None):
+def hardware(args: argparse.Namespace, ranks: int = 1, shapes: list | None = None,
+             par=None):
     """The preset, or for ``this-machine`` a measured one (``fived.cli.machine``; ``shapes``:
     the layout's GEMMs, timed as they will run)."""
     from ..ledger import hardware as H
@@ -92,7 +93,7 @@ def hardware(args: argparse.Namespace, ranks: int = 1, shapes: list | None = Non
     if args.gpu == "this-machine":
         from .machine import this_machine
 
-        return this_machine(args.bench_json, ranks=ranks, shapes=shapes)
+        return this_machine(args.bench_json, ranks=ranks, shapes=shapes, par=par)
     return H.get(args.gpu, args.bench_json)
 
 
@@ -197,7 +198,7 @@ def main(argv: list[str]) -> int:
         print(f"fived ledger: measuring this machine on {world} rank(s) ...", flush=True,
               file=sys.stderr)
         shapes = gemm_shapes(m, par, micro_batch_size(par, gb), clock_options(args))
-    hw = hardware(args, world, shapes)
+    hw = hardware(args, world, shapes, par if args.gpu == "this-machine" else None)
     gpn = args.gpus_per_node or hw.gpus_per_node
     from ..ledger import memory as M
 

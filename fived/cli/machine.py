@@ -11,7 +11,10 @@ each with the runtime's threads per rank), each process times
 * an element-wise add over 32 MB (read 2, write 1): the memory bandwidth (mem_eff = 1);
 * the runtime model (``fived.model``) at a tiny width with 1 and 3 blocks, forward and
   backward: what the eager runtime costs beyond its kernels, per block and per stage (the
-  per-op ``overhead`` is then 0: it is inside these and inside the timed GEMMs).
+  per-op ``overhead`` is then 0: it is inside these and inside the timed GEMMs);
+* with a layout (``par``, from ``fived ledger``): ``fived train``'s own step of a one-block
+  width-8 model in that layout, less its block and stage: the trainer's per-step cost
+  outside the model (data slicing, gradient reduction and clipping, the optimizer's Python).
 
 The link (α, β) comes from ``fived bench comm --json`` (``--bench-json``), else a gloo-like
 guess (``fived.ledger.hardware.this_machine``). The medians over the ranks are used.
@@ -109,8 +112,39 @@ def fit_gemm(rows: list[tuple[int, int, int, float]], overhead: float) -> dict:
     return best
 
 
+def _probe_model():
+    from ..config import ModelConfig
+
+    return ModelConfig(name="probe", vocab=8, hidden=8, layers=1, heads=2, kv_heads=1, ffn=8,
+                       seq_len=2)
+
+
+def step_overhead(par, steps: int = 5) -> float | None:
+    """The trainer's per-step cost outside the model: ``fived train`` of a one-block model of
+    width 8 in this layout (the median step after the first), or None when the layout does
+    not fit such a model."""
+    from dataclasses import replace as dc_replace
+
+    from ..config import ConfigError, TrainConfig, validate
+    from ..dist.launch import run_local
+    from ..train.trainer import train_rank
+
+    m = _probe_model()
+    per_replica = par.micro_batches
+    train = TrainConfig(model="probe", steps=steps, global_batch=par.dp * par.ep * per_replica,
+                        warmup=0)
+    p = dc_replace(par, pp_layers=())
+    try:
+        validate(m, p, train, p.world_size)
+    except ConfigError:
+        return None
+    outs = run_local(train_rank, p.world_size, (m, p, train, False), timeout=600.0)
+    secs = [h["seconds"] for h in outs[0]["history"][1:]]
+    return statistics.median(secs)
+
+
 def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float = 0.03,
-                 shapes: list | None = None):
+                 shapes: list | None = None, par=None):
     """The measured preset (``fived.ledger.hardware.Hardware``) for ``ranks`` local ranks;
     with ``shapes`` (``roofline.gemm_shapes`` of a layout) those GEMMs are timed too and kept
     as the preset's ``gemm_table``."""
@@ -142,7 +176,11 @@ def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float =
                   for i in range(len(shapes))) if shapes else ()
     block = statistics.median(o["framework"][0] for o in outs)
     stage = statistics.median(o["framework"][1] for o in outs)
+    step = step_overhead(par) if par is not None else None
+    # the probe's own block and stage run every micro-batch: what is left is per step
+    step = max(0.0, step - par.micro_batches * (block + stage)) if step is not None else 0.0
     return replace(base, gemm_table=table, block_overhead=block, stage_overhead=stage,
+                   step_overhead=step,
                    peak_flops=fit["peak"], peak_fp32=fit["peak"], gemm_eff=1.0,
                    gemm_d0=fit["d0"], overhead=0.0, hbm_bw=bw, mem_eff=1.0,
                    attn_eff=1.0, cores=ranks,
@@ -150,6 +188,6 @@ def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float =
                    f"{fit['peak'] / 1e9:.1f} GFLOP/s, d0 {fit['d0']:g}, "
                    f"{fit['overhead'] * 1e6:.1f} µs per matmul call (median error "
                    f"{fit['error']:.0%}); runtime overhead {block * 1e3:.2f} ms per block, "
-                   f"{stage * 1e3:.2f} ms per stage; "
+                   f"{stage * 1e3:.2f} ms per stage, {step * 1e3:.1f} ms per step; "
                    f"memory {bw / 1e9:.1f} GB/s"
                    + (f"; {len(table)} GEMM shapes of the layout timed" if table else ""))

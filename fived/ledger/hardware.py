@@ -55,6 +55,7 @@ class Hardware:
     # micro-batch for the embedding, head and loss; the per-op ``overhead`` is then 0
     block_overhead: float = 0.0
     stage_overhead: float = 0.0
+    step_overhead: float = 0.0  # this-machine: the trainer's per-step cost outside the model
 
     def as_dict(self) -> dict:
         return asdict(self)

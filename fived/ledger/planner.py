@@ -262,13 +262,14 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
         t_opt = R.optimizer_seconds(mem.states_total, hw)
     else:
         t_opt = 2.0 * mem.states_total / hw.hbm_bw
-    step = (mb + ticks) * t_mb + dp_step + t_opt
+    step = (mb + ticks) * t_mb + dp_step + t_opt + hw.step_overhead
     mem_bound = mb * ct["memory_bound"]
     times = {
         "compute": mb * (t_f + t_b) - mem_bound, "memory_bound": mem_bound,
         "recompute": mb * t_rc, "tp": mb * tp, "ep": mb * ep,
         "cp": mb * cp, "pp_p2p": mb * pp, "zero_per_micro": mb * zero_mb,
         "bubble": ticks * t_mb, "dp": dp_step, "optimizer": t_opt,
+        "runtime": hw.step_overhead,
     }
     tokens = global_batch * m.seq_len
     tps = tokens / step
