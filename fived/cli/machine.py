@@ -115,7 +115,8 @@ def fit_gemm(rows: list[tuple[int, int, int, float]], overhead: float) -> dict:
 def _probe_model():
     from ..config import ModelConfig
 
-    return ModelConfig(name="probe", vocab=8, hidden=8, layers=1, heads=2, kv_heads=1, ffn=8,
+    # vocabulary 256: the built-in corpus is bytes
+    return ModelConfig(name="probe", vocab=256, hidden=8, layers=1, heads=2, kv_heads=1, ffn=8,
                        seq_len=2)
 
 
