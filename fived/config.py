@@ -46,6 +46,9 @@ COLLECTIVES = ("backend", "ring")
 ZERO_ALIGN = ("none", "rows")
 OPTIMIZERS = ("adamw", "adafactor", "muon", "rownorm")
 MASTER_WEIGHTS = ("fp32", "none", "sr", "kahan")
+MLPS = ("swiglu", "gelu")  # Llama's gated MLP (3 matrices) | GPT's (2 matrices)
+POSITIONS = ("rope", "learned")  # rotary | a learned position table (GPT)
+NORMS = ("rmsnorm", "layernorm")  # gain only | gain and bias (GPT)
 DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
 DEFAULT_WORLD = 4  # ranks `fived train` starts when nothing says otherwise
 
@@ -84,6 +87,16 @@ class ModelConfig:
     capacity_factor: float = spec(0.0, "expert capacity factor (0: dropless)", flag="", ge=0)
     aux_loss_coef: float = spec(0.01, "load-balancing loss weight", flag="", ge=0)
     z_loss_coef: float = spec(0.001, "router z-loss weight", flag="", ge=0)
+    # GPT-style shapes: the ledger describes them (exact parameter counts, FLOPs, time); the
+    # runtime trains the Llama-style defaults only (``check_runtime_model``). Multi-head vs
+    # grouped-query attention is kv_heads == heads vs fewer.
+    mlp: str = spec("swiglu", "MLP: swiglu (gate, up, down: Llama) or gelu (up, down: GPT)",
+                    choices=MLPS)
+    positions: str = spec("rope", "positions: rope (rotary) or learned (a seq_len × hidden "
+                                  "table, GPT)", choices=POSITIONS)
+    norm: str = spec("rmsnorm", "norms: rmsnorm (gain) or layernorm (gain and bias, GPT)",
+                     choices=NORMS)
+    bias: bool = spec(False, "a bias on every linear layer but the head (GPT)")
 
     @property
     def head_dim(self) -> int:
@@ -352,6 +365,17 @@ def validate(
         raise ConfigError(p)
 
 
+def check_runtime_model(model: ModelConfig) -> None:
+    """What ``fived train`` can build: the Llama-style decoder (``fived.model``). The GPT-style
+    shape fields are for the ledger; a run that asks for them gets one ConfigError."""
+    p = [f"{flag_of('model', k)} {getattr(model, k)}: the runtime model is Llama-style "
+         f"({want}); the ledger and planner describe this shape, `fived train` does not build it"
+         for k, want in (("mlp", "swiglu"), ("positions", "rope"), ("norm", "rmsnorm"),
+                         ("bias", False)) if getattr(model, k) != want]
+    if p:
+        raise ConfigError(p)
+
+
 def _check_world(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
                  ) -> None:
     if world is not None and world != par.world_size:
@@ -368,8 +392,10 @@ def _check_shapes(p: list[str], model: ModelConfig, par: ParallelConfig, world: 
         p.append(f"hidden {model.hidden} is not divisible by heads {model.heads}")
     if model.heads % model.kv_heads:
         p.append(f"heads {model.heads} is not divisible by kv_heads {model.kv_heads}")
-    if model.head_dim % 2:
+    if model.head_dim % 2 and model.positions == "rope":
         p.append(f"head_dim {model.head_dim} must be even for RoPE")
+    if model.is_moe and model.mlp != "swiglu":
+        p.append(f"--mlp {model.mlp} with experts: MoE experts are SwiGLU; use --mlp swiglu")
 
 
 def _check_tp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None) -> None:

@@ -53,8 +53,11 @@ def cluster_flags(ap: argparse.ArgumentParser) -> None:
                    help="tokens per optimizer step, e.g. 4M (= 4·2^20): sets --global-batch to "
                         "tokens / seq_len (default: use --global-batch)")
     g = ap.add_argument_group("assumptions of the time model")
-    g.add_argument("--efficiency", type=float, default=0.7, metavar="X",
-                   help="sustained fraction of peak FLOP/s in the matmuls (default: 0.7)")
+    g.add_argument("--efficiency", type=float, default=None, metavar="X",
+                   help="the old flat clock: every matmul at this fraction of peak (default: "
+                        "the roofline clock, each op at its shape; docs/ledger.md)")
+    g.add_argument("--tp-overlap", action="store_true",
+                   help="TP collectives run under the matmuls (Megatron's --tp-comm-overlap)")
     g.add_argument("--mem-fraction", type=float, default=0.9, metavar="X",
                    help="fraction of device memory a layout may use (default: 0.9)")
     g.add_argument("--attention", default="flash", choices=["flash", "materialised"],
@@ -75,16 +78,32 @@ def check_cluster(args: argparse.Namespace) -> None:
             except ConfigError as e:
                 problems += e.problems
     for flag, v in (("--efficiency", args.efficiency), ("--mem-fraction", args.mem_fraction)):
-        if not 0 < v <= 1:
+        if v is not None and not 0 < v <= 1:
             problems.append(f"{flag} must be in (0, 1] (got {v:g})")
     if problems:
         raise ConfigError(problems)
 
 
-def hardware(args: argparse.Namespace):
+def hardware(args: argparse.Namespace, ranks: int = 1, shapes: list | None = None,
+             par=None):
+    """The preset, or for ``this-machine`` a measured one (``fived.cli.machine``; ``shapes``:
+    the layout's GEMMs, timed as they will run)."""
     from ..ledger import hardware as H
 
+    if args.gpu == "this-machine":
+        from .machine import this_machine
+
+        return this_machine(args.bench_json, ranks=ranks, shapes=shapes, par=par)
     return H.get(args.gpu, args.bench_json)
+
+
+def clock_options(args: argparse.Namespace):
+    from ..ledger.roofline import ClockOptions
+
+    eager = args.gpu == "this-machine"  # the fived runtime's attention: scores in memory
+    return ClockOptions(attention="materialised" if eager or args.attention == "materialised"
+                        else "flash", tp_overlap=args.tp_overlap, fused=not eager,
+                        comm_overlap=not eager)
 
 
 def global_batch(args: argparse.Namespace, res: flags.Resolved) -> int:
@@ -125,6 +144,14 @@ def parser() -> argparse.ArgumentParser:
                         "run (model, layout, precision, global batch), which is then used and "
                         "the layout flags are ignored; for a file without it, give the run's "
                         "flags (the defaults are `fived train`'s)")
+    g.add_argument("--validate", action="store_true",
+                   help="the clock against published runs (fived/ledger/runs.toml): MFU "
+                        "predicted vs published, throughput ratio, the median and worst error")
+    g.add_argument("--refit", action="store_true",
+                   help="with --validate: rerun the grid search of the clock's global "
+                        "constants and show the best (the presets keep theirs)")
+    g.add_argument("--plot", default=None, metavar="PNG",
+                   help="with --validate: write the predicted-vs-published MFU figure")
     g.add_argument("--train-tokens", default="1T", metavar="N",
                    help="token budget for the time wall, decimal (default: 1T = 1e12)")
     return ap
@@ -132,6 +159,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if args.validate:
+        from .validate import main as validate_main
+
+        return validate_main(args)
     res = flags.configs(args)
     if res.train.data:  # the run's vocabulary is its tokenizer's, padded (fived.data.meta)
         from ..data.meta import model_for_data
@@ -162,16 +193,27 @@ def main(argv: list[str]) -> int:
     except ValueError:
         raise ConfigError([f"--train-tokens {args.train_tokens!r}: give a count like 1T or 2e12"]
                           ) from None
-    hw = hardware(args)
+    shapes = None
+    if args.gpu == "this-machine":
+        import sys
+
+        from ..ledger.roofline import gemm_shapes
+        from ..ledger.traffic import micro_batch_size
+
+        print(f"fived ledger: measuring this machine on {world} rank(s) ...", flush=True,
+              file=sys.stderr)
+        shapes = gemm_shapes(m, par, micro_batch_size(par, gb), clock_options(args))
+    hw = hardware(args, world, shapes, par if args.gpu == "this-machine" else None)
     gpn = args.gpus_per_node or hw.gpus_per_node
     from ..ledger import memory as M
 
-    if args.eager_activations:
-        opts = M.ActivationOptions(args.attention, kv_repeat=True, fused_norm=False)
+    if args.eager_activations or args.gpu == "this-machine":  # the fived runtime's kernels
+        opts = M.ActivationOptions("materialised" if args.gpu == "this-machine" else
+                                   args.attention, kv_repeat=True, fused_norm=False)
     else:
         opts = M.ActivationOptions(args.attention, kv_repeat=False, fused_norm=True)
     doc = ledger_document(m, par, hw, gb, gpn, args.efficiency, args.mem_fraction, opts,
-                          train_tokens, train.optimizer)
+                          train_tokens, train.optimizer, clock_options(args))
     if args.json:
         report.print_json(doc)
         return 0
@@ -207,8 +249,8 @@ def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: boo
 
 
 def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,
-                    gpn: int, efficiency: float, mem_fraction: float,
-                    opts, train_tokens: float, optimizer: str = "adamw") -> dict:
+                    gpn: int, efficiency: float | None, mem_fraction: float,
+                    opts, train_tokens: float, optimizer: str = "adamw", clock=None) -> dict:
     """Everything ``fived ledger`` prints, as one JSON-able dict."""
     from ..ledger import bubble as B
     from ..ledger import compute as C
@@ -220,7 +262,8 @@ def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,
     n = P.total_params(m)
     counts = P.param_counts(m)
     b = micro_batch_size(par, global_batch)
-    pr = PL.predict(m, par, hw, global_batch, gpn, efficiency, mem_fraction, opts, optimizer)
+    pr = PL.predict(m, par, hw, global_batch, gpn, efficiency, mem_fraction, opts, optimizer,
+                    clock)
     ranks = P.all_rank_params(m, par)
     fwd = C.forward_flops_per_token(m)
     attn = C.attention_flops_per_token(m)
@@ -346,7 +389,9 @@ def print_ledger(doc: dict, m: ModelConfig, par: ParallelConfig, hw, wide: bool 
     report.show(con, t)
 
     tm = doc["time"]
-    t = report.table(f"time per step (efficiency {tm['efficiency']:.0%} of peak in matmuls)",
+    how = (f"flat: {tm['efficiency']:.0%} of peak in matmuls" if tm["efficiency"] else
+           "roofline clock: each op at its shape")
+    t = report.table(f"time per step ({how})",
                      [("component", "l"), ("seconds", "r"), ("share", "r")])
     for k, v in tm["components"].items():
         if v:

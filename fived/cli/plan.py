@@ -21,7 +21,7 @@ from ..config import (
     validate,
 )
 from . import flags, report
-from .ledger import check_cluster, cluster_flags, global_batch, hardware
+from .ledger import check_cluster, clock_options, cluster_flags, global_batch, hardware
 from .report import fmt_b, fmt_n, fmt_s
 
 PLAN_EXAMPLES = """examples:
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     from ..ledger import params as P
     from ..ledger import planner as PL
 
-    hw = hardware(args)
+    hw = hardware(args, gpus)
     gpn = args.gpus_per_node or hw.gpus_per_node
     gb = train.global_batch
     con = None
@@ -127,7 +127,8 @@ def main(argv: list[str]) -> int:
                   f"{par.grad_reduce_dtype} gradients · "
                   f"{', '.join(_optimizers(args, train))}")
     res_ = PL.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
-                   precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype,
+                   clock=clock_options(args), precision=par.precision,
+                   grad_reduce_dtype=par.grad_reduce_dtype,
                    optimizer=_optimizers(args, train), **space)
     top = res_.ranked[:args.top]
     if args.json:
@@ -174,6 +175,7 @@ def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
             f": the smallest needs {fmt_b(s.memory.total)} ({s.name()})" if s else ""))
         return 1
     _print_top(con, top, args.wide)
+    _print_time_split(con, top[:3])
     con.print("[bold]why the best one wins[/]")
     report.bullets(con, res_.reasons)
     con.print("run the ledger of the winner:")
@@ -214,6 +216,28 @@ def _print_top(con, top, wide: bool) -> None:
         con.print("[dim]layout: degrees, v (interleaving), ZeRO stage, sp, b (sequences per "
                   "micro-batch), rc (recompute); mem/rank: the largest rank. --wide: "
                   "micro-batches, bubble, traffic per group, tokens/s; --json: all of it[/]")
+
+
+SPLIT = (("compute", ("compute",)), ("membw", ("memory_bound",)), ("recomp", ("recompute",)),
+         ("tp", ("tp",)), ("cp", ("cp",)), ("ep", ("ep",)), ("pp", ("pp_p2p",)),
+         ("dp", ("dp", "zero_per_micro")), ("bubble", ("bubble",)), ("opt", ("optimizer",)))
+
+
+def _print_time_split(con, top) -> None:
+    """Where each of the best layouts' step goes (the roofline clock's components)."""
+    t = report.table("where the time goes (share of the step; exposed communication only)",
+                     [("#", "r")] + [(name, "r") for name, _ in SPLIT])
+    for i, p in enumerate(top, 1):
+        t.add_row(str(i), *(_share(p, keys) for _, keys in SPLIT))
+    report.show(con, t)
+    con.print("[dim]compute: matmuls and attention; membw: memory-bound ops (norms, RoPE, "
+              "activations, loss); tp..dp: communication not hidden behind compute; opt: the "
+              "optimizer step (docs/ledger.md)[/]")
+
+
+def _share(p, keys) -> str:
+    v = sum(p.times.get(k, 0.0) for k in keys)
+    return f"{v / p.step_seconds:.0%}" if v > 0 else "-"
 
 
 def _flags(p) -> str:

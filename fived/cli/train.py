@@ -11,7 +11,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..config import ConfigError, check_count, check_outputs, fill_dp, validate
+from ..config import ConfigError, check_count, check_outputs, check_runtime_model, fill_dp, validate
 from ..data.meta import check_data_run, model_for_data
 from ..dist.launch import torchrun_env
 from . import flags
@@ -86,6 +86,7 @@ def main(argv: list[str]) -> int:
     if train.init_from or train.resume or train.save_dir:
         model, train = checkpoint_inputs(model, train, res.given)
     validate(model, par, train, world)
+    check_runtime_model(model)
     check_data_run(model, model.seq_len, train)
     if args.print_config:
         return flags.print_config(replace(res, par=par), f"fived train: {world} rank(s)")

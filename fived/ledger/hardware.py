@@ -30,7 +30,7 @@ GB = 1e9
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    peak_flops: float  # dense bf16 FLOP/s per device
+    peak_flops: float  # dense bf16 FLOP/s per device (tensor cores, no sparsity)
     memory: float  # bytes per device
     hbm_bw: float  # bytes/s device memory bandwidth
     intra_bw: float  # bytes/s per rank, inside a node
@@ -39,28 +39,81 @@ class Hardware:
     inter_latency: float  # seconds per ring step, between nodes
     gpus_per_node: int = 8
     note: str = ""
+    # --- what the roofline clock (``fived.ledger.roofline``) needs
+    peak_fp32: float = 0.0  # FLOP/s of fp32 matmuls (0: peak_flops / 16)
+    gemm_eff: float = 0.80  # the largest square GEMMs' fraction of peak (the curve's ceiling)
+    gemm_d0: float = 128.0  # each GEMM dimension d costs a factor d / (d + d0)
+    attn_eff: float = 0.55  # flash attention's fraction of peak (forward; backward alike)
+    mem_eff: float = 0.80  # achievable fraction of hbm_bw for element-wise kernels
+    overhead: float = 0.0  # seconds per kernel/op beyond its roofline time (launch, dispatch)
+    cores: int = 0  # this-machine: CPU cores the ranks share (0: a device per rank)
+    # this-machine: measured (M, N, K, seconds per call) of the shapes a layout runs; a GEMM
+    # found here takes its measured time (overhead included) instead of the curve's
+    gemm_table: tuple[tuple[float, float, float, float], ...] = ()
+    # this-machine: the eager runtime's own cost beyond its kernels, measured on a tiny model
+    # (fived.cli.machine): seconds per block per micro-batch (forward + backward), and per
+    # micro-batch for the embedding, head and loss; the per-op ``overhead`` is then 0
+    block_overhead: float = 0.0
+    stage_overhead: float = 0.0
+    step_overhead: float = 0.0  # this-machine: the trainer's per-step cost outside the model
 
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def matmul_peak(self, precision: str) -> float:
+        if precision == "fp32":
+            return self.peak_fp32 or self.peak_flops / 16
+        return self.peak_flops
+
+
+# The clock's constants are FITTED on the calibration table (``fived/ledger/runs.toml``;
+# ``fived ledger --validate --refit`` reruns the grid search), never per run: gemm_d0 (the
+# dimension at which a GEMM reaches half its ceiling per dimension) and flash attention's
+# efficiency for every preset, and the ceiling gemm_eff once per GPU generation (Hopper from
+# the H100 rows, Ampere from the A100 rows). mem_eff and the per-op overhead are stated, not
+# fitted. B200 and RTX PRO 6000 take the Hopper values unvalidated: no public run of theirs is
+# in the table.
+FIT = {"gemm_d0": 64.0, "attn_eff": 0.35, "mem_eff": 0.80, "overhead": 4e-6}
+HOPPER = {**FIT, "gemm_eff": 0.65}  # fitted on the Megatron-Core H100 rows
+AMPERE = {**FIT, "gemm_eff": 0.80}  # fitted on the Narayanan et al. 2021 A100 rows
 
 PRESETS: dict[str, Hardware] = {
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1979 with sparsity), 67 TFLOP/s FP32,
+    # 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s total (450 GB/s per direction); DGX H100 has
+    # one ConnectX-7 400 Gb/s (50 GB/s) NIC per GPU. Link figures are achievable nccl-tests bus
+    # bandwidths, rounded: ~360 GB/s all-reduce in a node, ~45 GB/s per GPU across nodes.
     "h100-sxm": Hardware(
         "h100-sxm", 989e12, 80 * GB, 3.35e12, 360 * GB, 5e-6, 45 * GB, 10e-6, 8,
-        "NVLink 4 (450 GB/s per direction), one 400 Gb/s NIC per GPU"),
+        "NVLink 4 (450 GB/s per direction), one 400 Gb/s NIC per GPU", peak_fp32=67e12,
+        **HOPPER),
+    # NVIDIA H200 SXM datasheet: the H100's compute (989 TFLOP/s BF16 dense, 67 FP32), 141 GB
+    # HBM3e at 4.8 TB/s; same NVLink 4 and 400 Gb/s NICs in an HGX H200.
     "h200": Hardware(
         "h200", 989e12, 141 * GB, 4.8e12, 360 * GB, 5e-6, 45 * GB, 10e-6, 8,
-        "H100 compute with 141 GB HBM3e; NVLink 4, 400 Gb/s NIC per GPU"),
+        "H100 compute with 141 GB HBM3e; NVLink 4, 400 Gb/s NIC per GPU", peak_fp32=67e12,
+        **HOPPER),
+    # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s BF16 dense, 19.5 TFLOP/s FP32, 80 GB HBM2e
+    # at 2.039 TB/s; NVLink 3 600 GB/s total (300 per direction); DGX A100: 8 HDR 200 Gb/s
+    # (25 GB/s) NICs, one per GPU (the Selene nodes of Narayanan et al. 2021).
     "a100-80gb": Hardware(
         "a100-80gb", 312e12, 80 * GB, 2.0e12, 230 * GB, 6e-6, 22 * GB, 12e-6, 8,
-        "NVLink 3 (300 GB/s per direction), one 200 Gb/s NIC per GPU"),
+        "NVLink 3 (300 GB/s per direction), one 200 Gb/s NIC per GPU", peak_fp32=19.5e12,
+        **AMPERE),
+    # NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU (4.5 with sparsity), 180 GB
+    # HBM3e at 8 TB/s (the datasheet's 7.7 TB/s on some SKUs), NVLink 5 1.8 TB/s total (900 GB/s
+    # per direction); 400 Gb/s ConnectX-7 per GPU. FP32 75 TFLOP/s.
     "b200": Hardware(
         "b200", 2.25e15, 180 * GB, 8.0e12, 720 * GB, 5e-6, 45 * GB, 10e-6, 8,
-        "NVLink 5 (900 GB/s per direction), one 400 Gb/s NIC per GPU"),
+        "NVLink 5 (900 GB/s per direction), one 400 Gb/s NIC per GPU", peak_fp32=75e12,
+        **HOPPER),
+    # NVIDIA RTX PRO 6000 Blackwell Server Edition datasheet: 96 GB GDDR7 at 1.6-1.8 TB/s,
+    # ~120 TFLOP/s FP32, "4 PFLOPS FP4" (sparse); BF16 dense with FP32 accumulate is not on the
+    # datasheet: 250 TFLOP/s is an estimate (unverified). No NVLink: peers over PCIe Gen5 x16.
     "rtx-pro-6000": Hardware(
         "rtx-pro-6000", 250e12, 96 * GB, 1.8e12, 25 * GB, 10e-6, 12 * GB, 15e-6, 8,
         "Blackwell workstation/server card, no NVLink: peer traffic over PCIe Gen5 x16 "
-        "(~50 GB/s per direction nominal, ~25 GB/s ring bus bandwidth), 100 Gb/s between nodes"),
+        "(~50 GB/s per direction nominal, ~25 GB/s ring bus bandwidth), 100 Gb/s between nodes; "
+        "the BF16 peak is an estimate", peak_fp32=120e12, **HOPPER),
 }
 
 

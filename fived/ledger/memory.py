@@ -300,8 +300,8 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         if m.shared_expert:
             out["mlp"] += tokens * 4 * e * m.expert_ffn / tp
         out["router"] = tokens * (4 * m.experts + e * h * m.top_k) / norm_div
-    else:
-        out["mlp"] = tokens * 4 * e * m.ffn / tp
+    else:  # SwiGLU saves gate, up, silu(gate) and the product; GELU its input and output
+        out["mlp"] = tokens * (4 if m.mlp == "swiglu" else 2) * e * m.ffn / tp
     return out
 
 

@@ -41,25 +41,33 @@ from ..config import ModelConfig, ParallelConfig
 
 # ------------------------------------------------------------------------ whole model
 def block_params(m: ModelConfig) -> dict[str, int]:
-    """Parameters of one transformer block, by weight name (unsharded)."""
+    """Parameters of one transformer block, by weight name (unsharded). GPT-style shapes
+    (``mlp="gelu"``: up and down only; ``norm="layernorm"``: a bias per norm; ``bias``: a bias
+    per linear layer) add or drop entries; the Llama-style defaults are the runtime's."""
     h, d = m.hidden, m.head_dim
+    ln = 2 if m.norm == "layernorm" else 1
     out = {
-        "attn_norm": h,
+        "attn_norm": ln * h,
         "wq": h * m.heads * d,
         "wk": h * m.kv_heads * d,
         "wv": h * m.kv_heads * d,
         "wo": m.heads * d * h,
-        "mlp_norm": h,
+        "mlp_norm": ln * h,
     }
+    if m.bias:
+        out["attn_bias"] = (m.heads + 2 * m.kv_heads) * d + h
     if m.is_moe:
         out["router"] = h * m.experts
         out["experts"] = m.experts * 3 * h * m.expert_ffn
         if m.shared_expert:
             out["shared_expert"] = 3 * h * m.expert_ffn
     else:
-        out["w_gate"] = h * m.ffn
+        if m.mlp == "swiglu":
+            out["w_gate"] = h * m.ffn
         out["w_up"] = h * m.ffn
         out["w_down"] = m.ffn * h
+        if m.bias:
+            out["mlp_bias"] = (2 if m.mlp == "swiglu" else 1) * m.ffn + h
     return out
 
 
@@ -68,8 +76,11 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
     blocks = sum(block_params(m).values()) * m.layers
     embed = m.vocab * m.hidden
     head = 0 if m.tied_embeddings else m.hidden * m.vocab
-    out = {"embed": embed, "blocks": blocks, "norm": m.hidden, "head": head}
-    out["total"] = embed + blocks + m.hidden + head
+    norm = m.hidden * (2 if m.norm == "layernorm" else 1)
+    out = {"embed": embed, "blocks": blocks, "norm": norm, "head": head}
+    if m.positions == "learned":
+        out["positions"] = m.seq_len * m.hidden
+    out["total"] = embed + blocks + norm + head + out.get("positions", 0)
     b = block_params(m)
     out["expert"] = b.get("experts", 0) * m.layers
     out["dense"] = out["total"] - out["expert"]
@@ -98,7 +109,7 @@ def block_matmul_params(m: ModelConfig) -> int:
         if m.shared_expert:
             mlp += 3 * m.hidden * m.expert_ffn
     else:
-        mlp = 3 * m.hidden * m.ffn
+        mlp = (3 if m.mlp == "swiglu" else 2) * m.hidden * m.ffn
     return attn + mlp
 
 
@@ -196,23 +207,29 @@ def block_params_local(m: ModelConfig, tp: int, ep: int) -> dict[str, int]:
     """One block's elements on one (tp, ep) rank, by weight name."""
     h, d = m.hidden, m.head_dim
     kv_shards = min(tp, m.kv_heads)
+    ln = 2 if m.norm == "layernorm" else 1
     out = {
-        "attn_norm": h,
+        "attn_norm": ln * h,
         "wq": h * m.heads * d // tp,
         "wk": h * m.kv_heads * d // kv_shards,
         "wv": h * m.kv_heads * d // kv_shards,
         "wo": m.heads * d * h // tp,
-        "mlp_norm": h,
+        "mlp_norm": ln * h,
     }
+    if m.bias:  # q/k/v biases cut with their columns, the o_proj bias whole
+        out["attn_bias"] = (m.heads * d // tp + 2 * m.kv_heads * d // kv_shards) + h
     if m.is_moe:
         out["router"] = h * m.experts
         out["experts"] = (m.experts // ep) * 3 * h * m.expert_ffn  # replicated over tp
         if m.shared_expert:
             out["shared_expert"] = 3 * h * m.expert_ffn // tp
     else:
-        out["w_gate"] = h * m.ffn // tp
+        if m.mlp == "swiglu":
+            out["w_gate"] = h * m.ffn // tp
         out["w_up"] = h * m.ffn // tp
         out["w_down"] = m.ffn * h // tp
+        if m.bias:
+            out["mlp_bias"] = (2 if m.mlp == "swiglu" else 1) * m.ffn // tp + h
     return out
 
 
@@ -243,11 +260,16 @@ def rank_params(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> RankPa
            + blk.get("experts", 0)) * layers
     if tp > m.kv_heads:
         rep += (blk["wk"] + blk["wv"]) * layers
+    if m.bias:  # the row-parallel biases (o_proj, down_proj) are whole on every tp rank
+        rep += 2 * m.hidden * layers if not m.is_moe else m.hidden * layers
     if 0 in stages:
         bd["embed"] = m.vocab * m.hidden // tp
+        if m.positions == "learned":
+            bd["positions"] = m.seq_len * m.hidden
+            rep += m.seq_len * m.hidden
     if n_stages - 1 in stages:
-        bd["norm"] = m.hidden
-        rep += m.hidden
+        bd["norm"] = m.hidden * (2 if m.norm == "layernorm" else 1)
+        rep += bd["norm"]
         if has_head(m, par):
             bd["head"] = m.hidden * m.vocab // tp
     expert = bd.get("experts", 0)
@@ -268,12 +290,19 @@ def _block_list(m: ModelConfig, par: ParallelConfig, i: int) -> list[tuple[str, 
     h, d = m.hidden, m.head_dim
     kv_shards = min(tp, m.kv_heads)
     p = f"layers.{i}."
-    out = [(p + "input_layernorm.weight", h, False),
-           (p + "self_attn.q_proj.weight", h * m.heads * d // tp, False),
-           (p + "self_attn.k_proj.weight", h * m.kv_heads * d // kv_shards, False),
-           (p + "self_attn.v_proj.weight", h * m.kv_heads * d // kv_shards, False),
-           (p + "self_attn.o_proj.weight", m.heads * d * h // tp, False),
-           (p + "post_attention_layernorm.weight", h, False)]
+    ln = m.norm == "layernorm"
+    out = [(p + "input_layernorm.weight", h, False)]
+    out += [(p + "input_layernorm.bias", h, False)] if ln else []
+    for w, n, cut in (("q", m.heads, tp), ("k", m.kv_heads, kv_shards), ("v", m.kv_heads,
+                                                                          kv_shards)):
+        out.append((p + f"self_attn.{w}_proj.weight", h * n * d // cut, False))
+        if m.bias:  # column-parallel: the bias is cut with the output
+            out.append((p + f"self_attn.{w}_proj.bias", n * d // cut, False))
+    out.append((p + "self_attn.o_proj.weight", m.heads * d * h // tp, False))
+    if m.bias:  # row-parallel: the bias is whole on every tp rank
+        out.append((p + "self_attn.o_proj.bias", h, False))
+    out.append((p + "post_attention_layernorm.weight", h, False))
+    out += [(p + "post_attention_layernorm.bias", h, False)] if ln else []
     if m.is_moe:
         f = m.expert_ffn
         out.append((p + "block_sparse_moe.gate.weight", h * m.experts, False))
@@ -287,9 +316,13 @@ def _block_list(m: ModelConfig, par: ParallelConfig, i: int) -> list[tuple[str, 
             out += [(q + "gate_proj.weight", h * f // tp, False), (q + "up_proj.weight", h * f // tp, False),
                     (q + "down_proj.weight", f * h // tp, False)]
     else:
-        out += [(p + "mlp.gate_proj.weight", h * m.ffn // tp, False),
-                (p + "mlp.up_proj.weight", h * m.ffn // tp, False),
-                (p + "mlp.down_proj.weight", m.ffn * h // tp, False)]
+        for w in (("gate", "up") if m.mlp == "swiglu" else ("up",)):
+            out.append((p + f"mlp.{w}_proj.weight", h * m.ffn // tp, False))
+            if m.bias:
+                out.append((p + f"mlp.{w}_proj.bias", m.ffn // tp, False))
+        out.append((p + "mlp.down_proj.weight", m.ffn * h // tp, False))
+        if m.bias:
+            out.append((p + "mlp.down_proj.bias", h, False))
     return out
 
 
@@ -302,10 +335,14 @@ def param_list(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     for k in rank_stages(par, pp_rank):
         if k == 0:
             out.append(("embed_tokens.weight", m.vocab * m.hidden // par.tp, False))
+            if m.positions == "learned":  # replicated over tp
+                out.append(("embed_positions.weight", m.seq_len * m.hidden, False))
         for i in st[k]:
             out += _block_list(m, par, i)
         if k == n - 1:
             out.append(("norm.weight", m.hidden, False))
+            if m.norm == "layernorm":
+                out.append(("norm.bias", m.hidden, False))
             if has_head(m, par):
                 out.append(("lm_head.weight", m.hidden * m.vocab // par.tp, False))
     return out

@@ -2,12 +2,13 @@
 
 Time model of one optimizer step on the slowest pipeline rank (every term is reported):
 
-    t_f      forward FLOPs of the rank's micro-batch / (peak · efficiency)   (model convention,
-             attention not causal-halved, so MFU ≤ efficiency by construction)
-    t_b      2·t_f;   t_rc  the recompute FLOPs (full: + the layers' forward; selective: + the
-             attention core's forward) at the same rate
+    t_f, t_b, t_rc   the rank's forward, backward and recompute (full: the blocks' forward
+             again; selective: the attention core's) of one micro-batch: the roofline clock
+             (``roofline.micro_batch_times``: every op at its shape), or with ``efficiency``
+             the old flat clock (forward FLOPs / (peak · efficiency), backward 2×)
     per micro-batch, exposed (not overlapped) communication:
-      tp     every TP/SP collective (it sits between two matmuls that need its result)
+      tp     every TP/SP collective (it sits between two matmuls that need its result);
+             with ``ClockOptions.tp_overlap`` max(0, tp − the GEMM time)
       ep     every all-to-all (dispatch and combine block the experts)
       cp     max(0, ring time − attention-core time): the next K/V block moves while this one
              is used
@@ -21,11 +22,14 @@ Time model of one optimizer step on the slowest pipeline rank (every term is rep
            ZeRO-1/2 parameter all-gather the first micro-batch's forward (``--no-overlap``:
            fully exposed); exposed = max(0, comm − window)
     opt    optimizer step: 2 · model-state bytes / HBM bandwidth (read and write once)
+    (with ``ClockOptions.comm_overlap`` False — a CPU, where gloo shares the cores — nothing
+    is hidden: dp and cp are fully exposed)
     T_step = T_pipe + dp + opt;  tokens/s = global tokens / T_step;
     MFU    = model FLOPs per token · tokens/s / (world · peak)
 
 Each collective costs ``hardware.collective_seconds`` on the intra-node link when its group
-sits inside one node, else on the inter-node link.
+sits inside one node, else on the inter-node link at g × one NIC's bandwidth, g = the group's
+ranks per node (NCCL runs a ring per NIC; ``ranks_per_node``).
 
 The planner enumerates (tp, cp, pp, v, dp, ep, zero, micro-batch size, recompute), keeps what
 ``fived.config.validate`` accepts, discards what breaks the iron rule (tp·cp ranks — the groups
@@ -41,6 +45,7 @@ from dataclasses import dataclass, field
 from ..config import ConfigError, ModelConfig, ParallelConfig, validate
 from . import bubble as B
 from . import compute as C
+from . import roofline as R
 from .hardware import Hardware, collective_seconds
 from .memory import FUSED, ActivationOptions, RankMemory, largest_rank
 from .params import balanced_split, rank_layers, rank_stages
@@ -67,11 +72,27 @@ def inside_node(par: ParallelConfig, group: str, gpus_per_node: int) -> bool:
     return span < gpus_per_node
 
 
+def ranks_per_node(par: ParallelConfig, group: str, gpus_per_node: int) -> int:
+    """How many of rank 0's ``group`` sit on rank 0's node (ranks 0 .. gpus_per_node−1)."""
+    stride, strides = 1, {}
+    for d in reversed(par.order):
+        strides[d] = stride
+        stride *= par.degree(d)
+    ranks = [0]
+    for d in group_dims(group):
+        ranks = [r + i * strides[d] for r in ranks for i in range(par.degree(d))]
+    return max(1, sum(1 for r in ranks if r < gpus_per_node))
+
+
 def link(hw: Hardware, par: ParallelConfig, group: str, gpus_per_node: int) -> tuple[float, float,
                                                                                     str]:
+    """(bandwidth, latency, name) of the link a group's ring runs on. Across nodes, NCCL runs
+    one ring per NIC: with g of the group's ranks on each node, g NICs carry it, so its bus
+    bandwidth is g × one NIC's (at most the intra-node link's)."""
     if inside_node(par, group, gpus_per_node):
         return hw.intra_bw, hw.intra_latency, "intra"
-    return hw.inter_bw, hw.inter_latency, "inter"
+    g = ranks_per_node(par, group, gpus_per_node)
+    return min(hw.intra_bw, g * hw.inter_bw), hw.inter_latency, "inter"
 
 
 @dataclass
@@ -146,40 +167,61 @@ def aggregate(colls: list[Collective]) -> list[Collective]:
     return list(out.values())
 
 
+def _flat_compute(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, r: int,
+                  efficiency: float) -> dict[str, float]:
+    """The old clock (``--efficiency X``): forward FLOPs at one fraction of peak, backward 2×."""
+    rate = hw.matmul_peak(par.precision) * efficiency
+    tokens_mb = b * m.seq_len / par.cp
+    n_stages = par.pp * max(1, par.virtual_stages)
+    layers = rank_layers(m, par, r)
+    last = (n_stages - 1) in rank_stages(par, r)
+    f = C.stage_forward_flops_per_token(m, layers, last) * tokens_mb / par.tp
+    if m.is_moe:  # experts are replicated over tp: without SP each tp rank runs all tokens
+        sp_div = par.tp if par.sequence_parallel else 1
+        ex = 2.0 * 3 * m.hidden * m.expert_ffn * m.top_k * layers * tokens_mb
+        f += ex / sp_div - ex / par.tp
+    t_f = f / rate
+    core = C.attention_flops_per_token(m, layers=layers) * tokens_mb / par.tp / rate
+    if par.recompute == "full":
+        rc = t_f - (2.0 * m.hidden * m.vocab * tokens_mb / par.tp / rate if last else 0.0)
+    else:
+        rc = core if par.recompute == "selective" else 0.0
+    return {"fwd": t_f, "bwd": 2 * t_f, "recompute": rc, "attn_core": core,
+            "gemm": 3 * t_f, "memory_bound": 0.0}
+
+
+def rank_compute(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, r: int,
+                 efficiency: float | None = None,
+                 clock: R.ClockOptions | None = None) -> dict[str, float]:
+    """One micro-batch's compute seconds on pipeline rank ``r``: the roofline clock, or the
+    flat ``efficiency`` when one is given."""
+    if efficiency is not None:
+        return _flat_compute(m, par, hw, b, r, efficiency)
+    n_stages = par.pp * max(1, par.virtual_stages)
+    stages = rank_stages(par, r)
+    return R.micro_batch_times(m, par, b, hw, rank_layers(m, par, r), 0 in stages,
+                               (n_stages - 1) in stages, clock or R.ClockOptions())
+
+
 def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int,
-            gpus_per_node: int | None = None, efficiency: float = 0.7,
+            gpus_per_node: int | None = None, efficiency: float | None = None,
             memory_fraction: float = 0.9,
-            opts: ActivationOptions = GPU_ACTIVATIONS, optimizer: str = "adamw") -> Prediction:
+            opts: ActivationOptions = GPU_ACTIVATIONS, optimizer: str = "adamw",
+            clock: R.ClockOptions | None = None) -> Prediction:
     """Memory, traffic and time of one layout (see the module docstring)."""
     gpn = gpus_per_node or hw.gpus_per_node
+    clock = clock or R.ClockOptions(attention=opts.attention)
     b = micro_batch_size(par, global_batch)
     mem = largest_rank(m, par, b, opts, optimizer)
-    rate = hw.peak_flops * efficiency
-    tokens_mb = b * m.seq_len / par.cp
     mb = par.micro_batches
-    n_stages = par.pp * max(1, par.virtual_stages)
     best = None
     for r in range(par.pp) if par.pp <= 64 else (0, par.pp - 1):
-        layers = rank_layers(m, par, r)
-        last = (n_stages - 1) in rank_stages(par, r)
-        f = C.stage_forward_flops_per_token(m, layers, last) * tokens_mb / par.tp
-        if m.is_moe:  # experts are replicated over tp: without SP each tp rank runs all tokens
-            sp_div = par.tp if par.sequence_parallel else 1
-            ex = 2.0 * 3 * m.hidden * m.expert_ffn * m.top_k * layers * tokens_mb
-            f += ex / sp_div - ex / par.tp
-        if best is None or f > best[1]:
-            best = (r, f, layers)
-    r, fwd_flops, layers = best
-    t_f = fwd_flops / rate
-    t_b = 2 * t_f
-    attn_core = C.attention_flops_per_token(m, layers=layers) * tokens_mb / par.tp / rate
-    if par.recompute == "full":
-        t_rc = (fwd_flops - (2.0 * m.hidden * m.vocab * tokens_mb / par.tp
-                             if (n_stages - 1) in rank_stages(par, r) else 0.0)) / rate
-    elif par.recompute == "selective":
-        t_rc = attn_core
-    else:
-        t_rc = 0.0
+        ct = rank_compute(m, par, hw, b, r, efficiency, clock)
+        busy = ct["fwd"] + ct["bwd"] + ct["recompute"]
+        if best is None or busy > best[1]:
+            best = (r, busy, ct)
+    r, _, ct = best
+    t_f, t_b, t_rc, attn_core = ct["fwd"], ct["bwd"], ct["recompute"], ct["attn_core"]
     colls = aggregate(step_traffic(m, par, b, r, optimizer))
     timed: list[tuple[Collective, str, float]] = []
     per: dict[tuple[str, str], float] = {}
@@ -193,11 +235,14 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
         key = (c.group, c.phase)
         per[key] = per.get(key, 0.0) + s
     tp = sum(v for (g, _), v in per.items() if g == "tp") / mb
+    if clock.tp_overlap:  # chunked collectives run under the matmuls they feed
+        tp = max(0.0, tp - ct["gemm"])
     ep = sum(v for (g, _), v in per.items() if g == "ep") / mb
-    cp = max(0.0, sum(v for (g, _), v in per.items() if g == "cp") / mb - 3 * attn_core)
+    cp = sum(v for (g, _), v in per.items() if g == "cp") / mb
+    cp = max(0.0, cp - 3 * attn_core) if clock.comm_overlap else cp
     pp = sum(v for (g, _), v in per.items() if g == "pp") / mb
     dp_groups = ("dense", "expert")
-    overlap = par.overlap
+    overlap = par.overlap and clock.comm_overlap
     zero_mb = 0.0
     dp_step = 0.0
     if par.zero == 3:
@@ -215,16 +260,22 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
         dp_step = (max(0.0, red - t_b) + max(0.0, ag - t_f)) if overlap else red + ag
     t_mb = t_f + t_b + t_rc + tp + ep + cp + pp + zero_mb
     ticks = B.bubble_ticks(par)
-    t_opt = 2.0 * mem.states_total / hw.hbm_bw
-    step = (mb + ticks) * t_mb + dp_step + t_opt
+    if efficiency is None:
+        t_opt = R.optimizer_seconds(mem.states_total, hw)
+    else:
+        t_opt = 2.0 * mem.states_total / hw.hbm_bw
+    step = (mb + ticks) * t_mb + dp_step + t_opt + hw.step_overhead
+    mem_bound = mb * ct["memory_bound"]
     times = {
-        "compute": mb * (t_f + t_b), "recompute": mb * t_rc, "tp": mb * tp, "ep": mb * ep,
+        "compute": mb * (t_f + t_b) - mem_bound, "memory_bound": mem_bound,
+        "recompute": mb * t_rc, "tp": mb * tp, "ep": mb * ep,
         "cp": mb * cp, "pp_p2p": mb * pp, "zero_per_micro": mb * zero_mb,
         "bubble": ticks * t_mb, "dp": dp_step, "optimizer": t_opt,
+        "runtime": hw.step_overhead,
     }
     tokens = global_batch * m.seq_len
     tps = tokens / step
-    mfu = C.model_flops_per_token(m) * tps / (par.world_size * hw.peak_flops)
+    mfu = C.model_flops_per_token(m) * tps / (par.world_size * hw.matmul_peak(par.precision))
     return Prediction(par, b, global_batch, mem, hw.memory * memory_fraction, times, step, tps,
                       mfu, B.bubble_fraction(par), bytes_by_group(colls), timed, r, optimizer)
 
@@ -318,8 +369,9 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
 
 
 def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
-         gpus_per_node: int | None = None, efficiency: float = 0.7, memory_fraction: float = 0.9,
-         top: int = 10, optimizer: str | tuple[str, ...] = "adamw", **space) -> PlanResult:
+         gpus_per_node: int | None = None, efficiency: float | None = None,
+         memory_fraction: float = 0.9, top: int = 10, optimizer: str | tuple[str, ...] = "adamw",
+         clock: R.ClockOptions | None = None, **space) -> PlanResult:
     """Every layout that fits, fastest first (``ranked``), with what was discarded;
     ``optimizer``: one ``--optimizer`` or several, each layout evaluated with each."""
     optimizers = (optimizer,) if isinstance(optimizer, str) else tuple(optimizer)
@@ -330,7 +382,7 @@ def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
     for par, _b in candidates(m, gpus, gpn, global_batch, counts=counts, **space):
         for opt in optimizers:
             pr = predict(m, par, hw, global_batch, gpn, efficiency, memory_fraction,
-                         optimizer=opt)
+                         optimizer=opt, clock=clock)
             counts["evaluated"] = counts.get("evaluated", 0) + 1
             if pr.fits:
                 fits.append(pr)
