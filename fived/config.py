@@ -361,8 +361,11 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
         if len(par.pp_layers) != stages or sum(par.pp_layers) != model.layers:
             p.append(f"--pp-layers {list(par.pp_layers)} must have pp·v = {stages} entries "
                      f"summing to {model.layers} layers")
-    else:
-        _divides(p, stages, model.layers, "layers over pp·virtual_stages", "use --pp-layers")
+    elif stages > model.layers:  # fewer layers than stages: the balanced split cannot cut it
+        p.append(f"pp·virtual_stages = {stages} stages for {model.layers} layers: each stage "
+                 "needs a layer; use a smaller --pp or --virtual-stages")
+    # otherwise the balanced split (fived.ledger.params.balanced_split) cuts any count, e.g.
+    # Llama 3 405B's 126 layers over pp16 as 7, 8 × 14, 7 -- the runtime, ledger and planner alike
     if par.virtual_stages > 1 and par.schedule != "interleaved":
         p.append("--virtual-stages > 1 needs --schedule interleaved")
     if par.schedule == "interleaved" and par.pp > 1:
