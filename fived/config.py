@@ -183,6 +183,8 @@ class TrainConfig:
     corpus_mb: float = spec(4.0, "MB of the built-in corpus (this Python's stdlib source)", gt=0)
     metrics_out: str = spec("", "write one JSON line per step to this file", metavar="FILE")
     log_every: int = spec(1, "print a line every N steps", ge=1)
+    compile: bool = spec(False, "torch.compile each transformer block (meant for the GPU path; "
+                                "not yet run on GPU hardware)")
 
 
 def preset(name: str) -> ModelConfig:

@@ -155,7 +155,10 @@ def test_activation_terms_hand_computed():
     t = memory.layer_activations(m, replace(par, tp=4), 1)
     assert t["mlp"] == a["mlp"] / 4 and t["norms"] == a["norms"]
     t = memory.layer_activations(m, replace(par, tp=4, sequence_parallel=True), 1)
-    assert t["norms"] == a["norms"] / 4
+    # sp divides the norms' own tensors by tp, but the column matmuls keep their all-gathered
+    # input (the norm output) whole: e·h per token, before attention and before the MLP
+    assert t["norms"] == (a["norms"] - s * 2 * 2 * h) / 4
+    assert t["sp_inputs"] == s * 2 * 2 * h
     c = memory.layer_activations(m, replace(par, cp=2), 1)
     assert c["mlp"] == a["mlp"] / 2
 

@@ -32,7 +32,9 @@ hkv = kv_heads·d, f ffn, a heads), what autograd saves in the fived runtime:
     SwiGLU          4·e·f                   gate out, silu(gate), up out, their product
 
 With tp the q/k/v/attention/SwiGLU terms divide by tp (k, v by min(tp, kv_heads)); the norm
-terms divide by tp only under sequence parallelism. With cp each rank holds s/cp tokens (the
+terms divide by tp only under sequence parallelism — except their output, which the next column
+matmul saves all-gathered (whole sequence, ``sp_inputs``: e·h before attention and before a
+dense MLP, and before the head; found by the dry run, ``fived.train.dryrun``). With cp each rank holds s/cp tokens (the
 materialised scores are (s/cp)×s). Recompute: ``selective`` checkpoints the attention core
 (keeps q, k, v with kv heads unrepeated and the output; drops the softmax term); ``full`` keeps
 only each block's input (e·h per token) plus one layer's full activations while it recomputes.
@@ -274,6 +276,10 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         "norms": tokens * 2 * norm_bytes_per_token(h, e, opts.fused_norm) / norm_div,
         "qkv": tokens * e * (hq + 2 * hkv),
     }
+    if sp:  # the column matmuls save their all-gathered (whole-sequence) input, not the shard
+        gathered = 1 if m.is_moe else 2  # before attention, and before a dense MLP
+        out["norms"] -= tokens * gathered * e * h / tp
+        out["sp_inputs"] = tokens * gathered * e * h
     if opts.attention == "materialised":
         out["softmax"] = tokens * e * heads_local * m.seq_len
     else:
@@ -323,6 +329,8 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
     if last:
         out["final_norm"] = tokens * norm_bytes_per_token(m.hidden, e, opts.fused_norm) / (
             par.tp if sp else 1)
+        if sp:  # the head's column matmul saves the all-gathered input
+            out["final_norm"] += tokens * e * m.hidden * (1 - 1 / par.tp)
         out["log_softmax"] = tokens * 4 * m.vocab / par.tp
         out["targets"] = tokens * 8
     return out
