@@ -34,7 +34,8 @@ hkv = kv_heads·d, f ffn, a heads), what autograd saves in the fived runtime:
 With tp the q/k/v/attention/SwiGLU terms divide by tp (k, v by min(tp, kv_heads)); the norm
 terms divide by tp only under sequence parallelism — except their output, which the next column
 matmul saves all-gathered (whole sequence, ``sp_inputs``: e·h before attention and before a
-dense MLP, and before the head; found by the dry run, ``fived.train.dryrun``). With cp each rank holds s/cp tokens (the
+dense MLP, and before the head; found by the dry run, ``fived.train.dryrun``).
+With cp each rank holds s/cp tokens (the
 materialised scores are (s/cp)×s). Recompute: ``selective`` checkpoints the attention core
 (keeps q, k, v with kv heads unrepeated and the output; drops the softmax term); ``full`` keeps
 only each block's input (e·h per token) plus one layer's full activations while it recomputes.
