@@ -155,35 +155,77 @@ class FlashOnMeta(TorchFunctionMode):
 
 # ------------------------------------------------------------------------ MoE: uniform routing
 def uniform_routing(model: torch.nn.Module) -> None:
-    """Replace each MoE layer's data-dependent routing by the ledger's assumption: every
-    expert receives tokens·top_k/E rows (the dispatch, all-to-all and expert compute run on
-    those shapes). Statistics (drops, aux losses) are not recorded."""
+    """Each MoE layer routes by the ledger's assumption: every expert receives tokens·top_k/E
+    rows and none is dropped. The layer's forward is ``MoE.moe`` step for step (router, aux
+    losses and their count reduction, the permutation, the dispatch all-to-alls, the experts,
+    the weighted un-permute) with only the data-dependent index arithmetic made static; the
+    statistics (drops, aux values) are not recorded."""
+    from functools import partial
+
     from ..model.moe import moe_layers
 
     for m in moe_layers(model):
+        if m.dispatch is not None:  # expert parallelism: the group the real dispatch talks on
+            m.dispatch = partial(_uniform_dispatch, group=m.dispatch.keywords["group"])
         m.moe = _uniform_moe.__get__(m)
 
 
 def _uniform_moe(self: Any, x: torch.Tensor) -> torch.Tensor:
+    from ..model.moe import _AuxGrad
+
     cfg = self.cfg
     E, k = cfg.experts, cfg.top_k
     b, s, h = x.shape
-    n = b * s * k
-    if n % E:
-        raise ConfigError([f"dry run: {n} token-assignments do not split evenly over {E} "
-                           "experts (uniform routing)"])
+    if (b * s * k) % E:
+        raise ConfigError([f"dry run: {b * s * k} token-assignments do not split evenly over "
+                           f"{E} experts (uniform routing)"])
     flat = x.reshape(b * s, h)
-    logits = torch.nn.functional.linear(flat.float(), self.gate.weight.float())
-    weights = logits.softmax(-1)[:, :k]  # the router's shapes; the values are not routed on
-    counts_list = [n // E] * E
+    logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E) fp32
+    probs = logits.softmax(dim=-1)
+    top_p, top_i = probs.topk(k, dim=-1)
+    weights = top_p / top_p.sum(dim=-1, keepdim=True)
+    routed = F.one_hot(top_i.view(b, s * k), E).sum(1).float()
+    if self.reduce_counts is not None:
+        routed = self.reduce_counts(routed)
+    s_full = routed.sum(-1, keepdim=True) / k
+    f = routed / (s_full * k)
+    P = probs.view(b, s, E).sum(1) / s_full
+    balance = E * (f * P).sum()
+    z = torch.logsumexp(logits, dim=-1).pow(2).sum()
+    n = b * s * k  # every assignment kept; uniform: n/E rows per expert, in expert order
+    sel = torch.arange(n, device=x.device)
     counts = torch.full((E,), n // E, dtype=torch.int64, device=x.device)
-    rows = flat.repeat_interleave(k, 0)  # (N·k, h), grouped by expert in the real run
+    rows = flat[sel // k]
     if self.dispatch is not None:
         y = self.dispatch(rows, counts, self.compute_local)
     else:
-        y = self.compute_local(rows, counts_list)
-    out = (y.view(b * s, k, h) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
-    return out.view(b, s, h).to(x.dtype)
+        y = self.compute_local(rows, [n // E] * E)
+    slots = y.new_zeros(n, h).index_copy(0, sel, y)
+    out = (slots.view(b * s, k, h) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+    out = out.view(b, s, h).to(x.dtype)
+    aux = cfg.aux_loss_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
+    if torch.is_grad_enabled() and aux.requires_grad:
+        out = _AuxGrad.apply(out, aux, self.aux_grad_scale)
+    return out
+
+
+def _uniform_dispatch(rows: torch.Tensor, counts: torch.Tensor, compute: Any, group: Any
+                      ) -> torch.Tensor:
+    """``fived.parallel.expert.dispatch`` with uniform splits: each of the n ep ranks sends
+    every other rank rows/n rows (its experts' share) and receives as many."""
+    from ..comm import autograd as A
+    from ..comm import ops
+
+    n = group.size
+    per = counts.numel() // n
+    ops.all_to_all(counts.to(torch.int64).contiguous(), group)  # the counts exchange, counted
+    split = [rows.shape[0] // n] * n
+    got = A.all_to_all(rows, group, split, split)
+    local_id = torch.arange(per, device=rows.device).repeat_interleave(rows.shape[0] // per)
+    order = torch.argsort(local_id, stable=True)
+    y = compute(got[order], [rows.shape[0] // per] * per)
+    y = y[torch.argsort(order)]
+    return A.all_to_all(y, group, split, split)
 
 
 # ------------------------------------------------------------------------ one rank
