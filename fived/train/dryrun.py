@@ -38,7 +38,9 @@ tokens·top_k/E rows, ``uniform_routing``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
 import weakref
 from dataclasses import asdict
@@ -47,7 +49,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
@@ -136,21 +137,35 @@ class LiveSaved:
 
 
 # ------------------------------------------------------------------------ attention kernel
-class FlashOnMeta(TorchFunctionMode):
-    """``F.scaled_dot_product_attention`` on meta tensors -> the CUDA flash kernel's op
-    (``aten._scaled_dot_product_flash_attention``, which has a meta implementation): what SDPA
-    runs on a GPU, saving q, k, v, the output and the fp32 log-sum-exp — not the math
-    fallback (materialised probabilities) that SDPA would pick for an unknown device."""
+@contextlib.contextmanager
+def flash_on_meta():
+    """SDPA on meta tensors -> the CUDA flash kernel's op (``aten._scaled_dot_product_flash_
+    attention``, which has a meta implementation): what SDPA runs on a GPU, saving q, k, v, the
+    output and the fp32 log-sum-exp — not the math fallback (materialised probabilities) SDPA
+    picks for an unknown device. It replaces ``fived.model.layers.causal_attention`` (looked up
+    when the attention core runs, on any thread: a recompute runs in autograd's) while the dry
+    run lasts."""
+    from ..model import layers as L
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args[0].device.type == "meta":
-            q, k, v = args[:3]
-            if kwargs.get("attn_mask") is None and not kwargs.get("dropout_p"):
-                return torch.ops.aten._scaled_dot_product_flash_attention(
-                    q, k, v, 0.0, bool(kwargs.get("is_causal", False)),
-                    scale=kwargs.get("scale"))[0]
-        return func(*args, **kwargs)
+    orig = L.causal_attention
+
+    def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.device.type != "meta":
+            return orig(q, k, v)
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        o = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True,
+            scale=1.0 / math.sqrt(q.shape[-1]))[0]
+        return o.transpose(1, 2)
+
+    L.causal_attention = causal_attention
+    try:
+        yield
+    finally:
+        L.causal_attention = orig
 
 
 # ------------------------------------------------------------------------ MoE: uniform routing
@@ -295,7 +310,7 @@ def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig
     try:
         traffic = Traffic()
         grid = connect_local(par, rank, traffic)
-        with FakeTensorMode(), FlashOnMeta():
+        with FakeTensorMode(), flash_on_meta():
             trainer = DryTrainer(model_cfg, par, train, rank, world, grid=grid, device=device,
                                  init=False)
             if model_cfg.is_moe:
