@@ -285,6 +285,9 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         out["softmax"] = tokens * e * heads_local * m.seq_len
     else:
         out["softmax"] = tokens * 4 * heads_local
+    if cp > 1 and par.cp_mode == "ring":  # the ring core saves q and K/V (kv heads, not
+        # repeated) as fp32 copies and its fp32 log-sum-exp (``fived.ledger.context``)
+        out["qkv"] = tokens * (4 * hq + 8 * m.kv_heads * d / min(tp, m.kv_heads))
     out["attn_out"] = tokens * e * hq
     if m.is_moe:
         # experts are whole on every tp rank (replicated), the shared expert is tp-cut
