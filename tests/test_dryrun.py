@@ -22,16 +22,17 @@ def _check(path) -> dict:
 
 
 def test_llama3_8b_3d_layout(tmp_path, capsys):
-    """llama3-8b at tp2+sp · pp2 · dp2 (ZeRO-1, bf16, seq 8192): the first and last stage."""
+    """llama3-8b at tp2+sp · pp4 · dp2 (ZeRO-1, bf16, seq 8192, 16 ranks): the first and the
+    last stage (8 of the 32 layers each; the op count, not the size, is what a fake run costs)."""
     path = tmp_path / "8b.jsonl"
-    rc = main(["train", "--dry-run", "--model", "llama3-8b", "--tp", "2", "--pp", "2", "--dp", "2",
-               "--sequence-parallel", "--zero", "1", "--precision", "bf16", "--global-batch", "4",
-               "--micro-batches", "2", "--ranks", "0,7", "--metrics-out", str(path)])
+    rc = main(["train", "--dry-run", "--model", "llama3-8b", "--tp", "2", "--pp", "4", "--dp", "2",
+               "--sequence-parallel", "--zero", "1", "--precision", "bf16", "--global-batch", "2",
+               "--ranks", "0,15", "--metrics-out", str(path)])
     assert rc == 0
     rec = _check(path)
-    assert rec["ranks"] == [0, 7]
+    assert rec["ranks"] == [0, 15]
     assert rec["dry_run"]["device"] == "meta"
-    # the states are those of a 4B-parameter half of the 8B model, cut over tp: GiBs, not bytes
+    # the states are those of a quarter of the 8B model, cut over tp: GiBs, not bytes
     assert sum(rec["memory_per_rank"][0].values()) > 2**30
     assert rec["activation_peak_per_rank"][0] > 2**30
     assert rec["traffic_per_rank"][0]["bytes"]["tp"] > 0 and rec["traffic_per_rank"][1]["bytes"]["pp"] > 0
