@@ -389,8 +389,11 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             m, par, micro_batch, opts)
         for name, v in per.items():
             out[name] = k * layers * v
+    # interleaved: the last virtual stage runs each micro-batch's backward right after its
+    # forward, so its head terms are held for one micro-batch, not the rank's average k
+    k_last = 1.0 if par.pp > 1 and n_stages > par.pp else k
     for name, v in stage_extra_activations(m, par, micro_batch, first, last, opts).items():
-        out[name] = k * v
+        out[name] = (k_last if name in ("final_norm", "log_softmax", "targets") else k) * v
     return out
 
 
