@@ -6,6 +6,7 @@ clear error (exit 2)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,14 @@ def test_parse_ranks():
     assert parse_ranks("3,0,3", par) == [0, 3]
     with pytest.raises(ConfigError):
         parse_ranks("4", par)
+
+
+RECORDED = sorted((Path(__file__).parent.parent / "docs" / "dryrun")
+                  .glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
+def test_recorded_full_scale_dry_runs_still_match_the_ledger(path):
+    """The dry runs of docs/fullscale.md (405B at 8,192 and 16,384 GPUs, interleaved, Mixtral
+    ep8), recorded: any change to the ledger is checked against them at full scale."""
+    assert main(["ledger", "--check", str(path)]) == 0

@@ -371,29 +371,57 @@ def inflight_microbatches(par: ParallelConfig, pp_rank: int = 0) -> float:
     return float(min(p - pp_rank, mb))
 
 
+def inflight_by_chunk(par: ParallelConfig, pp_rank: int = 0) -> list[float]:
+    """Interleaved: micro-batches in flight on each of the rank's v chunks at its peak. The
+    warm-up runs forwards in groups of p micro-batches per chunk (chunk 0, 1, ..., v−1, then
+    chunk 0 again) until 2(p−r−1) + (v−1)p + 1 are in flight; the last rank thus holds p on
+    every chunk but the last, which holds 1. With equal layers per chunk only the sum matters;
+    an uneven split (405B: 4 + 3 layers on the last rank) needs the split."""
+    p, m, v = par.pp, par.micro_batches, max(1, par.virtual_stages)
+    want = min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, m * v)
+    counts = [0.0] * v
+    for start in range(0, m, p):
+        for c in range(v):
+            for _ in range(start, min(start + p, m)):
+                if want <= 0:
+                    return counts
+                counts[c] += 1
+                want -= 1
+    return counts
+
+
 def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
                 opts: ActivationOptions = EAGER) -> dict[str, float]:
     """Activation bytes at the peak of one pipeline rank, by term (in-flight factor applied)."""
     stages = rank_stages(par, pp_rank)
     n_stages = par.pp * max(1, par.virtual_stages)
-    layers = sum(len(stage_layers(m, par)[k]) for k in stages)
+    split = stage_layers(m, par)
+    layers = sum(len(split[k]) for k in stages)
     first, last = 0 in stages, n_stages - 1 in stages
     k = inflight_microbatches(par, pp_rank)
+    k_first = k_last = k
+    layer_mbs = k * layers  # micro-batch × layers held
+    if par.pp > 1 and n_stages > par.pp:  # interleaved: each chunk its own count and layers
+        per_chunk = inflight_by_chunk(par, pp_rank)
+        layer_mbs = sum(c * len(split[s]) for c, s in zip(per_chunk, stages))
+        k_first, k_last = per_chunk[0], per_chunk[-1]
     out: dict[str, float] = {}
     if par.recompute == "full":
-        out["block_inputs"] = k * layers * block_input_bytes(m, par, micro_batch)
+        out["block_inputs"] = layer_mbs * block_input_bytes(m, par, micro_batch)
         one = layer_activations(m, par, micro_batch, opts)
         out["recompute_layer"] = sum(one.values()) if layers else 0.0
     else:
         per = (selective_layer if par.recompute == "selective" else layer_activations)(
             m, par, micro_batch, opts)
         for name, v in per.items():
-            out[name] = k * layers * v
-    # interleaved: the last virtual stage runs each micro-batch's backward right after its
-    # forward, so its head terms are held for one micro-batch, not the rank's average k
-    k_last = 1.0 if par.pp > 1 and n_stages > par.pp else k
+            out[name] = layer_mbs * v
     for name, v in stage_extra_activations(m, par, micro_batch, first, last, opts).items():
-        out[name] = (k_last if name in ("final_norm", "log_softmax", "targets") else k) * v
+        if name in ("final_norm", "log_softmax", "targets"):
+            out[name] = k_last * v  # held by the last (virtual) stage
+        elif name == "token_ids":
+            out[name] = k_first * v
+        else:
+            out[name] = k * v
     return out
 
 
