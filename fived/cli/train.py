@@ -29,9 +29,8 @@ def parser() -> argparse.ArgumentParser:
                         "(default: 4 ranks, or the product of the degrees; ignored under torchrun)")
     g.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                    help="collective timeout in seconds: a dead rank stops the others (default: 120)")
-    d = ap.add_argument_group("dry run", "one step of any layout's ranks on fake tensors, in this "
-                              "process (docs/fullscale.md); the world is the product of the "
-                              "degrees (or --nprocs)")
+    d = ap.add_argument_group("dry run", "one step of chosen ranks of any layout on fake tensors "
+                              "(docs/fullscale.md)")
     d.add_argument("--dry-run", action="store_true",
                    help="build and step the --ranks of the layout under FakeTensorMode with the "
                         "fake process group (no memory, no peers); with --metrics-out, a file "
