@@ -233,6 +233,8 @@ class TrainConfig:
     optimizer: str = spec("adamw", "adamw (elementwise), adafactor (factored second moment), "
                                    "muon (orthogonalised hidden matrices, AdamW elsewhere), "
                                    "rownorm (row-normalised momentum)", choices=OPTIMIZERS)
+    compile: bool = spec(False, "torch.compile each transformer block (meant for the GPU path; "
+                                "not yet run on GPU hardware)")
 
 
 def preset(name: str) -> ModelConfig:
@@ -425,8 +427,11 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
         if len(par.pp_layers) != stages or sum(par.pp_layers) != model.layers:
             p.append(f"--pp-layers {list(par.pp_layers)} must have pp·v = {stages} entries "
                      f"summing to {model.layers} layers")
-    else:
-        _divides(p, stages, model.layers, "layers over pp·virtual_stages", "use --pp-layers")
+    elif stages > model.layers:  # fewer layers than stages: the balanced split cannot cut it
+        p.append(f"pp·virtual_stages = {stages} stages for {model.layers} layers: each stage "
+                 "needs a layer; use a smaller --pp or --virtual-stages")
+    # otherwise the balanced split (fived.ledger.params.balanced_split) cuts any count, e.g.
+    # Llama 3 405B's 126 layers over pp16 as 7, 8 × 14, 7 -- the runtime, ledger and planner alike
     if par.virtual_stages > 1 and par.schedule != "interleaved":
         p.append("--virtual-stages > 1 needs --schedule interleaved")
     if par.schedule == "interleaved" and par.pp > 1:

@@ -48,7 +48,7 @@ from . import compute as C
 from . import roofline as R
 from .hardware import Hardware, collective_seconds
 from .memory import FUSED, ActivationOptions, RankMemory, largest_rank
-from .params import balanced_split, rank_layers, rank_stages
+from .params import rank_layers, rank_stages
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
 GPU_ACTIVATIONS = FUSED
@@ -339,9 +339,9 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                         stages = pp * v
                         if stages > m.layers:
                             continue
-                        # pp·v not dividing the layers: the pipeline's balanced split, given
-                        # as ``--pp-layers`` (validate asks for it)
-                        split = () if m.layers % stages == 0 else balanced_split(m, stages)
+                        # any pp·v: without --pp-layers the runtime, the ledger and the dry run
+                        # cut by the one balanced split (params.balanced_split), e.g. 126 / 16
+                        split = ()
                         for b in micro_batch_sizes:
                             if per_replica % b:
                                 continue

@@ -270,7 +270,7 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                Collective("cp", "all_to_all", q, c, 2 * per, "grads of q and out", "bwd"),
                Collective("cp", "all_to_all", k, c, 2 * per, "grads of k and v", "bwd")]
     else:
-        b = tokens * kv_local * d * e  # one of K or V
+        b = tokens * kv_local * d * 4  # one of K or V: the ring sends them (and dK/dV) in fp32
         hops = (c - 1) * per
         out = [Collective("cp", "send", 2 * b, c, hops, "K/V ring", "fwd"),
                Collective("cp", "send", 2 * b, c, hops, "K/V ring again", "bwd"),

@@ -199,7 +199,7 @@ class PipelineExecutor:
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         grads: dict[tuple[int, int], torch.Tensor] = {}
         records: dict[tuple[int, int], list] = {}
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
         weights = {id(p) for p in self.stage.parameters() if p.requires_grad}
         chunk_params = [[p for p in c.parameters() if p.requires_grad]
                         for c in self.stage.chunk_models]
@@ -284,13 +284,15 @@ class PipelineExecutor:
                  peak: dict[int, int]) -> dict[str, Any]:
         n_send = max(sum(a.kind in ("SEND_F", "SEND_B") for a in acts)
                      for acts in self.schedule.ranks)
-        vec = torch.full((2 + n_send,), float("nan"), dtype=torch.float64)
+        dev = p2p.device  # the metrics all-gather runs on the rank's device (nccl: cuda)
+        vec = torch.full((2 + n_send,), float("nan"), dtype=torch.float64, device=dev)
         vec[0], vec[1] = start, end
         if p2p.send_times:
-            vec[2:2 + len(p2p.send_times)] = torch.tensor(p2p.send_times, dtype=torch.float64)
-        out = torch.zeros(self.pp * vec.numel(), dtype=torch.float64)
+            vec[2:2 + len(p2p.send_times)] = torch.tensor(p2p.send_times, dtype=torch.float64,
+                                                         device=dev)
+        out = torch.zeros(self.pp * vec.numel(), dtype=torch.float64, device=dev)
         ops.all_gather_into(out, vec, self.metrics)
-        rows = out.view(self.pp, -1)
+        rows = out.view(self.pp, -1).cpu()
         t_begin, t_end = float(rows[:, 0].min()), float(rows[:, 1].max())
         makespan = max(t_end - t_begin, 1e-12)
         sent_at: dict[tuple, float] = {}
