@@ -98,3 +98,17 @@ def test_runtime_trains_an_uneven_split_like_one_rank(tmp_path):
     assert rel_diff(losses, ref_losses) < 1e-5
     assert grad_rel_diff(grads, ref_grads) < 1e-5
     assert verify.compare_file(tiny, par, train.global_batch, str(path)) == []
+
+
+def test_plan_without_a_batch_grows_it_with_the_cluster(capsys):
+    """No --global-batch: 8,192 GPUs plan for 2,048 sequences (16M tokens at 8K, Llama 3's
+    batch), not the training default of 16 that would cap data parallelism at 16."""
+    import json
+
+    from fived.cli import main
+
+    rc = main(["plan", "--model", "llama3-405b", "--gpus", "8192", "--precision", "bf16",
+               "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["global_batch"] == 2048
+    assert '"pp": 16' in json.dumps(out["ranked"] if "ranked" in out else out)
