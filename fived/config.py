@@ -37,7 +37,8 @@ class ConfigError(ValueError):
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
+V_SCHEDULES = ("zb-v", "dualpipe-v")  # two stages per rank in a V: rank r holds r and 2pp−1−r
 PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
@@ -363,7 +364,14 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
                      f"summing to {model.layers} layers")
     else:
         _divides(p, stages, model.layers, "layers over pp·virtual_stages", "use --pp-layers")
-    if par.virtual_stages > 1 and par.schedule != "interleaved":
+    if par.schedule in V_SCHEDULES:
+        if par.virtual_stages != 2:
+            p.append(f"--schedule {par.schedule} runs exactly 2 stages per rank (a V); give "
+                     "--virtual-stages 2 (the default with this schedule)")
+        if par.schedule == "dualpipe-v" and par.pp > 1 and par.micro_batches < 2 * par.pp:
+            p.append(f"--schedule dualpipe-v needs --micro-batches >= 2·pp = {2 * par.pp} "
+                     f"(got {par.micro_batches})")
+    elif par.virtual_stages > 1 and par.schedule != "interleaved":
         p.append("--virtual-stages > 1 needs --schedule interleaved")
     if par.schedule == "interleaved" and par.pp > 1:
         if par.virtual_stages < 2:

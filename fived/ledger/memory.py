@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..config import ModelConfig, ParallelConfig
+from ..config import V_SCHEDULES, ModelConfig, ParallelConfig
 from .params import rank_stages, stage_layers
 
 GB = 1e9
@@ -148,7 +148,8 @@ def _state_key(par: ParallelConfig) -> ParallelConfig:
     """``par`` without the fields model states do not depend on (a cache key)."""
     return replace(par, recompute="none", micro_batches=1, sequence_parallel=False,
                    overlap=True, cp_mode="ring",
-                   schedule="interleaved" if par.virtual_stages > 1 else "1f1b")
+                   schedule=(par.schedule if par.schedule in V_SCHEDULES else
+                             "interleaved" if par.virtual_stages > 1 else "1f1b"))
 
 
 def buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Bucket]:
@@ -335,6 +336,10 @@ def inflight_microbatches(par: ParallelConfig, pp_rank: int = 0) -> float:
         return 1.0
     if par.schedule == "gpipe":
         return float(mb)
+    if par.schedule == "zb-v":  # chunk-micro-batches live at the peak, over the 2 chunks
+        return min(2 * p, mb + 1 + pp_rank, 2 * mb) / 2
+    if par.schedule == "dualpipe-v":
+        return (2 * p + 1) / 2
     if par.schedule == "interleaved" and par.virtual_stages > 1:
         v = par.virtual_stages
         chunks = 2 * (p - pp_rank - 1) + (v - 1) * p + 1

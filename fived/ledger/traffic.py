@@ -29,7 +29,9 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
     replicated norm gains' gradients: all_reduce(grad_bytes·h) per norm on this rank (and the
     MoE router's and experts' gradients). ``fived.parallel.tensor.tp_traffic_bytes`` sums it.
 * PP (``pp_traffic``), per micro-batch per (virtual) stage boundary, Y = b·s_l·h·e (/tp under
-  SP): a stage sends Y forward unless it is the last, and Y backward unless it is the first.
+  SP): a stage sends Y forward unless it is the last, and Y backward unless it is the first —
+  unless the neighbouring stage is on the same rank (the V of zb-v / dualpipe-v: stage pp−1
+  hands to stage pp locally, nothing sent).
 * CP ring (``cp_traffic``), per layer per micro-batch, B = b·s_l·kv_local·d·e (one of K or V):
   forward (cp−1) sends of K and V (2B each), backward (cp−1)·2B again plus (cp−1)·2B of dK/dV;
   selective or full recompute reruns the forward ring once more.
@@ -235,8 +237,8 @@ def pp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     y = tokens * m.hidden * e // (par.tp if sp else 1)
     n_stages = par.pp * max(1, par.virtual_stages)
     stages = rank_stages(par, pp_rank)
-    fwd = sum(1 for k in stages if k < n_stages - 1)
-    bwd = sum(1 for k in stages if k > 0)
+    fwd = sum(1 for k in stages if k < n_stages - 1 and k + 1 not in stages)
+    bwd = sum(1 for k in stages if k > 0 and k - 1 not in stages)
     mb = par.micro_batches
     out = []
     if fwd:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import V_SCHEDULES
 from ..model.llama import Transformer
 from .context import apply_cp
 from .data import make_engine
@@ -52,8 +53,10 @@ class Parallelized:
 
 
 def pipeline_layout(par: Any) -> Any:
-    """The layout the pipeline runs: virtual stages count only for the interleaved schedule."""
-    return replace(par, virtual_stages=par.virtual_stages if par.schedule == "interleaved" else 1)
+    """The layout the pipeline runs: virtual stages count only for the interleaved and the
+    V-shaped schedules."""
+    keep = par.schedule in ("interleaved",) + V_SCHEDULES
+    return replace(par, virtual_stages=par.virtual_stages if keep else 1)
 
 
 def parallelize_parts(model: Transformer, grid: Any, par: Any

@@ -80,7 +80,8 @@ class _P2P:
         self.expected: dict[int, list[tuple]] = defaultdict(list)
         for src, acts in enumerate(sched.ranks):
             for a in acts:
-                if a.kind in ("SEND_F", "SEND_B") and S.peer(a, sched.pp) == rank:
+                if (a.kind in ("SEND_F", "SEND_B") and S.peer(a, sched) == rank
+                        and src != rank):
                     self.expected[src].append(S.message(a))
         self.reset()
 
@@ -150,7 +151,7 @@ class PipelineExecutor:
         self.group = grid["pp"]
         self.pp = grid.degrees["pp"]
         self.rank = grid.coords()["pp"]
-        v = par.virtual_stages if par.schedule == "interleaved" else 1
+        v = par.virtual_stages if par.schedule in ("interleaved",) + S.V_SHAPED else 1
         self.schedule = sched or S.build(par.schedule, self.pp, par.micro_batches, v)
         S.check(self.schedule)
         self.actions = self.schedule.ranks[self.rank]
@@ -194,7 +195,8 @@ class PipelineExecutor:
             p2p = self._p2p = _P2P(self.group, self.schedule, self.rank,
                                    self.activation_shape(mbs), self.dtype, x.device)
         p2p.reset()
-        pp, S_ = self.pp, self.num_stages
+        S_, sched = self.num_stages, self.schedule
+        local: dict[tuple, torch.Tensor] = {}  # hand-offs between two stages of this rank
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         grads: dict[tuple[int, int], torch.Tensor] = {}
@@ -212,16 +214,25 @@ class PipelineExecutor:
         for i, a in enumerate(self.actions):
             key = (a.mb, a.stage)
             c = self.chunk_of[a.stage]
-            if a.kind == "RECV_F":
-                inputs[key] = p2p.recv(S.message(a), S.peer(a, pp)).requires_grad_()
+            if a.kind in S.COMM and S.is_local(a, sched):  # V layout: stage p−1 → p
+                if a.kind == "SEND_F":
+                    local[S.message(a)] = outputs[key].detach()
+                elif a.kind == "SEND_B":
+                    local[S.message(a)] = inputs.pop(key).grad
+                elif a.kind == "RECV_F":
+                    inputs[key] = local.pop(S.message(a)).requires_grad_()
+                else:
+                    grads[key] = local.pop(S.message(a))
+            elif a.kind == "RECV_F":
+                inputs[key] = p2p.recv(S.message(a), S.peer(a, sched)).requires_grad_()
             elif a.kind == "RECV_B":
-                grads[key] = p2p.recv(S.message(a), S.peer(a, pp))
+                grads[key] = p2p.recv(S.message(a), S.peer(a, sched))
             elif a.kind == "SEND_F":
                 out = outputs[key]
-                p2p.send(out.detach(), S.peer(a, pp), [out])
+                p2p.send(out.detach(), S.peer(a, sched), [out])
             elif a.kind == "SEND_B":
                 g = inputs.pop(key).grad
-                p2p.send(g, S.peer(a, pp), [g])
+                p2p.send(g, S.peer(a, sched), [g])
             else:
                 t0 = time.time()
                 if a.kind == "F":
@@ -282,8 +293,13 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ measurement
     def _measure(self, p2p: _P2P, start: float, end: float, compute: float,
                  peak: dict[int, int]) -> dict[str, Any]:
-        n_send = max(sum(a.kind in ("SEND_F", "SEND_B") for a in acts)
-                     for acts in self.schedule.ranks)
+        sched = self.schedule
+
+        def remote_sends(acts: list[S.Action]) -> list[S.Action]:
+            return [a for a in acts if a.kind in ("SEND_F", "SEND_B")
+                    and not S.is_local(a, sched)]
+
+        n_send = max(len(remote_sends(acts)) for acts in sched.ranks)
         vec = torch.full((2 + n_send,), float("nan"), dtype=torch.float64)
         vec[0], vec[1] = start, end
         if p2p.send_times:
@@ -294,12 +310,9 @@ class PipelineExecutor:
         t_begin, t_end = float(rows[:, 0].min()), float(rows[:, 1].max())
         makespan = max(t_end - t_begin, 1e-12)
         sent_at: dict[tuple, float] = {}
-        for r, acts in enumerate(self.schedule.ranks):
-            k = 0
-            for a in acts:
-                if a.kind in ("SEND_F", "SEND_B"):
-                    sent_at[S.message(a)] = float(rows[r, 2 + k])
-                    k += 1
+        for r, acts in enumerate(sched.ranks):
+            for k, a in enumerate(remote_sends(acts)):
+                sent_at[S.message(a)] = float(rows[r, 2 + k])
         comm = 0.0
         for msg, t0, t1 in p2p.waits:
             comm += max(0.0, t1 - max(t0, sent_at.get(msg, t0)))
