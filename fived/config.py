@@ -134,6 +134,10 @@ class ParallelConfig:
     pp: int = spec(1, "pipeline-parallel degree", ge=1)
     zero: int = spec(0, "ZeRO stage: 0 plain DDP, 1 shard optimizer state, 2 + gradients, "
                         "3 + parameters", choices=(0, 1, 2, 3))
+    zero3_pp_gather: str = spec("step", "ZeRO-3 with pp: all-gather a stage's parameters once "
+                                "per step and keep them to the step's end, or once per "
+                                "micro-batch forward and backward, freed after each",
+                                choices=("step", "micro"))
     schedule: str = spec("1f1b", "pipeline schedule", choices=SCHEDULES,
                          shown="1f1b, or interleaved with --virtual-stages > 1")
     virtual_stages: int = spec(1, "interleaved schedule: model chunks per pipeline rank", ge=1)
@@ -383,15 +387,6 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
         p.append("--pp > 1 with tied embeddings: the embedding (first stage) and the head (last "
                  "stage) would need their gradients all-reduced between stages; use an untied "
                  "model (tied_embeddings = false)")
-    if par.pp > 1 and par.zero == 3:
-        why = ("ZeRO-3 frees a unit's parameters when its backward ends, but ZB-H1's deferred W "
-               "would re-gather every layer once more per micro-batch"
-               if par.schedule == "zb-h1" else
-               "ZeRO-3 gathers and frees each block around its forward and backward, and a "
-               "pipeline schedule interleaves many micro-batches on a stage")
-        sched = " and --schedule zb-h1" if par.schedule == "zb-h1" else ""
-        p.append(f"--zero 3 with --pp {par.pp}{sched} is not built ({why}); use --zero 1 or "
-                 "--zero 2 with pipeline parallelism, or --pp 1")
 
 
 def _check_cp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None) -> None:

@@ -162,7 +162,7 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     reverse registration order, split by reduction group, then (ZeRO 0–2) into runs of at most
     ``bucket_mb`` MiB of gradient; ZeRO-3 makes one bucket per (block, group), last block first,
     then the root (embedding, final norm, head)."""
-    from .params import block_of, param_list
+    from .params import param_list
 
     plist = list(reversed(param_list(m, par, pp_rank)))
     sizes = group_sizes(par)
@@ -173,9 +173,9 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     out: list[Bucket] = []
     if par.zero == 3:
         units: dict[int, list[tuple[str, int, bool]]] = {}
+        unit = _zero3_unit(m, par)
         for name, n, ex in plist:
-            b = block_of(name)
-            units.setdefault(-1 if b is None else b, []).append((name, n, ex))
+            units.setdefault(unit(name), []).append((name, n, ex))
         order = sorted((u for u in units if u >= 0), reverse=True) + ([-1] if -1 in units else [])
         for u in order:
             by: dict[str, int] = {}
@@ -191,6 +191,24 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     for g, ns in groups.items():
         out += [Bucket(g, sum(piece), shards(g)) for piece in split_sizes(ns, cap)]
     return tuple(out)
+
+
+def _zero3_unit(m: ModelConfig, par: ParallelConfig):
+    """ZeRO-3's gather unit of a parameter name: its block (−1: the root, i.e. embedding, final
+    norm, head); with pp > 1 its (virtual) stage, the pipeline chunk the executor gathers."""
+    from .params import block_of
+
+    if par.pp <= 1:
+        return lambda name: -1 if block_of(name) is None else block_of(name)
+    n = par.pp * max(1, par.virtual_stages)
+    stage_of = {i: k for k, ids in enumerate(stage_layers(m, par)) for i in ids}
+
+    def unit(name: str) -> int:
+        b = block_of(name)
+        if b is not None:
+            return stage_of[b]
+        return 0 if name.startswith("embed_tokens") else n - 1
+    return unit
 
 
 def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_index: int = 0,
@@ -396,7 +414,10 @@ def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
             units: dict[int, int] = {}
             for b in bks:
                 units[b.unit] = units.get(b.unit, 0) + b.padded
-            out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:2])
+            # the unit in use and the prefetched next; pp: every chunk (per step) or one
+            whole = (len(units) if par.pp > 1 and par.zero3_pp_gather == "step" else
+                     1 if par.pp > 1 else 2)
+            out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole])
                                         * param_bytes(par))
     if par.pp > 1:
         out["pp_p2p"] = 2 * tokens * m.hidden * e / (par.tp if sp else 1)

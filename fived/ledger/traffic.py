@@ -131,12 +131,16 @@ def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
     gb, pb = grad_bytes(par), param_bytes(par)
     out: list[Collective] = []
     bks = [b for b in buckets(m, par, pp_rank) if group_sizes(par)[b.group] > 1]
-    if par.zero == 3:
+    if par.zero == 3 and par.pp > 1 and par.zero3_pp_gather == "step":
+        out += [Collective(b.group, "all_gather", pb * b.padded, b.shards, 1,
+                           "params (once per step)", "fwd") for b in bks]
+    elif par.zero == 3:
         for b in bks:
             out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
                                   "params (forward)", "fwd"))
             out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
                                   "params (backward)", "bwd"))
+    if par.zero == 3:
         out += [Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1, "gradients",
                            "bwd") for b in bks]
         return tuple(out)

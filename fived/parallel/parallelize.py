@@ -84,7 +84,9 @@ def parallelize(model: Transformer, grid: Any, par: Any, train: Any) -> Parallel
         executor = PipelineExecutor(model.cfg, par, grid, stage, next(stage.parameters()).dtype)
     else:
         stage, executor = parts[0], None
-    engine = make_engine(stage, grid, par, train, placements, list(stage.layers.values()))
+    # ZeRO-3's gather units: the blocks; with pp the chunks (the executor gathers them)
+    units = list(stage.chunk_models) if par.pp > 1 else list(stage.layers.values())
+    engine = make_engine(stage, grid, par, train, placements, units)
     return Parallelized(stage, placements, engine, executor)
 
 

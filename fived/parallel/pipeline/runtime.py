@@ -18,7 +18,10 @@
   ``last`` is True on the action that does the final gradient accumulation of a chunk's
   parameters (its last B; for split backwards also its last W), so the engine's bucketed
   reduction counts each parameter once and starts only after the step's last backward.
-* **Zero-bubble split (ZB-H1).** During a split schedule's forward a ``TorchFunctionMode``
+* **ZeRO-3.** ``engine.begin_compute(chunk, kind)`` / ``end_compute`` wrap every F, B and W:
+  ZeRO-3 all-gathers the chunk's parameters there (once per step or per micro-batch,
+  ``--zero3-pp-gather``; ``fived.parallel.data.zero3``).
+* **Zero-bubble split (ZB-H1, ZB-V, DualPipe-V).** During a split schedule's forward a ``TorchFunctionMode``
   routes every ``F.linear(x, W)`` with W a stage parameter to ``F.linear(x, W.detach())`` and
   records (x, y, W). B is ``torch.autograd.backward(root, grad, inputs=[stage input, every y,
   every parameter])``: it computes the input gradient, dL/dy of each linear and the gradients
@@ -197,6 +200,9 @@ class PipelineExecutor:
         p2p.reset()
         S_, sched = self.num_stages, self.schedule
         local: dict[tuple, torch.Tensor] = {}  # hand-offs between two stages of this rank
+        nothing = lambda c, k: None  # noqa: E731 (an engine without ZeRO-3 gathers)
+        begin = getattr(engine, "begin_compute", nothing)
+        end_ = getattr(engine, "end_compute", nothing)
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         grads: dict[tuple[int, int], torch.Tensor] = {}
@@ -235,6 +241,7 @@ class PipelineExecutor:
                 p2p.send(g, S.peer(a, sched), [g])
             else:
                 t0 = time.time()
+                begin(c, a.kind)
                 if a.kind == "F":
                     inp = xs[a.mb] if a.stage == 0 else inputs[key]
                     last = a.stage == S_ - 1
@@ -280,6 +287,7 @@ class PipelineExecutor:
                         torch.autograd.backward(ws, dws)
                     del rec, ws, dws
                     live[a.stage] -= 1
+                end_(c, a.kind)
                 if self.delay.get(a.kind):
                     time.sleep(self.delay[a.kind])
                 compute += time.time() - t0
