@@ -1,14 +1,15 @@
 """fived's pipeline schedules against ``torch.distributed.pipelining`` on the same stages.
 
 ``fived bench pp [--pp 4] [--micro-batches 8] [--layers 8] [--reps 5]``: one spawn of pp gloo ranks; for
-GPipe, 1F1B and interleaved 1F1B (v=2 virtual stages per rank) both implementations run
+GPipe, 1F1B, interleaved 1F1B (v=2 virtual stages per rank), ZB-V and DualPipe-V (two stages
+per rank in a V; torch's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``) both implementations run
 forward+backward of the same stage modules on the same micro-batches, alternating fived and
 torch repetition by repetition so that machine noise hits both alike; the step time is the
 slowest rank's, the median over repetitions (after one warm-up each). Prints a header at once,
 one progress line per schedule, and a closing ratio table (fived / torch; ≤ 1.0 is the target)
 with the relative gap between the two implementations' gradients (the same work, checked).
 ZB-H1 has no same-shape torch peer (torch's zero-bubble schedules are interleaved/V-shaped) and
-is not compared.
+is not compared; DualPipe-V runs when m ≥ 2·pp.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch import nn
 from ..cli import flags
 
 PAIRS = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
-         ("interleaved", "ScheduleInterleaved1F1B", 2))
+         ("interleaved", "ScheduleInterleaved1F1B", 2), ("zb-v", "ScheduleZBVZeroBubble", 2),
+         ("dualpipe-v", "ScheduleDualPipeV", 2))
 
 
 class _NoEngine:
@@ -63,13 +65,14 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
     scale = 1.0 / (batch * cfg.seq_len)
     rows = []
     for ours, theirs, v in PAIRS:
-        if cfg.layers % (world * v):
+        if cfg.layers % (world * v) or (ours == "dualpipe-v" and m < 2 * world):
             continue
         par = ParallelConfig(pp=world, micro_batches=m, schedule=ours, virtual_stages=v)
         grid = Grid.from_config(par, rank).connect(Traffic())
         ex = parallelize(build_model(cfg, 7), grid, par, TrainConfig()).executor
         ex.measure = False
-        stages = [tp.PipelineStage(_Wrap(chunk, pos), rank + k * world, world * v,
+        ids = ex.stage.stage_ids  # r, r + pp (loop) or r, 2pp − 1 − r (V)
+        stages = [tp.PipelineStage(_Wrap(chunk, pos), ids[k], world * v,
                                    torch.device("cpu"), group=grid["pp"].pg)
                   for k, chunk in enumerate(ex.stage.chunk_models)]
         loss_fn = lambda o, t: token_losses(o, t) * scale  # noqa: E731
@@ -80,13 +83,10 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
         def run_fived(ex=ex):
             ex.run(x, y, pos, scale, _NoEngine())
 
-        def run_torch(sched=sched):
-            if rank == 0:
-                sched.step(x)
-            elif rank == world - 1:
-                sched.step(target=y, losses=[])
-            else:
-                sched.step()
+        first, last = 0 in ids, world * v - 1 in ids  # V: rank 0 holds both ends
+
+        def run_torch(sched=sched, first=first, last=last):
+            sched.step(*([x] if first else []), **({"target": y, "losses": []} if last else {}))
 
         times: dict[str, list[float]] = {"fived": [], "torch": []}
         for k in range(reps + 1):

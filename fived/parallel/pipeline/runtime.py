@@ -29,6 +29,9 @@
   (the weights are detached from the graph). W computes dW = dyᵀ·x for each recorded linear
   and accumulates it with ``torch.autograd.backward(W, dW)`` so post-accumulate hooks fire.
   Under recompute the recomputed graph uses the real weights; W then has nothing to do.
+  A B directly followed by its own W in the list (DualPipe-V's full backwards, written
+  ``BW``; a first stage's B, which sends nothing) is run as one ordinary backward, its forward
+  without the mode, and the W is empty.
 * **Measurement.** Per step: compute seconds (F/B/W), comm seconds (posting sends, and
   receive waits after the peer had sent), idle (the rest of the pipeline makespan, which is
   max(end) − min(start) over the pp ranks), measured bubble = 1 − compute/makespan, and peak
@@ -170,6 +173,12 @@ class PipelineExecutor:
             for s in self.stage.stage_ids:
                 idx = [i for i, a in enumerate(self.actions) if a.kind == kind and a.stage == s]
                 self.final.add(idx[-1])
+        # a B directly followed by its own W (a full backward: DualPipe-V's "BW", or a stage
+        # with no gradient to send) runs as one ordinary backward pass; W then has nothing left
+        acts = self.actions
+        self.fused = {(a.mb, a.stage) for i, (a, b) in enumerate(zip(acts, acts[1:]))
+                      if self.split and a.kind == "B" and b == S.Action("W", a.mb, a.stage)
+                      and (i in self.final) == (i + 1 in self.final)}
         self.metrics = replace(self.group, name="metrics")
 
     # ------------------------------------------------------------------ shapes
@@ -245,7 +254,7 @@ class PipelineExecutor:
                 if a.kind == "F":
                     inp = xs[a.mb] if a.stage == 0 else inputs[key]
                     last = a.stage == S_ - 1
-                    if self.split:
+                    if self.split and key not in self.fused:
                         mode = _SplitLinear(weights)
                         with mode:
                             out = self.stage(inp, positions, ys[a.mb] if last else None, chunk=c)
@@ -262,17 +271,20 @@ class PipelineExecutor:
                     engine.set_last_micro(i in self.final)
                     out = outputs.pop(key)
                     g = grads.pop(key, None)
-                    if self.split:
+                    if self.split and key not in self.fused:
                         rec = records[key]
                         extra = [t for t in ([inputs[key]] if key in inputs else [])]
                         extra += [r[1] for r in rec] + chunk_params[c]
                         torch.autograd.backward(out, g, inputs=extra)
                     else:
                         torch.autograd.backward(out, g)
-                        live[a.stage] -= 1
+                        if not self.split:
+                            live[a.stage] -= 1
                     if a.stage > 0 and inputs[key].grad is None:
                         inputs[key].grad = torch.zeros_like(inputs[key])
                     del out, g
+                elif a.kind == "W" and key in self.fused:
+                    live[a.stage] -= 1  # its B was the whole backward
                 elif a.kind == "W":
                     engine.set_last_micro(i in self.final)
                     rec = records.pop(key)

@@ -121,7 +121,9 @@ def is_local(a: Action, sched: Schedule) -> bool:
 
 def with_comm(name: str, pp: int, m: int, v: int, split: bool,
               orders: list[list[tuple[str, int, int]]], layout: str = "loop") -> Schedule:
-    """Insert the receive before each consumer and the send after each producer."""
+    """Insert the receive before each consumer and the send after each producer. An order item
+    ``("BW", mb, s)`` is a full backward: B, then its W, then the send of the input gradient
+    (the executor runs the pair as one backward pass)."""
     S = pp * v
     ranks = []
     for order in orders:
@@ -133,10 +135,12 @@ def with_comm(name: str, pp: int, m: int, v: int, split: bool,
                 acts.append(Action("F", mb, s))
                 if s < S - 1:
                     acts.append(Action("SEND_F", mb, s))
-            elif kind == "B":
+            elif kind in ("B", "BW"):  # BW: a full backward, B and its W back to back
                 if s < S - 1:
                     acts.append(Action("RECV_B", mb, s))
                 acts.append(Action("B", mb, s))
+                if kind == "BW":
+                    acts.append(Action("W", mb, s))
                 if s > 0:
                     acts.append(Action("SEND_B", mb, s))
             else:
@@ -298,10 +302,10 @@ def _dualpipe_v_rank(pp: int, m: int, r: int) -> list[tuple[str, int, int]]:
         nf[s] += 1
 
     def bwd(s: int, full: bool = True) -> None:
-        order.append(("B", nb[s], s))
         if full:
-            order.append(("W", nb[s], s))
+            order.append(("BW", nb[s], s))
         else:
+            order.append(("B", nb[s], s))
             queue.append((nb[s], s))
         nb[s] += 1
 
