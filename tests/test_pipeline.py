@@ -204,8 +204,9 @@ def test_measured_bubble_pp4_every_schedule():
 
 
 def test_bench_pp_runs(capsys):
-    """``fived bench pp`` times every schedule that has a torch peer, and both sides compute
-    the same gradients (so the ratio compares the same work)."""
+    """``fived bench pp`` times every schedule that has a torch peer (ZB-V against
+    ``ScheduleZBVZeroBubble``, DualPipe-V against ``ScheduleDualPipeV``), and both sides
+    compute the same gradients (so the ratio compares the same work)."""
     import json
 
     from fived.bench import pp as bench
@@ -213,7 +214,8 @@ def test_bench_pp_runs(capsys):
     assert bench.main(["--pp", "2", "--micro-batches", "4", "--layers", "4", "--reps", "1",
                        "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [r["schedule"] for r in out["rows"]] == ["gpipe", "1f1b", "interleaved"]
+    assert [r["schedule"] for r in out["rows"]] == ["gpipe", "1f1b", "interleaved", "zb-v",
+                                                   "dualpipe-v"]
     for r in out["rows"]:
         assert r["fived_s"] > 0 and r["torch_s"] > 0
         assert r["grad_rel_gap"] < 1e-5, r
