@@ -140,7 +140,9 @@ class ParallelConfig:
                                 choices=("step", "micro"))
     schedule: str = spec("1f1b", "pipeline schedule", choices=SCHEDULES,
                          shown="1f1b, or interleaved with --virtual-stages > 1")
-    virtual_stages: int = spec(1, "interleaved schedule: model chunks per pipeline rank", ge=1)
+    virtual_stages: int = spec(1, "model chunks per pipeline rank (interleaved; zb-v and "
+                                  "dualpipe-v run 2, in a V)", ge=1,
+                               shown="1, or 2 with --schedule zb-v / dualpipe-v")
     micro_batches: int = spec(1, "micro-batches per optimizer step (per replica)", ge=1)
     sequence_parallel: bool = spec(False, "shard norms and residuals over tp along the sequence")
     recompute: str = spec("none", "activation recompute", choices=RECOMPUTE)
