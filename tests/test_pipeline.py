@@ -111,11 +111,13 @@ def _col(out, key, i):
 
 
 def test_pp2(reference):
-    """pp=2: every schedule equals one rank over 5 steps; pp bytes; one step's gradients
+    """pp=2: every schedule equals one rank over 5 steps (and ZB-V under full recompute, where
+    every B is the whole backward); pp bytes; one step's gradients
     (ZB-H1, 4 micro-batches) equal one rank's; measured 1F1B and ZB-V (m=2: 2/14, the depth of
     the V; 100 ms units, the per-action overhead being a larger share of it) bubbles within 15%
     of the formula."""
-    pars = [_par(s, 2, 4 if s == "dualpipe-v" else 2) for s in S.NAMES] + [_par("zb-h1", 2, 4)]
+    pars = [_par(s, 2, 4 if s == "dualpipe-v" else 2) for s in S.NAMES] + [
+        _par("zb-h1", 2, 4), _par("zb-v", 2, 2, recompute="full")]
     out = run_ranks(suite, 2, MODEL, pars, small_train(), [_par("zb-h1", 2, 4)],
                     [_timed("1f1b", 2, 4),
                      (_par("zb-v", 2, 2), {k: 2 * v for k, v in DELAY_ZB.items()}, STEPS)])

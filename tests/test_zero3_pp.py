@@ -6,7 +6,7 @@ the one-rank run, and every rank's model-state bytes and bytes sent per group, o
 equal the ledger's (``fived.ledger.verify.compare_record``, what ``fived ledger --check``
 runs). Default: pp2·dp2 with 1F1B (step and micro), ZB-V (step) and DualPipe-V (micro) in one
 spawn, and the gather counts of the two modes against each other. ``-m slow``: every schedule
-× both modes, and pp2·dp2·tp2.
+× both modes, pp2·dp2·tp2, and full recompute.
 """
 
 from __future__ import annotations
@@ -79,5 +79,7 @@ def test_matrix_every_schedule(reference, gather):
 
 
 @pytest.mark.slow
-def test_zero3_pp2_dp2_tp2(reference):
+def test_zero3_pp2_dp2_tp2_and_recompute(reference):
     _check([_par("1f1b", "micro", tp=2), _par("zb-v", "step", tp=2)], reference)
+    _check([_par("dualpipe-v", "micro", recompute="full"),
+            _par("zb-h1", "step", recompute="full")], reference)

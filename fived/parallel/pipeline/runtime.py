@@ -28,7 +28,8 @@
   of the parameters that are not linear weights (norms, embedding), but no weight gradient
   (the weights are detached from the graph). W computes dW = dyᵀ·x for each recorded linear
   and accumulates it with ``torch.autograd.backward(W, dW)`` so post-accumulate hooks fire.
-  Under recompute the recomputed graph uses the real weights; W then has nothing to do.
+  Under full recompute the forward is not split (a checkpointed block must save the same
+  tensors when it reruns): every B is the whole backward and W has nothing to do.
   A B directly followed by its own W in the list (DualPipe-V's full backwards, written
   ``BW``; a first stage's B, which sends nothing) is run as one ordinary backward, its forward
   without the mode, and the W is empty.
@@ -179,6 +180,11 @@ class PipelineExecutor:
         self.fused = {(a.mb, a.stage) for i, (a, b) in enumerate(zip(acts, acts[1:]))
                       if self.split and a.kind == "B" and b == S.Action("W", a.mb, a.stage)
                       and (i in self.final) == (i + 1 in self.final)}
+        if self.split and par.recompute == "full":
+            # a checkpointed block recomputes its linears with the real weights (it would save
+            # other tensors than the split forward did): every B is the whole backward there,
+            # each chunk's last B its final accumulation, and W has nothing left to do
+            self.fused = {(a.mb, a.stage) for a in acts if a.kind == "B"}
         self.metrics = replace(self.group, name="metrics")
 
     # ------------------------------------------------------------------ shapes
