@@ -19,8 +19,9 @@ group), and the executor drives them around every F and B action (``begin_comput
                               stage's parameters stay whole through the schedule (ZeRO-2's
                               parameter memory during the step, but one all-gather per step)
     --zero3-pp-gather micro   all-gather the chunk before each F and each B and free it after
-                              ("reshard after forward"): only one chunk is whole at a time,
-                              at the price of 2m all-gathers per chunk per step
+                              ("reshard after forward"; the next action's chunk is prefetched
+                              as soon as this one is freed): only one chunk is whole at a
+                              time, at the price of 2m all-gathers per chunk per step
 
 Model-state bytes per rank (Ψ parameters; P params, G grads, M fp32 master, 8 Adam):
 
@@ -218,10 +219,14 @@ class Zero3(Zero2):
                 self.prefetch(u, ahead=True)
         self.gather(self.units[chunk])
 
-    def end_compute(self, chunk: int, kind: str) -> None:
-        """After the action: per micro-batch, free the chunk again (per step: keep it)."""
+    def end_compute(self, chunk: int, kind: str, next_chunk: int | None = None) -> None:
+        """After the action: per micro-batch, free the chunk again and start the all-gather of
+        the chunk the next F or B needs (it overlaps the receives in between; off with
+        --no-overlap); per step: keep it."""
         if kind != "W" and not self.per_step:
             self.free(self.units[chunk])
+            if next_chunk is not None:
+                self.prefetch(self.units[next_chunk], ahead=True)
 
     def after_grad(self, b: Bucket, j: int) -> None:
         if self.driven:

@@ -180,6 +180,13 @@ class PipelineExecutor:
         self.fused = {(a.mb, a.stage) for i, (a, b) in enumerate(zip(acts, acts[1:]))
                       if self.split and a.kind == "B" and b == S.Action("W", a.mb, a.stage)
                       and (i in self.final) == (i + 1 in self.final)}
+        # the chunk of the next F or B after each action (ZeRO-3 prefetches it)
+        self.next_chunk: dict[int, int | None] = {}
+        upcoming = None
+        for i in range(len(acts) - 1, -1, -1):
+            self.next_chunk[i] = upcoming
+            if acts[i].kind in ("F", "B"):
+                upcoming = self.chunk_of[acts[i].stage]
         if self.split and par.recompute == "full":
             # a checkpointed block recomputes its linears with the real weights (it would save
             # other tensors than the split forward did): every B is the whole backward there,
@@ -215,7 +222,7 @@ class PipelineExecutor:
         p2p.reset()
         S_, sched = self.num_stages, self.schedule
         local: dict[tuple, torch.Tensor] = {}  # hand-offs between two stages of this rank
-        nothing = lambda c, k: None  # noqa: E731 (an engine without ZeRO-3 gathers)
+        nothing = lambda *args: None  # noqa: E731 (an engine without ZeRO-3 gathers)
         begin = getattr(engine, "begin_compute", nothing)
         end_ = getattr(engine, "end_compute", nothing)
         inputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -305,7 +312,7 @@ class PipelineExecutor:
                         torch.autograd.backward(ws, dws)
                     del rec, ws, dws
                     live[a.stage] -= 1
-                end_(c, a.kind)
+                end_(c, a.kind, self.next_chunk[i])
                 if self.delay.get(a.kind):
                     time.sleep(self.delay[a.kind])
                 compute += time.time() - t0
