@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fived-installed
 
-.PHONY: run test test-slow lint format clean
+.PHONY: run test test-slow lint format clean figures
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,15 @@ lint: $(STAMP)
 
 format: $(STAMP)
 	$(BIN)/ruff format fived tests benchmarks
+
+# every figure of the series (out/figures: PNG + SVG + JSON each), the offline page
+# (out/report/index.html, copied to docs/report.html), and the small PNG copies docs/figures.md shows (FIGURES_FLAGS=--quick
+# for the tiny sizes)
+figures: $(STAMP)
+	$(BIN)/fived figures all --out out/figures $(FIGURES_FLAGS)
+	$(BIN)/fived report --from out/figures --out out/report
+	mkdir -p docs/figures && cp out/figures/*.png docs/figures/
+	cp out/report/index.html docs/report.html
 
 clean:
 	rm -rf $(VENV) .pytest_cache

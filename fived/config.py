@@ -43,6 +43,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 CP_MODES = ("ring", "ulysses")
+COLLECTIVES = ("backend", "ring")
 DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
 DEFAULT_WORLD = 4  # ranks `fived train` starts when nothing says otherwise
 
@@ -153,6 +154,9 @@ class ParallelConfig:
     order: tuple[str, ...] = spec(DIMS, "grid order, outermost first", metavar="pp,dp,ep,cp,tp")
     bucket_mb: float = spec(25.0, "gradient bucket size in MB", gt=0)
     overlap: bool = spec(True, "reduce gradients during backward (--no-overlap: after it)")
+    collectives: str = spec("backend", "data-parallel gradient reduction (and ZeRO-1/2's "
+                            "parameter all-gather): the backend's collective, or fived's "
+                            "send/recv ring (fived.comm.ring)", choices=COLLECTIVES)
     pp_layers: tuple[int, ...] = spec((), "layers per (virtual) stage by hand, e.g. 3,5",
                                       metavar="N,N,...", shown="balanced")
 
@@ -190,6 +194,27 @@ class TrainConfig:
     corpus_mb: float = spec(4.0, "MB of the built-in corpus (this Python's stdlib source)", gt=0)
     metrics_out: str = spec("", "write one JSON line per step to this file", metavar="FILE")
     log_every: int = spec(1, "print a line every N steps", ge=1)
+    data: str = spec("", "train on a prepared data directory (`fived data prepare`); the model "
+                         "vocab becomes its tokenizer's, padded to a multiple of 128",
+                     metavar="DIR", shown="the built-in corpus")
+    eval_every: int = spec(0, "validation loss and perplexity every N steps and after the last "
+                              "(0: never; needs --data)", ge=0)
+    eval_batches: int = spec(4, "global batches of the validation split per evaluation", ge=1)
+    prefetch: int = spec(2, "batches the --data loader reads ahead in a background thread", ge=1)
+    tensorboard: str = spec("", "write TensorBoard scalars to this directory", metavar="DIR")
+    # checkpoints (fived.checkpoint, docs/checkpoints.md)
+    save_dir: str = spec("", "save checkpoints under this directory (DIR/step-N)", metavar="DIR")
+    save_every: int = spec(0, "save every N steps and after the last (0: only after the last, "
+                              "when --save-dir is given)", ge=0)
+    keep: int = spec(0, "keep only the newest K checkpoints (0: all)", ge=0, metavar="K")
+    async_save: bool = spec(False, "write checkpoints in the background while training goes on")
+    stop_after: int = spec(0, "stop after this many steps of --steps (0: all); the schedule "
+                              "stays --steps long, so --resume continues it exactly", ge=0)
+    resume: str = spec("", "resume from DIR (its newest checkpoint) or DIR/step-N, any layout",
+                       metavar="DIR")
+    init_from: str = spec("", "start from a Hugging Face Llama/Mixtral directory (safetensors + "
+                              "config.json); the model shape comes from its config.json",
+                          metavar="HF_DIR")
 
 
 def preset(name: str) -> ModelConfig:

@@ -336,7 +336,11 @@ def ring_all_reduce_matches_backend(g, traffic, me, n):
                         dict(rtol=2e-2, atol=5e-2)
                     torch.testing.assert_close(mine, theirs, **tol)
                 numel, el = x.numel(), x.element_size()
-                expect = bytes_sent("all_reduce", numel * el, n) + 2 * _ring_pad(numel, el, n)
+                # no padding: chunks of ⌊numel/n⌋ or ⌈numel/n⌉ (tensor_split); a member sends
+                # every chunk but its own in the reduce-scatter and all but its successor's
+                # in the all-gather — 2(n−1)/n·S exactly when n divides numel
+                c = [len(p) for p in torch.arange(numel).tensor_split(n)]
+                expect = float((2 * numel - c[me] - c[(me + 1) % n]) * el)
                 assert ring_bytes == (1, expect), (shape, ring_bytes, expect)
                 if numel % n == 0:
                     assert ring_bytes == recorded(traffic, "all_reduce")
@@ -513,6 +517,10 @@ def test_bench_comm_cli_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     doc = json.loads(printed)
     assert doc == json.loads(out.read_text())
+    from fived.bench import schema
+
+    schema.validate(doc)  # the fived.bench document; the sweep is in its extras
+    doc = {**doc["extra"], "rows": [r["extra"] for r in doc["rows"]]}
     assert doc["schema"] == bench.SCHEMA and doc["world"] == 2 and doc["backend"] == "gloo"
     have = {(r["op"], r["impl"]) for r in doc["rows"]}
     assert have == set(bench.plan(list(bench.BENCH_OPS), list(bench.IMPLS)))

@@ -290,5 +290,5 @@ def test_architecture_page_draws_the_real_arrows():
     real = package_arrows(ROOT, "fived")
     doc = documented_arrows((ROOT / "docs" / "architecture.md").read_text())
     for name in ("cli", "bench", "viz", "train", "parallel", "optim", "model", "ledger", "dist",
-                 "comm"):
+                 "comm", "data", "checkpoint"):
         assert doc.get(name) == real.get(name, set()), (name, doc.get(name), real.get(name))

@@ -7,7 +7,9 @@ Spawns ``--nprocs`` local ranks (``fived.dist.launch.run_local``) unless it runs
 sweeps the sizes for each (collective, implementation), and prints, per collective, nccl-tests'
 columns (size, count, type, time, algbw, busbw) for each implementation, then the alpha-beta fit
 per collective. ``--json`` prints the result document on stdout (the human output goes to stderr)
-and ``--out FILE.json`` saves it; the schema is in docs/comm.md. Definitions: ``fived.comm.bench``.
+and ``--out FILE.json`` saves it: the ``fived.bench`` document (``fived.bench.schema``,
+docs/benchmarks.md) whose rows' ``extra`` hold the sweep's rows (docs/comm.md).
+Definitions: ``fived.comm.bench``.
 """
 
 from __future__ import annotations
@@ -287,7 +289,9 @@ def main(argv: list[str]) -> int:
     print_report(doc, con)
     if args.markdown:
         con.print(markdown_summary(doc), markup=False, highlight=False, soft_wrap=True)
-    text = json.dumps(doc, indent=1)
+    from .schema import comm_document
+
+    text = json.dumps(comm_document(doc), indent=1)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")

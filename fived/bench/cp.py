@@ -14,7 +14,6 @@ ratios and the bytes are the result.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from ..cli import flags
+from . import schema
 
 MODES = ("ring", "ulysses", "allgather", "ring-contiguous")
 DEFAULT_MODES = ("ring", "ulysses", "allgather", "ring-contiguous")
@@ -43,6 +43,7 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
     full = [torch.randn(b, s, x, d, generator=gen) for x in (h, g, g)]
     dfull = torch.randn(b, s, h, d, generator=gen)
     out: dict[str, Any] = {}
+    outputs: dict[str, tuple] = {}
     for mode in a["modes"]:
         base, _, layout = mode.partition("-")
         layout = layout or "zigzag"
@@ -68,6 +69,7 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
                 times.append(float(dt))
             sent = sum(r.bytes for r in traffic.records.values())
             saved_bytes = saved.bytes
+        outputs[mode] = (layout, o.detach(), ql.grad)
         per = C.traffic_per_layer(base, b, s // world, h, g, d, world)
         flops = torch.zeros(world, dtype=torch.float64)
         flops[rank] = fwd_flops
@@ -78,6 +80,16 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
         if rank == 0:
             print(f"  {mode:<16} {out[mode]['seconds'] * 1e3:9.2f} ms   "
                   f"{sent / 2**20:8.3f} MiB sent/rank", flush=True)
+    # the same attention: every mode of a layout gives the same output and dq as the first
+    ref: dict[str, tuple] = {}
+    for mode, (layout, o, dq) in outputs.items():
+        if layout not in ref:
+            ref[layout] = (mode, o, dq)
+            continue
+        m0, o0, dq0 = ref[layout]
+        for name, x, x0 in (("output", o, o0), ("dq", dq, dq0)):
+            gap = float((x - x0).norm() / x0.norm().clamp_min(1e-30))
+            assert gap < 1e-4, f"rank {rank}: {mode} {name} differs from {m0}'s ({gap:.1e})"
     return out
 
 
@@ -119,7 +131,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
                     help="comma list of ring, ulysses, allgather, ring-contiguous (no zigzag)")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON at the end")
+    ap.add_argument("--json", action="store_true", help="print the fived.bench JSON document "
+                    "(docs/benchmarks.md) as the last line")
     return flags.parse(ap, argv)
 
 
@@ -130,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..dist.launch import RankFailure, run_local
     from ..train.metrics import human_bytes
 
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
     a = {"batch": args.batch, "seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads,
          "head_dim": args.head_dim, "iters": args.iters, "warmup": args.warmup,
          "modes": [m.strip() for m in args.modes.split(",") if m.strip()]}
@@ -185,8 +199,22 @@ def main(argv: list[str] | None = None) -> int:
                        _imbalance(f))
         con.print(t2)
     if args.json:
-        print(json.dumps({"args": vars(args), "one_rank_seconds": one, "modes": res}))
+        schema.emit(_document(argv, args, res, one, one_saved))
     return 0
+
+
+def _document(argv: list[str], args: argparse.Namespace, res: dict, one: float,
+              one_saved: int) -> dict:
+    """``fived.bench`` rows: variant "attention", one implementation per mode; the peer is
+    ``allgather`` (all-gathering K/V: the rotate method torch's ``context_parallel`` uses by
+    default) when it ran; bytes_sent = measured bytes one rank sent per step."""
+    peer = "allgather" if "allgather" in res else None
+    rows = [schema.row("attention", mode, r["seconds"], peer=mode == peer, bytes_sent=r["bytes"],
+                       formula_bytes=r["formula"], saved_bytes=r["saved"],
+                       flops_per_rank=r["flops_per_rank"]) for mode, r in res.items()]
+    rows.append(schema.row("attention 1 rank", "one rank", one, saved_bytes=one_saved))
+    return schema.document("cp", argv, rows, settings=vars(args),
+                           extra={"one_rank_seconds": one, "peer": peer})
 
 
 if __name__ == "__main__":

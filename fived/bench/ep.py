@@ -17,7 +17,6 @@ bytes are the result.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..cli import flags
+from . import schema
 
 
 def _rank(rank: int, world: int, model: Any, par: Any, train: Any) -> dict[str, Any]:
@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     flags.add_flag(ap, "seq_len", default=None, shown_as="the preset's")
     ap.add_argument("--top-k", type=int, default=None, help="override the model's top_k")
     ap.add_argument("--capacity-factor", type=float, default=None, help="0: dropless")
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON at the end")
+    ap.add_argument("--json", action="store_true", help="print the fived.bench JSON document "
+                    "(docs/benchmarks.md) as the last line")
+    argv = sys.argv[1:] if argv is None else argv
     a = flags.parse(ap, argv)
     model = preset(a.model)
     over = {k: v for k, v in (("seq_len", a.seq_len), ("top_k", a.top_k),
@@ -132,9 +134,21 @@ def main(argv: list[str] | None = None) -> int:
               "rank), bal. = the uniform-routing estimate; exp. = expert-parameter bytes per rank; "
               f"dropped assignments: {[r['dropped'] for r in rows]}. ep = n also splits the "
               "batch n ways.", highlight=False)
+    first = rows[0]["loss_last"]
+    for r in rows[1:]:  # every layout trains the same model on the same batch: parity
+        assert abs(r["loss_last"] - first) <= 1e-4 * abs(first), (
+            f"ep {r['ep']}: last loss {r['loss_last']} != ep {rows[0]['ep']}'s {first}")
     if a.json:
-        print(json.dumps(rows, indent=1))
+        schema.emit(_document(argv, a, model, rows))
     return 0
+
+
+def _document(argv: list[str], a: argparse.Namespace, model: Any, rows: list[dict]) -> dict:
+    """``fived.bench`` rows: variant "ep", implementation "fived epN", the first layout (ep 1
+    by default) the peer; bytes_sent = ep bytes one rank sent (the max rank)."""
+    out = [schema.row("ep", f"fived ep{r['ep']}", r["step_ms"] / 1e3, peer=i == 0,
+                      bytes_sent=r["ep_bytes_per_rank"], **r) for i, r in enumerate(rows)]
+    return schema.document("ep", argv, out, settings=vars(a), extra={"model": model.name})
 
 
 if __name__ == "__main__":

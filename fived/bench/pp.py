@@ -7,7 +7,8 @@ forward+backward of the same stage modules on the same micro-batches, alternatin
 torch repetition by repetition so that machine noise hits both alike; the step time is the
 slowest rank's, the median over repetitions (after one warm-up each). Prints a header at once,
 one progress line per schedule, and a closing ratio table (fived / torch; ≤ 1.0 is the target)
-with the relative gap between the two implementations' gradients (the same work, checked).
+with the relative gap between the two implementations' gradients (the same work, checked) and
+the losses asserted equal on the last stage.
 ZB-H1 has no same-shape torch peer (torch's zero-bubble schedules are interleaved/V-shaped) and
 is not compared; DualPipe-V runs when m ≥ 2·pp.
 """
@@ -15,8 +16,8 @@ is not compared; DualPipe-V runs when m ≥ 2·pp.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from ..cli import flags
+from . import schema
 
 PAIRS = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
          ("interleaved", "ScheduleInterleaved1F1B", 2), ("zb-v", "ScheduleZBVZeroBubble", 2),
@@ -80,13 +82,18 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
         sched = (cls(stages, m, loss_fn=loss_fn, scale_grads=False) if v > 1
                  else cls(stages[0], m, loss_fn=loss_fn, scale_grads=False))
 
-        def run_fived(ex=ex):
-            ex.run(x, y, pos, scale, _NoEngine())
+        losses: dict[str, float] = {}
 
         first, last = 0 in ids, world * v - 1 in ids  # V: rank 0 holds both ends
 
-        def run_torch(sched=sched, first=first, last=last):
-            sched.step(*([x] if first else []), **({"target": y, "losses": []} if last else {}))
+        def run_fived(ex=ex, losses=losses):
+            losses["fived"] = float(ex.run(x, y, pos, scale, _NoEngine()))
+
+        def run_torch(sched=sched, losses=losses, first=first, last=last):
+            out: list = []
+            sched.step(*([x] if first else []), **({"target": y, "losses": out} if last else {}))
+            if last:
+                losses["torch"] = float(sum(out)) / scale  # the summed token loss, as fived's
 
         times: dict[str, list[float]] = {"fived": [], "torch": []}
         for k in range(reps + 1):
@@ -107,6 +114,9 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
             grads.append([p.grad.clone() for p in ex.stage.parameters()])
         gap = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
                   for a, b in zip(*grads))
+        if last:  # the last stage computed the loss: fived's = torch's
+            lf, lt = losses["fived"], losses["torch"]
+            assert abs(lf - lt) <= 1e-4 * abs(lt), f"{ours}: loss fived {lf} != torch {lt}"
         gap_t = torch.tensor([gap], dtype=torch.float64)
         dist.all_reduce(gap_t, op=dist.ReduceOp.MAX)
         rows.append((ours, theirs, med["fived"], med["torch"], float(gap_t)))
@@ -130,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5,
                     help="timed repetitions per implementation and schedule, after one warm-up; "
                     "the median is reported (default 5)")
-    ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    ap.add_argument("--json", action="store_true", help="also print the fived.bench JSON "
+                    "document (docs/benchmarks.md) as the last line")
+    argv = sys.argv[1:] if argv is None else argv
     a = flags.parse(ap, argv)
     from ..dist.launch import run_local
 
@@ -149,7 +161,19 @@ def main(argv: list[str] | None = None) -> int:
         t.add_row(ours, f"{f * 1e3:.1f}", f"{tt * 1e3:.1f}", theirs, f"{f / tt:.2f}×", f"{gap:.1e}")
     Console().print(t)
     if a.json:
-        print(json.dumps({"schema": "fived.bench.pp/1", "pp": a.pp, "micro_batches": a.micro_batches,
-                          "rows": [dict(zip(("schedule", "torch_schedule", "fived_s", "torch_s",
-                                             "grad_rel_gap"), r)) for r in rows]}))
+        schema.emit(_document(argv, a, rows))
     return 0
+
+
+def _document(argv: list[str], a: argparse.Namespace, rows: Any) -> dict:
+    """The ``fived.bench`` document: per schedule a fived row and its torch peer row (no
+    optimizer, no model-state comparison: both run the same stage modules)."""
+    from ..dist.launch import threads_per_rank
+
+    out = []
+    for ours, theirs, f, tt, gap in rows:
+        out.append(schema.row(ours, "fived", f, grad_rel_gap=gap))
+        out.append(schema.row(ours, "torch", tt, peer=True, torch_schedule=theirs))
+    return schema.document("pp", argv, out, settings=vars(a),
+                           extra={"note": "forward+backward of one step, slowest rank"},
+                           mach=schema.machine(threads_per_rank=threads_per_rank(a.pp)))

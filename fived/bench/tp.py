@@ -10,9 +10,13 @@ the same ranks in one run:
   ``ColwiseParallel`` head whose vocab-sharded logits go to ``loss_parallel`` cross-entropy —
   the torchtitan recipe.
 
-One timed step = forward + backward of the summed token loss (no optimizer: both sides would run
-the same AdamW). Repetitions interleave the variants so load drifts hit all of them alike; the
-table reports medians and fived / DTensor. Both sides' first losses are printed: they must agree.
+One timed step = forward + backward of the mean token loss, gradient clipping and AdamW: fived's
+engine (its flat AdamW) against torch's fastest AdamW for DTensors (``fused=True``) with the
+same global-norm clipping (``harness.clip_grads``). Before anything is timed both sides run
+batch 0 and the bench asserts equal losses and gradients (fived's piece of each DTensor
+gradient, relative gap < 1e-4). The repetitions interleave the variants and the order flips
+every repetition so load drifts hit all of them alike; the table reports medians (the slowest
+rank's time) and fived / DTensor, and the optimizer's time (clip + AdamW) of both sides.
 """
 
 from __future__ import annotations
@@ -91,69 +95,137 @@ def dtensor_model(cfg: Any, seed: int, tp: int, sp: bool) -> torch.nn.Module:
     return parallelize_module(model, mesh, plan)
 
 
+def _local_piece(full: torch.Tensor, pl: Any) -> torch.Tensor:
+    """fived's piece of a full tensor: chunk ``index`` of ``parts`` along ``dim``."""
+    return full.chunk(pl.parts, pl.dim)[pl.index] if pl.parts > 1 else full
+
+
 def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel
 
     from ..comm.ops import Traffic
-    from ..config import ParallelConfig
+    from ..config import ParallelConfig, TrainConfig
     from ..dist.grid import Grid
     from ..model import build_model
-    from ..parallel.parallelize import parallelize_parts
+    from ..parallel.parallelize import parallelize
     from ..train.data import local_batch
+    from .harness import clip_grads, fastest_adamw, state_bytes_torch
 
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     seed = 1234
-    x, y = local_batch(0, seed, args.batch, cfg.seq_len, 0, 1, 4.0)
+    train = TrainConfig(seed=seed)
+    batches = [local_batch(i, seed, args.batch, cfg.seq_len, 0, 1, 4.0)
+               for i in range(args.warmup + args.reps + 1)]
     pos = torch.arange(cfg.seq_len)
-    scale = 1.0 / y.numel()
+    scale = 1.0 / batches[0][1].numel()
     sps = {"both": (False, True), "on": (True,), "off": (False,)}[args.sp]
-    grid = Grid.from_config(ParallelConfig(tp=world), rank).connect(Traffic())
+    traffic = Traffic()
+    grid = Grid.from_config(ParallelConfig(tp=world), rank).connect(traffic)
     steps: dict[str, Any] = {}
-    first: dict[str, float] = {}
+    info: dict[str, dict[str, Any]] = {}
     for sp in sps:
         tag = "+sp" if sp else ""
         fpar = ParallelConfig(tp=world, sequence_parallel=sp, overlap=not args.no_overlap)
-        fm = parallelize_parts(build_model(cfg, seed), grid, fpar)[0][0]
+        laid = parallelize(build_model(cfg, seed), grid, fpar, train)
+        fm, engine = laid.model, laid.engine
         dm = dtensor_model(cfg, seed, world, sp)
+        dparams = list(dm.parameters())
+        dopt = fastest_adamw(dparams, train)
+        fk, dk = "fived" + tag, "dtensor" + tag
+        info[fk] = {"opt": 0.0, "sent": []}
+        info[dk] = {"opt": 0.0, "sent": []}
 
-        def fived_step(fm=fm):
+        def fived_fwd_bwd(i: int, fm=fm, engine=engine) -> float:
+            x, y = batches[i]
+            engine.zero_grad()
+            engine.set_last_micro(True)
             loss = fm(x, pos, y)
             (loss * scale).backward()
-            fm.zero_grad(set_to_none=True)
+            engine.finish()
             return float(loss.detach())
 
-        def dtensor_step(dm=dm):
+        def dtensor_fwd_bwd(i: int, dm=dm, dopt=dopt) -> float:
+            x, y = batches[i]
+            dopt.zero_grad(set_to_none=True)
             with loss_parallel():
                 loss = dm(x, pos, y)
                 (loss * scale).backward()
-            dm.zero_grad(set_to_none=True)
             loss = loss.detach()
             return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
-        steps["fived" + tag] = fived_step
-        steps["dtensor" + tag] = dtensor_step
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    last: dict[str, float] = {}
-    for k, fn in steps.items():
-        first[k] = fn()
-    for r in range(args.warmup + args.reps):
-        for k, fn in steps.items():
-            torch.distributed.barrier()
+        def fived_step(i: int, fwd_bwd=fived_fwd_bwd, engine=engine, key=fk) -> float:
+            traffic.reset()
+            loss = fwd_bwd(i)
             t0 = time.perf_counter()
-            fn()
+            engine.clip(train.grad_clip)
+            engine.step(1e-3)
+            info[key]["opt"] += time.perf_counter() - t0
+            info[key]["sent"].append(sum(traffic.bytes_by_dim().values()))
+            return loss
+
+        def dtensor_step(i: int, fwd_bwd=dtensor_fwd_bwd, dparams=dparams, dopt=dopt,
+                         key=dk) -> float:
+            loss = fwd_bwd(i)
+            t0 = time.perf_counter()
+            clip_grads(dparams, train.grad_clip)
+            dopt.step()
+            info[key]["opt"] += time.perf_counter() - t0
+            return loss
+
+        # the same work: equal losses and gradients on batch 0, before anything is timed
+        lf, ld = fived_fwd_bwd(0), dtensor_fwd_bwd(0)
+        assert abs(lf - ld) <= 1e-4 * abs(ld), f"tp{tag}: loss fived {lf} != DTensor {ld}"
+        fg = engine.full_grads()
+        gap = 0.0
+        for name, p in dm.named_parameters():
+            full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            ref = _local_piece(full, laid.placements[name])
+            gap = max(gap, float((fg[name] - ref).norm() / ref.norm().clamp_min(1e-30)))
+        assert gap < 1e-4, f"tp{tag}: gradients differ from DTensor's (relative {gap:.2e})"
+        info[fk].update(loss=lf, grad_gap=gap)
+        info[dk].update(loss=ld, grad_gap=gap)
+        info[fk]["state"] = engine.memory()
+        info[dk]["state_fn"] = (lambda dm=dm, dopt=dopt: state_bytes_torch(dm, dopt))
+        steps[fk], steps[dk] = fived_step, dtensor_step
+    gaps = ", ".join(f"{k} gap {v['grad_gap']:.1e}" for k, v in info.items() if "fived" in k)
+    say(f"  checked: equal first loss and gradients ({gaps})")
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    opts: dict[str, list[float]] = {k: [] for k in steps}
+    cpus: dict[str, list[float]] = {k: [] for k in steps}
+    last: dict[str, float] = {}
+    keys = list(steps)
+    for r in range(args.warmup + args.reps):
+        for k in (keys if r % 2 == 0 else keys[::-1]):  # the order flips every repetition
+            dist.barrier()
+            info[k]["opt"] = 0.0
+            t0, c0 = time.perf_counter(), time.process_time()
+            steps[k](r + 1)
             dt = last[k] = time.perf_counter() - t0
             if r >= args.warmup:
                 times[k].append(dt)
+                opts[k].append(info[k]["opt"])
+                cpus[k].append(time.process_time() - c0)
         if rank == 0:
             label = "warmup" if r < args.warmup else f"rep {r - args.warmup + 1}/{args.reps}"
             say(f"  {label}: " + "  ".join(f"{k} {last[k] * 1e3:.1f} ms" for k in steps))
-    return {"times": times, "first_loss": first}
+    out = {}
+    for k in steps:
+        st = info[k].get("state")
+        out[k] = {"times": times[k], "opts": opts[k], "cpus": cpus[k], "loss": info[k]["loss"],
+                  "grad_gap": info[k]["grad_gap"],
+                  "sent": max(info[k]["sent"]) if info[k]["sent"] else None,
+                  "state": (st["params"] + st["grads"] + st["master"] + st["optimizer"]) if st
+                  else info[k]["state_fn"]()}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parse(argv)
     from ..config import ParallelConfig, preset, validate
-    from ..dist.launch import run_local
+    from ..dist.launch import run_local, threads_per_rank
+    from . import schema
 
     cfg = preset(args.model)
     validate(cfg, ParallelConfig(tp=args.tp, sequence_parallel=args.sp != "off"))
@@ -163,31 +235,43 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"fived bench tp — {cfg.name} (h{cfg.hidden}, {cfg.layers} layers, seq {cfg.seq_len}), "
           f"batch {args.batch}, tp={args.tp}, {args.reps} reps (+{args.warmup} warmup), "
-          f"fwd+bwd per step; fived (overlap {'off' if args.no_overlap else 'on'}) vs DTensor "
-          "parallelize_module", flush=True)
+          f"fwd+bwd+clip+AdamW per step; fived (overlap {'off' if args.no_overlap else 'on'}) vs "
+          "DTensor parallelize_module (fused AdamW)", flush=True)
     t0 = time.perf_counter()
     out = run_local(_rank, args.tp, (cfg, args), timeout=600)
-    times = out[0]["times"]
-    # a step's time is the slowest rank's
-    med = {k: statistics.median(max(o["times"][k][i] for o in out) for i in range(args.reps))
-           for k in times}
-    first = out[0]["first_loss"]
-    print(f"\n{'variant':<10} {'fived ms':>10} {'DTensor ms':>11} {'fived/DTensor':>14} "
-          f"{'loss fived':>11} {'loss DTensor':>13}")
+
+    def med(k: str, field: str) -> float:  # a step's time is the slowest rank's
+        return statistics.median(max(o[k][field][i] for o in out) for i in range(args.reps))
+
     rows = []
     for tag in ("", "+sp"):
-        if "fived" + tag not in med:
-            continue
-        f, d = med["fived" + tag], med["dtensor" + tag]
-        rows.append({"variant": "tp" + tag, "fived_s": f, "dtensor_s": d, "ratio": f / d,
-                     "loss_fived": first["fived" + tag], "loss_dtensor": first["dtensor" + tag]})
-        print(f"{'tp' + tag:<10} {f * 1e3:>10.1f} {d * 1e3:>11.1f} {f / d:>13.2f}x "
-              f"{first['fived' + tag]:>11.5f} {first['dtensor' + tag]:>13.5f}")
-    print(f"(medians of {args.reps}; total {time.perf_counter() - t0:.1f} s)")
+        for k, impl in (("fived" + tag, "fived"), ("dtensor" + tag, "DTensor")):
+            if k not in out[0]:
+                continue
+            sent = [o[k]["sent"] for o in out if o[k]["sent"] is not None]
+            rows.append(schema.row("tp" + tag, impl, med(k, "times"), peer=impl == "DTensor",
+                                   state_bytes=out[0][k]["state"],
+                                   bytes_sent=max(sent) if sent else None,
+                                   optimizer_s=med(k, "opts"), first_loss=out[0][k]["loss"],
+                                   times_s=[max(o[k]["times"][i] for o in out)
+                                            for i in range(args.reps)],
+                                   cpu_s=statistics.median(sum(o[k]["cpus"][i] for o in out)
+                                                           for i in range(args.reps)),
+                                   grad_rel_gap=out[0][k]["grad_gap"]))
+    doc = schema.document("tp", argv, rows, settings=vars(args),
+                          extra={"model": cfg.name, "tp": args.tp},
+                          mach=schema.machine(threads_per_rank=threads_per_rank(args.tp)))
+    print(f"\n{'variant':<7} {'fived ms':>9} {'DTensor ms':>11} {'fived/DTensor':>14} "
+          f"{'optim f/D ms':>13} {'first loss':>11} {'grad gap':>9}")
+    by = {(r["variant"], r["implementation"]): r for r in doc["rows"]}
+    for v in dict.fromkeys(r["variant"] for r in doc["rows"]):
+        f, d = by[(v, "fived")], by[(v, "DTensor")]
+        print(f"{v:<7} {f['step_s'] * 1e3:>9.1f} {d['step_s'] * 1e3:>11.1f} "
+              f"{f['ratio']:>13.2f}x {f['optimizer_s'] * 1e3:>6.1f}/{d['optimizer_s'] * 1e3:<6.1f}"
+              f" {f['extra']['first_loss']:>11.4f} {f['extra']['grad_rel_gap']:>9.1e}")
+    print(f"(medians of {args.reps}, order alternating; total {time.perf_counter() - t0:.1f} s)")
     if args.json:
-        import json
-
-        print(json.dumps(rows))
+        schema.emit(doc)
     return 0
 
 

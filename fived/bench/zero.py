@@ -1,9 +1,12 @@
 """``fived bench zero``: fived ZeRO-1/2/3 against PyTorch FSDP2 (``fully_shard`` per block and
 on the root, its default ``reshard_after_forward=True``: the ZeRO-3 schedule), plus PyTorch DDP
 for scale, on the same model, ranks and data in one run (alternating, medians; see
-``fived.bench.harness`` for the method). The "comm hidden" column for fived ZeRO-3 compares its
+``fived.bench.harness`` for the method: every torch peer runs fused AdamW and fived's
+clipping). The "comm hidden" column for fived ZeRO-3 compares its
 wait for collectives with prefetch and overlapped reduce-scatters against ``--no-overlap``
-(gathers on demand, reductions after backward).
+(gathers on demand, reductions after backward). FSDP1 (``FullyShardedDataParallel``, one unit
+per block, ``use_orig_params``, fused AdamW, its own ``clip_grad_norm_``) runs beside them as
+the older peer.
 """
 
 from __future__ import annotations
@@ -31,6 +34,40 @@ def fsdp2_runner(cfg: Any, train: Any, world: int, batch: Callable[[int], tuple]
     return torch_runner("torch FSDP2", model, model, cfg, train, world, batch, set_to_none=True)
 
 
+def fsdp1_runner(cfg: Any, train: Any, world: int, batch: Callable[[int], tuple]) -> Runner:
+    """torch FSDP1: ``FullyShardedDataParallel`` wrapping each block (and the root), FULL_SHARD,
+    the same fastest AdamW as the other peers (``harness.fastest_adamw``) and the same global-norm
+    clipping (FSDP1's own ``clip_grad_norm_``, which knows its flat shards)."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from ..model import build_model
+    from .harness import fastest_adamw, state_bytes_torch
+
+    model = build_model(cfg, train.seed)
+    block = type(next(iter(model.layers.values())))
+    wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}),
+                   device_id=torch.device("cpu"), use_orig_params=True)
+    opt = fastest_adamw(wrapped.parameters(), train)
+    scale = world / (train.global_batch * cfg.seq_len)  # FSDP averages, fived sums
+
+    def optimizer() -> None:
+        wrapped.clip_grad_norm_(train.grad_clip)
+        opt.step()
+
+    def step(i: int) -> float:
+        x, y, pos = batch(i)
+        opt.zero_grad(set_to_none=True)
+        loss = wrapped(x, pos, y)
+        (loss * scale).backward()
+        runner.timed_opt(optimizer)
+        return float(loss.detach())
+
+    runner = Runner("torch FSDP1", step, lambda: state_bytes_torch(wrapped, opt))
+    return runner
+
+
 def zero_runners(cfg: Any, par: Any, train: Any, args: Any, rank: int, world: int,
                  batch: Callable) -> list[Runner]:
     runners = [fived_runner(f"fived ZeRO-{z}", cfg, replace(par, zero=z), train, rank, world,
@@ -38,6 +75,7 @@ def zero_runners(cfg: Any, par: Any, train: Any, args: Any, rank: int, world: in
     runners.append(fived_runner("fived ZeRO-3 no-overlap", cfg,
                                 replace(par, zero=3, overlap=False), train, rank, world, batch))
     runners.append(fsdp2_runner(cfg, train, world, batch))
+    runners.append(fsdp1_runner(cfg, train, world, batch))
     runners.append(torch_ddp_runner(cfg, train, args.bucket_mb, world, batch))
     return runners
 

@@ -133,6 +133,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     res = flags.configs(args)
+    if res.train.data:  # the run's vocabulary is its tokenizer's, padded (fived.data.meta)
+        from ..data.meta import model_for_data
+
+        res = replace(res, model=model_for_data(res.model, res.train.data,
+                                                "model.vocab" in res.given))
     check_cluster(args)
     if args.check and not args.print_config:
         from ..ledger.verify import run_of_file

@@ -1,8 +1,10 @@
-"""fived's command line: train | grid | plan | ledger | bench | figures.
+"""fived's command line: train | data | grid | plan | ledger | bench | figures | report |
+checkpoint | export | import.
 
 One module per command (``fived.cli.train``, ``grid``, ``plan``, ``ledger``), one flag set
 shared by all (``fived.cli.flags``), one ``fived.config.validate``. ``fived bench NAME`` and
-``fived figures NAME`` run ``fived.bench.NAME`` / ``fived.viz.NAME``.
+``fived figures NAME`` run ``fived.bench.NAME`` / ``fived.viz.NAME``; ``fived report`` runs
+``fived.viz._page`` (the HTML page of the figures; ``fived.cli.report`` is the table formatter).
 
 The error rule: bad input is one ``ConfigError`` naming the flag, printed without a traceback,
 exit code 2, before any rank starts or any file is written.
@@ -24,21 +26,31 @@ EXAMPLES = """examples:
   fived train --tp 2 --dp 2 --zero 1           # 2D layout on 4 ranks
   fived train --config run.toml --steps 10     # TOML first, flags override it
   fived train --tp 2 --print-config            # the effective configuration, as TOML
+  fived data prepare notes/ --train-bpe 4096 --out data/notes && fived train --data data/notes
   torchrun --nproc-per-node 8 -m fived train --model small --pp 2 --tp 2 --dp 2
   fived grid --tp 2 --pp 2 --dp 2 --gpus-per-node 4
   fived ledger --model llama2-7b --gpus 8 --precision bf16 --zero 3
   fived plan --model llama3-70b --gpus 64 --precision bf16 --global-batch-tokens 4M
   fived bench comm --nprocs 2 -b 1K -e 16M -f 4 --json
   fived figures schedule --schedule interleaved --pp 4 --micro-batches 8
+  fived figures all --out figs --quick         # every figure: PNG + SVG + JSON + command
+  fived report --out report --from figs        # one offline HTML page of them
+  fived train --save-dir ck --save-every 10 && fived train --resume ck --tp 2 --pp 2
+  fived checkpoint inspect ck        fived export ck --hf hf_out     fived import hf_out --save-dir ck2
 """
 
 COMMANDS = {
     "train": "train a model on local ranks or under torchrun",
+    "data": "prepare text for `fived train --data DIR` (fived data prepare|info)",
     "grid": "print every rank's coordinates and groups",
     "plan": "search the layouts of a model on a cluster, fastest first",
     "ledger": "memory / FLOPs / traffic / time breakdown of one layout",
     "bench": "benchmarks against PyTorch's own: {}",
     "figures": "figures: {}",
+    "report": "one self-contained HTML page of the figures (or of one layout)",
+    "checkpoint": "inspect a checkpoint: step, layout, tensors, bytes per rank vs the ledger",
+    "export": "export a checkpoint to a Hugging Face directory (safetensors + config.json)",
+    "import": "import a local Hugging Face Llama/Mixtral directory as a checkpoint",
 }
 
 
@@ -98,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bench", "figures"):
         return _dispatch("fived.bench" if argv[0] == "bench" else "fived.viz", argv[0], argv[1:])
-    if argv and argv[0] in ("train", "grid", "plan", "ledger"):
-        mod = importlib.import_module(f"{__package__}.{argv[0]}")
+    if argv and argv[0] == "report":  # the page lives with the figures (fived.viz._page)
+        return run("report", importlib.import_module("fived.viz._page").main, argv[1:])
+    if argv and argv[0] in ("train", "data", "grid", "plan", "ledger", "checkpoint", "export", "import"):
+        name = "hf_import" if argv[0] == "import" else argv[0]
+        mod = importlib.import_module(f"{__package__}.{name}")
         return run(argv[0], mod.main, argv[1:])
     ap = parser()
     ap.parse_args(argv)  # --help, or an unknown command: argparse says so (exit 0 / 2)

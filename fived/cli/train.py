@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 
 from ..config import ConfigError, check_count, check_outputs, fill_dp, validate
+from ..data.meta import check_data_run, model_for_data
 from ..dist.launch import torchrun_env
 from . import flags
 from .main import EXAMPLES
@@ -32,10 +33,46 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def checkpoint_inputs(model, train, given):
+    """--init-from: the model shape is the HF config.json's. --resume: the checkpoint is
+    resolved (DIR -> its newest step-N) and verified (sizes, sha256) here, before any rank
+    starts; without model flags the model is the checkpoint's, with them it must match (every
+    mismatched tensor is listed). --save-dir must be a directory or creatable."""
+    from pathlib import Path
+
+    if train.init_from and train.resume:
+        raise ConfigError(["--init-from and --resume: give one (a checkpoint already holds "
+                           "its weights)"])
+    if train.init_from:
+        from ..checkpoint.hf import model_config, read_config
+
+        model = model_config(read_config(train.init_from, "--init-from"), "--init-from",
+                             model.seq_len)
+    if train.resume:
+        from ..checkpoint.convert import model_of, param_shapes
+        from ..checkpoint.state import check_compatible
+        from ..checkpoint.storage import resolve, verify
+
+        ckpt = resolve(train.resume)
+        man = verify(ckpt)
+        if "train.model" not in given and not {k for k in given if k.startswith("model.")
+                                               and k != "model.seq_len"}:
+            model = replace(model_of(man), seq_len=model.seq_len if "model.seq_len" in given
+                            else model_of(man).seq_len)
+        check_compatible(man, param_shapes(model), model.is_moe)
+        train = replace(train, resume=str(ckpt))  # every rank loads this very step
+    if train.save_dir and Path(train.save_dir).exists() and not Path(train.save_dir).is_dir():
+        raise ConfigError([f"--save-dir {train.save_dir}: exists and is not a directory"])
+    return model, train
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     res = flags.configs(args)
-    model, train = res.model, res.train
+    train = res.train
+    # --data: the vocabulary is the tokenizer's, padded (fived.data.meta.padded_vocab)
+    model = model_for_data(res.model, train.data, "model.vocab" in res.given)
+    res = replace(res, model=model)
     env = torchrun_env()  # (rank, world, local_rank) under torchrun, else None
     if env:
         world = env[1]
@@ -46,14 +83,29 @@ def main(argv: list[str]) -> int:
     if args.timeout <= 0:
         raise ConfigError([f"--timeout must be > 0 seconds (got {args.timeout:g})"])
     par, world = fill_dp(res.par, res.dp_given, world)
+    if train.init_from or train.resume or train.save_dir:
+        model, train = checkpoint_inputs(model, train, res.given)
     validate(model, par, train, world)
+    check_data_run(model, model.seq_len, train)
     if args.print_config:
         return flags.print_config(replace(res, par=par), f"fived train: {world} rank(s)")
     check_outputs(train)
+    if train.tensorboard:
+        from pathlib import Path
+
+        parent = Path(train.tensorboard).resolve().parent
+        if not parent.is_dir():
+            raise ConfigError([f"--tensorboard {train.tensorboard}: directory {str(parent)!r} "
+                               f"does not exist"])
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
         print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
-              f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens",
-              flush=True)
+              f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens"
+              + (f" · data {train.data} (vocab {model.vocab})" if train.data else ""), flush=True)
+        if train.resume:
+            print(f"resuming from {train.resume} (any layout: fived.checkpoint, global names)",
+                  flush=True)
+        if train.init_from:
+            print(f"weights from the Hugging Face directory {train.init_from}", flush=True)
     from ..dist.launch import RankFailure, run_local
     from ..train.trainer import measure_matmul_peak, train_rank
 

@@ -2,8 +2,8 @@
 
 For a collective named by a buffer of ``S`` bytes (``fived.comm.volume``'s ``S``: the all-reduce
 buffer, the all-gather *output*, the reduce-scatter *input*, the all-to-all local input, the
-broadcast/reduce buffer, the send/recv message) that takes ``t`` seconds (median over the timed
-iterations of the slowest rank's time)::
+broadcast/reduce buffer, the scatter input / gather output, the send/recv message) that takes
+``t`` seconds (median over the timed iterations of the slowest rank's time)::
 
     algbw = S / t                                   (GB/s, 1 GB = 1e9 bytes)
     busbw = algbw · busbw_factor(op, n)             (2(n−1)/n all-reduce; (n−1)/n all-gather,
@@ -34,7 +34,7 @@ from .volume import busbw_factor, bytes_sent
 
 #: the collectives the sweep knows, in the order it runs and prints them
 BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
-             "sendrecv")
+             "scatter", "gather", "sendrecv")
 #: the implementations: the backend's own collective (through ``fived.comm.ops``) and fived's ring
 IMPLS = ("backend", "ring")
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -207,6 +207,13 @@ def _op_fn(op: str, impl: str, group: Any, count: int, dtype: Any, device: Any) 
         return lambda: ops.broadcast(x, group, src=0)
     if op == "reduce":
         return lambda: ops.reduce(x, group, dst=0)
+    if op == "scatter":  # S = the root's full buffer, n chunks of S/n
+        out = torch.empty(count // n, dtype=dtype, device=device)
+        chunks = list(x.chunk(n))
+        return lambda: ops.scatter(chunks, out, group, src=0)
+    if op == "gather":  # S = the gathered buffer on the root
+        part = torch.zeros(count // n, dtype=dtype, device=device)
+        return lambda: ops.gather(part, group, dst=0)
     if op == "sendrecv":
         buf = torch.empty_like(x)
         nxt, prv = (group.rank + 1) % n, (group.rank - 1) % n
@@ -225,7 +232,9 @@ def sweep(group: Any, traffic: Any, pairs: list[tuple[str, str]], sizes: list[in
     """Time every (op, impl) at every size on ``group``; every member calls it identically.
 
     Each timed iteration starts after a barrier; the iteration's time is the slowest member's,
-    and a point's time is the median over iterations. ``on_point`` sees each row as it is done.
+    and a point's time is the median over iterations. The implementations of one collective
+    (backend, ring) alternate iteration by iteration at each size, the order flipping each
+    time, so that the machine's load falls on both alike. ``on_point`` sees each row as it is done.
     """
     import torch
 
@@ -238,34 +247,44 @@ def sweep(group: Any, traffic: Any, pairs: list[tuple[str, str]], sizes: list[in
     n = group.size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
+    impls_of: dict[str, list[str]] = {}
     for op, impl in pairs:
+        impls_of.setdefault(op, []).append(impl)
+    for op, impls in impls_of.items():
         vop = VOLUME_OP[op]
         for size in sizes:
             count = elements(op, size, elem, n)
             s_bytes = count * elem
-            fn = _op_fn(op, impl, group, count, dtype, device)
-            for _ in range(warmup):
-                fn()
-            sync()
-            traffic.reset()
-            times = []
-            for _ in range(iters):
-                ops.barrier(group)
-                t0 = time.perf_counter()
-                fn()
+            fns = {impl: _op_fn(op, impl, group, count, dtype, device) for impl in impls}
+            per_call = {}
+            for impl, fn in fns.items():
+                for _ in range(warmup):
+                    fn()
                 sync()
-                times.append(time.perf_counter() - t0)
-            rec = traffic.records.get((group.name, vop))
-            per_call = rec.bytes / max(rec.calls, 1) if rec is not None else 0.0
-            stats = torch.tensor(times + [per_call], dtype=torch.float64, device=device)
-            ops.all_reduce(stats, quiet, op="max")
-            stats = stats.cpu().tolist()
-            t = statistics.median(stats[:-1])
-            row = Row(op, impl, s_bytes, count, dtype_name, t * 1e6, algbw(s_bytes, t),
-                      busbw(op, n, s_bytes, t), bus_bytes(op, s_bytes, n), stats[-1])
-            rows.append(row)
-            if on_point is not None:
-                on_point(row)
+                traffic.reset()
+                fn()  # one untimed call: the bytes fived.comm's Traffic charges per call
+                sync()
+                rec = traffic.records.get((group.name, vop))
+                per_call[impl] = rec.bytes / max(rec.calls, 1) if rec is not None else 0.0
+            times: dict[str, list[float]] = {impl: [] for impl in impls}
+            for it in range(iters):  # the implementations alternate, the order flips each time
+                for impl in (impls if it % 2 == 0 else impls[::-1]):
+                    ops.barrier(group)
+                    t0 = time.perf_counter()
+                    fns[impl]()
+                    sync()
+                    times[impl].append(time.perf_counter() - t0)
+            for impl in impls:
+                stats = torch.tensor(times[impl] + [per_call[impl]], dtype=torch.float64,
+                                     device=device)
+                ops.all_reduce(stats, quiet, op="max")
+                stats = stats.cpu().tolist()
+                t = statistics.median(stats[:-1])
+                row = Row(op, impl, s_bytes, count, dtype_name, t * 1e6, algbw(s_bytes, t),
+                          busbw(op, n, s_bytes, t), bus_bytes(op, s_bytes, n), stats[-1])
+                rows.append(row)
+                if on_point is not None:
+                    on_point(row)
     traffic.reset()
     return rows
 

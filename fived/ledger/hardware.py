@@ -162,6 +162,8 @@ def this_machine(bench_json: str | None = None, gpus_per_node: int | None = None
     if bench_json:
         with open(bench_json) as f:
             data = json.load(f)
+        if isinstance(data, dict) and data.get("schema") == "fived.bench":  # the sweep's rows
+            data = {**data["extra"], "rows": [r["extra"] for r in data["rows"]]}
         fit = data.get("fit") if isinstance(data, dict) else None
         fits = data.get("fits") if isinstance(data, dict) else None
         if isinstance(fit, dict) and "alpha" in fit and "beta" in fit:

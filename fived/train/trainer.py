@@ -8,12 +8,18 @@ Per step every rank
 3. reduces gradients (the engine: DDP or ZeRO), clips by the global norm and steps AdamW;
 4. reports loss, tokens, seconds, model-state bytes and bytes sent per dimension.
 
+The data is the built-in corpus (``fived.train.data``) or, with ``--data DIR``, the prefetching
+loader of ``fived.data.loader`` (rows of the batch group only; the padded vocabulary masked);
+``evaluate`` gives the validation loss, ``data_state``/``load_data_state`` the data position
+a checkpoint stores (docs/data.md).
+
 ``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.dist.launch``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, replace
 from typing import Any
@@ -23,7 +29,7 @@ import torch.distributed as dist
 
 from ..comm import ops
 from ..comm.ops import Traffic
-from ..config import ModelConfig, ParallelConfig, TrainConfig
+from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..dist.grid import GROUP_NAMES, DimGroup, Grid
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
@@ -60,6 +66,10 @@ class Trainer:
         self.grid = Grid.from_config(par, rank).connect(self.traffic)
         self.coords = self.grid.coords()
         model = build_model(model_cfg, train.seed, dtype_of(par.precision))
+        if train.init_from:  # Hugging Face weights into the plain model, before any cut
+            from ..checkpoint.hf import load_hf_into
+
+            load_hf_into(model, train.init_from)
         self.parallel = parallelize(model, self.grid, par, train)
         self.stage = self.parallel.model
         self.engine = self.parallel.engine
@@ -67,12 +77,69 @@ class Trainer:
         self.metrics_group = replace(self.grid["pp"], name="metrics")
         self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
                                       dist.group.WORLD if world > 1 else None, self.traffic)
+        self.next_step = 0  # the data position: the step the next batch belongs to
+        self.loader = self.eval_loader = None
+        if train.data:
+            self._open_data()
+
+    def _open_data(self) -> None:
+        """--data: the loaders of this rank's rows (the batch group), the padded-logit mask."""
+        from ..data.loader import Loader
+        from ..data.shards import DataDir
+        from ..data.vocab import mask_padded_logits
+
+        data, t, b = DataDir(self.tcfg.data), self.tcfg, self.grid["batch"]
+        if data.vocab > self.cfg.vocab:
+            raise ConfigError([f"--data {t.data}: the tokenizer has {data.vocab} symbols but "
+                               f"the model's vocab is {self.cfg.vocab}"])
+        kw = dict(seq_len=self.cfg.seq_len, batch=t.global_batch, seed=t.seed, replica=b.rank,
+                  replicas=b.size, device=getattr(self, "device", None))  # the rank's device
+        self.loader = Loader(data, "train", prefetch=t.prefetch, **kw)
+        if t.eval_every:
+            self.eval_loader = Loader(data, "val", shuffle=False, **kw)
+        masked = mask_padded_logits(self.stage, data.vocab, self.cfg.vocab)
+        if data.vocab < self.cfg.vocab and getattr(self.stage, "last", True) and not masked:
+            raise RuntimeError("the padded vocabulary rows could not be masked: no loss module")
+
+    # -------------------------------------------------------------------- data position
+    def data_state(self) -> dict[str, Any]:
+        """What a checkpoint stores of the data: its identity and the next step (the loader
+        is a pure function of (seed, step, data), so the step is the whole position)."""
+        if self.loader is not None:
+            return self.loader.state(self.next_step)
+        return {"source": "builtin", "corpus_mb": self.tcfg.corpus_mb, "seed": self.tcfg.seed,
+                "global_batch": self.tcfg.global_batch, "seq_len": self.cfg.seq_len,
+                "next_step": self.next_step}
+
+    def load_data_state(self, saved: dict[str, Any]) -> None:
+        """Continue from a checkpoint's ``data_state``; a ConfigError if it read other data."""
+        mine = self.data_state()
+        flags = {"source": "--data", "tokenizer_hash": "--data (its tokenizer)",
+                 "data_hash": "--data (its tokens)", "corpus_mb": "--corpus-mb",
+                 "seed": "--seed", "global_batch": "--global-batch", "seq_len": "--seq-len"}
+        bad = [f"{flag}: the checkpoint's {k} is {saved.get(k)!r}, this run's is "
+               f"{mine.get(k)!r}" for k, flag in flags.items()
+               if (k in ("source", "tokenizer_hash") or (k in mine and k in saved))
+               and saved.get(k) != mine.get(k)]
+        if bad:
+            raise ConfigError([f"the checkpoint was trained on other data: {b}" for b in bad]
+                              + ["resume with the data (and --seed, --global-batch) the "
+                                 "checkpoint was trained on"])
+        self.next_step = int(saved.get("next_step", 0))
 
     # -------------------------------------------------------------------- one step
     def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = self.grid["batch"]
-        x, y = D.local_batch(step, self.tcfg.seed, self.tcfg.global_batch, self.cfg.seq_len,
-                             b.rank, b.size, self.tcfg.corpus_mb)
+        if self.loader is not None:
+            x, y = self.loader.get(step)
+        else:
+            x, y = D.local_batch(step, self.tcfg.seed, self.tcfg.global_batch, self.cfg.seq_len,
+                                 b.rank, b.size, self.tcfg.corpus_mb)
+        return self.shard(x, y)
+
+    def shard(self, x: torch.Tensor, y: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's part of its batch rows: the cp sequence shard and its positions."""
         positions = torch.arange(self.cfg.seq_len)
         if self.par.cp > 1:
             x, y, positions = shard_batch(x, y, self.grid)
@@ -95,7 +162,9 @@ class Trainer:
         """One optimizer step; ``on_grads()`` (tests) runs once the gradients are reduced."""
         self.traffic.reset()
         t0 = time.perf_counter()
+        waited = self.loader.wait_s if self.loader is not None else 0.0
         x, y, positions = self.local_data(step)
+        self.next_step = step + 1
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
         self.engine.zero_grad()
         scaler = getattr(self.engine, "scaler", None)  # fp16: the aux losses are scaled too
@@ -113,10 +182,39 @@ class Trainer:
         loss = self.global_loss(local_loss) / global_tokens
         rec = {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped}
+        if self.loader is not None:  # seconds this step waited for the prefetch thread
+            rec["data_wait_s"] = self.loader.wait_s - waited
         if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
             rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.parallel.placements,
                                        self.world_metrics, global_tokens, seconds, self.traffic)
         return rec
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss (mean CE per token) and perplexity over --eval-batches global
+        batches of the val split, the same sequences on every layout. Each batch runs as a
+        training micro-step would (so every engine, pipeline and ZeRO stage works unchanged)
+        with a zero loss scale; the gradients are then discarded."""
+        assert self.eval_loader is not None
+        n = self.tcfg.eval_batches
+        total = None  # on whatever device the step's loss is
+        set_aux_grad_scale(self.stage, 0.0)
+        for k in range(n):
+            x, y, positions = self.shard(*self.eval_loader.get(k))
+            self.engine.zero_grad()
+            loss = self.forward_backward(x, y, positions, 0.0)
+            total = loss if total is None else total + loss
+            self.engine.finish()
+        self.engine.zero_grad()
+        for m in self.stage.modules():  # MoE routing statistics belong to training steps
+            if hasattr(m, "reset_stats"):
+                m.reset_stats()
+        loss = self.global_loss(total) / (n * self.tcfg.global_batch * self.cfg.seq_len)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+
+    def close(self) -> None:
+        for ld in (self.loader, self.eval_loader):
+            if ld is not None:
+                ld.close()
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Σ token losses over the world: each token's loss is counted on one tp rank's copy."""
@@ -162,6 +260,11 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     the first step with their placements (``fived.testing.assemble_grads`` joins the ranks')."""
     torch.manual_seed(train.seed)
     trainer = Trainer(model_cfg, par, train, rank, world)
+    tb = None
+    if rank == 0 and train.tensorboard:
+        from .tb import TensorBoard
+
+        tb = TensorBoard(train.tensorboard)
     display = None
     if rank == 0 and show:
         from .metrics import LiveDisplay
@@ -175,8 +278,19 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     def record() -> None:
         grads.update(trainer.grad_pieces())
 
+    start, saver = 0, None
+    if train.resume:  # fived.checkpoint: any layout's checkpoint into this one
+        from ..checkpoint import load, resolve
+
+        start = load(trainer, resolve(train.resume))
+    if train.save_dir:
+        from ..checkpoint import Saver
+
+        saver = Saver(trainer, train.save_dir, train.save_every, train.keep, train.async_save,
+                      verbose=show)
     try:
-        for step in range(train.steps):
+        end = min(train.steps, train.stop_after or train.steps)
+        for step in range(start, end):
             rec = trainer.step(step, record if (record_grads and step == 0) else None)
             mems, traffic = trainer.gather_stats(trainer.engine.memory())
             rec["memory"] = mems[0]
@@ -185,16 +299,32 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             rec["traffic_per_rank"] = traffic
             rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
             rec["mfu"] = flops_tok * rec["tokens_per_s"] / peak_flops if peak_flops else 0.0
+            last = step == train.steps - 1
+            if train.eval_every and (step == 0 or (step + 1) % train.eval_every == 0 or last):
+                rec.update(trainer.evaluate())  # after the step's stats: its traffic is apart
+                if display:
+                    display.progress.console.print(
+                        f"step {step}: validation loss {rec['val_loss']:.4f}, perplexity "
+                        f"{rec['val_ppl']:.2f}")
+            if tb:
+                tb.log(rec)
             history.append(rec)
             if out_file:
-                if step == 0:  # what ran, so `fived ledger --check FILE` needs nothing else
+                if step == start:  # what ran, so `fived ledger --check FILE` needs nothing else
                     rec = {**rec, "run": {"model": asdict(model_cfg), "parallel": asdict(par),
                                           "global_batch": train.global_batch}}
                 out_file.write(json.dumps(rec) + "\n")
                 out_file.flush()
             if display:
                 display.update(rec)
+            if saver and saver.due(step + 1, end):
+                saver.save(step + 1, mems)
+        if saver:
+            saver.wait()
     finally:
+        trainer.close()
+        if tb:
+            tb.close()
         if display:
             display.close()
         if out_file:
@@ -204,6 +334,12 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
                           "train": asdict(train)}}
     if record_grads:
         summary["grads"] = grads
+    evals = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
+    if evals:
+        summary["val"] = evals
     if display:
         display.final_table(history)
+        if evals:
+            display.console.print("validation loss by step: " + ", ".join(
+                f"{s}: {v:.4f}" for s, v in evals))
     return summary

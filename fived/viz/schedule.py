@@ -26,6 +26,17 @@ def draw(sched: S.Schedule, out: str) -> S.Timeline:
 
     t = S.simulate(sched)
     fig, ax = plt.subplots(figsize=(max(6.0, t.makespan * 0.35), 0.6 * sched.pp + 1.2))
+    draw_on(ax, sched, t)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return t
+
+
+def draw_on(ax, sched: S.Schedule, t: S.Timeline) -> None:
+    """One row per rank of ``t`` (``S.simulate(sched)``) on the axes ``ax``."""
+    import matplotlib.pyplot as plt
+
     for r, spans in enumerate(t.spans):
         for a, start, end in spans:
             if a.kind not in COLORS:
@@ -45,10 +56,6 @@ def draw(sched: S.Schedule, out: str) -> S.Timeline:
                if k != "W" or sched.split_backward]
     ax.legend(handles, [k for k in COLORS if k != "W" or sched.split_backward], loc="upper right",
               fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return t
 
 
 def main(argv: list[str] | None = None) -> int:

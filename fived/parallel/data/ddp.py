@@ -5,6 +5,10 @@ Ring all-reduce, bytes sent per rank per step (N = group size):
 
     2·(N−1)/N · gradient bytes
 
+(``--collectives ring``: fived's own send/recv ring, ``fived.comm.ring``, sends exactly these
+bytes when N divides each bucket's element count, always for N = 2; it runs synchronously in
+the backward hook, so nothing overlaps it.)
+
 Model states, bytes per parameter (Ψ parameters):
 
     fp32:                 params 4 + grads 4 (fp32)           + Adam m, v 8 = 16Ψ
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...comm import ops
+from ...comm import ops, ring
 from .base import DataParallel
 from .buckets import Bucket
 
@@ -31,4 +35,7 @@ class DDP(DataParallel):
         return 1
 
     def start_reduce(self, b: Bucket) -> Any:
+        if self.par.collectives == "ring":  # fived.comm.ring, synchronous: no overlap
+            ring.ring_all_reduce(b.grad, b.group)
+            return ops.Handle(None, b.group, "all_reduce")
         return ops.all_reduce(b.grad, b.group, async_op=True)

@@ -22,6 +22,10 @@ Model-state bytes per rank (Ψ parameters; P params, G grads — 4 with an fp32 
 Traffic per step, bytes sent per rank:
 
     reduce-scatter (N−1)/N · grad bytes + all-gather (N−1)/N · param bytes
+
+``--collectives ring`` runs both through ``fived.comm.ring`` (synchronously; the padded buckets
+make its bytes exactly these). ZeRO-3 inherits the ring reduce-scatter; its parameter gathers
+stay the backend's.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ...comm import ops
+from ...comm import ops, ring
 from .base import DataParallel
 from .buckets import Bucket, nbytes
 
@@ -45,6 +49,9 @@ class Zero1(DataParallel):
         return group.size
 
     def start_reduce(self, b: Bucket) -> Any:
+        if self.par.collectives == "ring":  # fived.comm.ring, synchronous (padded: exact bytes)
+            b.grad[b.lo:b.hi].copy_(ring.ring_reduce_scatter(b.grad, b.group))
+            return ops.Handle(None, b.group, "reduce_scatter")
         return ops.reduce_scatter(b.grad, b.group, async_op=True, out=b.grad[b.lo:b.hi])
 
     def sum_over_shards(self, sums: dict[str, torch.Tensor]) -> None:
@@ -57,6 +64,10 @@ class Zero1(DataParallel):
         return flat
 
     def gather_params(self) -> None:
+        if self.par.collectives == "ring":
+            for b in self.buckets:
+                b.param_full.copy_(ring.ring_all_gather(b.param_shard, b.group))
+            return
         handles = [ops.all_gather_into(b.param_full, b.param_shard, b.group, async_op=True)
                    for b in self.buckets]
         for h in handles:

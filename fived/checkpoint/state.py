@@ -1,0 +1,319 @@
+"""Save and load one rank's training state with ``torch.distributed.checkpoint`` (DCP), in
+global names and global shapes, so that any layout reads what any other wrote.
+
+What a checkpoint holds (``G`` = a parameter's global name, e.g. ``layers.3.mlp.up_proj.weight``):
+
+    model.G          the parameter in the compute dtype           (every layout writes it)
+    master.G         its fp32 master (bf16/fp16 runs only)
+    optim.S.G        each element-wise optimizer state S of the engine's optimizer
+                     (AdamW: ``m``, ``v``), found generically in ``opt.state_dict()``
+    rng.torch.rankR  rank R's torch RNG state (restored when rank R exists on resume)
+    manifest.json    step (= steps done = the learning-rate position and, since a batch is a
+                     pure function of (seed, step), the data position), the data state
+                     (``Trainer.data_state``), the optimizer's scalar state (AdamW's t), the
+                     fp16 loss-scaler state, the configs, the tensors, the files' checksums
+
+Each rank contributes exactly the elements it owns: for every bucket of the data-parallel
+engine, the part of each parameter's tensor-/expert-parallel piece (``Placement``) that lies in
+the rank's ZeRO shard ``[lo, hi)`` — described as boxes of the global tensor
+(``fived.checkpoint.pieces``), views of the engine's own flat tensors. Nothing is gathered to
+save, nothing is gathered to load: DCP intersects what each rank asks for with what is on disk.
+
+Loading writes masters (or fp32 parameters) and optimizer states straight into the engine's
+owned shards, then ``engine.publish_params()`` rebuilds the compute-dtype parameters exactly as
+after an optimizer step (the all-gather of ZeRO-1/2). A run without masters (fp32) reads
+``master.G`` when the checkpoint has it (bf16 -> fp32) and ``model.G`` otherwise; a run with
+masters reads ``master.G`` or, from an fp32 (or imported) checkpoint, ``model.G``. A checkpoint
+without optimizer states (``fived import``) starts the optimizer fresh.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+from ..config import ConfigError
+from . import storage as S
+from .pieces import Pieces
+
+
+class SavePlanner(DefaultSavePlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: Any) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else (
+            super().lookup_object(index))
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None,
+                       is_coordinator: bool = False) -> None:
+        # DefaultLoadPlanner's _init_state_dict would replace objects it does not know (Pieces)
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise ValueError(f"{read_item.dest_index.fqn}: a pickled object in the checkpoint; fived "
+                         "never loads those (it would run code)")
+
+    def lookup_tensor(self, index: Any) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else (
+            super().lookup_tensor(index))
+
+
+# ------------------------------------------------------------------ the rank's pieces
+def optimizer_states(opt: Any, n_buckets: int) -> tuple[dict[str, list[torch.Tensor]],
+                                                         dict[str, Any]]:
+    """(element-wise states by name: one flat tensor per bucket, scalar states by name) from the
+    optimizer's ``state_dict()`` — keys ``NAME.i`` whose tensor has bucket i's master shape are
+    element-wise; everything else is a scalar (JSON)."""
+    per: dict[str, list[Any]] = {}
+    scalars: dict[str, Any] = {}
+    for key, val in opt.state_dict().items():
+        m = re.match(r"^(.+)\.(\d+)$", key)
+        i = int(m.group(2)) if m else -1
+        if (m and torch.is_tensor(val) and 0 <= i < n_buckets
+                and val.shape == opt.params[i].shape):
+            per.setdefault(m.group(1), [None] * n_buckets)[i] = val
+        else:
+            scalars[key] = val.tolist() if torch.is_tensor(val) else val
+    return per, scalars
+
+
+def owned(engine: Any, placements: dict[str, Any]):
+    """(bucket index, global name, piece shape, shift, [a, c) piece-relative, [a, c) shard-
+    relative) for every parameter element range this rank owns."""
+    for i, b in enumerate(engine.buckets):
+        for j, lname in enumerate(b.names):
+            pl = placements[lname]
+            p = b.params[j]
+            off, n = b.offsets[j], p.numel()
+            a, c = max(off, b.lo), min(off + n, b.hi)
+            if a >= c:
+                continue
+            shape = tuple(p.shape)
+            shift = [0] * len(shape)
+            if pl.parts > 1:
+                shift[pl.dim] = pl.index * shape[pl.dim]
+            yield i, pl.name, tuple(pl.shape), shape, tuple(shift), (a - off, c - off), (
+                a - b.lo, c - b.lo)
+
+
+def _add(out: dict[str, Pieces], key: str, gshape, flat: torch.Tensor, shape, shift, prange,
+         srange) -> None:
+    pc = out.setdefault(key, Pieces(gshape, flat.dtype))
+    pc.add_range(flat[srange[0]:srange[1]], shape, shift, prange[0], prange[1])
+
+
+def rank_state(engine: Any, placements: dict[str, Any]) -> dict[str, Pieces]:
+    """Every tensor this rank contributes to a checkpoint (views, nothing copied)."""
+    per, _ = optimizer_states(engine.opt, len(engine.buckets))
+    separate = engine.policy.separate_master
+    out: dict[str, Pieces] = {}
+    for i, g, gshape, shape, shift, prange, srange in owned(engine, placements):
+        b = engine.buckets[i]
+        _add(out, f"model.{g}", gshape, b.param_shard, shape, shift, prange, srange)
+        if separate:
+            _add(out, f"master.{g}", gshape, b.master, shape, shift, prange, srange)
+        for sname, flats in per.items():
+            _add(out, f"optim.{sname}.{g}", gshape, flats[i], shape, shift, prange, srange)
+    return out
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    out = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+# ------------------------------------------------------------------ save
+class Saver:
+    """Periodic saves of one rank (``--save-dir --save-every --keep --async-save``)."""
+
+    def __init__(self, trainer: Any, root: str, every: int, keep: int = 0,
+                 use_async: bool = False, verbose: bool = False):
+        self.trainer, self.root, self.every, self.keep = trainer, Path(root), every, keep
+        self.verbose = verbose
+        self.use_async = use_async
+        self.pending: Any = None
+        self.group = None
+        if use_async and dist.is_initialized() and dist.get_world_size() > 1:
+            # the background save talks on its own group: never interleaved with training's
+            self.group = dist.new_group(backend="gloo")
+        if trainer.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            S.clean_tmp(self.root)
+
+    def due(self, done: int, total: int) -> bool:
+        return done == total or (self.every > 0 and done % self.every == 0)
+
+    def save(self, done: int, mems: list[dict[str, int]] | None = None) -> None:
+        """Write the state after ``done`` steps to ``root/step-N`` (atomic)."""
+        self.wait()
+        t = self.trainer
+        state: dict[str, Any] = dict(rank_state(t.engine, t.parallel.placements))
+        for k, v in rng_state().items():
+            state[f"rng.{k}.rank{t.rank}"] = v.clone()
+        man = manifest(t, done, mems)
+        tmp = S.tmp_dir(self.root, done)
+        writer = dcp.FileSystemWriter(str(tmp))
+        if self.use_async:
+            staged = {k: (v.staged() if isinstance(v, Pieces) else v) for k, v in state.items()}
+            fut = dcp.async_save(staged, storage_writer=writer, planner=SavePlanner(),
+                                 process_group=self.group, async_stager=_NoStage())
+            self.pending = (fut, done, man, tmp)
+        else:
+            dcp.save(state, storage_writer=writer, planner=SavePlanner())
+            self.pending = (None, done, man, tmp)
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the pending save is on disk; rank 0 then writes the manifest and renames
+        the directory; every rank leaves once it is visible (a barrier)."""
+        if self.pending is None:
+            return
+        fut, done, man, tmp = self.pending
+        self.pending = None
+        if fut is not None:
+            fut.result()
+        if self.trainer.rank == 0:
+            man["tensors"] = tensor_table(tmp)
+            final = S.finalize(self.root, done, man, self.keep)
+            if self.verbose:
+                nbytes = sum(f.stat().st_size for f in final.iterdir())
+                print(f"checkpoint: {final} ({nbytes / 2**20:.1f} MiB"
+                      f"{', written in the background' if fut is not None else ''})", flush=True)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+
+class _NoStage:
+    """``--async-save`` stages itself (``Pieces.staged``): DCP's stager is a no-op."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def manifest(t: Any, done: int, mems: list[dict[str, int]] | None) -> dict[str, Any]:
+    eng = t.engine
+    _, scalars = optimizer_states(eng.opt, len(eng.buckets))
+    sc = getattr(eng, "scaler", None)
+    return {
+        "family": "fived", "step": done, "world": t.world,
+        "config": {"model": asdict(t.cfg), "parallel": asdict(t.par), "train": asdict(t.tcfg)},
+        "optimizer": {"type": type(eng.opt).__name__, "scalars": scalars},
+        "loss_scaler": None if sc is None else {"scale": sc.scale, "good_steps": sc.good_steps,
+                                                "skipped": sc.skipped},
+        "data": t.data_state(),
+        "memory_per_rank": mems or [],
+    }
+
+
+def tensor_table(ckpt: Path) -> dict[str, dict[str, Any]]:
+    """Every tensor in a DCP directory: global shape, dtype, bytes (from its safe metadata)."""
+    md = S.safe_reader(ckpt).read_metadata()
+    out = {}
+    for fqn, m in sorted(md.state_dict_metadata.items()):
+        if not hasattr(m, "size"):
+            continue
+        dt = m.properties.dtype
+        n = 1
+        for s in m.size:
+            n *= s
+        out[fqn] = {"shape": list(m.size), "dtype": str(dt).replace("torch.", ""),
+                    "bytes": n * torch.empty((), dtype=dt).element_size()}
+    return out
+
+
+# ------------------------------------------------------------------ load
+def check_compatible(man: dict[str, Any], expected: dict[str, tuple[int, ...]],
+                     is_moe: bool, flag: str = "--resume", whole: bool = True) -> None:
+    """Same model family and every expected parameter saved with the same global shape; else
+    one ConfigError listing each mismatched tensor (name, saved shape, expected shape).
+    ``whole``: ``expected`` is the whole model (not one rank's part): extra tensors count too."""
+    saved_moe = bool(man["config"]["model"].get("experts", 0))
+    if saved_moe != is_moe:
+        kind = {True: "a Mixtral-style MoE", False: "a Llama-style dense"}
+        raise ConfigError([f"{flag}: the checkpoint holds {kind[saved_moe]} model "
+                           f"({man['config']['model'].get('name')}), this run is {kind[is_moe]} "
+                           "model; pick the matching --model"])
+    tensors = man["tensors"]
+    bad = []
+    for name, shape in sorted(expected.items()):
+        got = tensors.get(f"model.{name}")
+        if got is None:
+            bad.append(f"{name}: not in the checkpoint, expected {tuple(shape)}")
+        elif tuple(got["shape"]) != tuple(shape):
+            bad.append(f"{name}: saved {tuple(got['shape'])}, expected {tuple(shape)}")
+    extra = sorted(k[6:] for k in tensors if whole and k.startswith("model.")
+                   and k[6:] not in expected)
+    bad += [f"{name}: in the checkpoint, not in this model" for name in extra]
+    if bad:
+        raise ConfigError([f"{flag}: the checkpoint's model does not match this run's "
+                           f"({len(bad)} tensor(s)):"] + bad[:40])
+
+
+def load(trainer: Any, ckpt: str | Path) -> int:
+    """Load checkpoint ``ckpt`` (a ``step-N`` directory) into this rank; the steps done."""
+    t, eng = trainer, trainer.engine
+    ckpt = Path(ckpt)
+    man = S.read_manifest(ckpt)
+    expected = {pl.name: tuple(pl.shape) for pl in t.parallel.placements.values()}
+    check_compatible(man, expected, t.cfg.is_moe, whole=False)
+    tensors = man["tensors"]
+    per, _ = optimizer_states(eng.opt, len(eng.buckets))
+    opt_man = man.get("optimizer") or {}
+    same_opt = opt_man.get("type") == type(eng.opt).__name__  # else: a fresh optimizer state
+    src = "master" if any(k.startswith("master.") for k in tensors) else "model"
+    dest: dict[str, Any] = {}
+    for i, g, gshape, shape, shift, prange, srange in owned(eng, t.parallel.placements):
+        b = eng.buckets[i]
+        _add(dest, f"{src}.{g}", gshape, b.master, shape, shift, prange, srange)
+        for sname, flats in per.items():
+            if same_opt and f"optim.{sname}.{g}" in tensors:
+                _add(dest, f"optim.{sname}.{g}", gshape, flats[i], shape, shift, prange, srange)
+    rng = {}
+    for k, v in rng_state().items():
+        if f"rng.{k}.rank{t.rank}" in tensors:
+            rng[k] = dest[f"rng.{k}.rank{t.rank}"] = torch.empty_like(v)
+    dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner())
+    with torch.no_grad():
+        eng.publish_params()
+    if same_opt and any(k.startswith("optim.") for k in tensors) and opt_man.get("scalars"):
+        sd = eng.opt.state_dict()
+        for k, v in opt_man["scalars"].items():
+            sd[k] = torch.tensor(v)
+        eng.opt.load_state_dict(sd)
+    sc = getattr(eng, "scaler", None)
+    if sc is not None and man.get("loss_scaler"):
+        sc.scale = float(man["loss_scaler"]["scale"])
+        sc.good_steps = int(man["loss_scaler"]["good_steps"])
+        sc.skipped = int(man["loss_scaler"]["skipped"])
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
+    t.load_data_state(man.get("data") or {})
+    return int(man["step"])

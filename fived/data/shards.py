@@ -1,0 +1,56 @@
+"""A prepared directory opened for reading: each split's tokens as a read-only ``np.memmap``.
+
+``DataDir(path)`` reads ``meta.json`` (``fived.data.meta``) and maps ``train.bin`` / ``val.bin``
+lazily; nothing is read from disk until a sequence is sliced out of the map, so every rank of
+every layout can open the same directory and touch only the pages of its own sequences.
+``identity`` is what a checkpoint records to refuse resuming on other data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .meta import read_meta
+
+
+class DataDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.meta = read_meta(self.path)
+        self.vocab = int(self.meta["vocab"])
+        self.eos = int(self.meta["eos"])
+        self.dtype = np.dtype(self.meta["dtype"])
+        self._maps: dict[str, np.ndarray] = {}
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return self.meta["tokenizer"]["hash"]
+
+    def identity(self) -> dict[str, Any]:
+        return {"dir": str(self.path.resolve()), "tokenizer_hash": self.tokenizer_hash,
+                "data_hash": self.meta["data_hash"], "vocab": self.vocab}
+
+    def tokens(self, split: str) -> np.ndarray:
+        """The split's token stream (documents each followed by EOS), memory-mapped."""
+        if split not in self._maps:
+            info = self.meta["splits"][split]
+            n = int(info["tokens"])
+            if n == 0:
+                self._maps[split] = np.zeros(0, dtype=self.dtype)
+            else:
+                self._maps[split] = np.memmap(self.path / info["file"], dtype=self.dtype,
+                                              mode="r", shape=(n,))
+        return self._maps[split]
+
+    def documents(self, split: str) -> np.ndarray:
+        """int64 offsets: document d is ``tokens(split)[idx[d]:idx[d + 1]]``."""
+        return np.load(self.path / self.meta["splits"][split]["index"])
+
+    def tokenizer(self):
+        from . import tokenizer as T
+
+        f = self.meta["tokenizer"]["file"]
+        return T.ByteTokenizer() if f is None else T.from_spec((self.path / f).read_text())

@@ -1,0 +1,51 @@
+"""Padded vocabulary rows must not change the loss: their logits are masked before it.
+
+A model whose ``vocab`` exceeds the tokenizer's ``n`` symbols (``fived.data.meta.padded_vocab``)
+has output rows no target ever names; left alone their logits would still enter every
+softmax's denominator. ``mask_padded_logits(model, n)`` wraps each ``loss`` module of the laid
+out model so that logits of global ids ``>= n`` become the dtype's most negative value before
+the loss: their softmax weight is 0, the loss and every gradient equal those of an ``n``-row
+head, and those rows' gradient is exactly zero. Under tensor parallelism the loss sees a vocab
+slice (the vocab-parallel loss has the tp ``group``); the slice of rank ``r`` starts at
+``r · V/tp``. A finite minimum (not -inf) keeps the vocab-parallel loss's
+``gathered logit × inside-mask`` products finite.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MaskedLoss(nn.Module):
+    def __init__(self, inner: nn.Module, used: int, vocab: int):
+        super().__init__()
+        self.inner, self.used, self.vocab = inner, used, vocab
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        v = logits.shape[-1]
+        group = getattr(self.inner, "group", None)
+        start = group.rank * v if (v < self.vocab and group is not None) else 0
+        ids = torch.arange(start, start + v, device=logits.device)
+        pad = ids >= self.used
+        if bool(pad.any()):
+            logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
+        return self.inner(logits, targets)
+
+
+def mask_padded_logits(model: nn.Module, used: int, vocab: int) -> int:
+    """Wrap every ``loss`` module of ``model`` and of its pipeline chunks (shared ones once);
+    returns how many."""
+    if used >= vocab:
+        return 0
+    wrapped: dict[int, MaskedLoss] = {}
+    # a pipeline StageModel keeps its chunks (which own the loss) in a plain list
+    roots = [model, *getattr(model, "chunk_models", [])]
+    for m in [m for r in roots for m in r.modules()]:
+        inner = m._modules.get("loss")
+        if inner is None or isinstance(inner, MaskedLoss) or isinstance(m, MaskedLoss):
+            continue
+        if id(inner) not in wrapped:
+            wrapped[id(inner)] = MaskedLoss(inner, used, vocab)
+        m.loss = wrapped[id(inner)]
+    return len(wrapped)

@@ -1,0 +1,280 @@
+"""The figures' numbers, checked against the ledger or the run they came from (not pixels).
+
+Default suite: the ledger-only overview, the schedule Gantt data, the collective diagrams and
+the ZeRO part (two ranks, seconds), the files each figure writes. ``slow``: every other part
+at its ``--quick`` size, and ``fived figures all --quick``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from fived.config import PRESETS, ModelConfig, ParallelConfig
+
+
+def quiet(_text: str) -> None:
+    pass
+
+
+def by_name(figs):
+    return {f.name: f for f in figs}
+
+
+# ------------------------------------------------------------------ overview: the ledger
+def test_overview_numbers_are_the_ledger(tmp_path):
+    from fived.dist.grid import Grid
+    from fived.ledger import compute as C
+    from fived.ledger import memory as M
+    from fived.ledger.hardware import PRESETS as HW
+    from fived.ledger.params import total_params
+    from fived.ledger.planner import predict
+    from fived.viz import overview as O
+    from fived.viz._fig import save
+
+    figs = by_name(O.figures(True, quiet))
+    psi = figs["overview-16psi"].data
+    assert psi["per_param"]["bf16"]["total"] == 16 and psi["per_param"]["fp32"]["total"] == 18
+    for name in O.MODELS:
+        p = total_params(PRESETS[name])
+        m = psi["models"][name]
+        assert m["params"] == p
+        assert m["bf16"]["total"] == 16 * p and m["fp32"]["total"] == 18 * p
+        assert m["fp32"]["grads"] == 4 * p and m["bf16"]["grads"] == 2 * p
+    assert psi["devices"]["h100-sxm"] == HW["h100-sxm"].memory
+
+    walls = figs["overview-walls"].data
+    for name, mem in walls["memory"].items():
+        p = total_params(PRESETS[name])
+        assert mem["unsharded"] == 16 * p
+        assert mem["zero3"]["64"] == pytest.approx(16 * p / 64)
+        assert walls["time_s"][name]["8"] == pytest.approx(
+            C.training_flops(p, 20 * p) / (8 * HW["h100-sxm"].peak_flops))
+
+    mp = figs["overview-map"].data["rows"]
+    assert mp["dp"]["states_ratio"] == pytest.approx(1 / 8, rel=0.01)  # ZeRO-3 over 8
+    assert mp["cp"]["activations_ratio"] == pytest.approx(1 / 8, rel=0.01)
+    assert "all_reduce" in mp["tp"]["collectives"] and "all_to_all" in mp["ep"]["collectives"]
+
+    grid = figs["overview-grid"].data
+    g = Grid.from_config(O.GRID_LAYOUT)
+    for dim, groups in grid["groups"].items():
+        assert [tuple(x) for x in groups] == g.partition((dim,))
+        assert grid["crosses_node"][dim] == g.crosses_node((dim,), O.GRID_GPN)
+
+    iron = figs["overview-iron"].data
+    p = predict(PRESETS[O.IRON_MODEL], O.IRON_LAYOUT, HW[O.IRON_HW], O.IRON_GLOBAL_BATCH)
+    assert iron["traffic"] == p.traffic
+    for grp, v in iron["groups"].items():
+        assert v["bytes"] == pytest.approx(p.traffic[grp])
+    assert M.bytes_per_param(ParallelConfig(precision="bf16", grad_reduce_dtype="bf16")) == 16
+
+    rec = save(figs["overview-grid"], str(tmp_path), "fived figures overview --out X")
+    assert (tmp_path / "overview-grid.png").stat().st_size > 1000
+    assert (tmp_path / "overview-grid.svg").read_text().lstrip().startswith("<?xml")
+    back = json.loads((tmp_path / "overview-grid.json").read_text())
+    assert back == json.loads(json.dumps(rec)) and back["command"] == "fived figures overview --out X"
+    assert back["source"] == "ledger" and back["data"]["world"] == 8
+
+
+def test_gantt_data_is_the_schedule():
+    from fived.parallel.pipeline import schedules as S
+    from fived.viz.bubbles import gantt_data
+
+    d = gantt_data(4, 8)
+    for name, g in d["schedules"].items():
+        sched = S.build(name, 4, 8, g["v"])
+        t = S.simulate(sched)
+        assert g["bubble"] == t.bubble_fraction() and g["makespan"] == t.makespan
+        assert g["formula"] == S.bubble_formula(name, 4, 8, g["v"])
+        # every forward of every micro-batch of every stage is drawn
+        f = sum(1 for spans in g["spans"] for s in spans if s[0] == "F")
+        assert f == 8 * 4 * g["v"]
+
+
+def test_every_size_the_parts_run_is_valid():
+    """The full-size layouts are valid before anything runs (a bad one fails the 10-min run)."""
+    from fived.config import validate
+    from fived.parallel.pipeline import schedules as S
+    from fived.viz import bubbles
+
+    for quick in (True, False):
+        c = bubbles.setup(quick)
+        for name in S.NAMES:
+            for m in bubbles.ms_for(name, c):
+                par = bubbles.par_for(name, c["pp"], m)
+                S.check(S.build(name, c["pp"], m, par.virtual_stages))
+                assert max(c["ms"]) % m == 0  # the global batch splits into m micro-batches
+                validate(ModelConfig(layers=2 * c["pp"]), par)
+
+
+# ------------------------------------------------------------------ runs
+def test_collective_diagrams_are_what_ran():
+    from fived.comm.volume import bytes_sent
+    from fived.viz.collectives import diagrams
+
+    n = 2
+    d = diagrams(n)["ops"]
+    ins = d["all_reduce"]["input"]
+    total = [sum(r[c] for r in ins) for c in range(n)]
+    assert all(o == total for o in d["all_reduce"]["output"])
+    assert all(o == [10.0 * r for r in range(n)] for o in d["all_gather"]["output"])
+    assert [o for o in d["reduce_scatter"]["output"]] == [[total[r]] for r in range(n)]
+    assert d["all_to_all"]["output"] == [[10.0 * s + r for s in range(n)] for r in range(n)]
+    assert all(o == d["broadcast"]["input"][0] for o in d["broadcast"]["output"])
+    assert d["reduce"]["output"][0] == total
+    assert [o for o in d["scatter"]["output"]] == [[float(r)] for r in range(n)]
+    assert d["gather"]["output"][0] == [10.0 * r for r in range(n)]
+    s = 4 * n  # n float32
+    assert d["all_reduce"]["bytes"] == [bytes_sent("all_reduce", s, n)] * n
+    assert d["broadcast"]["bytes"] == [bytes_sent("broadcast", s, n), 0.0]
+
+
+def test_zero_memory_and_traffic_equal_the_ledger():
+    from fived.viz import zero
+
+    figs = by_name(zero.figures(True, quiet))
+    rows = figs["zero-memory"].data["rows"]
+    assert {(r["dp"], r["zero"]) for r in rows} == {(dp, z) for dp in (1, 2) for z in range(4)}
+    for r in rows:
+        assert r["measured"] == r["ledger"], r  # to the byte, as `fived ledger --check`
+        assert r["measured_bytes"] == r["ledger_bytes"], r
+    dp2 = {r["zero"]: r for r in rows if r["dp"] == 2}
+    one = {r["zero"]: r for r in rows if r["dp"] == 1}
+    # stage 1 halves master + Adam, stage 2 also grads, stage 3 also params (dp = 2; padding
+    # makes a shard at most a few elements more than half)
+    assert dp2[1]["measured"]["optimizer"] <= one[1]["measured"]["optimizer"] / 2 + 64
+    assert dp2[2]["measured"]["grads"] <= one[2]["measured"]["grads"] / 2 + 64
+    assert dp2[3]["measured"]["params"] <= one[3]["measured"]["params"] / 2 + 64
+    assert dp2[3]["measured_bytes"] == pytest.approx(1.5 * dp2[0]["measured_bytes"], rel=0.01)
+
+
+# ------------------------------------------------------------------ the command and the page
+def test_figures_all_and_report_page(tmp_path, capsys):
+    from fived.cli.main import main
+
+    figs = tmp_path / "figs"
+    assert main(["figures", "all", "--out", str(figs), "--quick", "--parts", "overview"]) == 0
+    index = json.loads((figs / "index.json").read_text())
+    assert [r["name"] for r in index["figures"]] == [
+        "overview-16psi", "overview-walls", "overview-map", "overview-grid", "overview-iron"]
+    for r in index["figures"]:
+        for ext in ("png", "svg", "json"):
+            assert (figs / f"{r['name']}.{ext}").exists()
+        assert r["command"].startswith("fived figures overview --out")
+    out = tmp_path / "page"
+    assert main(["report", "--out", str(out), "--from", str(figs), "--parts", "overview"]) == 0
+    page = (out / "index.html").read_text()
+    assert page.count("data:image/png;base64,") == 5
+    assert "http://" not in page and "https://" not in page and "<script" not in page
+    assert "fived figures overview --out" in page
+    assert "report" in capsys.readouterr().out
+
+
+def test_report_layout_and_bad_input(tmp_path, capsys):
+    from fived.cli.main import main
+    from fived.dist.grid import Grid
+
+    out = tmp_path / "lay"
+    assert main(["report", "--out", str(out), "--tp", "2", "--pp", "2", "--dp", "2",
+                 "--gpus-per-node", "4"]) == 0
+    rec = json.loads((out / "layout-grid.json").read_text())
+    g = Grid.from_config(ParallelConfig(tp=2, pp=2, dp=2))
+    assert [tuple(x) for x in rec["data"]["groups"]["tp"]] == g.partition(("tp",))
+    assert (out / "index.html").read_text().count("data:image/png") == 2
+    # --measure: a 2-step run of the layout, every rank's bytes equal to the ledger's
+    out = tmp_path / "meas"
+    assert main(["report", "--out", str(out), "--dp", "2", "--zero", "2", "--measure"]) == 0
+    ranks = json.loads((out / "layout-measured.json").read_text())["data"]["ranks"]
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["measured_states"] == r["ledger_states"]
+        assert r["measured_traffic"] == r["ledger_traffic"] and r["ledger_traffic"]["dense"] > 0
+    bad = tmp_path / "bad"
+    assert main(["report", "--out", str(bad), "--tp", "3"]) == 2
+    assert not bad.exists()
+    assert main(["figures", "all", "--parts", "bogus", "--out", str(bad)]) == 2
+    assert not bad.exists()
+    assert "ConfigError" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ slow: the other parts
+@pytest.mark.slow
+def test_bubbles_measured_is_the_run():
+    from fived.parallel.pipeline import schedules as S
+    from fived.viz import bubbles
+
+    d = by_name(bubbles.figures(True, quiet))["bubbles-measured"].data
+    for name, rows in d["schedules"].items():
+        for r in rows:
+            per = r["per_rank_steps"]
+            again = statistics.median(statistics.mean(p[k] for p in per)
+                                      for k in range(1, len(per[0])))
+            assert r["measured"] == again
+            assert r["formula"] == S.bubble_formula(name, d["pp"], r["m"], r["v"])
+            assert r["formula"] - 0.05 <= r["measured"] <= r["formula"] + 0.2, (name, r)
+
+
+@pytest.mark.slow
+def test_collectives_sweep_has_every_op():
+    from fived.comm.bench import BENCH_OPS
+    from fived.comm.volume import busbw_factor
+    from fived.viz import collectives
+
+    figs = by_name(collectives.figures(True, quiet))
+    doc = figs["collectives-bandwidth"].data
+    assert {"scatter", "gather"} <= set(doc["ops"]) and set(doc["ops"]) == set(BENCH_OPS)
+    for r in doc["rows"]:
+        assert r["busbw_GBps"] > 0 and math.isfinite(r["time_us"])
+    fac = figs["collectives-factor"].data
+    assert fac["ops"]["all_reduce"]["factor"] == busbw_factor("all_reduce", 2)
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        assert all(x == pytest.approx(fac["ops"][op]["factor"], rel=0.01)
+                   for x in fac["ops"][op]["recorded_over_S"]), op
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_figures_are_the_runs():
+    from fived.viz import ddp, fsdp
+
+    d = by_name(ddp.figures(True, quiet))["ddp-step"].data["rank0"]
+    assert set(d["step_s"]) == {"naive", "buckets", "buckets+overlap"}
+    assert d["buckets"]["naive"] > d["buckets"]["buckets"] == d["buckets"]["buckets+overlap"] > 1
+    for k, tl in d["timeline"].items():
+        assert len(tl["buckets"]) == d["buckets"][k]
+        assert all(e["launch"] <= e["done"] <= tl["finish_end"] + 1e-6 for e in tl["buckets"])
+        if k == "buckets":  # no overlap: every launch after the backward
+            assert all(e["launch"] >= tl["backward_end"] for e in tl["buckets"])
+    ov = d["timeline"]["buckets+overlap"]
+    assert ov["buckets"][0]["launch"] < ov["backward_end"]  # overlap: the first starts inside
+    f = by_name(fsdp.figures(True, quiet))["fsdp-step"].data
+    names = [r["name"] for r in f["rows"]]
+    assert names == ["fived ZeRO-3", "torch FSDP1", "torch FSDP2"]
+    assert all(r["step_s"] > 0 and r["state_bytes"] > 0 for r in f["rows"])
+    pre = f["timeline"]["prefetch"]["events"]
+    assert any(e["ahead"] for e in pre)
+    assert not any(e["ahead"] for e in f["timeline"]["no-overlap"]["events"])
+
+
+@pytest.mark.slow
+def test_tensor_and_context_figures():
+    from fived.viz import context, tensor
+
+    t = by_name(tensor.figures(True, quiet))
+    for r in t["tensor-bytes"].data["per_layer"]:
+        assert r["measured"] == r["ledger"] > 0, r
+    sh = t["tensor-shapes"].data["shapes"]
+    assert sh[0]["q_proj"]["dim"] == 0 and sh[0]["o_proj"]["dim"] == 1
+    assert sh[1]["down_proj"]["local"][1] * 2 == sh[1]["down_proj"]["global"][1]
+    c = by_name(context.figures(True, quiet))
+    z = c["context-zigzag"].data
+    assert z["measured"] == z["ledger"]
+    assert max(z["measured"]["zigzag"]) == min(z["measured"]["zigzag"])
+    acts = c["context-activations"].data
+    for name in ("tp", "ring CP"):
+        for s in acts["seqs"]:
+            assert acts["measured"][name][str(s)] == pytest.approx(
+                acts["ledger"][name][str(s)], rel=0.01), (name, s)

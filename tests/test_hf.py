@@ -1,0 +1,234 @@
+"""Hugging Face in and out (fived.checkpoint.hf): transformers models built from small random
+configs (GQA, tied and untied embeddings, rope_theta != 10000, rms_norm_eps != fived's default;
+Mixtral for MoE) are saved locally, imported into fived — one rank, tp2·pp2, tp2·dp2 (tied),
+ep2·pp2 (Mixtral) — and give transformers' logits to 1e-5 in fp32; a fived checkpoint exported
+with ``fived export`` loads in transformers and gives fived's logits. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fived.checkpoint import hf  # noqa: E402
+from fived.config import ConfigError, ParallelConfig  # noqa: E402
+from fived.testing import run_ranks, small_train  # noqa: E402
+
+SEQ = 16
+SHAPE = dict(vocab_size=256, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=48, rope_theta=50000.0, rms_norm_eps=1e-6)
+
+
+def make_hf(path, kind: str = "llama", tied: bool = False):
+    """A random transformers model saved to ``path``; returns it (eval, fp32)."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE,
+                                                                   tie_word_embeddings=tied))
+    else:
+        m = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **SHAPE, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=tied))
+    with torch.no_grad():  # norms away from 1, so a wrong eps or a missed norm shows
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+    m.save_pretrained(path)
+    return m.eval()
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def hf_logits(model_or_dir) -> np.ndarray:
+    m = model_or_dir
+    if not isinstance(m, torch.nn.Module):
+        m = transformers.AutoModelForCausalLM.from_pretrained(str(m), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(tokens()).logits.float().numpy()
+
+
+def close(a, b, tol=1e-5) -> float:
+    err = float(np.abs(a - b).max() / np.abs(b).max())
+    assert err < tol, err
+    return err
+
+
+# ------------------------------------------------------------------ one rank
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("mixtral", False)])
+def test_import_gives_transformers_logits(tmp_path, kind, tied):
+    ref = make_hf(tmp_path, kind, tied)
+    from fived.model import build_model
+
+    cfg = hf.model_config(hf.read_config(tmp_path, "--init-from"), seq_len=SEQ)
+    assert cfg.rope_theta == 50000.0 and cfg.norm_eps == 1e-6 and cfg.kv_heads == 2
+    assert cfg.tied_embeddings == tied and cfg.is_moe == (kind == "mixtral")
+    model = build_model(cfg, 0)
+    hf.load_hf_into(model, tmp_path)
+    with torch.no_grad():
+        got = model(tokens(), torch.arange(SEQ)).numpy()
+    close(got, hf_logits(ref))
+
+
+# ------------------------------------------------------------------ any layout
+def _layout_logits(rank: int, world: int, jobs: list) -> list:
+    """Each (hf_dir, layout): --init-from into the layout, a forward of ``tokens()`` through
+    its pipeline stages (hidden states sent stage to stage), vocab pieces gathered over tp;
+    the last stage's ranks return the whole logits."""
+    import torch.distributed as dist
+
+    from fived.train.trainer import Trainer
+
+    out = []
+    for hf_dir, par in jobs:
+        cfg = hf.model_config(hf.read_config(hf_dir, "--init-from"), seq_len=SEQ)
+        t = Trainer(cfg, par, replace(small_train(), init_from=str(hf_dir)), rank, world)
+        g, stage, pos = t.grid, t.stage, torch.arange(SEQ)
+        with torch.no_grad():
+            if par.pp > 1 and not stage.first:
+                h = torch.empty(2, SEQ, cfg.hidden)
+                dist.recv(h, src=g["pp"].ranks[g["pp"].rank - 1])
+                x = h
+            else:
+                x = tokens()
+            y = stage(x, pos)
+            if par.pp > 1 and not stage.last:
+                dist.send(y.contiguous(), dst=g["pp"].ranks[g["pp"].rank + 1])
+                out.append(None)
+                continue
+            if par.tp > 1:
+                parts = [torch.empty_like(y) for _ in range(par.tp)]
+                dist.all_gather(parts, y.contiguous(), group=g["tp"].pg)
+                y = torch.cat(parts, dim=-1)
+            out.append(y.numpy())
+    return out
+
+
+def test_import_into_tp_pp_ep_layouts_gives_transformers_logits(tmp_path):
+    dirs = {k: tmp_path / k for k in ("untied", "tied", "moe")}
+    refs = {"untied": make_hf(dirs["untied"]), "tied": make_hf(dirs["tied"], tied=True),
+            "moe": make_hf(dirs["moe"], "mixtral")}
+    jobs = [(dirs["untied"], ParallelConfig(tp=2, pp=2)),
+            (dirs["tied"], ParallelConfig(tp=2, dp=2)),  # pp > 1 is refused for tied models
+            (dirs["moe"], ParallelConfig(ep=2, pp=2)),
+            (dirs["moe"], ParallelConfig(tp=2, ep=2))]
+    res = run_ranks(_layout_logits, 4, jobs, timeout=600)
+    for i, name in enumerate(["untied", "tied", "moe", "moe"]):
+        got = [r[i] for r in res if r[i] is not None]
+        assert got
+        for g in got:
+            close(g, hf_logits(refs[name]))
+
+
+# ------------------------------------------------------------------ export
+def _train_and_save(rank, world, m, par, t):
+    from fived.train.trainer import train_rank
+
+    return train_rank(rank, world, m, par, t, show=False)["losses"]
+
+
+@pytest.mark.parametrize("kind", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_export_loads_in_transformers_with_fived_logits(tmp_path, kind):
+    """Train 2 steps from an HF model (tp2 or ep2, ZeRO-1), export, load in transformers."""
+    src = tmp_path / "src"
+    make_hf(src, kind)
+    cfg = hf.model_config(hf.read_config(src, "--init-from"), seq_len=SEQ)
+    par = ParallelConfig(tp=2, zero=1) if kind == "llama" else ParallelConfig(ep=2, zero=1)
+    ck = tmp_path / "ck"
+    run_ranks(_train_and_save, 2, cfg, par,
+              small_train(steps=2, global_batch=4, init_from=str(src), save_dir=str(ck)),
+              timeout=600)
+    out = tmp_path / "hf"
+    r = subprocess.run([sys.executable, "-m", "fived", "export", str(ck), "--hf", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLM" if kind == "llama"
+                                     else "MixtralForCausalLM"]
+    assert (out / "model.safetensors.index.json").is_file()
+    from fived.checkpoint.convert import whole_model
+    from fived.checkpoint.storage import read_manifest, resolve
+    from fived.model import build_model
+
+    ckpt = resolve(ck)
+    model = build_model(cfg, 0)
+    model.load_state_dict(whole_model(ckpt, read_manifest(ckpt)), strict=False)
+    with torch.no_grad():
+        mine = model(tokens(), torch.arange(SEQ)).numpy()
+    trained = hf_logits(out)
+    close(trained, mine)
+    assert np.abs(trained - hf_logits(src)).max() > 1e-4  # the export holds the trained weights
+
+
+# ------------------------------------------------------------------ refusals
+def test_hf_refusals(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        hf.read_config(tmp_path, "--init-from")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="another model family"):
+        hf.model_config(hf.read_config(tmp_path, "--init-from"))
+    from fived.config import PRESETS
+
+    with pytest.raises(ConfigError, match="shared expert"):
+        hf.hf_config(replace(PRESETS["tiny-moe"], shared_expert=True))
+
+
+def test_fused_transformers5_experts_are_read(tmp_path):
+    """transformers 5's in-memory layout (fused gate_up_proj / down_proj, mlp.gate) maps back."""
+    from safetensors.torch import save_file
+
+    w1, w3, w2 = torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(2, 4, 3)
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": torch.cat([w1, w3], 1).contiguous(),
+               "model.layers.0.mlp.experts.down_proj": w2,
+               "model.layers.0.mlp.gate.weight": torch.randn(2, 4)},
+              str(tmp_path / "model.safetensors"))
+    t = hf.read_tensors(tmp_path)
+    assert torch.equal(t["layers.0.block_sparse_moe.experts.1.w3.weight"], w3[1])
+    assert torch.equal(t["layers.0.block_sparse_moe.experts.0.w2.weight"], w2[0])
+    assert "layers.0.block_sparse_moe.gate.weight" in t
+
+
+# ------------------------------------------------------------------ the commands' bad input
+def test_import_inspect_and_bad_input_exit_2(tmp_path, capsys):
+    """fived import / checkpoint inspect work; each bad input is one error, exit 2, nothing
+    overwritten (in-process: no ranks start)."""
+    from fived.cli.main import main
+
+    src = tmp_path / "hf"
+    make_hf(src)
+    ck = tmp_path / "ck"
+    assert main(["import", str(src), "--save-dir", str(ck)]) == 0
+    assert (ck / "step-000000" / "manifest.json").is_file()
+    assert main(["checkpoint", "inspect", str(ck), "--files"]) == 0
+    assert "step 0" in capsys.readouterr().out
+
+    def fails(argv, *words):
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and all(w in err for w in words), err
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
+
+    fails(["import", str(src), "--save-dir", str(ck)], "already holds checkpoints")
+    fails(["train", "--resume", str(tmp_path / "nope")], "no such directory")
+    (tmp_path / "empty").mkdir()
+    fails(["train", "--resume", str(tmp_path / "empty")], "no complete checkpoint")
+    fails(["train", "--resume", str(src)], "Hugging Face model")
+    fails(["train", "--init-from", str(tmp_path / "empty")], "no config.json")
+    fails(["train", "--resume", str(ck), "--model", "tiny-moe"], "MoE")
+    fails(["train", "--resume", str(ck), "--model", "tiny"],
+          "layers.0.mlp.up_proj.weight: saved (48, 32), expected (176, 64)")
+    fails(["export", str(ck), "--hf", str(src)], "not an empty directory")
+    data = next((ck / "step-000000").glob("*.distcp"))
+    with open(data, "r+b") as f:
+        f.seek(10)
+        f.write(b"\x00\x01")
+    fails(["train", "--resume", str(ck)], data.name, "sha256")
+    fails(["checkpoint", "inspect", str(ck), "--files"], data.name)
