@@ -106,7 +106,7 @@ def test_every_size_the_parts_run_is_valid():
     for quick in (True, False):
         c = bubbles.setup(quick)
         for name in S.NAMES:
-            for m in c["ms"]:
+            for m in bubbles.ms_for(name, c):
                 par = bubbles.par_for(name, c["pp"], m)
                 S.check(S.build(name, c["pp"], m, par.virtual_stages))
                 assert max(c["ms"]) % m == 0  # the global batch splits into m micro-batches

@@ -175,8 +175,8 @@ def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
     c = res_.counts
     con.print(f"considered {c.get('evaluated', 0)} layouts: {c.get('fit', 0)} fit, "
               f"{c.get('out_of_memory', 0)} do not fit in {fmt_b(hw.memory * args.mem_fraction)}, "
-              f"{c.get('invalid', 0)} invalid for the model, {c.get('zero3_pp', 0)} skipped as "
-              f"ZeRO-3 with pp (not built), {c.get('iron_rule', 0)} (tp, cp) pairs break the iron "
+              f"{c.get('invalid', 0)} invalid for the model, "
+              f"{c.get('iron_rule', 0)} (tp, cp) pairs break the iron "
               f"rule (tp·cp > {gpn} GPUs per node)")
     if not top:
         s = res_.smallest_unfit

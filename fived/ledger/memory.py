@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..config import ModelConfig, ParallelConfig
+from ..config import V_SCHEDULES, ModelConfig, ParallelConfig
 from .optimizers import opt_buckets
 from .optimizers import state_bytes as optimizer_state_bytes
 from .params import rank_stages, stage_layers
@@ -157,7 +157,8 @@ def _state_key(par: ParallelConfig) -> ParallelConfig:
     """``par`` without the fields model states do not depend on (a cache key)."""
     return replace(par, recompute="none", micro_batches=1, sequence_parallel=False,
                    overlap=True, cp_mode="ring",
-                   schedule="interleaved" if par.virtual_stages > 1 else "1f1b")
+                   schedule=(par.schedule if par.schedule in V_SCHEDULES else
+                             "interleaved" if par.virtual_stages > 1 else "1f1b"))
 
 
 def buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Bucket]:
@@ -174,7 +175,7 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     reverse registration order, split by reduction group, then (ZeRO 0–2) into runs of at most
     ``bucket_mb`` MiB of gradient; ZeRO-3 makes one bucket per (block, group), last block first,
     then the root (embedding, final norm, head)."""
-    from .params import block_of, param_list
+    from .params import param_list
 
     plist = list(reversed(param_list(m, par, pp_rank)))
     sizes = group_sizes(par)
@@ -185,9 +186,9 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     out: list[Bucket] = []
     if par.zero == 3:
         units: dict[int, list[tuple[str, int, bool]]] = {}
+        unit = _zero3_unit(m, par)
         for name, n, ex in plist:
-            b = block_of(name)
-            units.setdefault(-1 if b is None else b, []).append((name, n, ex))
+            units.setdefault(unit(name), []).append((name, n, ex))
         order = sorted((u for u in units if u >= 0), reverse=True) + ([-1] if -1 in units else [])
         for u in order:
             by: dict[str, int] = {}
@@ -203,6 +204,24 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     for g, ns in groups.items():
         out += [Bucket(g, sum(piece), shards(g)) for piece in split_sizes(ns, cap)]
     return tuple(out)
+
+
+def _zero3_unit(m: ModelConfig, par: ParallelConfig):
+    """ZeRO-3's gather unit of a parameter name: its block (−1: the root, i.e. embedding, final
+    norm, head); with pp > 1 its (virtual) stage, the pipeline chunk the executor gathers."""
+    from .params import block_of
+
+    if par.pp <= 1:
+        return lambda name: -1 if block_of(name) is None else block_of(name)
+    n = par.pp * max(1, par.virtual_stages)
+    stage_of = {i: k for k, ids in enumerate(stage_layers(m, par)) for i in ids}
+
+    def unit(name: str) -> int:
+        b = block_of(name)
+        if b is not None:
+            return stage_of[b]
+        return 0 if name.startswith("embed_tokens") else n - 1
+    return unit
 
 
 def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_index: int = 0,
@@ -379,6 +398,10 @@ def inflight_microbatches(par: ParallelConfig, pp_rank: int = 0) -> float:
         return 1.0
     if par.schedule == "gpipe":
         return float(mb)
+    if par.schedule == "zb-v":  # chunk-micro-batches live at the peak, over the 2 chunks
+        return min(2 * p, mb + 1 + pp_rank, 2 * mb) / 2
+    if par.schedule == "dualpipe-v":
+        return (2 * p + 1) / 2
     if par.schedule == "interleaved" and par.virtual_stages > 1:
         v = par.virtual_stages
         chunks = 2 * (p - pp_rank - 1) + (v - 1) * p + 1
@@ -466,7 +489,10 @@ def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
             units: dict[int, int] = {}
             for b in bks:
                 units[b.unit] = units.get(b.unit, 0) + b.padded
-            out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:2])
+            # the unit in use and the prefetched next; pp: every chunk (per step) or one
+            whole = (len(units) if par.pp > 1 and par.zero3_pp_gather == "step" else
+                     1 if par.pp > 1 else 2)
+            out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole])
                                         * param_bytes(par))
     if par.pp > 1:
         out["pp_p2p"] = 2 * tokens * m.hidden * e / (par.tp if sp else 1)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import ConfigError, ModelConfig, ParallelConfig, validate
+from ..config import V_SCHEDULES, ConfigError, ModelConfig, ParallelConfig, validate
 from . import bubble as B
 from . import compute as C
 from . import roofline as R
@@ -333,6 +333,8 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                         for s in schedules:
                             if s == "interleaved":
                                 scheds += [(s, v) for v in (2, 4, 8) if v <= max_virtual]
+                            elif s in V_SCHEDULES:
+                                scheds.append((s, 2))
                             else:
                                 scheds.append((s, 1))
                     for sched, v in scheds:
@@ -347,12 +349,6 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                 continue
                             mbs = per_replica // b
                             for zero in zeros if dp * ep * cp > 1 else (0,):
-                                if zero == 3 and pp > 1:
-                                    # ZeRO-3 gathers each block around every micro-batch's
-                                    # forward and backward; the engine refuses it under a
-                                    # pipeline schedule (fived.parallel.data.zero3.Zero3)
-                                    counts["zero3_pp"] = counts.get("zero3_pp", 0) + 1
-                                    continue
                                 for rc in recomputes:
                                     par = ParallelConfig(
                                         tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, zero=zero,

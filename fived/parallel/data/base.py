@@ -247,6 +247,13 @@ class DataParallel:
         return b.param_full
 
     # ------------------------------------------------------------------ hooks for ZeRO-3
+    def begin_compute(self, chunk: int, kind: str) -> None:
+        """The pipeline executor is about to run action ``kind`` (F, B, W) on chunk ``chunk``."""
+
+    def end_compute(self, chunk: int, kind: str, next_chunk: int | None = None) -> None:
+        """The pipeline executor has run action ``kind`` on chunk ``chunk``; its next F or B
+        runs on ``next_chunk``."""
+
     def after_grad(self, b: Bucket, j: int) -> None:
         """A gradient of bucket ``b`` arrived (any micro-batch)."""
 
