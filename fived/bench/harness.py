@@ -196,19 +196,25 @@ def clip_grads(params: list[Any], max_norm: float) -> None:
 
 
 def torch_runner(name: str, model: Any, forward: Any, cfg: Any, train: Any, world: int,
-                 batch: Callable[[int], tuple], set_to_none: bool, peer: bool = False) -> Runner:
+                 batch: Callable[[int], tuple], set_to_none: bool, peer: bool = False,
+                 clip: Callable[[float], Any] | None = None) -> Runner:
     """A torch peer's step: ``forward`` (the wrapped model) on the batch, the fastest AdamW
     (``fastest_adamw``) and the same global-norm clipping as fived (``clip_grads``).
 
     Torch's wrappers average gradients over the world and fived sums them, so the peer's loss is
-    scaled by ``world`` to backpropagate the same gradient."""
+    scaled by ``world`` to backpropagate the same gradient. ``clip(max_norm)`` replaces
+    ``clip_grads`` where the wrapper has its own (FSDP1's ``clip_grad_norm_`` knows its flat
+    shards)."""
 
     opt = fastest_adamw(model.parameters(), train)
     params = list(model.parameters())
     scale = world / (train.global_batch * cfg.seq_len)
 
     def optimizer() -> None:
-        clip_grads(params, train.grad_clip)
+        if clip is None:
+            clip_grads(params, train.grad_clip)
+        else:
+            clip(train.grad_clip)
         opt.step()
 
     def step(i: int) -> float:

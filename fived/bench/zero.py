@@ -43,29 +43,13 @@ def fsdp1_runner(cfg: Any, train: Any, world: int, batch: Callable[[int], tuple]
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from ..model import build_model
-    from .harness import fastest_adamw, state_bytes_torch
 
     model = build_model(cfg, train.seed)
     block = type(next(iter(model.layers.values())))
     wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}),
                    device_id=torch.device("cpu"), use_orig_params=True)
-    opt = fastest_adamw(wrapped.parameters(), train)
-    scale = world / (train.global_batch * cfg.seq_len)  # FSDP averages, fived sums
-
-    def optimizer() -> None:
-        wrapped.clip_grad_norm_(train.grad_clip)
-        opt.step()
-
-    def step(i: int) -> float:
-        x, y, pos = batch(i)
-        opt.zero_grad(set_to_none=True)
-        loss = wrapped(x, pos, y)
-        (loss * scale).backward()
-        runner.timed_opt(optimizer)
-        return float(loss.detach())
-
-    runner = Runner("torch FSDP1", step, lambda: state_bytes_torch(wrapped, opt))
-    return runner
+    return torch_runner("torch FSDP1", wrapped, wrapped, cfg, train, world, batch,
+                        set_to_none=True, clip=wrapped.clip_grad_norm_)
 
 
 def zero_runners(cfg: Any, par: Any, train: Any, args: Any, rank: int, world: int,
