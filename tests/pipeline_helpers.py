@@ -40,19 +40,11 @@ def grads_one_step(rank: int, world: int, model: ModelConfig, par: ParallelConfi
 
 def timed_run(rank: int, world: int, model: ModelConfig, par: ParallelConfig,
               train: TrainConfig, delay: dict[str, float], steps: int) -> list[dict[str, Any]]:
-    """Run ``steps`` pipeline steps with a sleep-dominated stage cost; every step's stats."""
-    from fived.train.trainer import Trainer
+    """Run ``steps`` pipeline steps with a sleep-dominated stage cost; every step's stats (the
+    figure of part 7 measures its bubbles with the same function)."""
+    from fived.viz.bubbles import timed_rank
 
-    torch.manual_seed(train.seed)
-    t = Trainer(model, par, train, rank, world)
-    t.executor.delay = delay
-    out = []
-    for step in range(steps):
-        x, y, pos = t.local_data(step)
-        t.engine.zero_grad()
-        t.forward_backward(x, y, pos, 1.0 / (train.global_batch * model.seq_len))
-        out.append(dict(t.executor.stats))
-    return out
+    return timed_rank(rank, world, model, [(par, delay, steps)], train)[0]
 
 
 def suite(rank: int, world: int, model: ModelConfig, pars: list[ParallelConfig],
