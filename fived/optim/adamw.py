@@ -15,6 +15,8 @@ import torch
 
 
 class FlatAdamW:
+    flat_names = ("m", "v")  # what ``flat_state(i)`` holds, by name (checkpoints)
+
     def __init__(self, params: list[torch.Tensor], beta1: float, beta2: float, eps: float,
                  weight_decay: float):
         self.params = params  # fp32 tensors updated in place (masters, or the params themselves)
