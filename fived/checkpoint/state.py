@@ -4,14 +4,18 @@ global names and global shapes, so that any layout reads what any other wrote.
 What a checkpoint holds (``G`` = a parameter's global name, e.g. ``layers.3.mlp.up_proj.weight``):
 
     model.G          the parameter in the compute dtype           (every layout writes it)
-    master.G         its fp32 master (bf16/fp16 runs only)
-    optim.S.G        each element-wise optimizer state S of the engine's optimizer
-                     (AdamW: ``m``, ``v``), found generically in ``opt.state_dict()``
-    rng.torch.rankR  rank R's torch RNG state (restored when rank R exists on resume)
+    master.G         its fp32 master (bf16/fp16 runs with --master-weights fp32)
+    comp.G           Kahan's bf16 compensation c (--master-weights kahan)
+    optim.S.G        each optimizer state S, in G's global shape (element-wise: AdamW m, v;
+                     RowNorm m; Muon m, and v for its AdamW parameters) or as G's global row
+                     and column statistics (Adafactor R, C): ``fived.checkpoint.optimizer``
+    rng.torch.rankR  rank R's torch RNG state (restored when rank R exists on resume), and
+    rng.sr.rankR     its stochastic-rounding generator (--master-weights sr)
     manifest.json    step (= steps done = the learning-rate position and, since a batch is a
                      pure function of (seed, step), the data position), the data state
-                     (``Trainer.data_state``), the optimizer's scalar state (AdamW's t), the
-                     fp16 loss-scaler state, the configs, the tensors, the files' checksums
+                     (``Trainer.data_state``), the optimizer's type and step count t, the
+                     master-weights mode, the fp16 loss-scaler state, the configs, the
+                     tensors, the files' checksums
 
 Each rank contributes exactly the elements it owns: for every bucket of the data-parallel
 engine, the part of each parameter's tensor-/expert-parallel piece (``Placement``) that lies in
@@ -21,10 +25,13 @@ save, nothing is gathered to load: DCP intersects what each rank asks for with w
 
 Loading writes masters (or fp32 parameters) and optimizer states straight into the engine's
 owned shards, then ``engine.publish_params()`` rebuilds the compute-dtype parameters exactly as
-after an optimizer step (the all-gather of ZeRO-1/2). A run without masters (fp32) reads
-``master.G`` when the checkpoint has it (bf16 -> fp32) and ``model.G`` otherwise; a run with
-masters reads ``master.G`` or, from an fp32 (or imported) checkpoint, ``model.G``. A checkpoint
-without optimizer states (``fived import``) starts the optimizer fresh.
+after an optimizer step (the all-gather of ZeRO-1/2). The fp32 value of a parameter is
+``master.G`` when the checkpoint has it, else ``model.G`` (+ ``comp.G`` from a Kahan run). A run
+with an fp32 master (or fp32 parameters) takes that value; a run without a master
+(--master-weights none|sr|kahan) rounds it to bf16 — exact when it is a saved bf16 ``model.G``
+— and a Kahan run takes ``comp.G`` as saved, or what the rounding dropped (0 from a bf16 run).
+A checkpoint without optimizer states (``fived import``), or of another optimizer, starts the
+optimizer fresh; one of the same optimizer that lacks a state this run needs is refused.
 """
 
 from __future__ import annotations
