@@ -143,41 +143,39 @@ def test_reshard_optimizer_states_and_master_modes(tmp_path):
 
 def test_master_mode_conversions_on_one_rank(tmp_path):
     """An fp32-master checkpoint into --master-weights kahan: θ = bf16(master), c = the rest
-    (θ + c = master to bf16 precision of c); a kahan checkpoint into an fp32-master run:
-    master = θ + c. One rank, in process."""
+    (θ + c = master to 1e-5); that kahan state saved again and read into an fp32-master run:
+    master = θ + c exactly. One rank."""
     par = ParallelConfig(precision="bf16")
-    d = tmp_path / "fp32m"
-    ref = run_ranks(_masters, 1, [(DENSE, par, replace(TRAIN, stop_after=2, save_dir=str(d))),
-                                  (DENSE, replace(par, master_weights="kahan"),
-                                   replace(TRAIN, resume=str(d), stop_after=2)),
-                                  (DENSE, par, replace(TRAIN, resume=str(d), stop_after=2))],
-                    timeout=600)[0]
-    master, kahan, again = ref
+    d, d2 = str(tmp_path / "fp32m"), str(tmp_path / "kahan")
+    master, kahan, back = run_ranks(_masters, 1, [
+        (DENSE, par, replace(TRAIN, stop_after=2, save_dir=d)),
+        (DENSE, replace(par, master_weights="kahan"), replace(TRAIN, resume=d, save_dir=d2)),
+        (DENSE, par, replace(TRAIN, resume=d2))], timeout=600)[0]
     for n in master:
-        assert torch.equal(torch.tensor(kahan[n]["theta"]),
-                           torch.tensor(master[n]["master"]).bfloat16().float()), n
-        back = torch.tensor(kahan[n]["theta"]) + torch.tensor(kahan[n]["comp"])
-        assert rel_diff(back.tolist(), master[n]["master"]) < 1e-5, n
-        assert torch.equal(torch.tensor(again[n]["master"]), torch.tensor(master[n]["master"]))
+        want = torch.tensor(master[n]["master"])
+        theta, comp = torch.tensor(kahan[n]["theta"]), torch.tensor(kahan[n]["comp"])
+        assert torch.equal(theta, want.bfloat16().float()), n
+        assert comp.abs().max() > 0, n
+        assert rel_diff((theta + comp).tolist(), want.tolist()) < 1e-5, n
+        assert torch.equal(torch.tensor(back[n]["master"]), theta + comp), n
 
 
 def _masters(rank: int, world: int, runs: list) -> list[dict]:
-    """Per run: after its steps (0 steps when stop_after == the resumed step), each bucket
-    parameter's master (or θ) and Kahan c, flat lists."""
+    """Per run: load ``resume``, step up to ``stop_after``, save to ``save_dir``; then each
+    parameter's master (or θ), θ and Kahan c, flat lists."""
     from fived.checkpoint import load, resolve
     from fived.train.trainer import Trainer
 
     out = []
     for m, p, t in runs:
         tr = Trainer(m, p, t, rank, world)
-        if t.resume:
-            load(tr, resolve(t.resume))
-        else:
-            for s in range(t.stop_after):
-                tr.step(s)
+        done = load(tr, resolve(t.resume)) if t.resume else 0
+        for s in range(done, t.stop_after):
+            tr.step(s)
+        if t.save_dir:
             from fived.checkpoint import Saver
 
-            Saver(tr, t.save_dir, 0).save(t.stop_after)
+            Saver(tr, t.save_dir, 0).save(max(done, t.stop_after))
         eng, res = tr.engine, {}
         for b in eng.buckets:
             for j, name in enumerate(b.names):
