@@ -106,7 +106,7 @@ def _param_shapes():
 @pytest.mark.slow
 def test_tp2_and_other_modes_resume_bit_exact(tmp_path):
     """tp2 (+SP) for every optimizer; --master-weights none; the master modes under the
-    piece-aware optimizers; --zero-align rows."""
+    piece-aware optimizers; --zero-align rows; kahan under ZeRO-3."""
     tp2 = ParallelConfig(tp=2, sequence_parallel=True)
     cases = {
         "adamw-tp2": (tp2, "adamw"),
@@ -117,6 +117,7 @@ def test_tp2_and_other_modes_resume_bit_exact(tmp_path):
         "none": (replace(Z2, master_weights="none", **BF16), "adamw"),
         "muon-sr": (replace(Z2, master_weights="sr", **BF16), "muon"),
         "rownorm-rows": (replace(Z2, zero=1, zero_align="rows"), "rownorm"),
+        "kahan-z3": (replace(Z2, zero=3, master_weights="kahan", **BF16), "adafactor"),
     }
     _check_bit_exact(tmp_path, cases)
 
