@@ -191,3 +191,39 @@ def _masters(rank: int, world: int, runs: list) -> list[dict]:
         tr.close()
         out.append(res)
     return out
+
+
+def test_missing_optimizer_state_is_refused(tmp_path):
+    """A checkpoint of the same optimizer without a state this run needs (here Muon's v, as a
+    checkpoint from before it was saved would be) is a ConfigError naming the tensors, not a
+    silently fresh state. One rank, one spawn."""
+    t = replace(TRAIN, optimizer="muon", save_dir=str(tmp_path / "muon"))
+    msg = run_ranks(_resume_error, 1, (DENSE, ParallelConfig(), t), timeout=600)[0]
+    assert "lacks" in msg and "optim.v.embed_tokens.weight" in msg, msg
+
+
+def _resume_error(rank: int, world: int, run: tuple) -> str:
+    """Train a step, save, drop every ``optim.v.*`` from the manifest, load: the error."""
+    from pathlib import Path
+
+    from fived.checkpoint import Saver, load, resolve
+    from fived.config import ConfigError
+    from fived.train.trainer import Trainer
+
+    m, p, t = run
+    tr = Trainer(m, p, t, rank, world)
+    tr.step(0)
+    Saver(tr, t.save_dir, 0).save(1)
+    tr.close()
+    step = resolve(t.save_dir)
+    man = json.loads((Path(step) / "manifest.json").read_text())
+    man["tensors"] = {k: v for k, v in man["tensors"].items() if not k.startswith("optim.v.")}
+    (Path(step) / "manifest.json").write_text(json.dumps(man))
+    tr = Trainer(m, p, replace(t, save_dir=None), rank, world)
+    try:
+        load(tr, step)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        tr.close()
+    return ""
