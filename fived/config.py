@@ -37,7 +37,8 @@ class ConfigError(ValueError):
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
+V_SCHEDULES = ("zb-v", "dualpipe-v")  # two stages per rank in a V: rank r holds r and 2pp−1−r
 PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
@@ -150,9 +151,15 @@ class ParallelConfig:
     pp: int = spec(1, "pipeline-parallel degree", ge=1)
     zero: int = spec(0, "ZeRO stage: 0 plain DDP, 1 shard optimizer state, 2 + gradients, "
                         "3 + parameters", choices=(0, 1, 2, 3))
+    zero3_pp_gather: str = spec("step", "ZeRO-3 with pp: all-gather a stage's parameters once "
+                                "per step and keep them to the step's end, or once per "
+                                "micro-batch forward and backward, freed after each",
+                                choices=("step", "micro"))
     schedule: str = spec("1f1b", "pipeline schedule", choices=SCHEDULES,
                          shown="1f1b, or interleaved with --virtual-stages > 1")
-    virtual_stages: int = spec(1, "interleaved schedule: model chunks per pipeline rank", ge=1)
+    virtual_stages: int = spec(1, "model chunks per pipeline rank (interleaved; zb-v and "
+                                  "dualpipe-v run 2, in a V)", ge=1,
+                               shown="1, or 2 with --schedule zb-v / dualpipe-v")
     micro_batches: int = spec(1, "micro-batches per optimizer step (per replica)", ge=1)
     sequence_parallel: bool = spec(False, "shard norms and residuals over tp along the sequence")
     recompute: str = spec("none", "activation recompute", choices=RECOMPUTE)
@@ -233,6 +240,8 @@ class TrainConfig:
     optimizer: str = spec("adamw", "adamw (elementwise), adafactor (factored second moment), "
                                    "muon (orthogonalised hidden matrices, AdamW elsewhere), "
                                    "rownorm (row-normalised momentum)", choices=OPTIMIZERS)
+    compile: bool = spec(False, "torch.compile each transformer block (meant for the GPU path; "
+                                "not yet run on GPU hardware)")
 
 
 def preset(name: str) -> ModelConfig:
@@ -425,9 +434,19 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
         if len(par.pp_layers) != stages or sum(par.pp_layers) != model.layers:
             p.append(f"--pp-layers {list(par.pp_layers)} must have pp·v = {stages} entries "
                      f"summing to {model.layers} layers")
-    else:
-        _divides(p, stages, model.layers, "layers over pp·virtual_stages", "use --pp-layers")
-    if par.virtual_stages > 1 and par.schedule != "interleaved":
+    elif stages > model.layers:  # fewer layers than stages: the balanced split cannot cut it
+        p.append(f"pp·virtual_stages = {stages} stages for {model.layers} layers: each stage "
+                 "needs a layer; use a smaller --pp or --virtual-stages")
+    # otherwise the balanced split (fived.ledger.params.balanced_split) cuts any count, e.g.
+    # Llama 3 405B's 126 layers over pp16 as 7, 8 × 14, 7 -- the runtime, ledger and planner alike
+    if par.schedule in V_SCHEDULES:
+        if par.virtual_stages != 2:
+            p.append(f"--schedule {par.schedule} runs exactly 2 stages per rank (a V); give "
+                     "--virtual-stages 2 (the default with this schedule)")
+        if par.schedule == "dualpipe-v" and par.pp > 1 and par.micro_batches < 2 * par.pp:
+            p.append(f"--schedule dualpipe-v needs --micro-batches >= 2·pp = {2 * par.pp} "
+                     f"(got {par.micro_batches})")
+    elif par.virtual_stages > 1 and par.schedule != "interleaved":
         p.append("--virtual-stages > 1 needs --schedule interleaved")
     if par.schedule == "interleaved" and par.pp > 1:
         if par.virtual_stages < 2:
@@ -439,15 +458,6 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
         p.append("--pp > 1 with tied embeddings: the embedding (first stage) and the head (last "
                  "stage) would need their gradients all-reduced between stages; use an untied "
                  "model (tied_embeddings = false)")
-    if par.pp > 1 and par.zero == 3:
-        why = ("ZeRO-3 frees a unit's parameters when its backward ends, but ZB-H1's deferred W "
-               "would re-gather every layer once more per micro-batch"
-               if par.schedule == "zb-h1" else
-               "ZeRO-3 gathers and frees each block around its forward and backward, and a "
-               "pipeline schedule interleaves many micro-batches on a stage")
-        sched = " and --schedule zb-h1" if par.schedule == "zb-h1" else ""
-        p.append(f"--zero 3 with --pp {par.pp}{sched} is not built ({why}); use --zero 1 or "
-                 "--zero 2 with pipeline parallelism, or --pp 1")
 
 
 def _check_cp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None) -> None:

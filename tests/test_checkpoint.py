@@ -171,6 +171,10 @@ BIT_EXACT = [
     (MOE, ParallelConfig(ep=2, dp=2, zero=1)),
     (MOE, ParallelConfig(ep=4, zero=3)),
     (MOE, ParallelConfig(ep=2, pp=2, micro_batches=2)),
+    (DENSE, ParallelConfig(pp=2, dp=2, zero=3, schedule="zb-v", virtual_stages=2,
+                           micro_batches=2)),
+    (DENSE, ParallelConfig(pp=2, dp=2, zero=3, zero3_pp_gather="micro", schedule="dualpipe-v",
+                           virtual_stages=2, micro_batches=4)),
 ]
 
 

@@ -33,11 +33,12 @@ def test_valid_layout_passes():
 
 
 def test_every_problem_is_listed():
-    par = ParallelConfig(tp=3, pp=3, cp=5, ep=2)
+    par = ParallelConfig(tp=3, pp=5, cp=5, ep=2)  # pp 5 > 4 layers (any pp <= layers splits)
     with pytest.raises(ConfigError) as e:
         validate(preset("tiny"), par, TrainConfig(global_batch=15), world_size=4)
     text = str(e.value)
-    for needle in ("world size 4", "heads", "layers over pp", "seq_len over 2·cp", "needs a MoE",
+    for needle in ("world size 4", "heads", "each stage needs a layer", "seq_len over 2·cp",
+                   "needs a MoE",
                    "global batch"):
         assert needle in text, needle
     assert len(e.value.problems) >= 6

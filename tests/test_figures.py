@@ -56,7 +56,9 @@ def test_overview_numbers_are_the_ledger(tmp_path):
 
     mp = figs["overview-map"].data["rows"]
     assert mp["dp"]["states_ratio"] == pytest.approx(1 / 8, rel=0.01)  # ZeRO-3 over 8
-    assert mp["cp"]["activations_ratio"] == pytest.approx(1 / 8, rel=0.01)
+    # cp8 cuts the sequence by 8; in bf16 the ring also saves fp32 copies of K/V (the ledger's
+    # cp_ring term, found by the dry run), so the activations fall to a bit more than 1/8
+    assert 1 / 8 <= mp["cp"]["activations_ratio"] < 1 / 6
     assert "all_reduce" in mp["tp"]["collectives"] and "all_to_all" in mp["ep"]["collectives"]
 
     grid = figs["overview-grid"].data
@@ -104,7 +106,7 @@ def test_every_size_the_parts_run_is_valid():
     for quick in (True, False):
         c = bubbles.setup(quick)
         for name in S.NAMES:
-            for m in c["ms"]:
+            for m in bubbles.ms_for(name, c):
                 par = bubbles.par_for(name, c["pp"], m)
                 S.check(S.build(name, c["pp"], m, par.virtual_stages))
                 assert max(c["ms"]) % m == 0  # the global batch splits into m micro-batches

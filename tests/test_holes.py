@@ -60,19 +60,24 @@ def test_ledger_tp_zero_is_refused_not_read_as_one(capsys):
     refused(capsys, ["grid", "--tp", "0"], "--tp must be >= 1")
 
 
-def test_zero3_with_pipeline_is_refused_before_launch(capsys, no_ranks):
+def test_zero3_with_pipeline_takes_a_gather_mode(capsys, no_ranks):
     for cmd in ("train", "ledger"):
-        refused(capsys, [cmd, "--pp", "2", "--dp", "2", "--zero", "3"], "--zero 3 with --pp 2")
+        with pytest.raises(SystemExit) as e:  # argparse's own choice check: exit 2
+            main([cmd, "--pp", "2", "--dp", "2", "--zero", "3", "--zero3-pp-gather", "often"])
+        assert e.value.code == 2
+        assert "--zero3-pp-gather" in capsys.readouterr().err
+    assert main(["ledger", "--pp", "2", "--dp", "2", "--zero", "3"]) == 0
 
 
-def test_plan_never_proposes_zero3_with_pipeline():
+def test_plan_searches_zero3_with_pipeline_and_the_v_schedules():
     from fived.ledger import hardware, planner
 
     res = planner.plan(preset("small"), 8, hardware.PRESETS["a100-80gb"], 32, 8,
-                       micro_batch_sizes=(1,), recomputes=("none",), zeros=(1, 3))
-    assert res.ranked and res.counts["zero3_pp"] > 0
-    assert not [p for p in res.ranked if p.par.zero == 3 and p.par.pp > 1]
-    assert any(p.par.zero == 3 for p in res.ranked)  # ZeRO-3 without a pipeline stays
+                       micro_batch_sizes=(1,), recomputes=("none",), zeros=(1, 3),
+                       schedules=("1f1b", "zb-v"), top=1000)
+    assert res.ranked and not res.counts.get("invalid")
+    assert any(p.par.zero == 3 and p.par.pp > 1 for p in res.ranked)
+    assert any(p.par.schedule == "zb-v" and p.par.virtual_stages == 2 for p in res.ranked)
 
 
 def test_pipeline_checks_live_in_validate():
@@ -84,8 +89,12 @@ def test_pipeline_checks_live_in_validate():
     with pytest.raises(ConfigError, match="tied embeddings"):
         validate(tied, ParallelConfig(pp=2))
     validate(tied, ParallelConfig(tp=2))  # tied is fine without a pipeline
-    with pytest.raises(ConfigError, match="zb-h1"):
-        validate(preset("tiny"), ParallelConfig(pp=2, zero=3, schedule="zb-h1"))
+    validate(preset("tiny"), ParallelConfig(pp=2, zero=3, schedule="zb-h1"))  # built now
+    with pytest.raises(ConfigError, match="exactly 2 stages per rank"):
+        validate(preset("tiny"), ParallelConfig(pp=2, schedule="zb-v"))
+    with pytest.raises(ConfigError, match="dualpipe-v needs --micro-batches >= 2·pp = 4"):
+        validate(preset("tiny"), ParallelConfig(pp=2, schedule="dualpipe-v", virtual_stages=2,
+                                                micro_batches=2))
 
 
 def _toml(tmp_path, text):
@@ -148,7 +157,8 @@ def test_process_level_error_rule():
     """The installed command: exit code 2, one message, no traceback (and no torch import)."""
     for argv, flag in ((["train", "--micro-batches", "0"], "--micro-batches"),
                        (["ledger", "--tp", "0"], "--tp"),
-                       (["train", "--pp", "2", "--dp", "2", "--zero", "3"], "--zero 3")):
+                       (["train", "--pp", "2", "--schedule", "dualpipe-v", "--micro-batches",
+                         "2"], "--schedule dualpipe-v")):
         r = subprocess.run([sys.executable, "-m", "fived", *argv], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2, r
@@ -208,9 +218,18 @@ def test_figures_help_lists_the_real_figures(capsys):
     assert "schedule" in capsys.readouterr().err
 
 
-def test_safetensors_is_no_dependency():
+def test_every_runtime_dependency_is_used():
+    """A runtime dependency that no module imports is a hole (safetensors once was one; it is
+    now the Hugging Face format of fived.checkpoint.hf)."""
+    import re
     import tomllib
     from pathlib import Path
 
-    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert not [d for d in deps["project"]["dependencies"] if d.startswith("safetensors")]
+    root = Path(__file__).parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    source = "\n".join(p.read_text() for p in (root / "fived").rglob("*.py"))
+    imported_as = {"tensorboard": "torch.utils.tensorboard"}
+    for dep in deps:
+        name = re.split(r"[<>=!~\[ ]", dep, maxsplit=1)[0]
+        mod = imported_as.get(name, name)
+        assert re.search(rf"^\s*(from|import) {re.escape(mod)}\b", source, re.M), dep

@@ -155,7 +155,10 @@ def test_activation_terms_hand_computed():
     t = memory.layer_activations(m, replace(par, tp=4), 1)
     assert t["mlp"] == a["mlp"] / 4 and t["norms"] == a["norms"]
     t = memory.layer_activations(m, replace(par, tp=4, sequence_parallel=True), 1)
-    assert t["norms"] == a["norms"] / 4
+    # sp divides the norms' own tensors by tp, but the column matmuls keep their all-gathered
+    # input (the norm output) whole: e·h per token, before attention and before the MLP
+    assert t["norms"] == (a["norms"] - s * 2 * 2 * h) / 4
+    assert t["sp_inputs"] == s * 2 * 2 * h
     c = memory.layer_activations(m, replace(par, cp=2), 1)
     assert c["mlp"] == a["mlp"] / 2
 
@@ -250,9 +253,10 @@ def test_traffic_formulas():
     first, last = traffic.pp_traffic(m, pp, 1, 0), traffic.pp_traffic(m, pp, 1, 3)
     assert [c.phase for c in first] == ["fwd"] and [c.phase for c in last] == ["bwd"]
     assert traffic.bytes_by_group(first)["pp"] == 8 * x
-    # CP ring: 3·(cp−1) hops of K+V per layer
+    # CP ring: 3·(cp−1) hops of K+V per layer, in fp32 whatever the precision (the ring sends
+    # fp32 K/V and dK/dV; the bf16 dry run found the ledger charging 2 bytes)
     cp = ParallelConfig(cp=2, **bf)
-    kv = 4096 // 2 * 32 * 128 * 2
+    kv = 4096 // 2 * 32 * 128 * 4
     assert traffic.bytes_by_group(traffic.cp_traffic(m, cp, 1))["cp"] == 32 * 3 * 1 * 2 * kv
 
 

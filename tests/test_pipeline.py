@@ -1,7 +1,8 @@
 """Pipeline parity, traffic and measurement on gloo ranks.
 
-Default (fast): pp=2 × every schedule, pp=4 × 1F1B and ZB-H1, each equal to the one-rank run
-to 1e-5 relative over 5 steps (losses) and in every parameter's gathered first-step gradient;
+Default (fast): pp=2 × every schedule (ZB-V, DualPipe-V included), pp=4 × 1F1B and ZB-H1,
+each equal to the one-rank run to 1e-5 relative over 5 steps (losses) and in every
+parameter's gathered first-step gradient;
 pp bytes = activation + gradient bytes per boundary per micro-batch; one step's gradients
 outside the training loop equal the one-rank gradients; the measured bubble of a
 sleep-dominated stage cost is within 15% of the formula. ``-m slow``: the full matrix
@@ -19,6 +20,7 @@ import pytest
 
 from fived.config import ParallelConfig, preset
 from fived.parallel.pipeline import schedules as S
+from fived.parallel.pipeline.stage import stage_ids
 from fived.testing import assemble_grads, grad_rel_diff, run_ranks, small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -29,7 +31,7 @@ MODEL = preset("tiny")
 
 
 def _par(schedule: str, pp: int, m: int, **kw) -> ParallelConfig:
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if schedule in ("interleaved",) + S.V_SHAPED else 1
     return ParallelConfig(pp=pp, micro_batches=m, schedule=schedule, virtual_stages=v, **kw)
 
 
@@ -49,7 +51,8 @@ def _assert_parity(pars, out, reference):
 
 def _assert_pp_bytes(pars, out, tr=None):
     """Each rank sends, per micro-batch, one activation per outgoing forward boundary and one
-    gradient per incoming one: act_bytes × (#stages it holds that are not last + not first)."""
+    gradient per incoming one: act_bytes × (#stages it holds that are not last + not first),
+    a boundary between two stages of the same rank (the V's bottom) sending nothing."""
     tr = tr or small_train()
     for i, par in enumerate(pars):
         v = par.virtual_stages
@@ -58,8 +61,9 @@ def _assert_pp_bytes(pars, out, tr=None):
         act = mb * MODEL.seq_len * MODEL.hidden * 4
         for r, per_rank in enumerate(out[0][i]["history"][-1]["traffic_per_rank"]):
             pp_rank = r // (par.world_size // par.pp)
-            stages = range(pp_rank, nstages, par.pp)
-            boundaries = sum((s < nstages - 1) + (s > 0) for s in stages)
+            stages = stage_ids(par, pp_rank)
+            boundaries = sum((s < nstages - 1 and s + 1 not in stages)
+                             + (s > 0 and s - 1 not in stages) for s in stages)
             assert per_rank["bytes"]["pp"] == boundaries * par.micro_batches * act, (par, r)
 
 
@@ -83,8 +87,15 @@ DELAY_ZB = {"F": 0.05, "B": 0.05, "W": 0.05}
 STEPS = 4
 
 
+SPLIT = ("zb-h1",) + S.V_SHAPED
+
+
+def _ms(schedule: str, pp: int) -> tuple[int, ...]:
+    return (2 * pp,) if schedule == "dualpipe-v" else (pp, 2 * pp)
+
+
 def _timed(schedule: str, pp: int, m: int):
-    return (_par(schedule, pp, m), DELAY_ZB if schedule == "zb-h1" else DELAY, STEPS)
+    return (_par(schedule, pp, m), DELAY_ZB if schedule in SPLIT else DELAY, STEPS)
 
 
 def _measured(per_rank_steps: list[list[dict]]) -> float:
@@ -100,20 +111,26 @@ def _col(out, key, i):
 
 
 def test_pp2(reference):
-    """pp=2: every schedule equals one rank over 5 steps; pp bytes; one step's gradients
-    (ZB-H1, 4 micro-batches) equal one rank's; measured 1F1B bubble within 15% of the formula."""
-    pars = [_par(s, 2, 2) for s in S.NAMES] + [_par("zb-h1", 2, 4)]
+    """pp=2: every schedule equals one rank over 5 steps (and ZB-V under full recompute, where
+    every B is the whole backward); pp bytes; one step's gradients
+    (ZB-H1, 4 micro-batches) equal one rank's; measured 1F1B and ZB-V (m=2: 2/14, the depth of
+    the V; 100 ms units, the per-action overhead being a larger share of it) bubbles within 15%
+    of the formula."""
+    pars = [_par(s, 2, 4 if s == "dualpipe-v" else 2) for s in S.NAMES] + [
+        _par("zb-h1", 2, 4), _par("zb-v", 2, 2, recompute="full")]
     out = run_ranks(suite, 2, MODEL, pars, small_train(), [_par("zb-h1", 2, 4)],
-                    [_timed("1f1b", 2, 4)])
+                    [_timed("1f1b", 2, 4),
+                     (_par("zb-v", 2, 2), {k: 2 * v for k, v in DELAY_ZB.items()}, STEPS)])
     trained = [o["train"] for o in out]
     _assert_parity(pars, trained, reference)
     _assert_pp_bytes(pars, trained)
     grads = _col(out, "grads", 0)
     _assert_grads(grads, reference)
     assert grads[0]["stats"]["peak_live"] == {0: 2} and grads[1]["stats"]["peak_live"] == {1: 2}
-    want = S.bubble_formula("1f1b", 2, 4)
-    got = _measured(_col(out, "timed", 0))
-    assert abs(got - want) <= 0.15 * want, (got, want)
+    for i, (name, m) in enumerate((("1f1b", 4), ("zb-v", 2))):
+        want = S.bubble_formula(name, 2, m, _par(name, 2, m).virtual_stages)
+        got = _measured(_col(out, "timed", i))
+        assert abs(got - want) <= 0.15 * want, (name, got, want)
 
 
 def test_pp4(reference):
@@ -144,7 +161,7 @@ def reference8():
 @pytest.mark.slow
 @pytest.mark.parametrize("pp", [2, 4])
 def test_matrix_pp_alone(reference8, pp):
-    pars = [_par(s, pp, m) for s in S.NAMES for m in (pp, 2 * pp)]
+    pars = [_par(s, pp, m) for s in S.NAMES for m in _ms(s, pp)]
     out = run_ranks(train_many, pp, MODEL8, pars, TRAIN16, timeout=1800)
     _assert_parity(pars, out, reference8)
     _assert_pp_bytes(pars, out, TRAIN16)
@@ -153,7 +170,7 @@ def test_matrix_pp_alone(reference8, pp):
 @pytest.mark.slow
 @pytest.mark.parametrize("pp", [2, 4])
 def test_matrix_pp_dp2(reference8, pp):
-    pars = [_par(s, pp, m, dp=2) for s in S.NAMES for m in (pp, 2 * pp)]
+    pars = [_par(s, pp, m, dp=2) for s in S.NAMES for m in _ms(s, pp)]
     out = run_ranks(train_many, 2 * pp, MODEL8, pars, TRAIN16, timeout=1800)
     _assert_parity(pars, out, reference8)
     _assert_pp_bytes(pars, out, TRAIN16)
@@ -164,7 +181,7 @@ def test_matrix_pp_dp2(reference8, pp):
                                       (2, 2, True)])
 def test_matrix_pp_tp2(reference8, pp, dp, sp):
     pars = [_par(s, pp, m, dp=dp, tp=2, sequence_parallel=sp) for s in S.NAMES
-            for m in (pp, 2 * pp)]
+            for m in _ms(s, pp)]
     out = run_ranks(train_many, pp * dp * 2, MODEL8, pars, TRAIN16, timeout=1800)
     _assert_parity(pars, out, reference8)
 
@@ -179,19 +196,19 @@ DELAY_ZB_PP4 = {k: 3 * v for k, v in DELAY_ZB.items()}
 
 @pytest.mark.slow
 def test_measured_bubble_pp4_every_schedule():
-    timed = [(_par(name, 4, 8), DELAY_ZB_PP4 if name == "zb-h1" else DELAY, STEPS)
+    timed = [(_par(name, 4, 8), DELAY_ZB_PP4 if name in SPLIT else DELAY, STEPS)
              for name in S.NAMES]
     out = run_ranks(suite, 4, MODEL8, [], TRAIN16, [], timed, timeout=1800)
     for i, name in enumerate(S.NAMES):
-        v = 2 if name == "interleaved" else 1
-        want = S.bubble_formula(name, 4, 8, v)
+        want = S.bubble_formula(name, 4, 8, _par(name, 4, 8).virtual_stages)
         got = _measured(_col(out, "timed", i))
         assert abs(got - want) <= 0.15 * want, (name, got, want)
 
 
 def test_bench_pp_runs(capsys):
-    """``fived bench pp`` times every schedule that has a torch peer, and both sides compute
-    the same gradients (so the ratio compares the same work)."""
+    """``fived bench pp`` times every schedule that has a torch peer (ZB-V against
+    ``ScheduleZBVZeroBubble``, DualPipe-V against ``ScheduleDualPipeV``), and both sides
+    compute the same gradients (so the ratio compares the same work)."""
     import json
 
     from fived.bench import pp as bench
@@ -203,7 +220,8 @@ def test_bench_pp_runs(capsys):
 
     schema.validate(out)  # the fived.bench document: a fived row and its torch peer row each
     fived = [r for r in out["rows"] if r["implementation"] == "fived"]
-    assert [r["variant"] for r in fived] == ["gpipe", "1f1b", "interleaved"]
+    assert [r["variant"] for r in fived] == ["gpipe", "1f1b", "interleaved", "zb-v",
+                                             "dualpipe-v"]
     for r in fived:
         assert r["step_s"] > 0 and r["ratio"] > 0
         assert r["extra"]["grad_rel_gap"] < 1e-5, r

@@ -16,11 +16,14 @@ from fived.parallel.pipeline.stage import StageModel, balanced_split, partition,
 sys.path.insert(0, os.path.dirname(__file__))
 from parity_helpers import offline_grid  # noqa: E402
 
-MATRIX = [(name, p, m) for name in S.NAMES for p in (2, 4) for m in (p, 2 * p)]
+MATRIX = [(name, p, m) for name in S.NAMES for p in (2, 4) for m in (p, 2 * p)
+          if not (name == "dualpipe-v" and m < 2 * p)] + [
+    ("dualpipe-v", p, m) for p in (2, 3, 4) for m in (2 * p + 1, 4 * p)] + [
+    ("zb-v", p, m) for p in (3, 4, 8) for m in range(1, 2 * p + 2)]
 
 
 def _v(name: str) -> int:
-    return 2 if name == "interleaved" else 1
+    return 2 if name in ("interleaved",) + S.V_SHAPED else 1
 
 
 @pytest.mark.parametrize("name,p,m", MATRIX)
@@ -47,6 +50,42 @@ def test_bubble_formulas():
     zb = S.simulate(S.build("zb-h1", p, m))
     one = S.simulate(S.build("1f1b", p, m))
     assert sum(zb.idle) * 3 == sum(one.idle)
+
+
+def test_v_schedules():
+    """ZB-V / DualPipe-V: rank r holds stages r and 2p−1−r; the hand-off at the V's bottom is
+    local; with m ≥ 2p − 1 the idle slots are p − 1 per rank (a sixth of 1F1B's per unit of
+    stage work), and the live chunk activations peak at 2p (ZB-V) and 2p + 1 (DualPipe-V)."""
+    p, m = 4, 8
+    for name in S.V_SHAPED:
+        s = S.build(name, p, m, 2)
+        assert [sorted({a.stage for a in acts}) for acts in s.ranks] == [
+            [r, 2 * p - 1 - r] for r in range(p)]
+        local = [a for acts in s.ranks for a in acts if a.kind in S.COMM and S.is_local(a, s)]
+        assert {(a.kind, a.stage) for a in local} == {
+            ("SEND_F", p - 1), ("RECV_F", p), ("SEND_B", p), ("RECV_B", p - 1)}
+        assert len(local) == 4 * m
+        t = S.simulate(s)
+        assert t.idle == [p - 1] * p and t.makespan == 6 * m + p - 1
+    assert S.peak_live_rank(S.build("zb-v", p, m, 2)) == [2 * p] * p
+    assert S.peak_live_rank(S.build("dualpipe-v", p, m, 2)) == [2 * p + 1] * p
+    assert S.peak_live_rank(S.build("zb-v", 4, 4, 2)) == [5, 6, 7, 8]
+    with pytest.raises(S.ScheduleError, match="dualpipe-v needs micro-batches"):
+        S.build("dualpipe-v", 4, 7, 2)
+
+
+def test_v_schedules_match_the_ledger_bubble():
+    from fived.ledger.bubble import bubble_fraction
+
+    for name in S.V_SHAPED:
+        for p, m in ((2, 4), (4, 8), (4, 16), (8, 16)):
+            par = ParallelConfig(pp=p, micro_batches=m, schedule=name, virtual_stages=2)
+            t = S.simulate(S.build(name, p, m, 2))
+            assert bubble_fraction(par) == pytest.approx(t.bubble_fraction(), abs=1e-12)
+    for m in range(1, 8):
+        par = ParallelConfig(pp=4, micro_batches=m, schedule="zb-v", virtual_stages=2)
+        t = S.simulate(S.build("zb-v", 4, m, 2))
+        assert bubble_fraction(par) == pytest.approx(t.bubble_fraction(), abs=1e-12), m
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
@@ -144,15 +183,16 @@ def test_pp_layers_by_hand():
         partition(preset("tiny"), ParallelConfig(pp=2, pp_layers=(3, 3)))
 
 
-@pytest.mark.parametrize("pp,v,layers", [(2, 1, ()), (4, 1, ()), (2, 2, ()), (2, 1, (3, 1))])
-def test_any_split_builds_the_same_model(pp, v, layers):
+@pytest.mark.parametrize("pp,v,layers,schedule", [
+    (2, 1, (), "1f1b"), (4, 1, (), "1f1b"), (2, 2, (), "interleaved"), (2, 1, (3, 1), "1f1b"),
+    (2, 2, (), "zb-v"), (2, 2, (), "dualpipe-v")])
+def test_any_split_builds_the_same_model(pp, v, layers, schedule):
     """Each pipeline rank's stage (its chunks of the plain model, as ``parallelize`` cuts them)
     holds its layers under their global names with the one-rank weights and whole placements;
     the ranks together hold every parameter exactly once."""
     cfg = preset("tiny")
     ref = dict(build_model(cfg, 7).named_parameters())
-    par = ParallelConfig(pp=pp, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b",
-                         pp_layers=layers)
+    par = ParallelConfig(pp=pp, virtual_stages=v, schedule=schedule, pp_layers=layers)
     stages = partition(cfg, par)
     seen = {}
     for r in range(pp):

@@ -3,12 +3,9 @@ equal to the ZeRO formulas exactly (plus the reported padding), overlap, and the
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
-import torch
 
-from fived.config import ConfigError, ModelConfig, ParallelConfig, preset
+from fived.config import ModelConfig, ParallelConfig, preset
 from fived.testing import rel_diff, run_ranks, small_train, train_layout
 
 MODEL = preset("tiny")
@@ -160,10 +157,3 @@ def test_overlap_launches_during_last_backward_only():
     assert r[True]["launched"] == [0, r[True]["buckets"]]
     assert r[False]["launched"] == [0, 0]
     assert r[True]["all_done"] and r[False]["all_done"]
-
-
-def test_zero3_with_pipeline_is_rejected():
-    from fived.parallel.data import Zero3
-
-    with pytest.raises(ConfigError, match="zero 3 with --pp 2"):
-        Zero3(torch.nn.Linear(2, 2), None, replace(ParallelConfig(), pp=2, zero=3), None)

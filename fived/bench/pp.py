@@ -1,7 +1,8 @@
 """fived's pipeline schedules against ``torch.distributed.pipelining`` on the same stages.
 
 ``fived bench pp [--pp 4] [--micro-batches 8] [--layers 8] [--reps 5]``: one spawn of pp gloo ranks; for
-GPipe, 1F1B and interleaved 1F1B (v=2 virtual stages per rank) both implementations run
+GPipe, 1F1B, interleaved 1F1B (v=2 virtual stages per rank), ZB-V and DualPipe-V (two stages
+per rank in a V; torch's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``) both implementations run
 forward+backward of the same stage modules on the same micro-batches, alternating fived and
 torch repetition by repetition so that machine noise hits both alike; the step time is the
 slowest rank's, the median over repetitions (after one warm-up each). Prints a header at once,
@@ -9,7 +10,7 @@ one progress line per schedule, and a closing ratio table (fived / torch; ≤ 1.
 with the relative gap between the two implementations' gradients (the same work, checked) and
 the losses asserted equal on the last stage.
 ZB-H1 has no same-shape torch peer (torch's zero-bubble schedules are interleaved/V-shaped) and
-is not compared.
+is not compared; DualPipe-V runs when m ≥ 2·pp.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from ..cli import flags
 from . import schema
 
 PAIRS = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
-         ("interleaved", "ScheduleInterleaved1F1B", 2))
+         ("interleaved", "ScheduleInterleaved1F1B", 2), ("zb-v", "ScheduleZBVZeroBubble", 2),
+         ("dualpipe-v", "ScheduleDualPipeV", 2))
 
 
 class _NoEngine:
@@ -65,13 +67,14 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
     scale = 1.0 / (batch * cfg.seq_len)
     rows = []
     for ours, theirs, v in PAIRS:
-        if cfg.layers % (world * v):
+        if cfg.layers % (world * v) or (ours == "dualpipe-v" and m < 2 * world):
             continue
         par = ParallelConfig(pp=world, micro_batches=m, schedule=ours, virtual_stages=v)
         grid = Grid.from_config(par, rank).connect(Traffic())
         ex = parallelize(build_model(cfg, 7), grid, par, TrainConfig()).executor
         ex.measure = False
-        stages = [tp.PipelineStage(_Wrap(chunk, pos), rank + k * world, world * v,
+        ids = ex.stage.stage_ids  # r, r + pp (loop) or r, 2pp − 1 − r (V)
+        stages = [tp.PipelineStage(_Wrap(chunk, pos), ids[k], world * v,
                                    torch.device("cpu"), group=grid["pp"].pg)
                   for k, chunk in enumerate(ex.stage.chunk_models)]
         loss_fn = lambda o, t: token_losses(o, t) * scale  # noqa: E731
@@ -81,18 +84,16 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
 
         losses: dict[str, float] = {}
 
+        first, last = 0 in ids, world * v - 1 in ids  # V: rank 0 holds both ends
+
         def run_fived(ex=ex, losses=losses):
             losses["fived"] = float(ex.run(x, y, pos, scale, _NoEngine()))
 
-        def run_torch(sched=sched, losses=losses):
-            if rank == 0:
-                sched.step(x)
-            elif rank == world - 1:
-                out: list = []
-                sched.step(target=y, losses=out)
+        def run_torch(sched=sched, losses=losses, first=first, last=last):
+            out: list = []
+            sched.step(*([x] if first else []), **({"target": y, "losses": out} if last else {}))
+            if last:
                 losses["torch"] = float(sum(out)) / scale  # the summed token loss, as fived's
-            else:
-                sched.step()
 
         times: dict[str, list[float]] = {"fived": [], "torch": []}
         for k in range(reps + 1):
@@ -113,7 +114,7 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
             grads.append([p.grad.clone() for p in ex.stage.parameters()])
         gap = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
                   for a, b in zip(*grads))
-        if rank == world - 1:  # the last stage computed the loss: fived's = torch's
+        if last:  # the last stage computed the loss: fived's = torch's
             lf, lt = losses["fived"], losses["torch"]
             assert abs(lf - lt) <= 1e-4 * abs(lt), f"{ours}: loss fived {lf} != torch {lt}"
         gap_t = torch.tensor([gap], dtype=torch.float64)

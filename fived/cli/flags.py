@@ -21,6 +21,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 from ..config import (
+    V_SCHEDULES,
     ModelConfig,
     ParallelConfig,
     TrainConfig,
@@ -212,6 +213,8 @@ def configs(args: argparse.Namespace) -> Resolved:
     par = replace(par, **vals["parallel"])
     if "parallel.schedule" not in given and par.virtual_stages > 1:
         par = replace(par, schedule="interleaved")
+    if par.schedule in V_SCHEDULES and "parallel.virtual_stages" not in given:
+        par = replace(par, virtual_stages=2)
     train = replace(train, **{**vals["train"], "model": model.name})
     return Resolved(model, par, train, frozenset(given))
 

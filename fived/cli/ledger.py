@@ -245,7 +245,33 @@ def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: boo
             con.print(f"[green]exact[/]: every rank's model-state bytes and traffic bytes in "
                       f"{path} equal the ledger's ({m.name}, {par.describe()}, "
                       f"{par.precision}, global batch {gb}; layout {source})")
+        _dry_run_activations(m, par, gb, path)
     return 1 if bad else 0
+
+
+def _dry_run_activations(m: ModelConfig, par: ParallelConfig, gb: int, path: str) -> None:
+    """A dry run's file (``fived train --dry-run``): its ranks' activation peaks by the ledger's."""
+    import json
+
+    from ..ledger.verify import activation_check_skipped, predict_activations
+
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    rec = json.loads(lines[-1]) if lines else {}
+    if "activation_peak_per_rank" not in rec:
+        return
+    skipped = activation_check_skipped(par)
+    rows = []
+    for r, got in zip(rec["ranks"], rec["activation_peak_per_rank"]):
+        pred = predict_activations(m, par, gb, r)
+        rows.append([str(r), report.fmt_b(pred), report.fmt_b(got),
+                     f"{(got - pred) / max(pred, 1):+.2%}"])
+    title = ("dry run: activation peak per rank (not compared: " + skipped + ")" if skipped else
+             "dry run: activation peak per rank (compared within 2 %)")
+    t = report.table(title, [("rank", "r"), ("ledger", "r"), ("measured", "r"), ("diff", "r")])
+    for row in rows:
+        t.add_row(*row)
+    report.show(report.console(), t)
 
 
 def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,

@@ -102,6 +102,15 @@ def main(argv: list[str]) -> int:
     space = _search_space(args)
     m = res.model
     train = replace(res.train, global_batch=global_batch(args, res))
+    batch_note = ""
+    if not args.global_batch_tokens and "train.global_batch" not in res.given:
+        # the training default (16 sequences) caps data parallelism at 16: on a cluster,
+        # plan for a batch that grows with it (8,192 GPUs: 2,048 sequences, Llama 3's)
+        auto = max(train.global_batch, 1 << max(0, (gpus // 4).bit_length() - 1))
+        if auto != train.global_batch:
+            batch_note = (f" (no --global-batch given: {auto} sequences, a quarter of the "
+                          f"GPUs rounded down to a power of two)")
+            train = replace(train, global_batch=auto)
     par = res.par
     problems = check_values(m, par, train)
     if problems:
@@ -123,7 +132,7 @@ def main(argv: list[str]) -> int:
         con = report.console(args.wide)
         con.print(f"[bold]fived plan[/]: {m.name} ({fmt_n(P.total_params(m))} params, seq "
                   f"{m.seq_len}) on {gpus}× {hw.name} ({gpn} per node) · global batch {gb} × "
-                  f"{m.seq_len} = {fmt_n(gb * m.seq_len)} tokens · {par.precision}, "
+                  f"{m.seq_len} = {fmt_n(gb * m.seq_len)} tokens{batch_note} · {par.precision}, "
                   f"{par.grad_reduce_dtype} gradients · "
                   f"{', '.join(_optimizers(args, train))}")
     res_ = PL.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
@@ -166,8 +175,8 @@ def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
     c = res_.counts
     con.print(f"considered {c.get('evaluated', 0)} layouts: {c.get('fit', 0)} fit, "
               f"{c.get('out_of_memory', 0)} do not fit in {fmt_b(hw.memory * args.mem_fraction)}, "
-              f"{c.get('invalid', 0)} invalid for the model, {c.get('zero3_pp', 0)} skipped as "
-              f"ZeRO-3 with pp (not built), {c.get('iron_rule', 0)} (tp, cp) pairs break the iron "
+              f"{c.get('invalid', 0)} invalid for the model, "
+              f"{c.get('iron_rule', 0)} (tp, cp) pairs break the iron "
               f"rule (tp·cp > {gpn} GPUs per node)")
     if not top:
         s = res_.smallest_unfit

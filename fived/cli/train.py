@@ -30,6 +30,17 @@ def parser() -> argparse.ArgumentParser:
                         "(default: 4 ranks, or the product of the degrees; ignored under torchrun)")
     g.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                    help="collective timeout in seconds: a dead rank stops the others (default: 120)")
+    d = ap.add_argument_group("dry run", "one step of chosen ranks of any layout on fake tensors "
+                              "(docs/fullscale.md)")
+    d.add_argument("--dry-run", action="store_true",
+                   help="build and step the --ranks of the layout under FakeTensorMode with the "
+                        "fake process group (no memory, no peers); with --metrics-out, a file "
+                        "`fived ledger --check` compares")
+    d.add_argument("--ranks", default="distinct", metavar="R,R,...|distinct",
+                   help="the ranks to dry-run (default: distinct, one rank of every role)")
+    d.add_argument("--dry-run-device", default="meta", choices=("meta", "cpu"),
+                   help="device of the fake tensors (default: meta, which catches a tensor "
+                        "left on the cpu)")
     return ap
 
 
@@ -98,6 +109,8 @@ def main(argv: list[str]) -> int:
         if not parent.is_dir():
             raise ConfigError([f"--tensorboard {train.tensorboard}: directory {str(parent)!r} "
                                f"does not exist"])
+    if args.dry_run:
+        return dry_run(model, par, train, args)
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
         print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
               f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens"
@@ -131,3 +144,24 @@ def main(argv: list[str]) -> int:
         print(f"metrics: {train.metrics_out}")
     return 0
 
+
+
+def dry_run(model, par, train, args: argparse.Namespace) -> int:
+    """``--dry-run``: the named ranks, one after the other, in this process."""
+    import time
+
+    from ..train.dryrun import parse_ranks
+
+    ranks = parse_ranks(args.ranks, par)  # a ConfigError (exit 2) before torch is imported
+    print(f"fived train --dry-run: {model.name} · {par.describe()} · {par.world_size} rank(s) · "
+          f"global batch {train.global_batch}×{model.seq_len} tokens · {par.precision} · "
+          f"ranks {','.join(map(str, ranks))} on fake {args.dry_run_device} tensors", flush=True)
+    t0 = time.perf_counter()
+    from ..train.dryrun import dry_run as run
+
+    out = run(model, par, train, ranks, args.dry_run_device, train.metrics_out)
+    print(f"{len(ranks)} rank(s) in {time.perf_counter() - t0:.1f} s; values are not computed "
+          f"(loss NaN; MoE routing uniform)")
+    if train.metrics_out:
+        print(f"metrics: {train.metrics_out}  (check: fived ledger --check {train.metrics_out})")
+    return 0 if out else 1

@@ -102,6 +102,8 @@ def _record(group: Any, op: str, nbytes: float, t0: float) -> None:
 
 
 def _run(group: Any, op: str, size: int, fn, async_op: bool, result: Any) -> Any:
+    if not async_op and isinstance(result, torch.Tensor) and result.is_cuda:
+        return _run_cuda(group, op, size, fn, result)
     t0 = time.perf_counter()
     work = fn(async_op)
     if async_op:
@@ -109,6 +111,20 @@ def _run(group: Any, op: str, size: int, fn, async_op: bool, result: Any) -> Any
             group.traffic.add(group.name, op, bytes_sent(op, size, group.size), 0.0)
         return Handle(work, group, op, result, t0)
     _record(group, op, bytes_sent(op, size, group.size), t0)
+    return result
+
+
+def _run_cuda(group: Any, op: str, size: int, fn, result: torch.Tensor) -> torch.Tensor:
+    """A blocking collective on cuda tensors, timed with CUDA events (NCCL returns to the host
+    before the transfer ends, so a host clock would time the launch only)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(False)
+    end.record()
+    end.synchronize()
+    if group.traffic is not None:
+        group.traffic.add(group.name, op, bytes_sent(op, size, group.size),
+                          start.elapsed_time(end) / 1e3)
     return result
 
 

@@ -6,6 +6,7 @@ This module is the only place in fived that reads the process environment (``RAN
 * ``torchrun_env()`` — ``(rank, world, local_rank)`` when an env:// launcher (torchrun, or one
   ``torchrun`` per node under SLURM) started this process, else ``None``;
 * ``device_and_backend(prefer_cpu)`` — cuda+nccl when a GPU is visible, else cpu+gloo;
+  ``rank_device()`` — the device of an initialised rank (cuda under nccl, else cpu);
 * ``run_torchrun(fn, args, collective_timeout)`` — this process is one torchrun rank: initialise
   the process group, call ``fn(rank, world, *args)``, wait for every rank (a barrier) and tear the
   group down so that no gloo worker thread outlives it (see ``teardown``);
@@ -75,6 +76,18 @@ def device_and_backend(prefer_cpu: bool = False, local_rank: int | None = None
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device()), "nccl"
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on, from the initialised world: the current cuda device
+    when the backend is nccl, else the cpu (gloo, the ``fake`` dry-run backend, or no group).
+    Every tensor a rank makes (model, batches, engine buffers, comm buffers) lives here."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def init_process_group(rank: int, world: int, port: int | None, timeout_s: float,

@@ -32,7 +32,10 @@ hkv = kv_heads·d, f ffn, a heads), what autograd saves in the fived runtime:
     SwiGLU          4·e·f                   gate out, silu(gate), up out, their product
 
 With tp the q/k/v/attention/SwiGLU terms divide by tp (k, v by min(tp, kv_heads)); the norm
-terms divide by tp only under sequence parallelism. With cp each rank holds s/cp tokens (the
+terms divide by tp only under sequence parallelism — except their output, which the next column
+matmul saves all-gathered (whole sequence, ``sp_inputs``: e·h before attention and before a
+dense MLP, and before the head; found by the dry run, ``fived.train.dryrun``).
+With cp each rank holds s/cp tokens (the
 materialised scores are (s/cp)×s). Recompute: ``selective`` checkpoints the attention core
 (keeps q, k, v with kv heads unrepeated and the output; drops the softmax term); ``full`` keeps
 only each block's input (e·h per token) plus one layer's full activations while it recomputes.
@@ -49,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..config import ModelConfig, ParallelConfig
+from ..config import V_SCHEDULES, ModelConfig, ParallelConfig
 from .optimizers import opt_buckets
 from .optimizers import state_bytes as optimizer_state_bytes
 from .params import rank_stages, stage_layers
@@ -154,7 +157,8 @@ def _state_key(par: ParallelConfig) -> ParallelConfig:
     """``par`` without the fields model states do not depend on (a cache key)."""
     return replace(par, recompute="none", micro_batches=1, sequence_parallel=False,
                    overlap=True, cp_mode="ring",
-                   schedule="interleaved" if par.virtual_stages > 1 else "1f1b")
+                   schedule=(par.schedule if par.schedule in V_SCHEDULES else
+                             "interleaved" if par.virtual_stages > 1 else "1f1b"))
 
 
 def buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Bucket]:
@@ -171,7 +175,7 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     reverse registration order, split by reduction group, then (ZeRO 0–2) into runs of at most
     ``bucket_mb`` MiB of gradient; ZeRO-3 makes one bucket per (block, group), last block first,
     then the root (embedding, final norm, head)."""
-    from .params import block_of, param_list
+    from .params import param_list
 
     plist = list(reversed(param_list(m, par, pp_rank)))
     sizes = group_sizes(par)
@@ -182,9 +186,9 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     out: list[Bucket] = []
     if par.zero == 3:
         units: dict[int, list[tuple[str, int, bool]]] = {}
+        unit = _zero3_unit(m, par)
         for name, n, ex in plist:
-            b = block_of(name)
-            units.setdefault(-1 if b is None else b, []).append((name, n, ex))
+            units.setdefault(unit(name), []).append((name, n, ex))
         order = sorted((u for u in units if u >= 0), reverse=True) + ([-1] if -1 in units else [])
         for u in order:
             by: dict[str, int] = {}
@@ -200,6 +204,24 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     for g, ns in groups.items():
         out += [Bucket(g, sum(piece), shards(g)) for piece in split_sizes(ns, cap)]
     return tuple(out)
+
+
+def _zero3_unit(m: ModelConfig, par: ParallelConfig):
+    """ZeRO-3's gather unit of a parameter name: its block (−1: the root, i.e. embedding, final
+    norm, head); with pp > 1 its (virtual) stage, the pipeline chunk the executor gathers."""
+    from .params import block_of
+
+    if par.pp <= 1:
+        return lambda name: -1 if block_of(name) is None else block_of(name)
+    n = par.pp * max(1, par.virtual_stages)
+    stage_of = {i: k for k, ids in enumerate(stage_layers(m, par)) for i in ids}
+
+    def unit(name: str) -> int:
+        b = block_of(name)
+        if b is not None:
+            return stage_of[b]
+        return 0 if name.startswith("embed_tokens") else n - 1
+    return unit
 
 
 def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_index: int = 0,
@@ -289,20 +311,44 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         "norms": tokens * 2 * norm_bytes_per_token(h, e, opts.fused_norm) / norm_div,
         "qkv": tokens * e * (hq + 2 * hkv),
     }
+    if sp:  # the column matmuls save their all-gathered (whole-sequence) input, not the shard
+        gathered = 1 if m.is_moe else 2  # before attention, and before a dense MLP
+        out["norms"] -= tokens * gathered * e * h / tp
+        out["sp_inputs"] = tokens * gathered * e * h
     if opts.attention == "materialised":
         out["softmax"] = tokens * e * heads_local * m.seq_len
     else:
         out["softmax"] = tokens * 4 * heads_local
+    if cp > 1 and par.cp_mode == "ring":  # the ring core saves q and K/V (kv heads, not
+        # repeated) as fp32 copies and its fp32 log-sum-exp (``fived.ledger.context``)
+        out["qkv"] = tokens * (4 * hq + 8 * m.kv_heads * d / min(tp, m.kv_heads))
     out["attn_out"] = tokens * e * hq
     if m.is_moe:
         # experts are whole on every tp rank (replicated), the shared expert is tp-cut
         out["mlp"] = tokens * 4 * e * m.expert_ffn * m.top_k / norm_div
         if m.shared_expert:
             out["mlp"] += tokens * 4 * e * m.expert_ffn / tp
-        out["router"] = tokens * (4 * m.experts + e * h * m.top_k) / norm_div
+        out["router"] = tokens * moe_routing_bytes_per_token(m, par) / norm_div
     else:  # SwiGLU saves gate, up, silu(gate) and the product; GELU its input and output
         out["mlp"] = tokens * (4 if m.mlp == "swiglu" else 2) * e * m.ffn / tp
     return out
+
+
+def moe_routing_bytes_per_token(m: ModelConfig, par: ParallelConfig) -> float:
+    """What one MoE layer's routing saves per token (``fived.model.moe.MoE.moe``), measured
+    tensor by tensor (the dry run's MoE check): router probabilities and logits (4E + 4E, the
+    logits for the z-loss), log-sum-exp 4, top-k ids 8k, top-k probabilities, their sum and the
+    normalised weights (activation dtype) 4k + 4 + e·k, the two permutation indices 16k, the
+    permuted rows e·h·k, the experts' outputs and the un-permuted slots 2·e·h·k; in bf16/fp16
+    the fp32 copy of the input the router reads (4h) instead of the input (e·h, in the norm
+    term); with ep > 1 the dispatch's local order and its inverse 16k."""
+    e, h, k, E = act_bytes(par), m.hidden, m.top_k, m.experts
+    out = 8 * E + 4 + 8 * k + 4 * k + 4 + e * k + 16 * k + 3 * e * h * k
+    if e != 4:  # the router saves an fp32 copy of its input, and nothing saves the input
+        out += 4 * h - e * h  # itself (the norm term counts it as saved by the next matmul)
+    if par.ep > 1:
+        out += 16 * k
+    return float(out)
 
 
 def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
@@ -338,6 +384,8 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
     if last:
         out["final_norm"] = tokens * norm_bytes_per_token(m.hidden, e, opts.fused_norm) / (
             par.tp if sp else 1)
+        if sp:  # the head's column matmul saves the all-gathered input
+            out["final_norm"] += tokens * e * m.hidden * (1 - 1 / par.tp)
         out["log_softmax"] = tokens * 4 * m.vocab / par.tp
         out["targets"] = tokens * 8
     return out
@@ -350,6 +398,10 @@ def inflight_microbatches(par: ParallelConfig, pp_rank: int = 0) -> float:
         return 1.0
     if par.schedule == "gpipe":
         return float(mb)
+    if par.schedule == "zb-v":  # chunk-micro-batches live at the peak, over the 2 chunks
+        return min(2 * p, mb + 1 + pp_rank, 2 * mb) / 2
+    if par.schedule == "dualpipe-v":
+        return (2 * p + 1) / 2
     if par.schedule == "interleaved" and par.virtual_stages > 1:
         v = par.virtual_stages
         chunks = 2 * (p - pp_rank - 1) + (v - 1) * p + 1
@@ -357,26 +409,57 @@ def inflight_microbatches(par: ParallelConfig, pp_rank: int = 0) -> float:
     return float(min(p - pp_rank, mb))
 
 
+def inflight_by_chunk(par: ParallelConfig, pp_rank: int = 0) -> list[float]:
+    """Interleaved: micro-batches in flight on each of the rank's v chunks at its peak. The
+    warm-up runs forwards in groups of p micro-batches per chunk (chunk 0, 1, ..., v−1, then
+    chunk 0 again) until 2(p−r−1) + (v−1)p + 1 are in flight; the last rank thus holds p on
+    every chunk but the last, which holds 1. With equal layers per chunk only the sum matters;
+    an uneven split (405B: 4 + 3 layers on the last rank) needs the split."""
+    p, m, v = par.pp, par.micro_batches, max(1, par.virtual_stages)
+    want = min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, m * v)
+    counts = [0.0] * v
+    for start in range(0, m, p):
+        for c in range(v):
+            for _ in range(start, min(start + p, m)):
+                if want <= 0:
+                    return counts
+                counts[c] += 1
+                want -= 1
+    return counts
+
+
 def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
                 opts: ActivationOptions = EAGER) -> dict[str, float]:
     """Activation bytes at the peak of one pipeline rank, by term (in-flight factor applied)."""
     stages = rank_stages(par, pp_rank)
     n_stages = par.pp * max(1, par.virtual_stages)
-    layers = sum(len(stage_layers(m, par)[k]) for k in stages)
+    split = stage_layers(m, par)
+    layers = sum(len(split[k]) for k in stages)
     first, last = 0 in stages, n_stages - 1 in stages
     k = inflight_microbatches(par, pp_rank)
+    k_first = k_last = k
+    layer_mbs = k * layers  # micro-batch × layers held
+    if par.pp > 1 and n_stages > par.pp:  # interleaved: each chunk its own count and layers
+        per_chunk = inflight_by_chunk(par, pp_rank)
+        layer_mbs = sum(c * len(split[s]) for c, s in zip(per_chunk, stages))
+        k_first, k_last = per_chunk[0], per_chunk[-1]
     out: dict[str, float] = {}
     if par.recompute == "full":
-        out["block_inputs"] = k * layers * block_input_bytes(m, par, micro_batch)
+        out["block_inputs"] = layer_mbs * block_input_bytes(m, par, micro_batch)
         one = layer_activations(m, par, micro_batch, opts)
         out["recompute_layer"] = sum(one.values()) if layers else 0.0
     else:
         per = (selective_layer if par.recompute == "selective" else layer_activations)(
             m, par, micro_batch, opts)
         for name, v in per.items():
-            out[name] = k * layers * v
+            out[name] = layer_mbs * v
     for name, v in stage_extra_activations(m, par, micro_batch, first, last, opts).items():
-        out[name] = k * v
+        if name in ("final_norm", "log_softmax", "targets"):
+            out[name] = k_last * v  # held by the last (virtual) stage
+        elif name == "token_ids":
+            out[name] = k_first * v
+        else:
+            out[name] = k * v
     return out
 
 
@@ -406,7 +489,10 @@ def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
             units: dict[int, int] = {}
             for b in bks:
                 units[b.unit] = units.get(b.unit, 0) + b.padded
-            out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:2])
+            # the unit in use and the prefetched next; pp: every chunk (per step) or one
+            whole = (len(units) if par.pp > 1 and par.zero3_pp_gather == "step" else
+                     1 if par.pp > 1 else 2)
+            out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole])
                                         * param_bytes(par))
     if par.pp > 1:
         out["pp_p2p"] = 2 * tokens * m.hidden * e / (par.tp if sp else 1)

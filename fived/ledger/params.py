@@ -18,7 +18,8 @@ One rank's share (``rank_params``) follows the runtime's cuts:
   experts are replicated (a shared expert is cut tp ways along the expert ffn).
 * pp: (virtual) stage k holds its layers (``pp_layers``, or ``balanced_split``: the split that
   minimises the costliest stage, head and embedding included, as the pipeline partitions);
-  pipeline rank r holds virtual stages r, r+pp, r+2·pp, ... The embedding sits on virtual stage 0 (rank 0),
+  pipeline rank r holds virtual stages r, r+pp, r+2·pp, ... (V-shaped schedules: r and
+  2pp−1−r). The embedding sits on virtual stage 0 (rank 0),
   the final norm and head on the last virtual stage (rank pp−1). With tied embeddings and pp > 1
   the last stage holds its own head matrix (the runtime builds one), so the count grows by V·h.
 * ep: each ep rank holds E/ep experts, each a full SwiGLU (experts are never cut across tp:
@@ -36,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..config import ModelConfig, ParallelConfig
+from ..config import V_SCHEDULES, ModelConfig, ParallelConfig
 
 
 # ------------------------------------------------------------------------ whole model
@@ -176,7 +177,10 @@ def _stage_layers(m: ModelConfig, n: int, pp_layers: tuple[int, ...]
 
 
 def rank_stages(par: ParallelConfig, pp_rank: int) -> list[int]:
-    """Virtual stages held by pipeline rank ``pp_rank`` (r, r+pp, r+2·pp, ...)."""
+    """Virtual stages held by pipeline rank ``pp_rank`` (r, r+pp, r+2·pp, ...; the V-shaped
+    schedules zb-v and dualpipe-v: r and 2·pp−1−r)."""
+    if par.schedule in V_SCHEDULES:
+        return sorted({pp_rank, 2 * par.pp - 1 - pp_rank})
     v = max(1, par.virtual_stages)
     return [pp_rank + c * par.pp for c in range(v)]
 

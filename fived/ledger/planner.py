@@ -42,13 +42,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import ConfigError, ModelConfig, ParallelConfig, validate
+from ..config import V_SCHEDULES, ConfigError, ModelConfig, ParallelConfig, validate
 from . import bubble as B
 from . import compute as C
 from . import roofline as R
 from .hardware import Hardware, collective_seconds
 from .memory import FUSED, ActivationOptions, RankMemory, largest_rank
-from .params import balanced_split, rank_layers, rank_stages
+from .params import rank_layers, rank_stages
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
 GPU_ACTIVATIONS = FUSED
@@ -333,26 +333,22 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                         for s in schedules:
                             if s == "interleaved":
                                 scheds += [(s, v) for v in (2, 4, 8) if v <= max_virtual]
+                            elif s in V_SCHEDULES:
+                                scheds.append((s, 2))
                             else:
                                 scheds.append((s, 1))
                     for sched, v in scheds:
                         stages = pp * v
                         if stages > m.layers:
                             continue
-                        # pp·v not dividing the layers: the pipeline's balanced split, given
-                        # as ``--pp-layers`` (validate asks for it)
-                        split = () if m.layers % stages == 0 else balanced_split(m, stages)
+                        # any pp·v: without --pp-layers the runtime, the ledger and the dry run
+                        # cut by the one balanced split (params.balanced_split), e.g. 126 / 16
+                        split = ()
                         for b in micro_batch_sizes:
                             if per_replica % b:
                                 continue
                             mbs = per_replica // b
                             for zero in zeros if dp * ep * cp > 1 else (0,):
-                                if zero == 3 and pp > 1:
-                                    # ZeRO-3 gathers each block around every micro-batch's
-                                    # forward and backward; the engine refuses it under a
-                                    # pipeline schedule (fived.parallel.data.zero3.Zero3)
-                                    counts["zero3_pp"] = counts.get("zero3_pp", 0) + 1
-                                    continue
                                 for rc in recomputes:
                                     par = ParallelConfig(
                                         tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, zero=zero,

@@ -29,7 +29,9 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
     replicated norm gains' gradients: all_reduce(grad_bytes·h) per norm on this rank (and the
     MoE router's and experts' gradients). ``fived.parallel.tensor.tp_traffic_bytes`` sums it.
 * PP (``pp_traffic``), per micro-batch per (virtual) stage boundary, Y = b·s_l·h·e (/tp under
-  SP): a stage sends Y forward unless it is the last, and Y backward unless it is the first.
+  SP): a stage sends Y forward unless it is the last, and Y backward unless it is the first —
+  unless the neighbouring stage is on the same rank (the V of zb-v / dualpipe-v: stage pp−1
+  hands to stage pp locally, nothing sent).
 * CP ring (``cp_traffic``), per layer per micro-batch, B = b·s_l·kv_local·d·e (one of K or V):
   forward (cp−1) sends of K and V (2B each), backward (cp−1)·2B again plus (cp−1)·2B of dK/dV;
   selective or full recompute reruns the forward ring once more.
@@ -131,12 +133,16 @@ def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
     gb, pb = grad_bytes(par), param_bytes(par)
     out: list[Collective] = []
     bks = [b for b in buckets(m, par, pp_rank) if group_sizes(par)[b.group] > 1]
-    if par.zero == 3:
+    if par.zero == 3 and par.pp > 1 and par.zero3_pp_gather == "step":
+        out += [Collective(b.group, "all_gather", pb * b.padded, b.shards, 1,
+                           "params (once per step)", "fwd") for b in bks]
+    elif par.zero == 3:
         for b in bks:
             out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
                                   "params (forward)", "fwd"))
             out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
                                   "params (backward)", "bwd"))
+    if par.zero == 3:
         out += [Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1, "gradients",
                            "bwd") for b in bks]
         return tuple(out)
@@ -237,8 +243,8 @@ def pp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     y = tokens * m.hidden * e // (par.tp if sp else 1)
     n_stages = par.pp * max(1, par.virtual_stages)
     stages = rank_stages(par, pp_rank)
-    fwd = sum(1 for k in stages if k < n_stages - 1)
-    bwd = sum(1 for k in stages if k > 0)
+    fwd = sum(1 for k in stages if k < n_stages - 1 and k + 1 not in stages)
+    bwd = sum(1 for k in stages if k > 0 and k - 1 not in stages)
     mb = par.micro_batches
     out = []
     if fwd:
@@ -270,7 +276,7 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                Collective("cp", "all_to_all", q, c, 2 * per, "grads of q and out", "bwd"),
                Collective("cp", "all_to_all", k, c, 2 * per, "grads of k and v", "bwd")]
     else:
-        b = tokens * kv_local * d * e  # one of K or V
+        b = tokens * kv_local * d * 4  # one of K or V: the ring sends them (and dK/dV) in fp32
         hops = (c - 1) * per
         out = [Collective("cp", "send", 2 * b, c, hops, "K/V ring", "fwd"),
                Collective("cp", "send", 2 * b, c, hops, "K/V ring again", "bwd"),

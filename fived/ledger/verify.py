@@ -15,7 +15,7 @@ import json
 
 from ..config import ModelConfig, ParallelConfig, _coerce
 from ..dist.grid import Grid
-from .memory import act_bytes, model_states
+from .memory import act_bytes, activations, model_states
 from .traffic import ep_routed_bytes, micro_batch_size, step_bytes
 
 
@@ -63,7 +63,8 @@ def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: 
     mems = rec.get("memory_per_rank") or [rec["memory"]]
     trs = rec.get("traffic_per_rank") or [{"bytes": rec["traffic"]}]
     routed = routed_ep_bytes(m, par, rec.get("moe") or {})
-    for rank, (mem, tr) in enumerate(zip(mems, trs)):
+    ranks = rec.get("ranks") or range(len(mems))  # a dry run records the ranks it ran
+    for i, (rank, mem, tr) in enumerate(zip(ranks, mems, trs)):
         pm, pt = predict_rank(m, par, global_batch, rank, optimizer)
         if routed is not None:
             pt["ep"] = routed[rank]
@@ -80,7 +81,44 @@ def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: 
             if pt.get(k, 0.0) != got.get(k, 0.0):
                 out.append(f"rank {rank} traffic[{k}]: ledger {pt.get(k, 0.0)} != "
                            f"measured {got.get(k, 0.0)}")
+        if "activation_peak_per_rank" in rec:  # the dry run's peak of saved activations
+            out += check_activations(m, par, global_batch, rank,
+                                     rec["activation_peak_per_rank"][i])
     return out
+
+
+ACTIVATION_TOLERANCE = 0.02
+
+
+def predict_activations(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int
+                        ) -> float:
+    """The ledger's activation bytes at the peak of ``rank`` (``memory.activations``; the
+    backward-time transient of full recompute left out, as autograd does not save it)."""
+    pred = activations(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"])
+    pred.pop("recompute_layer", None)
+    return float(sum(pred.values()))
+
+
+def activation_check_skipped(par: ParallelConfig) -> str | None:
+    """Why a layout's activation peak is not compared (None: it is). The dry run counts what
+    autograd saves; full recompute's block inputs are held by the checkpoint's own hooks, and
+    ZB-H1's deferred weight pass holds linear outputs autograd does not save."""
+    if par.recompute == "full":
+        return "recompute full (the checkpoint holds the block inputs outside autograd's saves)"
+    if par.pp > 1 and par.schedule == "zb-h1":
+        return "zb-h1 (the W pass holds linear outputs outside autograd's saves)"
+    return None
+
+
+def check_activations(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
+                      measured: float) -> list[str]:
+    if activation_check_skipped(par):
+        return []
+    pred = predict_activations(m, par, global_batch, rank)
+    if pred and abs(measured - pred) / pred <= ACTIVATION_TOLERANCE:
+        return []
+    return [f"rank {rank} activation peak: ledger {pred:.0f} vs measured {measured:.0f} "
+            f"({(measured - pred) / max(pred, 1):+.2%}, tolerance {ACTIVATION_TOLERANCE:.0%})"]
 
 
 def run_of_file(path: str) -> tuple[ModelConfig, ParallelConfig, int] | None:

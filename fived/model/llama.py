@@ -19,6 +19,7 @@ part's parameters have the names they have in the whole model (``part`` cuts one
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -136,6 +137,10 @@ class Transformer(nn.Module):
         return logits if targets is None else self.loss(logits, targets)
 
 
-def build_model(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> Transformer:
-    """The whole model, initialised from ``seed``."""
-    return Transformer(cfg, dtype=dtype).init_weights(seed)
+def build_model(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32,
+                device: torch.device | str | None = None, init: bool = True) -> Transformer:
+    """The whole model on ``device`` (default: torch's default device), initialised from
+    ``seed``; ``init=False`` skips the draw (the dry run: fake tensors have no values)."""
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = Transformer(cfg, dtype=dtype)
+    return model.init_weights(seed) if init else model

@@ -7,6 +7,11 @@ same elements of the whole (the property ZeRO relies on: each member steps its 1
 (decoupled weight decay, Loshchilov & Hutter 2019; the same update as ``torch.optim.AdamW``).
 State: m and v in fp32, 8 bytes per element held (8Ψ with ZeRO-0, 8Ψ/N with ZeRO-1/2/3).
 No communication: the data-parallel engine hands it already-reduced gradients.
+
+On a GPU (``fused=None``: when the tensors are on cuda; ``True`` forces it, e.g. to test it on
+the CPU) the same update runs as one fused kernel over all flat tensors,
+``torch._fused_adamw_`` (torch.optim.AdamW's ``fused=True`` path), with √v̂ computed as
+√v/√(1−β₂ᵗ): equal to the loop above up to rounding (``tests/test_device.py``).
 """
 
 from __future__ import annotations
@@ -18,15 +23,19 @@ class FlatAdamW:
     flat_names = ("m", "v")  # what ``flat_state(i)`` holds, by name (checkpoints)
 
     def __init__(self, params: list[torch.Tensor], beta1: float, beta2: float, eps: float,
-                 weight_decay: float):
+                 weight_decay: float, fused: bool | None = None):
         self.params = params  # fp32 tensors updated in place (masters, or the params themselves)
         self.m = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         self.v = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         self.beta1, self.beta2, self.eps, self.wd = beta1, beta2, eps, weight_decay
         self.t = 0
+        self.fused = fused
 
     def step(self, grads: list[torch.Tensor], lr: float) -> None:
         self.t += 1
+        on_gpu = bool(self.params) and self.params[0].device.type == "cuda"
+        if self.params and (self.fused if self.fused is not None else on_gpu):
+            return self._fused_step(grads, lr)
         b1, b2 = self.beta1, self.beta2
         c1 = 1 - b1**self.t
         c2 = 1 - b2**self.t
@@ -38,6 +47,12 @@ class FlatAdamW:
             if self.wd:
                 p.mul_(1 - lr * self.wd)
             p.addcdiv_(m, denom, value=-lr / c1)
+
+    def _fused_step(self, grads: list[torch.Tensor], lr: float) -> None:
+        steps = [torch.full((), float(self.t), device=p.device) for p in self.params]
+        torch._fused_adamw_(self.params, [g.float() for g in grads], self.m, self.v, [], steps,
+                            lr=lr, beta1=self.beta1, beta2=self.beta2, weight_decay=self.wd,
+                            eps=self.eps, amsgrad=False, maximize=False)
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.m + self.v)

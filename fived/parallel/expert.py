@@ -143,11 +143,12 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
     fwd = float(sum(m.forwards for m in layers))
     for m in layers:
         m.reset_stats()
-    vec = torch.cat([row, torch.tensor([fwd], dtype=torch.float64)])
+    dev = next(model.parameters()).device  # nccl gathers cuda tensors
+    vec = torch.cat([row, torch.tensor([fwd], dtype=torch.float64)]).to(dev)
     world = world_group.size
-    allrows = torch.zeros(world * vec.numel(), dtype=torch.float64)
+    allrows = torch.zeros(world * vec.numel(), dtype=torch.float64, device=dev)
     ops.all_gather_into(allrows, vec, world_group)
-    rows = allrows.view(world, -1)
+    rows = allrows.view(world, -1).cpu()
     # without SP every tp rank routes the same tokens: count each token once
     copies = 1 if (par.sequence_parallel and par.tp > 1) else par.tp
     tot = rows.sum(0) / copies

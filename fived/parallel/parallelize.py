@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import V_SCHEDULES
 from ..model.llama import Transformer
 from .context import apply_cp
 from .data import make_engine
@@ -52,8 +53,10 @@ class Parallelized:
 
 
 def pipeline_layout(par: Any) -> Any:
-    """The layout the pipeline runs: virtual stages count only for the interleaved schedule."""
-    return replace(par, virtual_stages=par.virtual_stages if par.schedule == "interleaved" else 1)
+    """The layout the pipeline runs: virtual stages count only for the interleaved and the
+    V-shaped schedules."""
+    keep = par.schedule in ("interleaved",) + V_SCHEDULES
+    return replace(par, virtual_stages=par.virtual_stages if keep else 1)
 
 
 def parallelize_parts(model: Transformer, grid: Any, par: Any
@@ -81,7 +84,9 @@ def parallelize(model: Transformer, grid: Any, par: Any, train: Any) -> Parallel
         executor = PipelineExecutor(model.cfg, par, grid, stage, next(stage.parameters()).dtype)
     else:
         stage, executor = parts[0], None
-    engine = make_engine(stage, grid, par, train, placements, list(stage.layers.values()))
+    # ZeRO-3's gather units: the blocks; with pp the chunks (the executor gathers them)
+    units = list(stage.chunk_models) if par.pp > 1 else list(stage.layers.values())
+    engine = make_engine(stage, grid, par, train, placements, units)
     return Parallelized(stage, placements, engine, executor)
 
 

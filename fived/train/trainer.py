@@ -31,6 +31,7 @@ from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..dist.grid import GROUP_NAMES, DimGroup, Grid
+from ..dist.launch import rank_device
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
 from ..model.moe import set_aux_grad_scale
@@ -59,17 +60,25 @@ class Trainer:
     """One rank's training: the plain model, laid out by ``parallelize``, and the step loop."""
 
     def __init__(self, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig,
-                 rank: int, world: int):
+                 rank: int, world: int, grid: Grid | None = None,
+                 device: torch.device | str | None = None, init: bool = True):
+        """``grid``: an already connected grid (the dry run's); ``device``: where every tensor
+        of this rank lives (default: ``rank_device()``, cuda under nccl); ``init=False`` skips
+        drawing the weights (fake tensors in the dry run)."""
         self.cfg, self.par, self.tcfg = model_cfg, par, train
         self.rank, self.world = rank, world
-        self.traffic = Traffic()
-        self.grid = Grid.from_config(par, rank).connect(self.traffic)
+        self.device = torch.device(device) if device is not None else rank_device()
+        self.traffic = grid.groups["tp"].traffic if grid is not None else Traffic()
+        self.grid = grid if grid is not None else Grid.from_config(par, rank).connect(self.traffic)
         self.coords = self.grid.coords()
-        model = build_model(model_cfg, train.seed, dtype_of(par.precision))
+        model = build_model(model_cfg, train.seed, dtype_of(par.precision), self.device, init)
         if train.init_from:  # Hugging Face weights into the plain model, before any cut
             from ..checkpoint.hf import load_hf_into
 
             load_hf_into(model, train.init_from)
+        if train.compile:  # torch.compile each block (the GPU path's option)
+            for blk in model.layers.values():
+                blk.compile()
         self.parallel = parallelize(model, self.grid, par, train)
         self.stage = self.parallel.model
         self.engine = self.parallel.engine
@@ -143,13 +152,14 @@ class Trainer:
         positions = torch.arange(self.cfg.seq_len)
         if self.par.cp > 1:
             x, y, positions = shard_batch(x, y, self.grid)
-        return x, y, positions
+        dev = self.device
+        return x.to(dev), y.to(dev), positions.to(dev)
 
     def forward_backward(self, x, y, positions, scale: float) -> torch.Tensor:
         """All micro-batches of this step; returns this rank's summed token loss (detached)."""
         if self.executor is not None:
             return self.executor.run(x, y, positions, scale, self.engine)
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         m = self.par.micro_batches
         for k, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
             self.engine.set_last_micro(k == m - 1)
@@ -237,8 +247,8 @@ class Trainer:
         row = [float(mem.get(k, 0)) for k in MEMORY_KEYS]
         row += [float(by_dim.get(k, 0.0)) for k in TRAFFIC_KEYS]
         row += [float(secs.get(k, 0.0)) for k in TRAFFIC_KEYS]
-        vec = torch.tensor(row, dtype=torch.float64)
-        out = torch.zeros(self.world * vec.numel(), dtype=torch.float64)
+        vec = torch.tensor(row, dtype=torch.float64, device=self.device)
+        out = torch.zeros(self.world * vec.numel(), dtype=torch.float64, device=self.device)
         ops.all_gather_into(out, vec, self.world_metrics)
         rows = out.view(self.world, -1).tolist()
         nm, nt = len(MEMORY_KEYS), len(TRAFFIC_KEYS)
@@ -299,6 +309,8 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             rec["traffic_per_rank"] = traffic
             rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
             rec["mfu"] = flops_tok * rec["tokens_per_s"] / peak_flops if peak_flops else 0.0
+            if trainer.device.type == "cuda":  # measured, next to the ledger's (gpu_check.sh)
+                rec["cuda_max_allocated"] = torch.cuda.max_memory_allocated(trainer.device)
             last = step == train.steps - 1
             if train.eval_every and (step == 0 or (step + 1) % train.eval_every == 0 or last):
                 rec.update(trainer.evaluate())  # after the step's stats: its traffic is apart

@@ -5,7 +5,8 @@
 * ``bubbles-measured``  for each schedule and a growing number of micro-batches m, the bubble a
   real pipeline run measured on spawned gloo ranks (``PipelineExecutor`` stats: 1 − compute /
   makespan, mean over ranks, median over the steps after the first) next to the formula
-  (``schedules.bubble_formula``: (p−1)/(m+p−1), (p−1)/(v·m+p−1), (p−1)/(3m+p−1)).
+  (``schedules.bubble_formula``: (p−1)/(m+p−1), (p−1)/(v·m+p−1), (p−1)/(3m+p−1), and
+  1 − 6m/max(6m+p−1, 4m+4p−2) for ZB-V and DualPipe-V).
 
 Each F/B/W action sleeps a fixed time on top of its (tiny) real work, as the pipeline tests do, so
 the stage cost is uniform and the machine's load does not drown the schedule's geometry.
@@ -28,14 +29,21 @@ def setup(quick: bool) -> dict[str, Any]:
     return {"pp": 4, "ms": [4, 8, 16], "unit": 0.03, "steps": 3}  # interleaved: m % pp == 0
 
 
+def ms_for(name: str, c: dict[str, Any]) -> list[int]:
+    """The micro-batch counts a schedule runs at (DualPipe-V needs m ≥ 2p)."""
+    return [m for m in c["ms"] if name != "dualpipe-v" or m >= 2 * c["pp"]]
+
+
 def par_for(name: str, pp: int, m: int) -> ParallelConfig:
     return ParallelConfig(pp=pp, micro_batches=m, schedule=name,
-                          virtual_stages=2 if name == "interleaved" else 1)
+                          virtual_stages=2 if name in ("interleaved",) + S.V_SHAPED else 1)
 
 
 def delay_for(name: str, unit: float) -> dict[str, float]:
-    # the formula's costs: B = 2F (one unit of W and one of B for ZB-H1, F = B = W)
-    return {"F": unit, "B": unit, "W": unit} if name == "zb-h1" else {"F": unit, "B": 2 * unit}
+    # the formula's costs: B = 2F (one unit of W and one of B for the split schedules ZB-H1,
+    # ZB-V, DualPipe-V: F = B = W)
+    split = name in ("zb-h1",) + S.V_SHAPED
+    return {"F": unit, "B": unit, "W": unit} if split else {"F": unit, "B": 2 * unit}
 
 
 def timed_rank(rank: int, world: int, model: ModelConfig, jobs: list[tuple], train: TrainConfig
@@ -74,7 +82,7 @@ def measure(quick: bool, tick) -> dict[str, Any]:
     model = ModelConfig(layers=2 * c["pp"], hidden=32, heads=2, kv_heads=1, ffn=64, seq_len=16)
     train = TrainConfig(global_batch=max(c["ms"]), seed=7, corpus_mb=1.0)
     jobs = [(par_for(n, c["pp"], m), delay_for(n, c["unit"]), c["steps"])
-            for n in S.NAMES for m in c["ms"]]
+            for n in S.NAMES for m in ms_for(n, c)]
     tick(f"bubbles: {len(jobs)} pipeline runs on {c['pp']} ranks")
     out = run_ranks(timed_rank, c["pp"], model, jobs, train, timeout=1200)
     rows: dict[str, Any] = {}
@@ -111,7 +119,9 @@ def draw_measured(d: dict[str, Any], f: Any) -> None:
 def gantt_data(pp: int, m: int) -> dict[str, Any]:
     out = {}
     for name in S.NAMES:
-        v = 2 if name == "interleaved" else 1
+        if name == "dualpipe-v" and m < 2 * pp:
+            continue
+        v = par_for(name, pp, m).virtual_stages
         sched = S.build(name, pp, m, v)
         t = S.simulate(sched)
         out[name] = {"v": v, "makespan": t.makespan, "bubble": t.bubble_fraction(),
@@ -137,7 +147,7 @@ def figures(quick: bool, tick) -> list[Figure]:
         Figure("bubbles-gantt", f"Pipeline schedules, p={pp}, m={m} (the executor's lists)",
                "bubbles", "schedule", "fived.parallel.pipeline.schedules.build + simulate "
                "(unit F, B = 2F; F = B = W for ZB-H1)", gantt_data(pp, m), draw_gantt,
-               size=(9.0, 8.0)),
+               size=(9.0, 2.0 * len(S.NAMES))),
         Figure("bubbles-measured", "Measured pipeline bubble vs the formula", "bubbles",
                "run", f"PipelineExecutor stats on {data['pp']} spawned gloo ranks, sleep-"
                "dominated F/B/W; bubble = 1 − compute/makespan; formula "

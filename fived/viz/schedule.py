@@ -2,7 +2,9 @@
 
 ``fived figures schedule --schedule 1f1b --pp 4 --micro-batches 8 [--virtual-stages 2]
 [--out schedule.png]`` simulates the lists with unit forward and 2-unit backward (F = B = W = 1
-for ZB-H1), draws one row per rank and prints the idle-slot bubble next to the formula.
+for the split schedules ZB-H1, ZB-V and DualPipe-V, per chunk), draws one row per rank (the
+second chunk of a rank lighter: for ZB-V / DualPipe-V the way back up the V) and prints the
+idle-slot bubble next to the formula.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def draw_on(ax, sched: S.Schedule, t: S.Timeline) -> None:
         for a, start, end in spans:
             if a.kind not in COLORS:
                 continue
-            chunk = a.stage // sched.pp
+            chunk = a.stage // sched.pp  # 0 down the V (or the first loop), 1 back up
             ax.barh(r, end - start, left=start, color=COLORS[a.kind], edgecolor="black",
                     alpha=1.0 - 0.35 * chunk)
             ax.text((start + end) / 2, r, str(a.mb), ha="center", va="center", fontsize=7,
@@ -63,11 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     flags.add_flag(ap, "pp", default=4, help="pipeline ranks (one row each)")
     flags.add_flag(ap, "micro_batches", default=8, help="micro-batches per step")
     flags.add_flag(ap, "virtual_stages", default=2,
-                   help="model chunks per rank (used by --schedule interleaved only)")
+                   help="model chunks per rank (--schedule interleaved; zb-v and dualpipe-v "
+                   "always run 2)")
     ap.add_argument("--out", default="", metavar="FILE.png",
                     help="where to write the figure (default: schedule-NAME-pP-mM.png here)")
     a = flags.parse(ap, argv)
-    v = a.virtual_stages if a.schedule == "interleaved" else 1
+    v = a.virtual_stages if a.schedule == "interleaved" else 2 if a.schedule in S.V_SHAPED else 1
     # what the schedule needs, worded as `fived train` words it (ConfigError: exit 2)
     validate(ModelConfig(layers=a.pp * v), ParallelConfig(
         pp=a.pp, schedule=a.schedule, virtual_stages=v, micro_batches=a.micro_batches))

@@ -73,6 +73,8 @@ class DataParallel:
         self.last_micro = True
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
+        # every buffer the engine makes lives on the parameters' device (cuda on the GPU path)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
         self.placements = dict(replicated(named)) if placements is None else placements
         missing = [n for n, _ in named if n not in self.placements]
         if missing:
@@ -193,7 +195,7 @@ class DataParallel:
 
     def build_state(self, b: Bucket) -> None:
         """Flat parameters (``p.data`` become views), the master and the gradient storage."""
-        flat = torch.zeros(b.padded, dtype=self.policy.compute)
+        flat = torch.zeros(b.padded, dtype=self.policy.compute, device=self.device)
         with torch.no_grad():
             for j, p in enumerate(b.params):
                 flat[b.offsets[j]:b.offsets[j] + p.numel()].copy_(p.detach().reshape(-1))
@@ -214,7 +216,7 @@ class DataParallel:
     # ------------------------------------------------------------------ gradient storage
     # the defaults: a persistent full gradient buffer per bucket (DDP, ZeRO-1)
     def build_grads(self, b: Bucket) -> None:
-        b.grad = torch.zeros(b.padded, dtype=self.policy.grad)
+        b.grad = torch.zeros(b.padded, dtype=self.policy.grad, device=self.device)
         b.grad_shard = b.grad[b.lo:b.hi]
 
     def attach_grads(self) -> bool:
@@ -245,6 +247,13 @@ class DataParallel:
         return b.param_full
 
     # ------------------------------------------------------------------ hooks for ZeRO-3
+    def begin_compute(self, chunk: int, kind: str) -> None:
+        """The pipeline executor is about to run action ``kind`` (F, B, W) on chunk ``chunk``."""
+
+    def end_compute(self, chunk: int, kind: str, next_chunk: int | None = None) -> None:
+        """The pipeline executor has run action ``kind`` on chunk ``chunk``; its next F or B
+        runs on ``next_chunk``."""
+
     def after_grad(self, b: Bucket, j: int) -> None:
         """A gradient of bucket ``b`` arrived (any micro-batch)."""
 
@@ -352,8 +361,8 @@ class DataParallel:
     # ------------------------------------------------------------------ norm, clip, step
     def grad_sq(self) -> torch.Tensor:
         """Σ g² over the whole model, each element counted once (``fived.optim.clip``)."""
-        sums = {"dense": torch.zeros((), dtype=torch.float64),
-                "expert": torch.zeros((), dtype=torch.float64)}
+        sums = {"dense": torch.zeros((), dtype=torch.float64, device=self.device),
+                "expert": torch.zeros((), dtype=torch.float64, device=self.device)}
         for b in self.buckets:
             accumulate_sq(sums[b.group_name], b.weighted_pieces())
         self.sum_over_shards(sums)

@@ -59,7 +59,7 @@ class Zero1(DataParallel):
             ops.all_reduce(s, replace(self.grid[name], name="metrics"))
 
     def gather_grad(self, b: Bucket) -> torch.Tensor:
-        flat = torch.empty(b.padded, dtype=b.grad_shard.dtype)
+        flat = torch.empty(b.padded, dtype=b.grad_shard.dtype, device=self.device)
         ops.all_gather_into(flat, b.grad_shard, replace(b.group, name="metrics"))
         return flat
 
@@ -81,7 +81,7 @@ class Zero2(Zero1):
 
     def build_grads(self, b: Bucket) -> None:
         b.grad = None
-        b.grad_shard = torch.zeros(b.shard_numel, dtype=self.policy.grad)
+        b.grad_shard = torch.zeros(b.shard_numel, dtype=self.policy.grad, device=self.device)
 
     def attach_grads(self) -> bool:
         return False
@@ -92,7 +92,7 @@ class Zero2(Zero1):
 
     def ensure_grad(self, b: Bucket) -> torch.Tensor:
         if b.grad is None:
-            b.grad = torch.zeros(b.padded, dtype=self.policy.grad)
+            b.grad = torch.zeros(b.padded, dtype=self.policy.grad, device=self.device)
             self.hold(nbytes(b.grad))
         return b.grad
 

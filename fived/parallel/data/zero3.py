@@ -9,6 +9,20 @@ all-gather is prefetched (async) so it overlaps compute (``--no-overlap``: gathe
 Freeing resizes the flat storage to 0; the parameters stay views of it. A recompute forward
 (inside backward) keeps its unit gathered for the backward that follows.
 
+With pipeline parallelism (pp > 1) the gather units are the rank's pipeline chunks (one per
+virtual stage: the stage's blocks with its embedding or norm and head), one bucket per (chunk,
+group), and the executor drives them around every F and B action (``begin_compute`` /
+``end_compute``; a split backward's W reads no weight, so it needs none):
+
+    --zero3-pp-gather step    all-gather each chunk once per step (the first action starts all
+                              of them, asynchronously) and keep it to the step's end; the
+                              stage's parameters stay whole through the schedule (ZeRO-2's
+                              parameter memory during the step, but one all-gather per step)
+    --zero3-pp-gather micro   all-gather the chunk before each F and each B and free it after
+                              ("reshard after forward"; the next action's chunk is prefetched
+                              as soon as this one is freed): only one chunk is whole at a
+                              time, at the price of 2m all-gathers per chunk per step
+
 Model-state bytes per rank (Ψ parameters; P params, G grads, M fp32 master, 8 Adam):
 
     (P + G + M + 8)/N·Ψ     bf16: 16Ψ/N (18Ψ/N, fp32 grads)     fp32: 16Ψ/N
@@ -17,7 +31,9 @@ plus the gathered units as ``buffers`` (the step's peak). Traffic per step (one 
 bytes sent per rank:
 
     all-gather forward + all-gather backward + reduce-scatter = 3(N−1)/N · param bytes
-    (same dtype for params and grads)
+    (same dtype for params and grads; with m micro-batches the gathers run m times each)
+    pp, per step:  (1 + 1)·(N−1)/N · param bytes       (all-gather once, reduce-scatter once)
+    pp, per micro: (2m + 1)·(N−1)/N · param bytes
 """
 
 from __future__ import annotations
@@ -28,7 +44,6 @@ import torch
 from torch import nn
 
 from ...comm import ops
-from ...config import ConfigError
 from .buckets import Bucket, Named, nbytes
 from .zero12 import Zero2
 
@@ -56,13 +71,10 @@ class Zero3(Zero2):
 
     def __init__(self, model: nn.Module, grid: Any, par: Any, train: Any,
                  placements: dict | None = None, units: list[nn.Module] | None = None):
-        if par.pp > 1:
-            raise ConfigError([
-                f"--zero 3 with --pp {par.pp}: ZeRO-3 gathers and frees each block around its "
-                "forward and backward, and a pipeline schedule interleaves many micro-batches' "
-                "forwards and backwards on a stage, so every block would stay gathered (or be "
-                "gathered once per micro-batch twice over); use --zero 1 or --zero 2 with "
-                "pipeline parallelism"])
+        # with pp the executor drives the gathers (``begin_compute``/``end_compute``): the units
+        # are the rank's pipeline chunks (stages), not its blocks
+        self.driven = par.pp > 1
+        self.per_step = self.driven and par.zero3_pp_gather == "step"
         units = list(units or [])
         self.units: list[GatherUnit] = []
         self.root = GatherUnit("root", [])
@@ -79,6 +91,8 @@ class Zero3(Zero2):
                 self.unit_of[b.index] = u
             u.state = "full"  # built gathered (the flat copies of the model's parameters)
             self.free(u)
+        if self.driven:
+            return
         for i, m in enumerate(units):
             m.register_forward_pre_hook(self._pre_forward(i))
             m.register_forward_hook(self._post_forward(i))
@@ -193,7 +207,30 @@ class Zero3(Zero2):
                     self.prefetch(self.units[i - 1], ahead=True)
         return hook
 
+    # ------------------------------------------------------------------ driven by the pipeline
+    def begin_compute(self, chunk: int, kind: str) -> None:
+        """Before a pipeline action on chunk ``chunk`` (F or B; W reads no weight): gather the
+        chunk. Per step, the first call starts every chunk's all-gather (overlapping the
+        first forward with the rest)."""
+        if kind == "W":
+            return
+        if self.per_step:
+            for u in self.units:
+                self.prefetch(u, ahead=True)
+        self.gather(self.units[chunk])
+
+    def end_compute(self, chunk: int, kind: str, next_chunk: int | None = None) -> None:
+        """After the action: per micro-batch, free the chunk again and start the all-gather of
+        the chunk the next F or B needs (it overlaps the receives in between; off with
+        --no-overlap); per step: keep it."""
+        if kind != "W" and not self.per_step:
+            self.free(self.units[chunk])
+            if next_chunk is not None:
+                self.prefetch(self.units[next_chunk], ahead=True)
+
     def after_grad(self, b: Bucket, j: int) -> None:
+        if self.driven:
+            return
         u = self.unit_of[b.index]
         u.done += 1
         if u.done == u.nparams:  # the unit's backward is complete on this micro-batch

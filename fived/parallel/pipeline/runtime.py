@@ -18,14 +18,21 @@
   ``last`` is True on the action that does the final gradient accumulation of a chunk's
   parameters (its last B; for split backwards also its last W), so the engine's bucketed
   reduction counts each parameter once and starts only after the step's last backward.
-* **Zero-bubble split (ZB-H1).** During a split schedule's forward a ``TorchFunctionMode``
+* **ZeRO-3.** ``engine.begin_compute(chunk, kind)`` / ``end_compute`` wrap every F, B and W:
+  ZeRO-3 all-gathers the chunk's parameters there (once per step or per micro-batch,
+  ``--zero3-pp-gather``; ``fived.parallel.data.zero3``).
+* **Zero-bubble split (ZB-H1, ZB-V, DualPipe-V).** During a split schedule's forward a ``TorchFunctionMode``
   routes every ``F.linear(x, W)`` with W a stage parameter to ``F.linear(x, W.detach())`` and
   records (x, y, W). B is ``torch.autograd.backward(root, grad, inputs=[stage input, every y,
   every parameter])``: it computes the input gradient, dL/dy of each linear and the gradients
   of the parameters that are not linear weights (norms, embedding), but no weight gradient
   (the weights are detached from the graph). W computes dW = dyᵀ·x for each recorded linear
   and accumulates it with ``torch.autograd.backward(W, dW)`` so post-accumulate hooks fire.
-  Under recompute the recomputed graph uses the real weights; W then has nothing to do.
+  Under full recompute the forward is not split (a checkpointed block must save the same
+  tensors when it reruns): every B is the whole backward and W has nothing to do.
+  A B directly followed by its own W in the list (DualPipe-V's full backwards, written
+  ``BW``; a first stage's B, which sends nothing) is run as one ordinary backward, its forward
+  without the mode, and the W is empty.
 * **Measurement.** Per step: compute seconds (F/B/W), comm seconds (posting sends, and
   receive waits after the peer had sent), idle (the rest of the pipeline makespan, which is
   max(end) − min(start) over the pp ranks), measured bubble = 1 − compute/makespan, and peak
@@ -80,7 +87,8 @@ class _P2P:
         self.expected: dict[int, list[tuple]] = defaultdict(list)
         for src, acts in enumerate(sched.ranks):
             for a in acts:
-                if a.kind in ("SEND_F", "SEND_B") and S.peer(a, sched.pp) == rank:
+                if (a.kind in ("SEND_F", "SEND_B") and S.peer(a, sched) == rank
+                        and src != rank):
                     self.expected[src].append(S.message(a))
         self.reset()
 
@@ -150,7 +158,7 @@ class PipelineExecutor:
         self.group = grid["pp"]
         self.pp = grid.degrees["pp"]
         self.rank = grid.coords()["pp"]
-        v = par.virtual_stages if par.schedule == "interleaved" else 1
+        v = par.virtual_stages if par.schedule in ("interleaved",) + S.V_SHAPED else 1
         self.schedule = sched or S.build(par.schedule, self.pp, par.micro_batches, v)
         S.check(self.schedule)
         self.actions = self.schedule.ranks[self.rank]
@@ -166,6 +174,24 @@ class PipelineExecutor:
             for s in self.stage.stage_ids:
                 idx = [i for i, a in enumerate(self.actions) if a.kind == kind and a.stage == s]
                 self.final.add(idx[-1])
+        # a B directly followed by its own W (a full backward: DualPipe-V's "BW", or a stage
+        # with no gradient to send) runs as one ordinary backward pass; W then has nothing left
+        acts = self.actions
+        self.fused = {(a.mb, a.stage) for i, (a, b) in enumerate(zip(acts, acts[1:]))
+                      if self.split and a.kind == "B" and b == S.Action("W", a.mb, a.stage)
+                      and (i in self.final) == (i + 1 in self.final)}
+        # the chunk of the next F or B after each action (ZeRO-3 prefetches it)
+        self.next_chunk: dict[int, int | None] = {}
+        upcoming = None
+        for i in range(len(acts) - 1, -1, -1):
+            self.next_chunk[i] = upcoming
+            if acts[i].kind in ("F", "B"):
+                upcoming = self.chunk_of[acts[i].stage]
+        if self.split and par.recompute == "full":
+            # a checkpointed block recomputes its linears with the real weights (it would save
+            # other tensors than the split forward did): every B is the whole backward there,
+            # each chunk's last B its final accumulation, and W has nothing left to do
+            self.fused = {(a.mb, a.stage) for a in acts if a.kind == "B"}
         self.metrics = replace(self.group, name="metrics")
 
     # ------------------------------------------------------------------ shapes
@@ -194,12 +220,16 @@ class PipelineExecutor:
             p2p = self._p2p = _P2P(self.group, self.schedule, self.rank,
                                    self.activation_shape(mbs), self.dtype, x.device)
         p2p.reset()
-        pp, S_ = self.pp, self.num_stages
+        S_, sched = self.num_stages, self.schedule
+        local: dict[tuple, torch.Tensor] = {}  # hand-offs between two stages of this rank
+        nothing = lambda *args: None  # noqa: E731 (an engine without ZeRO-3 gathers)
+        begin = getattr(engine, "begin_compute", nothing)
+        end_ = getattr(engine, "end_compute", nothing)
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         grads: dict[tuple[int, int], torch.Tensor] = {}
         records: dict[tuple[int, int], list] = {}
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
         weights = {id(p) for p in self.stage.parameters() if p.requires_grad}
         chunk_params = [[p for p in c.parameters() if p.requires_grad]
                         for c in self.stage.chunk_models]
@@ -212,22 +242,32 @@ class PipelineExecutor:
         for i, a in enumerate(self.actions):
             key = (a.mb, a.stage)
             c = self.chunk_of[a.stage]
-            if a.kind == "RECV_F":
-                inputs[key] = p2p.recv(S.message(a), S.peer(a, pp)).requires_grad_()
+            if a.kind in S.COMM and S.is_local(a, sched):  # V layout: stage p−1 → p
+                if a.kind == "SEND_F":
+                    local[S.message(a)] = outputs[key].detach()
+                elif a.kind == "SEND_B":
+                    local[S.message(a)] = inputs.pop(key).grad
+                elif a.kind == "RECV_F":
+                    inputs[key] = local.pop(S.message(a)).requires_grad_()
+                else:
+                    grads[key] = local.pop(S.message(a))
+            elif a.kind == "RECV_F":
+                inputs[key] = p2p.recv(S.message(a), S.peer(a, sched)).requires_grad_()
             elif a.kind == "RECV_B":
-                grads[key] = p2p.recv(S.message(a), S.peer(a, pp))
+                grads[key] = p2p.recv(S.message(a), S.peer(a, sched))
             elif a.kind == "SEND_F":
                 out = outputs[key]
-                p2p.send(out.detach(), S.peer(a, pp), [out])
+                p2p.send(out.detach(), S.peer(a, sched), [out])
             elif a.kind == "SEND_B":
                 g = inputs.pop(key).grad
-                p2p.send(g, S.peer(a, pp), [g])
+                p2p.send(g, S.peer(a, sched), [g])
             else:
                 t0 = time.time()
+                begin(c, a.kind)
                 if a.kind == "F":
                     inp = xs[a.mb] if a.stage == 0 else inputs[key]
                     last = a.stage == S_ - 1
-                    if self.split:
+                    if self.split and key not in self.fused:
                         mode = _SplitLinear(weights)
                         with mode:
                             out = self.stage(inp, positions, ys[a.mb] if last else None, chunk=c)
@@ -244,17 +284,20 @@ class PipelineExecutor:
                     engine.set_last_micro(i in self.final)
                     out = outputs.pop(key)
                     g = grads.pop(key, None)
-                    if self.split:
+                    if self.split and key not in self.fused:
                         rec = records[key]
                         extra = [t for t in ([inputs[key]] if key in inputs else [])]
                         extra += [r[1] for r in rec] + chunk_params[c]
                         torch.autograd.backward(out, g, inputs=extra)
                     else:
                         torch.autograd.backward(out, g)
-                        live[a.stage] -= 1
+                        if not self.split:
+                            live[a.stage] -= 1
                     if a.stage > 0 and inputs[key].grad is None:
                         inputs[key].grad = torch.zeros_like(inputs[key])
                     del out, g
+                elif a.kind == "W" and key in self.fused:
+                    live[a.stage] -= 1  # its B was the whole backward
                 elif a.kind == "W":
                     engine.set_last_micro(i in self.final)
                     rec = records.pop(key)
@@ -269,6 +312,7 @@ class PipelineExecutor:
                         torch.autograd.backward(ws, dws)
                     del rec, ws, dws
                     live[a.stage] -= 1
+                end_(c, a.kind, self.next_chunk[i])
                 if self.delay.get(a.kind):
                     time.sleep(self.delay[a.kind])
                 compute += time.time() - t0
@@ -282,24 +326,28 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ measurement
     def _measure(self, p2p: _P2P, start: float, end: float, compute: float,
                  peak: dict[int, int]) -> dict[str, Any]:
-        n_send = max(sum(a.kind in ("SEND_F", "SEND_B") for a in acts)
-                     for acts in self.schedule.ranks)
-        vec = torch.full((2 + n_send,), float("nan"), dtype=torch.float64)
+        sched = self.schedule
+
+        def remote_sends(acts: list[S.Action]) -> list[S.Action]:
+            return [a for a in acts if a.kind in ("SEND_F", "SEND_B")
+                    and not S.is_local(a, sched)]
+
+        n_send = max(len(remote_sends(acts)) for acts in sched.ranks)
+        dev = p2p.device  # the metrics all-gather runs on the rank's device (nccl: cuda)
+        vec = torch.full((2 + n_send,), float("nan"), dtype=torch.float64, device=dev)
         vec[0], vec[1] = start, end
         if p2p.send_times:
-            vec[2:2 + len(p2p.send_times)] = torch.tensor(p2p.send_times, dtype=torch.float64)
-        out = torch.zeros(self.pp * vec.numel(), dtype=torch.float64)
+            vec[2:2 + len(p2p.send_times)] = torch.tensor(p2p.send_times, dtype=torch.float64,
+                                                         device=dev)
+        out = torch.zeros(self.pp * vec.numel(), dtype=torch.float64, device=dev)
         ops.all_gather_into(out, vec, self.metrics)
-        rows = out.view(self.pp, -1)
+        rows = out.view(self.pp, -1).cpu()
         t_begin, t_end = float(rows[:, 0].min()), float(rows[:, 1].max())
         makespan = max(t_end - t_begin, 1e-12)
         sent_at: dict[tuple, float] = {}
-        for r, acts in enumerate(self.schedule.ranks):
-            k = 0
-            for a in acts:
-                if a.kind in ("SEND_F", "SEND_B"):
-                    sent_at[S.message(a)] = float(rows[r, 2 + k])
-                    k += 1
+        for r, acts in enumerate(sched.ranks):
+            for k, a in enumerate(remote_sends(acts)):
+                sent_at[S.message(a)] = float(rows[r, 2 + k])
         comm = 0.0
         for msg, t0, t1 in p2p.waits:
             comm += max(0.0, t1 - max(t0, sent_at.get(msg, t0)))

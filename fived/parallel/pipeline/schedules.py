@@ -36,10 +36,13 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ...config import V_SCHEDULES
+
 COMPUTE = ("F", "B", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE + COMM
-NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
+V_SHAPED = V_SCHEDULES  # two stages per rank, laid out in a V (``layout="v"``)
 
 
 class ScheduleError(ValueError):
@@ -64,13 +67,14 @@ class Schedule:
     virtual: int = 1
     split_backward: bool = False
     ranks: list[list[Action]] = field(default_factory=list)
+    layout: str = "loop"  # "loop": stage s on rank s mod pp; "v": s and 2·pp−1−s on rank s
 
     @property
     def stages(self) -> int:
         return self.pp * self.virtual
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.pp
+        return stage_rank(stage, self.pp, self.layout)
 
     def compute(self, rank: int) -> list[Action]:
         return [a for a in self.ranks[rank] if a.kind in COMPUTE]
@@ -91,18 +95,35 @@ def message(a: Action) -> tuple[str, int, int]:
     raise ValueError(a)
 
 
-def peer(a: Action, pp: int) -> int:
-    """The pp rank on the other side of a send/receive."""
+def stage_rank(stage: int, pp: int, layout: str = "loop") -> int:
+    """The pp rank holding (virtual) stage ``stage``: ``s mod pp`` in the looped (interleaved)
+    layout; in the V layout stages 0..pp−1 go down the ranks and pp..2pp−1 come back up, so
+    rank r holds stages r and 2pp−1−r (the first and the last stage are both on rank 0, and
+    stages pp−1 and pp are both on rank pp−1: that hand-off is local, no message)."""
+    if layout == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def peer(a: Action, sched: Schedule) -> int:
+    """The pp rank on the other side of a send/receive (the rank itself: a local hand-off)."""
     if a.kind in ("SEND_F", "RECV_B"):
-        return (a.stage + 1) % pp
-    return (a.stage - 1) % pp
+        return sched.rank_of(a.stage + 1)
+    return sched.rank_of(a.stage - 1)
+
+
+def is_local(a: Action, sched: Schedule) -> bool:
+    """A send/receive between two stages of the same rank (V layout: stage pp−1 → pp)."""
+    return peer(a, sched) == sched.rank_of(a.stage)
 
 
 # ---------------------------------------------------------------- building
 
 def with_comm(name: str, pp: int, m: int, v: int, split: bool,
-              orders: list[list[tuple[str, int, int]]]) -> Schedule:
-    """Insert the receive before each consumer and the send after each producer."""
+              orders: list[list[tuple[str, int, int]]], layout: str = "loop") -> Schedule:
+    """Insert the receive before each consumer and the send after each producer. An order item
+    ``("BW", mb, s)`` is a full backward: B, then its W, then the send of the input gradient
+    (the executor runs the pair as one backward pass)."""
     S = pp * v
     ranks = []
     for order in orders:
@@ -114,16 +135,18 @@ def with_comm(name: str, pp: int, m: int, v: int, split: bool,
                 acts.append(Action("F", mb, s))
                 if s < S - 1:
                     acts.append(Action("SEND_F", mb, s))
-            elif kind == "B":
+            elif kind in ("B", "BW"):  # BW: a full backward, B and its W back to back
                 if s < S - 1:
                     acts.append(Action("RECV_B", mb, s))
                 acts.append(Action("B", mb, s))
+                if kind == "BW":
+                    acts.append(Action("W", mb, s))
                 if s > 0:
                     acts.append(Action("SEND_B", mb, s))
             else:
                 acts.append(Action(kind, mb, s))
         ranks.append(acts)
-    return Schedule(name, pp, m, v, split, ranks)
+    return Schedule(name, pp, m, v, split, ranks, layout)
 
 
 def gpipe_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
@@ -201,6 +224,130 @@ def zb_h1_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
     return out
 
 
+def zb_v_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """ZB-V (Qi et al. 2023, section 6): two stages per rank in a V (rank r holds stages
+    c0 = r and c1 = 2p−1−r), backward split into B and W. Rank r: 2(p−r)−1 forwards of c0;
+    r pairs (F c1, F c0); p−r triples (F c1, B c1, W c1); then the steady state
+    (F c0, B c0, W c0, F c1, B c1, W c1) until every forward is done; the cool-down runs r
+    pairs (B c0, B c1), then p−r pairs (B c0, W c0), then the W's left (c1 first). Built for
+    max(m, 2p−1) micro-batches and cut to m (the order torch's ``ScheduleZBVZeroBubble``
+    runs). With F = B = W the steady state has no bubble: (p−1)·(F + B − 2W)/… → only the
+    warm-up/cool-down ramps of the shorter chunk pipeline remain."""
+    n = max(2 * pp - 1, m)
+    out = []
+    for r in range(pp):
+        c0, c1 = r, 2 * pp - 1 - r
+        order: list[tuple[str, int, int]] = []
+        f0 = f1 = b0 = b1 = 0
+        for _ in range(2 * (pp - r) - 1):
+            order.append(("F", f0, c0))
+            f0 += 1
+        for _ in range(r):
+            order += [("F", f1, c1), ("F", f0, c0)]
+            f1 += 1
+            f0 += 1
+        for _ in range(pp - r):
+            order += [("F", f1, c1), ("B", b1, c1), ("W", b1, c1)]
+            f1 += 1
+            b1 += 1
+        while f1 < f0 or f0 < n:
+            if f0 < n:
+                order.append(("F", f0, c0))
+                f0 += 1
+            order += [("B", b0, c0), ("W", b0, c0), ("F", f1, c1), ("B", b1, c1),
+                      ("W", b1, c1)]
+            f1 += 1
+            b0 += 1
+            b1 += 1
+        w0, w1 = b0, b1
+        for _ in range(r):
+            order += [("B", b0, c0), ("B", b1, c1)]
+            b0 += 1
+            b1 += 1
+        for _ in range(pp - r):
+            order += [("B", b0, c0), ("W", w0, c0)]
+            b0 += 1
+            w0 += 1
+        order += [("W", i, c1) for i in range(w1, b1)] + [("W", i, c0) for i in range(w0, b0)]
+        out.append([a for a in order if a[1] < m])
+    return out
+
+
+def dualpipe_v_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """DualPipe-V (DeepSeek-V3's DualPipe cut in half; ``ScheduleDualPipeV`` in torch): the V
+    layout, m ≥ 2p. Rank r (c0 = r, c1 = 2p−1−r), in eight phases:
+
+        1  F c0 × 2(p−r−1)             5  (B c1 full, then F c1 + B c0 full) × (p−r−1)
+        2  (F c0, F c1) × (r+1)        6  (B c1, B c0) × (r+1), input-only from the middle
+        3  (B c1, a W, F c1) × (p−r−1) 7  (a W, B c0) × (p−r−1)
+        4  (F c0 + B c1, F c1 + B c0) × (m − 2p + r + 1)    8  the W's left × (r+1)
+
+    "F x + B y" is DualPipe's overlapped pair (one forward's compute hides the other's
+    communication); fived runs it as F then B. A full backward is B immediately followed by its
+    own W; an input-only B queues its W, and "a W" pops the oldest queued one."""
+    if m < 2 * pp:
+        raise ScheduleError(f"dualpipe-v needs micro-batches ({m}) >= 2·pp ({2 * pp})")
+    return [_dualpipe_v_rank(pp, m, r) for r in range(pp)]
+
+
+def _dualpipe_v_rank(pp: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    c0, c1 = r, 2 * pp - 1 - r
+    order: list[tuple[str, int, int]] = []
+    nf = {c0: 0, c1: 0}
+    nb = {c0: 0, c1: 0}
+    queue: list[tuple[int, int]] = []
+
+    def fwd(s: int) -> None:
+        order.append(("F", nf[s], s))
+        nf[s] += 1
+
+    def bwd(s: int, full: bool = True) -> None:
+        if full:
+            order.append(("BW", nb[s], s))
+        else:
+            order.append(("B", nb[s], s))
+            queue.append((nb[s], s))
+        nb[s] += 1
+
+    def pop_w() -> None:
+        if queue:
+            mb, s = queue.pop(0)
+            order.append(("W", mb, s))
+
+    for _ in range(2 * (pp - r - 1)):
+        fwd(c0)
+    for _ in range(r + 1):
+        fwd(c0)
+        fwd(c1)
+    for _ in range(pp - r - 1):
+        bwd(c1, full=False)
+        pop_w()
+        fwd(c1)
+    for _ in range(m - 2 * pp + r + 1):
+        fwd(c0)
+        bwd(c1)
+        fwd(c1)
+        bwd(c0)
+    for _ in range(pp - r - 1):
+        bwd(c1)
+        fwd(c1)
+        bwd(c0)
+    zb = False
+    for i in range(r + 1):
+        if i == (r + 1) // 2 and r % 2 == 1:
+            zb = True
+        bwd(c1, full=not zb)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            zb = True
+        bwd(c0, full=not zb)
+    for _ in range(pp - r - 1):
+        pop_w()
+        bwd(c0, full=not zb)
+    for _ in range(r + 1):
+        pop_w()
+    return order
+
+
 def build(name: str, pp: int, micro_batches: int, virtual: int = 1) -> Schedule:
     """The named schedule's action lists for every rank."""
     m = micro_batches
@@ -212,6 +359,10 @@ def build(name: str, pp: int, micro_batches: int, virtual: int = 1) -> Schedule:
         sched = with_comm(name, pp, m, virtual, False, interleaved_orders(pp, m, virtual))
     elif name == "zb-h1":
         sched = with_comm(name, pp, m, 1, True, zb_h1_orders(pp, m))
+    elif name == "zb-v":
+        sched = with_comm(name, pp, m, 2, True, zb_v_orders(pp, m), layout="v")
+    elif name == "dualpipe-v":
+        sched = with_comm(name, pp, m, 2, True, dualpipe_v_orders(pp, m), layout="v")
     else:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
     return sched
@@ -272,7 +423,7 @@ def check(sched: Schedule) -> None:
                 sends[message(a)] = (r, i)
             elif a.kind in ("RECV_F", "RECV_B"):
                 recvs[message(a)] = (r, i)
-        for s in range(r, S, pp):
+        for s in [s for s in range(S) if sched.rank_of(s) == r]:
             for mb in range(m):
                 for k in kinds:
                     if Action(k, mb, s) not in seen:
@@ -370,7 +521,10 @@ def simulate(sched: Schedule, costs: dict[str, float] | None = None,
 # ---------------------------------------------------------------- formulas and memory
 
 def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
-    """Bubble as a fraction of the makespan (unit F, 2-unit backward; F = B = W for ZB-H1)."""
+    """Bubble as a fraction of the makespan (unit F, 2-unit backward; F = B = W for ZB-H1 and
+    for each chunk of ZB-V / DualPipe-V, whose makespan is max(6m + p − 1, 4m + 4p − 2)
+    units: the p − 1 ramp of a V once m ≥ 2p − 1 (always for DualPipe-V, m ≥ 2p), the
+    pipeline's depth 4p − 2 + 4m (two forward and two backward passes of the V) below it)."""
     p = pp
     if name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
@@ -378,11 +532,14 @@ def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
         return (p - 1) / (v * m + p - 1)
     if name == "zb-h1":
         return (p - 1) / (3 * m + p - 1)
+    if name in V_SHAPED:  # 2 chunks, F = B = W = 1 each: 6m units of work per rank
+        return 1 - 6 * m / max(6 * m + p - 1, 4 * m + 4 * p - 2)
     raise ScheduleError(f"unknown schedule {name!r}")
 
 
 def bubble_relative_formula(name: str, pp: int, m: int, v: int = 1) -> float:
-    """Bubble relative to the work: (p−1)/m, (p−1)/(v·m), (p−1)/(3m)."""
+    """Bubble relative to the work: (p−1)/m, (p−1)/(v·m), (p−1)/(3m); (p−1)/(6m) for the V's
+    (m ≥ 2p − 1)."""
     f = bubble_formula(name, pp, m, v)
     return f / (1 - f)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...config import ConfigError, ModelConfig, ParallelConfig
+from ...config import V_SCHEDULES, ConfigError, ModelConfig, ParallelConfig
 from ...ledger.params import balanced_split as _ledger_split
 from ...model.llama import Transformer
 
@@ -80,7 +80,10 @@ class StageModel(nn.Module):
 
 
 def stage_ids(par: ParallelConfig, pp_rank: int) -> list[int]:
-    """The (virtual) stages of pipeline rank ``pp_rank``: r, r + pp, r + 2·pp, ..."""
+    """The (virtual) stages of pipeline rank ``pp_rank``: r, r + pp, r + 2·pp, ...; with a
+    V-shaped schedule (zb-v, dualpipe-v) r and 2·pp − 1 − r (``schedules.stage_rank``)."""
+    if par.schedule in V_SCHEDULES:
+        return sorted({pp_rank, 2 * par.pp - 1 - pp_rank})
     return list(range(pp_rank, par.pp * par.virtual_stages, par.pp))
 
 

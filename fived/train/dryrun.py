@@ -1,0 +1,365 @@
+"""The dry run: one rank of any layout, built and stepped for real on fake tensors.
+
+``fived train --dry-run --ranks R,R,...|distinct`` runs, for each named rank of the layout, in
+this one process:
+
+1. the ``fake`` process-group backend (``FakeStore``,
+   ``torch.testing._internal.distributed.fake_pg``) at the layout's world size, this rank's
+   number — every collective returns at once and moves nothing — and only this rank's groups
+   (``new_group(..., use_local_synchronization=True)``), so a rank of 16,384 costs no more than
+   a rank of 8;
+2. under ``FakeTensorMode`` (no storage is allocated: a tensor is its shape, dtype and device)
+   the same ``Trainer`` a real run builds — the whole plain model (weights not drawn: fake
+   tensors have no values), cut by ``parallelize`` into this rank's pipeline stage, tp/cp/ep
+   pieces, and the dp/ZeRO engine with its flat buffers, fp32 masters and Adam state;
+3. one full training step through the same code: the micro-batches through the pipeline
+   executor (or the plain loop), the engine's bucketed reductions, the gradient norm's
+   collectives, the AdamW step and the parameter all-gathers;
+
+and records what the ledger predicts: model-state bytes (``engine.memory()``), the bytes every
+collective through ``fived.comm`` sent (per group), and the peak of live activation bytes —
+every distinct storage autograd saved for backward, counted from the moment it is saved until
+its last reference dies (``LiveSaved``), the quantity ``fived.ledger.memory.activations``
+predicts (pipeline in-flight micro-batches included). It writes the same metrics JSONL as a
+real run (plus ``ranks`` and ``activation_peak_per_rank``), so ``fived ledger --check FILE``
+compares model states and traffic exactly and the activation peak within 2 %.
+
+The device. Every tensor is made on the rank's device. The dry run uses ``meta``, a device that
+is not the CPU: a tensor left on the CPU by mistake meets a meta tensor and the fake mode raises
+a device mismatch — the test that the GPU path puts everything on its device. (The ``cuda``
+device itself cannot be used here: in this CPU-only torch build autograd needs a CUDA device
+guard and aborts the process; ``--dry-run-device cpu`` runs on fake CPU tensors instead.)
+
+Data-dependent values. Fake tensors have no values, so token ids are zeros, losses and the
+gradient norm are not computed (reported as NaN; the norm's collectives still run, clipping is
+value-only), and MoE routing is the ledger's assumption: uniform (each expert gets
+tokens·top_k/E rows, ``uniform_routing``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+import weakref
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..comm.ops import Traffic
+from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ..dist.grid import GROUP_NAMES, DimGroup, Grid
+from ..model.moe import set_aux_grad_scale
+from ..optim import lr_at
+from ..parallel.context import shard_positions
+from .trainer import Trainer
+
+BACKEND = "cpu:fake,meta:fake"
+
+
+# ------------------------------------------------------------------------ which ranks
+def distinct_ranks(par: ParallelConfig) -> list[int]:
+    """One rank of every role: first, second, middle and last pipeline stage (others at 0),
+    and the rank at the last position of every other dimension (tp, cp, ep, dp) on stage 0."""
+    grid = Grid.from_config(par)
+    pp = par.pp
+    out = {grid.rank_of(pp=c) for c in {0, 1, pp // 2, pp - 1} if 0 <= c < pp}
+    out.add(grid.rank_of(pp=0, tp=par.tp - 1, cp=par.cp - 1, ep=par.ep - 1, dp=par.dp - 1))
+    return sorted(out)
+
+
+def parse_ranks(spec: str, par: ParallelConfig) -> list[int]:
+    """``distinct`` or ``R,R,...`` (each in [0, world)); a ConfigError names the flag."""
+    world = par.world_size
+    if spec.strip() == "distinct":
+        return distinct_ranks(par)
+    try:
+        ranks = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError([f"--ranks {spec!r}: give 'distinct' or rank numbers like 0,5,17"]
+                          ) from None
+    bad = [r for r in ranks if not 0 <= r < world]
+    if not ranks or bad:
+        raise ConfigError([f"--ranks {spec}: ranks must be in 0..{world - 1} (the layout "
+                           f"{par.describe()} has {world} ranks); out of range: {bad}"])
+    return sorted(set(ranks))
+
+
+# ------------------------------------------------------------------------ activations
+class LiveSaved:
+    """Peak bytes of the distinct storages autograd holds for backward, live at once.
+
+    A pack hook sees every tensor autograd saves; a storage is counted once (views share it)
+    from the first save until the last saved reference to it is gone (``weakref.finalize``);
+    parameter storages (the engine's flat buffers) are excluded."""
+
+    def __init__(self, exclude: list[torch.Tensor]):
+        self.exclude = {t.untyped_storage()._cdata for t in exclude}
+        self.refs: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= self.size.pop(key)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter):
+            return t
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.exclude:
+            return t
+        t = t.view_as(t)  # our own handle: it dies when autograd drops what it saved
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.size[key] = st.nbytes()
+            self.live += self.size[key]
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        weakref.finalize(t, self._release, key)
+        return t
+
+    def __enter__(self) -> LiveSaved:
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+
+
+# ------------------------------------------------------------------------ attention kernel
+@contextlib.contextmanager
+def flash_on_meta():
+    """SDPA on meta tensors -> the CUDA flash kernel's op (``aten._scaled_dot_product_flash_
+    attention``, which has a meta implementation): what SDPA runs on a GPU, saving q, k, v, the
+    output and the fp32 log-sum-exp — not the math fallback (materialised probabilities) SDPA
+    picks for an unknown device. It replaces ``fived.model.layers.causal_attention`` (looked up
+    when the attention core runs, on any thread: a recompute runs in autograd's) while the dry
+    run lasts."""
+    from ..model import layers as L
+
+    orig = L.causal_attention
+
+    def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.device.type != "meta":
+            return orig(q, k, v)
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        o = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True,
+            scale=1.0 / math.sqrt(q.shape[-1]))[0]
+        return o.transpose(1, 2)
+
+    L.causal_attention = causal_attention
+    try:
+        yield
+    finally:
+        L.causal_attention = orig
+
+
+# ------------------------------------------------------------------------ MoE: uniform routing
+def uniform_routing(model: torch.nn.Module) -> None:
+    """Each MoE layer routes by the ledger's assumption: every expert receives tokens·top_k/E
+    rows and none is dropped. The layer's forward is ``MoE.moe`` step for step (router, aux
+    losses and their count reduction, the permutation, the dispatch all-to-alls, the experts,
+    the weighted un-permute) with only the data-dependent index arithmetic made static; the
+    statistics (drops, aux values) are not recorded."""
+    from functools import partial
+
+    from ..model.moe import moe_layers
+
+    for m in moe_layers(model):
+        if m.dispatch is not None:  # expert parallelism: the group the real dispatch talks on
+            m.dispatch = partial(_uniform_dispatch, group=m.dispatch.keywords["group"])
+        m.moe = _uniform_moe.__get__(m)
+
+
+def _uniform_moe(self: Any, x: torch.Tensor) -> torch.Tensor:
+    from ..model.moe import _AuxGrad
+
+    cfg = self.cfg
+    E, k = cfg.experts, cfg.top_k
+    b, s, h = x.shape
+    if (b * s * k) % E:
+        raise ConfigError([f"dry run: {b * s * k} token-assignments do not split evenly over "
+                           f"{E} experts (uniform routing)"])
+    flat = x.reshape(b * s, h)
+    logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E) fp32
+    probs = logits.softmax(dim=-1)
+    top_p, top_i = probs.topk(k, dim=-1)
+    weights = top_p / top_p.sum(dim=-1, keepdim=True)
+    routed = F.one_hot(top_i.view(b, s * k), E).sum(1).float()
+    if self.reduce_counts is not None:
+        routed = self.reduce_counts(routed)
+    s_full = routed.sum(-1, keepdim=True) / k
+    f = routed / (s_full * k)
+    P = probs.view(b, s, E).sum(1) / s_full
+    balance = E * (f * P).sum()
+    z = torch.logsumexp(logits, dim=-1).pow(2).sum()
+    n = b * s * k  # every assignment kept; uniform: n/E rows per expert, in expert order
+    sel = torch.arange(n, device=x.device)
+    counts = torch.full((E,), n // E, dtype=torch.int64, device=x.device)
+    rows = flat[sel // k]
+    if self.dispatch is not None:
+        y = self.dispatch(rows, counts, self.compute_local)
+    else:
+        y = self.compute_local(rows, [n // E] * E)
+    slots = y.new_zeros(n, h).index_copy(0, sel, y)
+    out = (slots.view(b * s, k, h) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+    out = out.view(b, s, h).to(x.dtype)
+    aux = cfg.aux_loss_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
+    if torch.is_grad_enabled() and aux.requires_grad:
+        out = _AuxGrad.apply(out, aux, self.aux_grad_scale)
+    return out
+
+
+def _uniform_dispatch(rows: torch.Tensor, counts: torch.Tensor, compute: Any, group: Any
+                      ) -> torch.Tensor:
+    """``fived.parallel.expert.dispatch`` with uniform splits: each of the n ep ranks sends
+    every other rank rows/n rows (its experts' share) and receives as many."""
+    from ..comm import autograd as A
+    from ..comm import ops
+
+    n = group.size
+    per = counts.numel() // n
+    ops.all_to_all(counts.to(torch.int64).contiguous(), group)  # the counts exchange, counted
+    split = [rows.shape[0] // n] * n
+    got = A.all_to_all(rows, group, split, split)
+    local_id = torch.arange(per, device=rows.device).repeat_interleave(rows.shape[0] // per)
+    order = torch.argsort(local_id, stable=True)
+    y = compute(got[order], [rows.shape[0] // per] * per)
+    y = y[torch.argsort(order)]
+    return A.all_to_all(y, group, split, split)
+
+
+# ------------------------------------------------------------------------ one rank
+class DryTrainer(Trainer):
+    """The Trainer on fake tensors: zeros for data, no values read back."""
+
+    def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = self.grid["batch"]
+        rows = self.tcfg.global_batch // b.size
+        seq = self.cfg.seq_len
+        if self.par.cp > 1:
+            cp = self.grid["cp"]
+            positions = shard_positions(seq, cp.size, cp.rank).to(self.device)
+        else:
+            positions = torch.arange(seq, device=self.device)
+        s = positions.shape[0]
+        x = torch.zeros((rows, s), dtype=torch.int64, device=self.device)
+        return x, torch.zeros_like(x), positions
+
+    def dry_step(self, step: int) -> dict[str, Any]:
+        self.traffic.reset()
+        t0 = time.perf_counter()
+        x, y, positions = self.local_data(step)
+        global_tokens = self.tcfg.global_batch * self.cfg.seq_len
+        if self.executor is not None:
+            self.executor.measure = False  # its timing exchange reads values
+        exclude = list(self.stage.parameters()) + [b.param_full for b in self.engine.buckets]
+        self.engine.zero_grad()
+        set_aux_grad_scale(self.stage, 1.0 / global_tokens)
+        with LiveSaved(exclude) as saved:
+            self.forward_backward(x, y, positions, 1.0 / global_tokens)
+        self.engine.finish()
+        self.engine.unscale()
+        self.engine.grad_sq()  # the clip's collectives; the norm itself is a value
+        lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
+        self.engine.step(lr)
+        return {"step": step, "loss": float("nan"), "tokens": global_tokens,
+                "seconds": time.perf_counter() - t0, "lr": lr, "grad_norm": float("nan"),
+                "skipped": False, "activation_peak": saved.peak}
+
+
+def connect_local(par: ParallelConfig, rank: int, traffic: Traffic) -> Grid:
+    """This rank's groups only (``use_local_synchronization``): the fake world needs no others."""
+    grid = Grid.from_config(par, rank)
+    world = par.world_size
+    for name in GROUP_NAMES:
+        mine = grid.members(Grid.named_dims(name))
+        if len(mine) == 1:
+            pg = None
+        elif len(mine) == world:
+            pg = dist.group.WORLD
+        else:
+            pg = dist.new_group(list(mine), use_local_synchronization=True)
+        grid.groups[name] = DimGroup(name, mine, mine.index(rank), pg, traffic)
+    return grid
+
+
+def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, rank: int,
+                 device: str = "meta") -> dict[str, Any]:
+    """One rank's record: model-state bytes, traffic by group, activation peak, seconds."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = par.world_size
+    t0 = time.perf_counter()
+    dist.init_process_group(BACKEND, store=FakeStore(), rank=rank, world_size=world)
+    try:
+        traffic = Traffic()
+        grid = connect_local(par, rank, traffic)
+        with FakeTensorMode(), flash_on_meta():
+            trainer = DryTrainer(model_cfg, par, train, rank, world, grid=grid, device=device,
+                                 init=False)
+            if model_cfg.is_moe:
+                uniform_routing(trainer.stage)
+            t_build = time.perf_counter() - t0
+            rec = trainer.dry_step(0)
+            mem = trainer.engine.memory()
+        rec["memory"] = {k: int(mem.get(k, 0)) for k in
+                         ("params", "grads", "master", "optimizer", "buffers", "padding")}
+        rec["traffic"] = {k: v for k, v in traffic.bytes_by_dim().items()
+                          if k in GROUP_NAMES and v}
+        rec["build_seconds"] = t_build
+        rec["rank"] = rank
+        rec["coords"] = grid.coords()
+        return rec
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, ranks: list[int],
+            device: str = "meta", out_path: str = "", show: bool = True) -> dict[str, Any]:
+    """Dry-run ``ranks`` one after the other; one JSONL record (``--metrics-out``)."""
+    recs = []
+    for i, r in enumerate(ranks):
+        t = time.perf_counter()
+        rec = dry_run_rank(model_cfg, par, train, r, device)
+        rec["wall_seconds"] = time.perf_counter() - t
+        recs.append(rec)
+        if show:
+            c = rec["coords"]
+            where = " ".join(f"{d}{c[d]}" for d in ("pp", "dp", "ep", "cp", "tp")
+                             if par.degree(d) > 1)
+            print(f"  rank {r:>6} ({where}): states {sum(rec['memory'].values()) / 2**30:8.2f} "
+                  f"GiB · activations {rec['activation_peak'] / 2**30:8.2f} GiB · "
+                  f"{rec['wall_seconds']:.1f} s  [{i + 1}/{len(ranks)}]", flush=True)
+    out = {"step": 0, "loss": float("nan"), "tokens": train.global_batch * model_cfg.seq_len,
+           "dry_run": {"device": device, "backend": BACKEND,
+                       "assumptions": "token ids 0; loss and grad norm not computed (NaN); "
+                                      "MoE routing uniform"},
+           "ranks": ranks,
+           "memory": recs[0]["memory"],
+           "memory_per_rank": [r["memory"] for r in recs],
+           "traffic": recs[0]["traffic"],
+           "traffic_per_rank": [{"bytes": r["traffic"]} for r in recs],
+           "activation_peak_per_rank": [r["activation_peak"] for r in recs],
+           "seconds_per_rank": [r["wall_seconds"] for r in recs],
+           "run": {"model": asdict(model_cfg), "parallel": asdict(par),
+                   "global_batch": train.global_batch}}
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(json.dumps(out) + "\n")
+    return out
