@@ -251,6 +251,11 @@ def check_compatible(man: dict[str, Any], expected: dict[str, tuple[int, ...]],
                            f"({len(bad)} tensor(s)):"] + bad[:40])
 
 
+def _zeros(b: Any) -> torch.Tensor:
+    """An fp32 buffer of bucket ``b``'s owned elements, on its device."""
+    return torch.zeros(b.hi - b.lo, device=b.param_shard.device)
+
+
 def load(trainer: Any, ckpt: str | Path) -> int:
     """Load checkpoint ``ckpt`` (a ``step-N`` directory) into this rank; the steps done."""
     t, eng = trainer, trainer.engine
@@ -270,10 +275,8 @@ def load(trainer: Any, ckpt: str | Path) -> int:
     dest: dict[str, Any] = {}
     # the fp32 value of the owned parameters: the master itself, or (no master: in place) a
     # temporary that becomes the compute-dtype parameters below
-    value = [b.master if not pol.in_place else torch.zeros(b.hi - b.lo)
-             for b in eng.buckets]
-    comp = [None if not has_comp or kahan_comp else torch.zeros(b.hi - b.lo)
-            for b in eng.buckets]
+    value = [b.master if not pol.in_place else _zeros(b) for b in eng.buckets]
+    comp = [None if not has_comp or kahan_comp else _zeros(b) for b in eng.buckets]
     for i, _, g, gshape, shape, shift, (a, c), (s0, s1) in owned(eng, t.parallel.placements):
         _add(dest, f"{src}.{g}", gshape, value[i][s0:s1], shape, shift, a, c)
         if kahan_comp:
