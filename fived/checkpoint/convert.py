@@ -36,7 +36,8 @@ def model_of(man: dict[str, Any]) -> ModelConfig:
 def whole_model(ckpt: Path, man: dict[str, Any], dtype: torch.dtype | None = None
                 ) -> dict[str, torch.Tensor]:
     """Every parameter of checkpoint ``ckpt`` whole, by fived name: the fp32 master where the
-    checkpoint has one, else the saved parameter; cast to ``dtype`` (None: as saved)."""
+    checkpoint has one, else the saved parameter (plus Kahan's c where saved); cast to
+    ``dtype`` (None: as saved)."""
     tensors = man["tensors"]
     names = sorted(k[len("model."):] for k in tensors if k.startswith("model."))
     dest = {}
@@ -44,6 +45,8 @@ def whole_model(ckpt: Path, man: dict[str, Any], dtype: torch.dtype | None = Non
         src = f"master.{n}" if f"master.{n}" in tensors else f"model.{n}"
         meta = tensors[src]
         dest[src] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
+        if f"comp.{n}" in tensors:  # --master-weights kahan: θ + c is the value it stands for
+            dest[f"comp.{n}"] = torch.empty(meta["shape"], dtype=torch.float32)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner(), no_dist=True)
@@ -51,6 +54,8 @@ def whole_model(ckpt: Path, man: dict[str, Any], dtype: torch.dtype | None = Non
     out = {}
     for n in names:
         t = dest[f"master.{n}"] if f"master.{n}" in dest else dest[f"model.{n}"]
+        if f"comp.{n}" in dest:
+            t = t.float() + dest[f"comp.{n}"]
         out[n] = t.to(dtype or saved)
     return out
 

@@ -4,14 +4,18 @@ global names and global shapes, so that any layout reads what any other wrote.
 What a checkpoint holds (``G`` = a parameter's global name, e.g. ``layers.3.mlp.up_proj.weight``):
 
     model.G          the parameter in the compute dtype           (every layout writes it)
-    master.G         its fp32 master (bf16/fp16 runs only)
-    optim.S.G        each element-wise optimizer state S of the engine's optimizer
-                     (AdamW: ``m``, ``v``), found generically in ``opt.state_dict()``
-    rng.torch.rankR  rank R's torch RNG state (restored when rank R exists on resume)
+    master.G         its fp32 master (bf16/fp16 runs with --master-weights fp32)
+    comp.G           Kahan's bf16 compensation c (--master-weights kahan)
+    optim.S.G        each optimizer state S, in G's global shape (element-wise: AdamW m, v;
+                     RowNorm m; Muon m, and v for its AdamW parameters) or as G's global row
+                     and column statistics (Adafactor R, C): ``fived.checkpoint.optimizer``
+    rng.torch.rankR  rank R's torch RNG state (restored when rank R exists on resume), and
+    rng.sr.rankR     its stochastic-rounding generator (--master-weights sr)
     manifest.json    step (= steps done = the learning-rate position and, since a batch is a
                      pure function of (seed, step), the data position), the data state
-                     (``Trainer.data_state``), the optimizer's scalar state (AdamW's t), the
-                     fp16 loss-scaler state, the configs, the tensors, the files' checksums
+                     (``Trainer.data_state``), the optimizer's type and step count t, the
+                     master-weights mode, the fp16 loss-scaler state, the configs, the
+                     tensors, the files' checksums
 
 Each rank contributes exactly the elements it owns: for every bucket of the data-parallel
 engine, the part of each parameter's tensor-/expert-parallel piece (``Placement``) that lies in
@@ -21,15 +25,17 @@ save, nothing is gathered to load: DCP intersects what each rank asks for with w
 
 Loading writes masters (or fp32 parameters) and optimizer states straight into the engine's
 owned shards, then ``engine.publish_params()`` rebuilds the compute-dtype parameters exactly as
-after an optimizer step (the all-gather of ZeRO-1/2). A run without masters (fp32) reads
-``master.G`` when the checkpoint has it (bf16 -> fp32) and ``model.G`` otherwise; a run with
-masters reads ``master.G`` or, from an fp32 (or imported) checkpoint, ``model.G``. A checkpoint
-without optimizer states (``fived import``) starts the optimizer fresh.
+after an optimizer step (the all-gather of ZeRO-1/2). The fp32 value of a parameter is
+``master.G`` when the checkpoint has it, else ``model.G`` (+ ``comp.G`` from a Kahan run). A run
+with an fp32 master (or fp32 parameters) takes that value; a run without a master
+(--master-weights none|sr|kahan) rounds it to bf16 — exact when it is a saved bf16 ``model.G``
+— and a Kahan run takes ``comp.G`` as saved, or what the rounding dropped (0 from a bf16 run).
+A checkpoint without optimizer states (``fived import``), or of another optimizer, starts the
+optimizer fresh; one of the same optimizer that lacks a state this run needs is refused.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 from ..config import ConfigError
 from . import storage as S
+from .optimizer import optim_entries, owned, scalars
 from .pieces import Pieces
 
 
@@ -75,68 +82,37 @@ class LoadPlanner(DefaultLoadPlanner):
 
 
 # ------------------------------------------------------------------ the rank's pieces
-def optimizer_states(opt: Any, n_buckets: int) -> tuple[dict[str, list[torch.Tensor]],
-                                                         dict[str, Any]]:
-    """(element-wise states by name: one flat tensor per bucket, scalar states by name) from the
-    optimizer's ``state_dict()`` — keys ``NAME.i`` whose tensor has bucket i's master shape are
-    element-wise; everything else is a scalar (JSON)."""
-    per: dict[str, list[Any]] = {}
-    scalars: dict[str, Any] = {}
-    for key, val in opt.state_dict().items():
-        m = re.match(r"^(.+)\.(\d+)$", key)
-        i = int(m.group(2)) if m else -1
-        if (m and torch.is_tensor(val) and 0 <= i < n_buckets
-                and val.shape == opt.params[i].shape):
-            per.setdefault(m.group(1), [None] * n_buckets)[i] = val
-        else:
-            scalars[key] = val.tolist() if torch.is_tensor(val) else val
-    return per, scalars
-
-
-def owned(engine: Any, placements: dict[str, Any]):
-    """(bucket index, global name, piece shape, shift, [a, c) piece-relative, [a, c) shard-
-    relative) for every parameter element range this rank owns."""
-    for i, b in enumerate(engine.buckets):
-        for j, lname in enumerate(b.names):
-            pl = placements[lname]
-            p = b.params[j]
-            off, n = b.offsets[j], p.numel()
-            a, c = max(off, b.lo), min(off + n, b.hi)
-            if a >= c:
-                continue
-            shape = tuple(p.shape)
-            shift = [0] * len(shape)
-            if pl.parts > 1:
-                shift[pl.dim] = pl.index * shape[pl.dim]
-            yield i, pl.name, tuple(pl.shape), shape, tuple(shift), (a - off, c - off), (
-                a - b.lo, c - b.lo)
-
-
-def _add(out: dict[str, Pieces], key: str, gshape, flat: torch.Tensor, shape, shift, prange,
-         srange) -> None:
-    pc = out.setdefault(key, Pieces(gshape, flat.dtype))
-    pc.add_range(flat[srange[0]:srange[1]], shape, shift, prange[0], prange[1])
+def _add(out: dict[str, Pieces], key: str, gshape, local: torch.Tensor, shape, shift, a: int,
+         c: int) -> None:
+    """Elements [a, c) of a piece of ``shape`` at ``shift``; ``local[0]`` is element a."""
+    pc = out.setdefault(key, Pieces(gshape, local.dtype))
+    pc.add_range(local, shape, shift, a, c)
 
 
 def rank_state(engine: Any, placements: dict[str, Any]) -> dict[str, Pieces]:
     """Every tensor this rank contributes to a checkpoint (views, nothing copied)."""
-    per, _ = optimizer_states(engine.opt, len(engine.buckets))
     separate = engine.policy.separate_master
     out: dict[str, Pieces] = {}
-    for i, g, gshape, shape, shift, prange, srange in owned(engine, placements):
+    for i, _, g, gshape, shape, shift, (a, c), (s0, s1) in owned(engine, placements):
         b = engine.buckets[i]
-        _add(out, f"model.{g}", gshape, b.param_shard, shape, shift, prange, srange)
+        _add(out, f"model.{g}", gshape, b.param_shard[s0:s1], shape, shift, a, c)
         if separate:
-            _add(out, f"master.{g}", gshape, b.master, shape, shift, prange, srange)
-        for sname, flats in per.items():
-            _add(out, f"optim.{sname}.{g}", gshape, flats[i], shape, shift, prange, srange)
+            _add(out, f"master.{g}", gshape, b.master[s0:s1], shape, shift, a, c)
+        if b.comp is not None:
+            _add(out, f"comp.{g}", gshape, b.comp[s0:s1], shape, shift, a, c)
+    for key, gshape, local, shape, shift, a, c in optim_entries(engine, placements):
+        _add(out, key, gshape, local, shape, shift, a, c)
     return out
 
 
-def rng_state() -> dict[str, torch.Tensor]:
+def rng_state(engine: Any = None) -> dict[str, torch.Tensor]:
+    """The RNG states a resume restores per rank: torch's (CPU, CUDA) and, with
+    ``--master-weights sr``, the stochastic-rounding generator's."""
     out = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state()
+    if engine is not None and engine.policy.in_place and engine.policy.master == "sr":
+        out["sr"] = engine.sr_gen.get_state()
     return out
 
 
@@ -166,7 +142,7 @@ class Saver:
         self.wait()
         t = self.trainer
         state: dict[str, Any] = dict(rank_state(t.engine, t.parallel.placements))
-        for k, v in rng_state().items():
+        for k, v in rng_state(t.engine).items():
             state[f"rng.{k}.rank{t.rank}"] = v.clone()
         man = manifest(t, done, mems)
         tmp = S.tmp_dir(self.root, done)
@@ -218,12 +194,12 @@ class _NoStage:
 
 def manifest(t: Any, done: int, mems: list[dict[str, int]] | None) -> dict[str, Any]:
     eng = t.engine
-    _, scalars = optimizer_states(eng.opt, len(eng.buckets))
     sc = getattr(eng, "scaler", None)
     return {
         "family": "fived", "step": done, "world": t.world,
         "config": {"model": asdict(t.cfg), "parallel": asdict(t.par), "train": asdict(t.tcfg)},
-        "optimizer": {"type": type(eng.opt).__name__, "scalars": scalars},
+        "optimizer": {"type": type(eng.opt).__name__, "scalars": scalars(eng.opt)},
+        "master_weights": eng.policy.master if eng.policy.compute != torch.float32 else "fp32",
         "loss_scaler": None if sc is None else {"scale": sc.scale, "good_steps": sc.good_steps,
                                                 "skipped": sc.skipped},
         "data": t.data_state(),
@@ -275,6 +251,11 @@ def check_compatible(man: dict[str, Any], expected: dict[str, tuple[int, ...]],
                            f"({len(bad)} tensor(s)):"] + bad[:40])
 
 
+def _zeros(b: Any) -> torch.Tensor:
+    """An fp32 buffer of bucket ``b``'s owned elements, on its device."""
+    return torch.zeros(b.hi - b.lo, device=b.param_shard.device)
+
+
 def load(trainer: Any, ckpt: str | Path) -> int:
     """Load checkpoint ``ckpt`` (a ``step-N`` directory) into this rank; the steps done."""
     t, eng = trainer, trainer.engine
@@ -283,29 +264,52 @@ def load(trainer: Any, ckpt: str | Path) -> int:
     expected = {pl.name: tuple(pl.shape) for pl in t.parallel.placements.values()}
     check_compatible(man, expected, t.cfg.is_moe, whole=False)
     tensors = man["tensors"]
-    per, _ = optimizer_states(eng.opt, len(eng.buckets))
     opt_man = man.get("optimizer") or {}
     same_opt = opt_man.get("type") == type(eng.opt).__name__  # else: a fresh optimizer state
-    src = "master" if any(k.startswith("master.") for k in tensors) else "model"
+    with_opt = same_opt and any(k.startswith("optim.") for k in tensors)
+    has_master = any(k.startswith("master.") for k in tensors)
+    has_comp = any(k.startswith("comp.") for k in tensors) and not has_master
+    src = "master" if has_master else "model"
+    pol = eng.policy
+    kahan_comp = has_comp and pol.in_place and pol.master == "kahan"  # c read as saved
     dest: dict[str, Any] = {}
-    for i, g, gshape, shape, shift, prange, srange in owned(eng, t.parallel.placements):
-        b = eng.buckets[i]
-        _add(dest, f"{src}.{g}", gshape, b.master, shape, shift, prange, srange)
-        for sname, flats in per.items():
-            if same_opt and f"optim.{sname}.{g}" in tensors:
-                _add(dest, f"optim.{sname}.{g}", gshape, flats[i], shape, shift, prange, srange)
+    # the fp32 value of the owned parameters: the master itself, or (no master: in place) a
+    # temporary that becomes the compute-dtype parameters below
+    value = [b.master if not pol.in_place else _zeros(b) for b in eng.buckets]
+    comp = [None if not has_comp or kahan_comp else _zeros(b) for b in eng.buckets]
+    for i, _, g, gshape, shape, shift, (a, c), (s0, s1) in owned(eng, t.parallel.placements):
+        _add(dest, f"{src}.{g}", gshape, value[i][s0:s1], shape, shift, a, c)
+        if kahan_comp:
+            _add(dest, f"comp.{g}", gshape, eng.buckets[i].comp[s0:s1], shape, shift, a, c)
+        elif has_comp:
+            _add(dest, f"comp.{g}", gshape, comp[i][s0:s1], shape, shift, a, c)
+    if with_opt:
+        entries = optim_entries(eng, t.parallel.placements)
+        missing = sorted({e[0] for e in entries if e[0] not in tensors})
+        if missing:
+            raise ConfigError([f"--resume: the checkpoint's {opt_man.get('type')} state lacks "
+                               f"{len(missing)} tensor(s) this run needs (written by an older "
+                               "fived?): " + ", ".join(missing[:8])])
+        for key, gshape, local, shape, shift, a, c in entries:
+            _add(dest, key, gshape, local, shape, shift, a, c)
     rng = {}
-    for k, v in rng_state().items():
+    for k, v in rng_state(eng).items():
         if f"rng.{k}.rank{t.rank}" in tensors:
             rng[k] = dest[f"rng.{k}.rank{t.rank}"] = torch.empty_like(v)
     dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner())
     with torch.no_grad():
+        for b, v, cv in zip(eng.buckets, value, comp):
+            if cv is not None:  # a Kahan checkpoint into a run without c: θ + c
+                v.add_(cv)
+            if pol.in_place:
+                b.param_shard.copy_(v)  # exact when v is a saved compute-dtype parameter
+                if b.comp is not None and not kahan_comp:  # c: what rounding v dropped
+                    b.comp.copy_(v - b.param_shard.float())
         eng.publish_params()
-    if same_opt and any(k.startswith("optim.") for k in tensors) and opt_man.get("scalars"):
-        sd = eng.opt.state_dict()
-        for k, v in opt_man["scalars"].items():
-            sd[k] = torch.tensor(v)
-        eng.opt.load_state_dict(sd)
+    if with_opt:
+        for k, v in (opt_man.get("scalars") or {}).items():
+            if k == "t":
+                eng.opt.t = int(v)
     sc = getattr(eng, "scaler", None)
     if sc is not None and man.get("loss_scaler"):
         sc.scale = float(man["loss_scaler"]["scale"])
@@ -315,5 +319,7 @@ def load(trainer: Any, ckpt: str | Path) -> int:
         torch.set_rng_state(rng["torch"])
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])
+    if "sr" in rng:
+        eng.sr_gen.set_state(rng["sr"])
     t.load_data_state(man.get("data") or {})
     return int(man["step"])

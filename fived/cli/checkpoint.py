@@ -48,16 +48,16 @@ def groups(tensors: dict[str, Any]) -> list[tuple[str, int, int]]:
 
 def ledger_rows(man: dict[str, Any]) -> list[tuple[int, float, float]]:
     """(rank, measured model-state bytes, the ledger's) for each rank that saved."""
-    from ..dist.grid import Grid
-    from ..ledger.memory import model_states
+    from ..ledger.verify import predict_rank
 
     m = ModelConfig(**man["config"]["model"])
     par = ParallelConfig(**{k: tuple(v) if isinstance(v, list) else v
                             for k, v in man["config"]["parallel"].items()})
+    train = man["config"].get("train", {})
+    opt, batch = train.get("optimizer", "adamw"), int(train.get("global_batch", 16))
     rows = []
     for r, mem in enumerate(man.get("memory_per_rank") or []):
-        pp = Grid.from_config(par, r).coords()["pp"]
-        led = model_states(m, par, pp)
+        led = predict_rank(m, par, batch, r, opt)[0]
         rows.append((r, float(sum(mem.get(k, 0) for k in KEYS)),
                      float(sum(led.get(k, 0) for k in KEYS))))
     return rows

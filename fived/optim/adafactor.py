@@ -29,6 +29,7 @@ EPS1 = 1e-30
 
 class Adafactor(ShardedOptimizer):
     name = "adafactor"
+    state_kinds = {"R": "rows", "C": "cols"}
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

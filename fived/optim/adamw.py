@@ -20,6 +20,8 @@ import torch
 
 
 class FlatAdamW:
+    flat_names = ("m", "v")  # what ``flat_state(i)`` holds, by name (checkpoints)
+
     def __init__(self, params: list[torch.Tensor], beta1: float, beta2: float, eps: float,
                  weight_decay: float, fused: bool | None = None):
         self.params = params  # fp32 tensors updated in place (masters, or the params themselves)

@@ -52,6 +52,8 @@ def is_muon(name: str, ndim: int) -> bool:
 
 class Muon(ShardedOptimizer):
     name = "muon"
+    flat_names = ("m",)
+    state_kinds = {"v": "owned"}
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

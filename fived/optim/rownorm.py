@@ -26,6 +26,7 @@ from .sharded import ShardedOptimizer
 
 class RowNorm(ShardedOptimizer):
     name = "rownorm"
+    flat_names = ("m",)
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

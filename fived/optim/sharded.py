@@ -28,6 +28,10 @@ def nbytes(ts: list[torch.Tensor]) -> int:
 
 class ShardedOptimizer:
     name = ""
+    flat_names: tuple[str, ...] = ()  # what ``flat_state(i)`` holds, by name (checkpoints)
+    # ``extra_state()`` keys are ``S.BUCKET.PARAM``; per S: "owned" (the owned elements of the
+    # piece), "rows"/"cols" (one value per row/column of the local matrix) (checkpoints)
+    state_kinds: dict[str, str] = {}
 
     def __init__(self, masters: list[torch.Tensor], buckets: list[BucketPieces], grid: Any,
                  train: Any, aligned_rows: bool = False):
