@@ -182,6 +182,9 @@ def test_train_rejects_bad_data_before_any_rank(corpus, tmp_path):
     assert r.returncode == 2 and f"the tokenizer has {n} symbols" in r.stderr, r.stderr
     r = fived("train", "--data", str(out), "--nprocs", "1", "--print-config")
     assert r.returncode == 0 and "vocab = 384" in r.stdout, r.stdout + r.stderr
+    (tmp_path / "f").write_text("")  # TensorBoard makes its directories, but not under a file
+    r = fived("train", "--tensorboard", str(tmp_path / "f" / "tb"), "--nprocs", "1")
+    assert r.returncode == 2 and "is a file, not a directory" in r.stderr, r.stderr
     with pytest.raises(ConfigError, match="not a prepared data directory"):
         read_meta(corpus)
 

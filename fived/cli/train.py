@@ -105,10 +105,13 @@ def main(argv: list[str]) -> int:
     if train.tensorboard:
         from pathlib import Path
 
-        parent = Path(train.tensorboard).resolve().parent
-        if not parent.is_dir():
-            raise ConfigError([f"--tensorboard {train.tensorboard}: directory {str(parent)!r} "
-                               f"does not exist"])
+        # TensorBoard makes the directory (and its parents) as log directories go; refuse only
+        # a path under a file, or a file where the directory would be
+        target = Path(train.tensorboard).resolve()
+        ancestor = next(p for p in (target, *target.parents) if p.exists())
+        if not ancestor.is_dir():
+            raise ConfigError([f"--tensorboard {train.tensorboard}: {str(ancestor)!r} is a file, "
+                               "not a directory"])
     if args.dry_run:
         return dry_run(model, par, train, args)
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
