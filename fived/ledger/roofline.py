@@ -14,6 +14,11 @@ sequence parallelism the norms and residuals see T/tp of them. Each operation is
            RoPE on q and k, SiLU·mul (read 2, write 1) or GELU (read, write), the embedding
            gather, the cross-entropy over the logits; backward moves twice the forward's bytes
 
+``ClockOptions`` states how the predicted runtime runs its kernels: ``fused_gemm`` (Megatron's
+linear_qkv and linear_fc1: q, k, v as one GEMM and SwiGLU's gate and up as one), ``fused_loss``
+(False: the unfused fp32 cross-entropy, ``LOSS_EAGER`` bytes per logit), ``fused`` (False:
+eager element-wise kernels, ``EAGER``), the attention kernel and what communication overlaps.
+
 plus ``overhead`` seconds per operation (kernel launch on a GPU). On this machine (``--gpu
 this-machine``) the eager runtime's own cost is measured instead, per block and per stage
 (``block_overhead``, ``stage_overhead``: a tiny model's forward and backward).
