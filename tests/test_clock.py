@@ -78,6 +78,22 @@ def test_block_flops_match_the_ledger_convention():
     assert attn == pytest.approx(4 * m.seq_len * m.seq_len * m.hidden / 2)  # causal halved
 
 
+def test_fused_gemms_keep_flops_and_unfused_loss_moves_more_bytes():
+    m = replace(PRESETS["llama3-8b"], seq_len=1024)
+    par = ParallelConfig(tp=2, sequence_parallel=True, precision="bf16")
+    sep = R.block_ops(m, par, 1, R.ClockOptions())["fwd"]
+    fus = R.block_ops(m, par, 1, R.ClockOptions(fused_gemm=True))["fwd"]
+    flops = [sum(o.flops for o in ops if o.kind == "gemm") for ops in (sep, fus)]
+    assert flops[0] == pytest.approx(flops[1])
+    assert {o.name for o in fus} >= {"qkv", "mlp.gate_up"} and "q" not in {o.name for o in fus}
+    fused = R.stage_extra_ops(m, par, 1, False, True, R.ClockOptions())
+    eager = R.stage_extra_ops(m, par, 1, False, True, R.ClockOptions(fused_loss=False))
+    loss = [next(o for o in x["fwd"] if o.name == "loss") for x in (fused, eager)]
+    t, v = 1024, m.vocab / 2
+    assert loss[0].bytes == t * v * 6 and loss[1].bytes == t * v * (2 + 36)
+    assert loss[1].count == 6
+
+
 def test_tp_cuts_the_gemms_and_recompute_adds_a_forward():
     m = PRESETS["llama3-8b"]
     base = ParallelConfig(precision="bf16")
@@ -123,9 +139,11 @@ def test_runs_table_has_a_source_for_every_row():
 def test_validate_reports_the_fit_honestly():
     checks = V.check_all()
     s = V.summary(checks)
-    # the targets: median <= 3 points, worst <= 8; the worst run misses it (docs/ledger.md)
+    # the targets: median <= 3 points, worst <= 8. The median is met (2.5); the worst is not:
+    # 9.2 (mcore-32b, whose fp32 reduce-scatter on one NIC per rank cannot hide behind one
+    # micro-batch's backward; docs/ledger.md). The bound is what is true, not the target.
     assert s["median_abs_error_points"] <= 3.0
-    assert s["worst_abs_error_points"] <= 11.0
+    assert s["worst_abs_error_points"] <= 9.5
     # the published tokens/s follow from the source's own FLOP convention
     c = next(c for c in checks if c.run.name == "mcore-1.7b")
     assert c.run.tflops_per_gpu / 989 == pytest.approx(c.run.mfu, abs=0.005)

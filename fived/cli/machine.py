@@ -47,32 +47,41 @@ def _time(fn, seconds: float, trials: int = 5) -> float:
     return statistics.median(out)
 
 
-def sweep(seconds: float = 0.03, shapes: list | None = None) -> dict:
-    """Timings on this process: [(M, N, K, s)] and the add's bytes/s."""
+def sweep(seconds: float = 0.03, shapes: list | None = None, sync=None) -> dict:
+    """Timings on this process: [(M, N, K, s)] and the add's bytes/s. ``sync`` (a barrier
+    over the probing ranks) runs before each timing, so every rank times the same kernel at
+    the same moment: the contention ``fived train``'s ranks see, not a staggered share of it."""
     import torch
+
+    sync = sync or (lambda: None)
 
     g = torch.Generator().manual_seed(0)
     one = torch.ones(1, 1)
+    sync()
     overhead = _time(lambda: one @ one, seconds)
     rows = []
     for m, n, k in shapes or SHAPES:
         a = torch.randn(m, k, generator=g)
         b = torch.randn(k, n, generator=g)
+        sync()
         rows.append((m, n, k, _time(lambda a=a, b=b: a @ b, seconds)))
     x = torch.randn(8 * 2**20, generator=g)
     y = torch.randn(8 * 2**20, generator=g)
+    sync()
     bw = 3 * x.numel() * 4 / _time(lambda: x.add_(y), seconds * 3)
     return {"rows": rows, "bw": bw, "overhead": overhead}
 
 
 def _rank_sweep(rank: int, world: int, seconds: float, shapes: list | None) -> dict:
-    out = sweep(seconds, shapes)
+    import torch.distributed as dist
+
+    out = sweep(seconds, shapes, dist.barrier)
     if shapes is None:
-        out["framework"] = framework_overhead(seconds)
+        out["framework"] = framework_overhead(seconds, dist.barrier)
     return out
 
 
-def framework_overhead(seconds: float = 0.03) -> tuple[float, float]:
+def framework_overhead(seconds: float = 0.03, sync=None) -> tuple[float, float]:
     """(per block, per stage) seconds of the runtime model's forward + backward beyond its
     kernels: ``fived.model`` at a tiny width (2 tokens, hidden 8) with 1 and 3 blocks, where
     every kernel is ~free and what remains is dispatch and autograd."""
@@ -92,6 +101,8 @@ def framework_overhead(seconds: float = 0.03) -> tuple[float, float]:
         def step(model=model, x=x, pos=pos):
             model(x, pos, x).backward()
 
+        if sync is not None:
+            sync()
         times[layers] = _time(step, seconds * 2)
     block = max((times[3] - times[1]) / 2, 0.0)
     return block, max(times[1] - block, 0.0)

@@ -74,8 +74,8 @@ class Hardware:
 # fitted. B200 and RTX PRO 6000 take the Hopper values unvalidated: no public run of theirs is
 # in the table.
 FIT = {"gemm_d0": 64.0, "attn_eff": 0.35, "mem_eff": 0.80, "overhead": 4e-6}
-HOPPER = {**FIT, "gemm_eff": 0.65}  # fitted on the Megatron-Core H100 rows
-AMPERE = {**FIT, "gemm_eff": 0.80}  # fitted on the Narayanan et al. 2021 A100 rows
+HOPPER = {**FIT, "gemm_eff": 0.70}  # fitted on the Megatron-Core H100 rows (--refit)
+AMPERE = {**FIT, "gemm_eff": 0.75}  # fitted on the Narayanan et al. 2021 A100 rows (--refit)
 
 PRESETS: dict[str, Hardware] = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1979 with sparsity), 67 TFLOP/s FP32,

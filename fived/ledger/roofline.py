@@ -14,6 +14,11 @@ sequence parallelism the norms and residuals see T/tp of them. Each operation is
            RoPE on q and k, SiLU·mul (read 2, write 1) or GELU (read, write), the embedding
            gather, the cross-entropy over the logits; backward moves twice the forward's bytes
 
+``ClockOptions`` states how the predicted runtime runs its kernels: ``fused_gemm`` (Megatron's
+linear_qkv and linear_fc1: q, k, v as one GEMM and SwiGLU's gate and up as one), ``fused_loss``
+(False: the unfused fp32 cross-entropy, ``LOSS_EAGER`` bytes per logit), ``fused`` (False:
+eager element-wise kernels, ``EAGER``), the attention kernel and what communication overlaps.
+
 plus ``overhead`` seconds per operation (kernel launch on a GPU). On this machine (``--gpu
 this-machine``) the eager runtime's own cost is measured instead, per block and per stage
 (``block_overhead``, ``stage_overhead``: a tiny model's forward and backward).
@@ -57,12 +62,26 @@ class ClockOptions:
     tp_overlap: bool = False  # TP collectives hidden behind the GEMMs (Megatron --tp-comm-overlap)
     fused: bool = True  # element-wise work in fused kernels (GPU stacks); False: eager PyTorch
     comm_overlap: bool = True  # False: communication shares the compute's cores (a CPU), exposed
+    # Megatron's linear_qkv and linear_fc1: q, k, v as one GEMM (N = q + 2·kv columns) and
+    # SwiGLU's gate and up as one (N = 2·ffn/tp); False: separate GEMMs (fived, torchtitan)
+    fused_gemm: bool = False
+    # the cross-entropy as one fused kernel (read the logits, write fp32 log-probabilities);
+    # False: Megatron's unfused vocab-parallel cross-entropy (its --cross-entropy-loss-fusion
+    # is opt-in) or eager PyTorch: see ``LOSS_EAGER``
+    fused_loss: bool = True
 
 
 # Eager PyTorch (the fived runtime on a CPU) runs each element-wise step as its own kernel:
 # (kernels, bytes as a multiple of the fused kernel's) per forward op, e.g. RMSNorm = pow,
 # mean, rsqrt·mul, ·gain; RoPE = two muls, the half rotation (slice, neg, cat) and an add.
 EAGER = {"norms": (4, 3.0), "rope": (6, 3.0), "mlp.act": (2, 5 / 3), "residual": (1, 1.0)}
+
+
+# The unfused cross-entropy's bytes per logit (e: the logits' dtype bytes), pass by pass
+# (Megatron-Core tensor_parallel/cross_entropy.py): forward = cast to fp32 (e + 4), max (4),
+# subtract in place (8), exp in place (8), sum (4), divide in place (8); backward = scale by
+# the loss gradient in place (8), cast back (4 + e). (kernels, bytes(e)) forward and backward.
+LOSS_EAGER = {"fwd": (6, lambda e: e + 36), "bwd": (2, lambda e: e + 12)}
 
 
 def dtype_bytes(par: ParallelConfig) -> int:
@@ -142,8 +161,11 @@ def block_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions
     h, d = m.hidden, m.head_dim
     hq = m.heads * d / tp
     hkv = m.kv_heads * d / min(tp, m.kv_heads)
-    gemms = [_gemm("q", t, hq, h, e), _gemm("k", t, hkv, h, e), _gemm("v", t, hkv, h, e),
-             _gemm("o", t, h, hq, e)]
+    if opts.fused_gemm:
+        gemms = [_gemm("qkv", t, hq + 2 * hkv, h, e), _gemm("o", t, h, hq, e)]
+    else:
+        gemms = [_gemm("q", t, hq, h, e), _gemm("k", t, hkv, h, e), _gemm("v", t, hkv, h, e),
+                 _gemm("o", t, h, hq, e)]
     act = 0.0
     if m.is_moe:
         f = m.expert_ffn
@@ -161,12 +183,16 @@ def block_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions
             act += 3 * e * t * f / tp
     else:
         f = m.ffn / tp
-        if m.mlp == "swiglu":
-            gemms.append(_gemm("mlp.gate", t, f, h, e))
+        if m.mlp == "swiglu" and opts.fused_gemm:
+            gemms.append(_gemm("mlp.gate_up", t, 2 * f, h, e))
+            act += 3 * e * t * f
+        elif m.mlp == "swiglu":
+            gemms += [_gemm("mlp.gate", t, f, h, e), _gemm("mlp.up", t, f, h, e)]
             act += 3 * e * t * f
         else:
+            gemms.append(_gemm("mlp.up", t, f, h, e))
             act += 2 * e * t * f
-        gemms += [_gemm("mlp.up", t, f, h, e), _gemm("mlp.down", t, h, f, e)]
+        gemms.append(_gemm("mlp.down", t, h, f, e))
     core = _attention_ops(m, par, b, opts, e)
     mems = [_mem("norms", 2 * 2 * e * t_sp * h, 2), _mem("residual", 2 * 3 * e * t_sp * h, 2),
             _mem("mlp.act", act)]
@@ -206,8 +232,8 @@ def _attention_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptio
     return {"fwd": fwd, "bwd": bwd}
 
 
-def stage_extra_ops(m: ModelConfig, par: ParallelConfig, b: int, first: bool, last: bool
-                    ) -> dict[str, list[Op]]:
+def stage_extra_ops(m: ModelConfig, par: ParallelConfig, b: int, first: bool, last: bool,
+                    opts: ClockOptions | None = None) -> dict[str, list[Op]]:
     """The embedding (first stage) and the final norm, head and loss (last stage)."""
     e = dtype_bytes(par)
     t = b * m.seq_len / par.cp
@@ -219,10 +245,14 @@ def stage_extra_ops(m: ModelConfig, par: ParallelConfig, b: int, first: bool, la
     if last:
         v = m.vocab / par.tp
         head = _gemm("head", t, v, m.hidden, e)
-        fwd += [_mem("final_norm", 2 * e * t * m.hidden), head,
-                _mem("loss", t * v * (e + 4))]  # read the logits, write fp32 log-probabilities
-        bwd += [_mem("final_norm.bwd", 4 * e * t * m.hidden), *_gemm_bwd(head, e),
-                _mem("loss.bwd", t * v * (4 + e))]
+        fused = opts is None or (opts.fused_loss and opts.fused)
+        # fused: read the logits, write fp32 log-probabilities (and back)
+        lf = _mem("loss", t * v * (e + 4)) if fused else _mem(
+            "loss", t * v * LOSS_EAGER["fwd"][1](e), LOSS_EAGER["fwd"][0])
+        lb = _mem("loss.bwd", t * v * (4 + e)) if fused else _mem(
+            "loss.bwd", t * v * LOSS_EAGER["bwd"][1](e), LOSS_EAGER["bwd"][0])
+        fwd += [_mem("final_norm", 2 * e * t * m.hidden), head, lf]
+        bwd += [_mem("final_norm.bwd", 4 * e * t * m.hidden), *_gemm_bwd(head, e), lb]
     return {"fwd": fwd, "bwd": bwd}
 
 
@@ -253,7 +283,7 @@ def _micro_batch_times(m: ModelConfig, par: ParallelConfig, b: int, hw: Hardware
                        first: bool, last: bool, opts: ClockOptions) -> dict[str, float]:
     p = par.precision
     blk = block_ops(m, par, b, opts)
-    ext = stage_extra_ops(m, par, b, first, last)
+    ext = stage_extra_ops(m, par, b, first, last, opts)
     f_blk = _seconds(blk["fwd"], hw, p)
     b_blk = _seconds(blk["bwd"], hw, p)
     core = _seconds(blk["core_fwd"], hw, p)

@@ -114,7 +114,9 @@ def load(path: Path | str = RUNS) -> list[Run]:
         pub = row["published"]
         clock = R.ClockOptions(attention=kv.get("attention", "flash"),
                                tp_overlap=kv.get("tp_overlap", False),
-                               fused=kv.get("fused", True))
+                               fused=kv.get("fused", True),
+                               fused_gemm=kv.get("fused_gemm", False),
+                               fused_loss=kv.get("fused_loss", True))
         out.append(Run(row["name"], row["family"], fam["source"], fam["gpu"], m, par,
                        row["gpus"], row["global_batch"], clock, kv.get("flops", "model"),
                        pub["tflops_per_gpu"], pub["mfu"], pub.get("memory_gb"),
