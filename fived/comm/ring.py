@@ -51,7 +51,7 @@ _ACC = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 #: bytes per pipelined piece: a chunk travels as pieces of about this size, so that the next
 #: member reduces (and forwards) one piece while the following one is still on the wire
-PIECE_BYTES = 1 << 19
+PIECE_BYTES = 1 << 21
 #: receives are posted this many steps ahead of the one being reduced
 WINDOW_STEPS = 2
 
