@@ -102,7 +102,7 @@ class Trainer:
             raise ConfigError([f"--data {t.data}: the tokenizer has {data.vocab} symbols but "
                                f"the model's vocab is {self.cfg.vocab}"])
         kw = dict(seq_len=self.cfg.seq_len, batch=t.global_batch, seed=t.seed, replica=b.rank,
-                  replicas=b.size, device=getattr(self, "device", None))  # the rank's device
+                  replicas=b.size, device=self.device)
         self.loader = Loader(data, "train", prefetch=t.prefetch, **kw)
         if t.eval_every:
             self.eval_loader = Loader(data, "val", shuffle=False, **kw)
