@@ -85,7 +85,7 @@ def check_cluster(args: argparse.Namespace) -> None:
 
 
 def hardware(args: argparse.Namespace, ranks: int = 1, shapes: list | None = None,
-             par=None):
+             par=None, model=None, micro_batch: int = 0):
     """The preset, or for ``this-machine`` a measured one (``fived.cli.machine``; ``shapes``:
     the layout's GEMMs, timed as they will run)."""
     from ..ledger import hardware as H
@@ -93,7 +93,8 @@ def hardware(args: argparse.Namespace, ranks: int = 1, shapes: list | None = Non
     if args.gpu == "this-machine":
         from .machine import this_machine
 
-        return this_machine(args.bench_json, ranks=ranks, shapes=shapes, par=par)
+        return this_machine(args.bench_json, ranks=ranks, shapes=shapes, par=par,
+                            model=model, micro_batch=micro_batch)
     return H.get(args.gpu, args.bench_json)
 
 
@@ -203,7 +204,9 @@ def main(argv: list[str]) -> int:
         print(f"fived ledger: measuring this machine on {world} rank(s) ...", flush=True,
               file=sys.stderr)
         shapes = gemm_shapes(m, par, micro_batch_size(par, gb), clock_options(args))
-    hw = hardware(args, world, shapes, par if args.gpu == "this-machine" else None)
+    probe = args.gpu == "this-machine"
+    hw = hardware(args, world, shapes, par if probe else None, m if probe else None,
+                  micro_batch_size(par, gb) if probe else 0)
     gpn = args.gpus_per_node or hw.gpus_per_node
     from ..ledger import memory as M
 

@@ -26,6 +26,9 @@ import statistics
 import time
 from dataclasses import replace
 
+from . import kernels
+from .kernels import FLUSH_FLOATS, _time_cold
+
 SHAPES = [(m, n, k) for m in (128, 512, 2048) for n, k in ((64, 128), (128, 128), (352, 128),
                                                           (128, 352), (128, 2048))]
 SHAPES += [(128, 128, 16), (128, 16, 128), (2048, 256, 128)]
@@ -60,11 +63,16 @@ def sweep(seconds: float = 0.03, shapes: list | None = None, sync=None) -> dict:
     sync()
     overhead = _time(lambda: one @ one, seconds)
     rows = []
+    flush = torch.empty(FLUSH_FLOATS) if shapes else None
     for m, n, k in shapes or SHAPES:
         a = torch.randn(m, k, generator=g)
         b = torch.randn(k, n, generator=g)
         sync()
-        rows.append((m, n, k, _time(lambda a=a, b=b: a @ b, seconds)))
+        t = _time(lambda a=a, b=b: a @ b, seconds)
+        if shapes:  # a layout's GEMM inside a step: between hot and cold (fived.cli.kernels)
+            sync()
+            t = (t + _time_cold(lambda a=a, b=b: a @ b, flush)) / 2
+        rows.append((m, n, k, t))
     x = torch.randn(8 * 2**20, generator=g)
     y = torch.randn(8 * 2**20, generator=g)
     sync()
@@ -72,12 +80,15 @@ def sweep(seconds: float = 0.03, shapes: list | None = None, sync=None) -> dict:
     return {"rows": rows, "bw": bw, "overhead": overhead}
 
 
-def _rank_sweep(rank: int, world: int, seconds: float, shapes: list | None) -> dict:
+def _rank_sweep(rank: int, world: int, seconds: float, shapes: list | None,
+                layout: tuple | None = None) -> dict:
     import torch.distributed as dist
 
     out = sweep(seconds, shapes, dist.barrier)
     if shapes is None:
         out["framework"] = framework_overhead(seconds, dist.barrier)
+    if layout is not None:
+        out["eager"] = kernels.measure(*layout, sync=dist.barrier)
     return out
 
 
@@ -155,51 +166,83 @@ def step_overhead(par, steps: int = 5) -> float | None:
     return statistics.median(secs)
 
 
+def time_sharing(ranks: int, threads: int, cores: int) -> tuple[int, float]:
+    """(probing processes, stretch) for ``ranks`` ranks of ``threads`` threads on ``cores``.
+    More ranks × threads than cores run time-shared; a short timing would catch a process
+    alone on its core, so the probes run as many processes as the cores hold and every
+    measured time is stretched by the oversubscription."""
+    return max(1, min(ranks, cores // threads)), max(1.0, ranks * threads / cores)
+
+
 def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float = 0.03,
-                 shapes: list | None = None, par=None):
+                 shapes: list | None = None, par=None, model=None, micro_batch: int = 0):
     """The measured preset (``fived.ledger.hardware.Hardware``) for ``ranks`` local ranks;
     with ``shapes`` (``roofline.gemm_shapes`` of a layout) those GEMMs are timed too and kept
     as the preset's ``gemm_table``."""
-    from ..dist.launch import run_local
+    import os
+
+    from ..dist.launch import run_local, threads_per_rank
     from ..ledger import hardware as H
 
     base = H.this_machine(bench_json)
-    if ranks > 1:
-        outs = run_local(_rank_sweep, ranks, (seconds, None), timeout=300.0)
-        tabs = run_local(_rank_sweep, ranks, (seconds, shapes), timeout=300.0) if shapes else []
+    traced = model is not None and par is not None and micro_batch > 0 and kernels.traceable(
+        model, par)
+    layout = (model, par, micro_batch, seconds / 2) if traced else None
+    probes, share = time_sharing(ranks, threads_per_rank(ranks), os.cpu_count() or 1)
+    if probes > 1:
+        outs = run_local(_rank_sweep, probes, (seconds, None), timeout=300.0)
+        tabs = run_local(_rank_sweep, probes, (seconds, shapes, layout), timeout=600.0
+                         ) if shapes else []
     else:
         import torch
 
-        from ..dist.launch import threads_per_rank
-
         old = torch.get_num_threads()
-        torch.set_num_threads(threads_per_rank(1))
+        torch.set_num_threads(threads_per_rank(ranks))
         try:
             outs = [sweep(seconds)]
             outs[0]["framework"] = framework_overhead(seconds)
             tabs = [sweep(seconds, shapes)] if shapes else []
+            if tabs and layout is not None:
+                tabs[0]["eager"] = kernels.measure(*layout)
         finally:
             torch.set_num_threads(old)
     n = len(SHAPES)
-    rows = [(*SHAPES[i], statistics.median(o["rows"][i][3] for o in outs)) for i in range(n)]
-    fit = fit_gemm(rows, statistics.median(o["overhead"] for o in outs))
-    bw = statistics.median(o["bw"] for o in outs)
-    table = tuple((*shapes[i], statistics.median(o["rows"][i][3] for o in tabs))
+    rows = [(*SHAPES[i], share * statistics.median(o["rows"][i][3] for o in outs))
+            for i in range(n)]
+    fit = fit_gemm(rows, share * statistics.median(o["overhead"] for o in outs))
+    bw = statistics.median(o["bw"] for o in outs) / share
+    table = tuple((*shapes[i], share * statistics.median(o["rows"][i][3] for o in tabs))
                   for i in range(len(shapes))) if shapes else ()
-    block = statistics.median(o["framework"][0] for o in outs)
-    stage = statistics.median(o["framework"][1] for o in outs)
+    block = share * statistics.median(o["framework"][0] for o in outs)
+    stage = share * statistics.median(o["framework"][1] for o in outs)
+    eager: tuple = ()
+    if tabs and "eager" in tabs[0]:
+        eager = tuple(share * statistics.median(v) for v in zip(*(kernels.as_tuple(o["eager"])
+                                                                   for o in tabs)))
+        # each timed kernel carries its own dispatch: leave only the rest (autograd, Python)
+        calls = statistics.median(o["eager"]["kernels"] for o in tabs)
+        block = max(0.0, block - calls * fit["overhead"])
     step = step_overhead(par) if par is not None else None
     # the probe's own block and stage run every micro-batch: what is left is per step
     step = max(0.0, step - par.micro_batches * (block + stage)) if step is not None else 0.0
     return replace(base, gemm_table=table, block_overhead=block, stage_overhead=stage,
-                   step_overhead=step,
+                   step_overhead=step, eager=eager,
                    peak_flops=fit["peak"], peak_fp32=fit["peak"], gemm_eff=1.0,
                    gemm_d0=fit["d0"], overhead=0.0, hbm_bw=bw, mem_eff=1.0,
                    attn_eff=1.0, cores=ranks,
-                   note=base.note + f"; fp32 matmul sweep on {ranks} rank(s): ceiling "
+                   note=base.note + f"; fp32 matmul sweep on {probes} process(es) for "
+                   f"{ranks} rank(s)" + (f" (time-shared: × {share:g})" if share > 1 else "")
+                   + f": ceiling "
                    f"{fit['peak'] / 1e9:.1f} GFLOP/s, d0 {fit['d0']:g}, "
                    f"{fit['overhead'] * 1e6:.1f} µs per matmul call (median error "
                    f"{fit['error']:.0%}); runtime overhead {block * 1e3:.2f} ms per block, "
                    f"{stage * 1e3:.2f} ms per stage, {step * 1e3:.1f} ms per step; "
                    f"memory {bw / 1e9:.1f} GB/s"
-                   + (f"; {len(table)} GEMM shapes of the layout timed" if table else ""))
+                   + (f"; {len(table)} GEMM shapes of the layout timed" if table else "")
+                   + (f"; eager kernels traced and timed: {eager_note(eager)}" if eager
+                      else ""))
+
+
+def eager_note(e: tuple) -> str:
+    return (f"block attention {e[0] * 1e3:.2f}+{e[1] * 1e3:.2f} ms, element-wise "
+            f"{e[2] * 1e3:.2f}+{e[3] * 1e3:.2f} ms (forward+backward per micro-batch)")

@@ -56,6 +56,11 @@ class Hardware:
     block_overhead: float = 0.0
     stage_overhead: float = 0.0
     step_overhead: float = 0.0  # this-machine: the trainer's per-step cost outside the model
+    # this-machine: the eager runtime's non-GEMM kernels traced and timed at the layout's
+    # shapes (fived.cli.kernels), seconds per micro-batch: block attention fwd, bwd,
+    # block element-wise fwd, bwd, first-stage extras fwd, bwd, last-stage extras fwd, bwd.
+    # When set, they replace the roofline's attention and memory-bound ops.
+    eager: tuple[float, ...] = ()
 
     def as_dict(self) -> dict:
         return asdict(self)

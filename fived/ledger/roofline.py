@@ -284,6 +284,8 @@ def _micro_batch_times(m: ModelConfig, par: ParallelConfig, b: int, hw: Hardware
     p = par.precision
     blk = block_ops(m, par, b, opts)
     ext = stage_extra_ops(m, par, b, first, last, opts)
+    if hw.eager:
+        return _eager_times(blk, ext, hw, p, par, layers, first, last)
     f_blk = _seconds(blk["fwd"], hw, p)
     b_blk = _seconds(blk["bwd"], hw, p)
     core = _seconds(blk["core_fwd"], hw, p)
@@ -298,6 +300,37 @@ def _micro_batch_times(m: ModelConfig, par: ParallelConfig, b: int, hw: Hardware
         "memory_bound": layers * (_seconds(blk["fwd"], hw, p, "mem")
                                   + _seconds(blk["bwd"], hw, p, "mem")),
     }
+    return _with_recompute(out, par, layers, f_blk)
+
+
+def _eager_times(blk: dict, ext: dict, hw: Hardware, p: str, par: ParallelConfig, layers: int,
+                 first: bool, last: bool) -> dict[str, float]:
+    """this-machine with ``hw.eager``: the GEMMs from the table (the attention's materialised
+    GEMMs excluded: the runtime's attention is one measured kernel), everything else as
+    measured (``fived.cli.kernels``), plus the runtime's dispatch per block and stage."""
+    a_f, a_b, e_f, e_b, first_f, first_b, last_f, last_b = hw.eager
+
+    def gemms(ops):
+        return sum(op_seconds(o, hw, p) for o in ops
+                   if o.kind == "gemm" and not o.name.startswith("attn."))
+
+    g_f, g_b = gemms(blk["fwd"]), gemms(blk["bwd"])
+    over = layers * hw.block_overhead + (hw.stage_overhead if first or last else 0.0)
+    x_f = (first_f if first else 0.0) + (last_f if last else 0.0) + gemms(ext["fwd"])
+    x_b = (first_b if first else 0.0) + (last_b if last else 0.0) + gemms(ext["bwd"])
+    f_blk = g_f + a_f + e_f
+    out = {
+        "fwd": layers * f_blk + x_f + over / 3,
+        "bwd": layers * (g_b + a_b + e_b) + x_b + 2 * over / 3,
+        "attn_core": layers * a_f,
+        "gemm": layers * (g_f + g_b),
+        "memory_bound": layers * (e_f + e_b),
+    }
+    return _with_recompute(out, par, layers, f_blk)
+
+
+def _with_recompute(out: dict[str, float], par: ParallelConfig, layers: int, f_blk: float
+                    ) -> dict[str, float]:
     if par.recompute == "full":
         out["recompute"] = layers * f_blk
     elif par.recompute == "selective":

@@ -1,0 +1,95 @@
+"""`--gpu this-machine`'s traced kernels (fived.cli.kernels) and how the clock uses them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from fived.cli import kernels as K
+from fived.cli.machine import time_sharing
+from fived.config import ModelConfig, ParallelConfig
+from fived.ledger import hardware as H
+from fived.ledger import roofline as R
+
+TINY = ModelConfig(name="tiny-probe", vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64,
+                   seq_len=16)
+PAR = ParallelConfig()
+
+
+def _per_block(tr, phase, kind):
+    one, two = tr[phase + "1"], tr[phase + "2"]
+    return sum(n - one.get(k, 0) for k, n in two.items() if K._kind(k[0]) == kind)
+
+
+def test_trace_finds_one_blocks_gemms_and_its_attention():
+    tr = K.trace(TINY, PAR, 2)
+    # q, k, v, o, gate, up, down: 7 GEMMs forward, their dX and dW backward
+    assert _per_block(tr, "fwd", "gemm") == 7
+    assert _per_block(tr, "bwd", "gemm") == 14
+    assert _per_block(tr, "fwd", "attn") == 1 and _per_block(tr, "bwd", "attn") == 1
+    assert _per_block(tr, "fwd", "ew") > 10  # norms, RoPE, SiLU·mul, residuals
+    # the head is the one GEMM outside the blocks, in the forward
+    stage = sum(n - 2 * (n - tr["fwd1"].get(k, 0)) for k, n in tr["fwd2"].items()
+                if K._kind(k[0]) == "gemm")
+    assert stage == 1
+
+
+def test_every_traced_op_is_timed():
+    out = K.measure(TINY, PAR, 2, seconds=0.002)
+    assert out["untimed"] == 0
+    e = K.as_tuple(out)
+    assert len(e) == 8 and all(t > 0 for t in e)
+    assert out["kernels"] > 21
+
+
+def test_only_whole_blocks_are_traced():
+    assert K.traceable(TINY, PAR)
+    assert not K.traceable(TINY, ParallelConfig(tp=2))
+    assert not K.traceable(TINY, ParallelConfig(cp=2))
+
+
+def test_the_clock_takes_the_measured_kernels_in_place_of_attention_and_bytes():
+    hw = replace(H.PRESETS["h100-sxm"], overhead=0.0)
+    eager = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+    opts = R.ClockOptions(attention="materialised", fused=False, comm_overlap=False)
+    plain = R.micro_batch_times(TINY, PAR, 2, hw, 2, True, True, opts)
+    got = R.micro_batch_times(TINY, PAR, 2, replace(hw, eager=eager), 2, True, True, opts)
+    blk = R.block_ops(TINY, PAR, 2, opts)
+    ext = R.stage_extra_ops(TINY, PAR, 2, True, True, opts)
+
+    def gemms(ops):
+        return sum(R.op_seconds(o, hw, "fp32") for o in ops
+                   if o.kind == "gemm" and not o.name.startswith("attn."))
+
+    assert got["fwd"] == pytest.approx(2 * (gemms(blk["fwd"]) + 1.0 + 3.0) + 5.0 + 7.0
+                                       + gemms(ext["fwd"]))
+    assert got["bwd"] == pytest.approx(2 * (gemms(blk["bwd"]) + 2.0 + 4.0) + 6.0 + 8.0
+                                       + gemms(ext["bwd"]))
+    assert got["memory_bound"] == pytest.approx(2 * (3.0 + 4.0))
+    assert got["attn_core"] == pytest.approx(2 * 1.0)
+    assert plain["fwd"] < 1.0  # without them: the roofline's own count
+    middle = R.micro_batch_times(TINY, PAR, 2, replace(hw, eager=eager), 2, False, False, opts)
+    assert middle["fwd"] == pytest.approx(2 * (gemms(blk["fwd"]) + 1.0 + 3.0))
+
+
+@pytest.mark.parametrize("ranks,threads,cores,want", [
+    (1, 2, 2, (1, 1.0)), (2, 1, 2, (2, 1.0)), (4, 1, 2, (2, 2.0)), (3, 1, 2, (2, 1.5)),
+    (8, 2, 16, (8, 1.0))])
+def test_time_sharing_stretches_only_oversubscribed_ranks(ranks, threads, cores, want):
+    assert time_sharing(ranks, threads, cores) == want
+
+
+def test_ledger_this_machine_carries_the_traced_kernels():
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "fived", "ledger", "--model", "tiny", "--gpu",
+                        "this-machine", "--gpus", "2", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert len(doc["hardware"]["eager"]) == 8 and all(t > 0 for t in doc["hardware"]["eager"])
+    assert "eager kernels traced and timed" in doc["hardware"]["note"]
+    assert doc["time"]["step_seconds"] > 0
