@@ -2,10 +2,10 @@
 
 The prediction and the run are measured back to back, twice, in the same time window (the
 machine's load changes by the minute), and the medians compared: within 20 % for 1, 2 and 4
-ranks of `small`. Marked slow: on the shared 2-core machine (load average ~25 while eight
-sessions work) one run's step time swings by 2× from step to step, and a single rank's two
-threads are descheduled mid-matmul, so the check is only meaningful on a quiet machine; see
-docs/ledger.md for the numbers measured so far.
+ranks of `small`. On the quiet machine it passed at 1.01, 1.08 and 0.95 (docs/ledger.md).
+Marked slow: on the shared 2-core machine under load (load average ~25 while eight sessions
+work) one run's step time swings by 2× from step to step, so the check means something only
+on a quiet machine.
 """
 
 from __future__ import annotations

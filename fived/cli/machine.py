@@ -14,7 +14,13 @@ each with the runtime's threads per rank), each process times
   per-op ``overhead`` is then 0: it is inside these and inside the timed GEMMs);
 * with a layout (``par``, from ``fived ledger``): ``fived train``'s own step of a one-block
   width-8 model in that layout, less its block and stage: the trainer's per-step cost
-  outside the model (data slicing, gradient reduction and clipping, the optimizer's Python).
+  outside the model (data slicing, gradient reduction and clipping, the optimizer's Python);
+* with a model too: the layout's GEMMs, and every other kernel of the runtime's forward and
+  backward (``fived.cli.kernels``), each at its shape, as the midpoint of a hot and a cold
+  (caches flushed) timing; the dispatch those carry is taken off the per-block cost.
+
+With more ranks × threads than cores the probes run on as many processes as the cores hold,
+and every time is stretched by the oversubscription (``time_sharing``).
 
 The link (α, β) comes from ``fived bench comm --json`` (``--bench-json``), else a gloo-like
 guess (``fived.ledger.hardware.this_machine``). The medians over the ranks are used.
