@@ -114,22 +114,24 @@ def trace(m, par, b: int) -> dict[str, collections.Counter]:
     return out
 
 
-def _time_hot(fn, seconds: float) -> float:
+def time_hot(fn, seconds: float, trials: int = 5) -> float:
+    """Median over ``trials`` of the mean time of calls filling ``seconds / trials``."""
     fn()
     out = []
-    for _ in range(5):
+    for _ in range(trials):
         reps, t0 = 0, time.perf_counter()
         while True:
             fn()
             reps += 1
             dt = time.perf_counter() - t0
-            if dt >= seconds / 5 and reps >= 2:
+            if dt >= seconds / trials and reps >= 2:
                 out.append(dt / reps)
                 break
     return statistics.median(out)
 
 
-def _time_cold(fn, flush, calls: int = 9) -> float:
+def time_cold(fn, flush, calls: int = 9) -> float:
+    """Median of single calls, each after a write of ``flush`` (more than the caches hold)."""
     fn()
     out = []
     for _ in range(calls):
@@ -150,9 +152,9 @@ def _midpoint(func, key, flush, seconds: float, sync) -> float | None:
     except (RuntimeError, ValueError, IndexError, TypeError):
         ok = False
     sync()
-    hot = _time_hot(lambda: func(*args, **kwargs), seconds) if ok else 0.0
+    hot = time_hot(lambda: func(*args, **kwargs), seconds) if ok else 0.0
     sync()
-    cold = _time_cold(lambda: func(*args, **kwargs), flush) if ok else 0.0
+    cold = time_cold(lambda: func(*args, **kwargs), flush) if ok else 0.0
     return (hot + cold) / 2 if ok else None
 
 

@@ -29,31 +29,14 @@ guess (``fived.ledger.hardware.this_machine``). The medians over the ranks are u
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import replace
 
 from . import kernels
-from .kernels import FLUSH_FLOATS, _time_cold
+from .kernels import FLUSH_FLOATS, time_cold, time_hot
 
 SHAPES = [(m, n, k) for m in (128, 512, 2048) for n, k in ((64, 128), (128, 128), (352, 128),
                                                           (128, 352), (128, 2048))]
 SHAPES += [(128, 128, 16), (128, 16, 128), (2048, 256, 128)]
-
-
-def _time(fn, seconds: float, trials: int = 5) -> float:
-    """Median over ``trials`` of the mean time of calls filling ``seconds / trials``."""
-    fn()
-    out = []
-    for _ in range(trials):
-        reps, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            reps += 1
-            dt = time.perf_counter() - t0
-            if dt >= seconds / trials and reps >= 2:
-                out.append(dt / reps)
-                break
-    return statistics.median(out)
 
 
 def sweep(seconds: float = 0.03, shapes: list | None = None, sync=None) -> dict:
@@ -67,22 +50,22 @@ def sweep(seconds: float = 0.03, shapes: list | None = None, sync=None) -> dict:
     g = torch.Generator().manual_seed(0)
     one = torch.ones(1, 1)
     sync()
-    overhead = _time(lambda: one @ one, seconds)
+    overhead = time_hot(lambda: one @ one, seconds)
     rows = []
     flush = torch.empty(FLUSH_FLOATS) if shapes else None
     for m, n, k in shapes or SHAPES:
         a = torch.randn(m, k, generator=g)
         b = torch.randn(k, n, generator=g)
         sync()
-        t = _time(lambda a=a, b=b: a @ b, seconds)
+        t = time_hot(lambda a=a, b=b: a @ b, seconds)
         if shapes:  # a layout's GEMM inside a step: between hot and cold (fived.cli.kernels)
             sync()
-            t = (t + _time_cold(lambda a=a, b=b: a @ b, flush)) / 2
+            t = (t + time_cold(lambda a=a, b=b: a @ b, flush)) / 2
         rows.append((m, n, k, t))
     x = torch.randn(8 * 2**20, generator=g)
     y = torch.randn(8 * 2**20, generator=g)
     sync()
-    bw = 3 * x.numel() * 4 / _time(lambda: x.add_(y), seconds * 3)
+    bw = 3 * x.numel() * 4 / time_hot(lambda: x.add_(y), seconds * 3)
     return {"rows": rows, "bw": bw, "overhead": overhead}
 
 
@@ -120,7 +103,7 @@ def framework_overhead(seconds: float = 0.03, sync=None) -> tuple[float, float]:
 
         if sync is not None:
             sync()
-        times[layers] = _time(step, seconds * 2)
+        times[layers] = time_hot(step, seconds * 2)
     block = max((times[3] - times[1]) / 2, 0.0)
     return block, max(times[1] - block, 0.0)
 
