@@ -419,6 +419,7 @@ def print_ledger(doc: dict, m: ModelConfig, par: ParallelConfig, hw, wide: bool 
 
     tm = doc["time"]
     how = (f"flat: {tm['efficiency']:.0%} of peak in matmuls" if tm["efficiency"] else
+           "this machine: the runtime's kernels timed at their shapes" if hw.eager else
            "roofline clock: each op at its shape")
     t = report.table(f"time per step ({how})",
                      [("component", "l"), ("seconds", "r"), ("share", "r")])
