@@ -74,10 +74,30 @@ def test_the_clock_takes_the_measured_kernels_in_place_of_attention_and_bytes():
 
 
 @pytest.mark.parametrize("ranks,threads,cores,want", [
-    (1, 2, 2, (1, 1.0)), (2, 1, 2, (2, 1.0)), (4, 1, 2, (2, 2.0)), (3, 1, 2, (2, 1.5)),
-    (8, 2, 16, (8, 1.0))])
-def test_time_sharing_stretches_only_oversubscribed_ranks(ranks, threads, cores, want):
+    (1, 2, 2, (1, 1)), (2, 1, 2, (2, 2)), (4, 1, 2, (2, 2)), (3, 1, 2, (2, 2)),
+    (8, 2, 16, (8, 8))])
+def test_probes_run_as_many_processes_as_the_cores_hold(ranks, threads, cores, want):
     assert time_sharing(ranks, threads, cores) == want
+
+
+def test_time_shared_ranks_are_bounded_by_their_busy_time_over_the_cores():
+    from fived.config import PRESETS
+    from fived.ledger import planner as PL
+
+    m = PRESETS["small"]
+    hw = replace(H.PRESETS["h100-sxm"], cores=2, step_overhead=0.0)
+    dp4 = PL.predict(m, ParallelConfig(dp=4), hw, 16)
+    free = PL.predict(m, ParallelConfig(dp=4), replace(hw, cores=0), 16)
+    busy = free.step_seconds - free.times["dp"]  # one rank's compute and optimizer
+    # four ranks each busy `busy`, two at a time, then the all-reduce they wait on together
+    assert dp4.step_seconds == pytest.approx(2 * busy + free.times["dp"])
+    assert dp4.times["time_shared"] == pytest.approx(dp4.step_seconds - free.step_seconds)
+    # a pipeline's idle ranks leave the cores to the busy ones: one micro-batch on pp2·dp2
+    # keeps two of four ranks busy at a time, so sharing costs (almost) nothing
+    pp = PL.predict(m, ParallelConfig(dp=2, pp=2), hw, 16)
+    pp_free = PL.predict(m, ParallelConfig(dp=2, pp=2), replace(hw, cores=0), 16)
+    assert pp.step_seconds < 1.1 * pp_free.step_seconds
+    assert PL.predict(m, ParallelConfig(dp=2), hw, 16).times["time_shared"] == 0.0
 
 
 def test_ledger_this_machine_carries_the_traced_kernels():

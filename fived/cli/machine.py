@@ -19,8 +19,9 @@ each with the runtime's threads per rank), each process times
   backward (``fived.cli.kernels``), each at its shape, as the midpoint of a hot and a cold
   (caches flushed) timing; the dispatch those carry is taken off the per-block cost.
 
-With more ranks × threads than cores the probes run on as many processes as the cores hold,
-and every time is stretched by the oversubscription (``time_sharing``).
+With more ranks × threads than cores the probes run on as many processes as the cores hold
+(``time_sharing``), and the preset's ``cores`` (ranks that run at once) lets the planner bound
+the step by the ranks' busy time shared over them.
 
 The link (α, β) comes from ``fived bench comm --json`` (``--bench-json``), else a gloo-like
 guess (``fived.ledger.hardware.this_machine``). The medians over the ranks are used.
@@ -155,12 +156,14 @@ def step_overhead(par, steps: int = 5) -> float | None:
     return statistics.median(secs)
 
 
-def time_sharing(ranks: int, threads: int, cores: int) -> tuple[int, float]:
-    """(probing processes, stretch) for ``ranks`` ranks of ``threads`` threads on ``cores``.
-    More ranks × threads than cores run time-shared; a short timing would catch a process
-    alone on its core, so the probes run as many processes as the cores hold and every
-    measured time is stretched by the oversubscription."""
-    return max(1, min(ranks, cores // threads)), max(1.0, ranks * threads / cores)
+def time_sharing(ranks: int, threads: int, cores: int) -> tuple[int, int]:
+    """(probing processes, slots) for ``ranks`` ranks of ``threads`` threads on ``cores``:
+    ``slots`` ranks run at once, each on its own cores. More ranks than slots run
+    time-shared; a short timing would catch a process alone on its core, so the probes run
+    as many processes as there are slots, and the planner bounds the step by the ranks' busy
+    time over the slots (``Hardware.cores``)."""
+    slots = max(1, cores // threads)
+    return min(ranks, slots), slots
 
 
 def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float = 0.03,
@@ -177,7 +180,7 @@ def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float =
     traced = model is not None and par is not None and micro_batch > 0 and kernels.traceable(
         model, par)
     layout = (model, par, micro_batch, seconds / 2) if traced else None
-    probes, share = time_sharing(ranks, threads_per_rank(ranks), os.cpu_count() or 1)
+    probes, slots = time_sharing(ranks, threads_per_rank(ranks), os.cpu_count() or 1)
     if probes > 1:
         outs = run_local(_rank_sweep, probes, (seconds, None), timeout=300.0)
         tabs = run_local(_rank_sweep, probes, (seconds, shapes, layout), timeout=600.0
@@ -196,18 +199,17 @@ def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float =
         finally:
             torch.set_num_threads(old)
     n = len(SHAPES)
-    rows = [(*SHAPES[i], share * statistics.median(o["rows"][i][3] for o in outs))
-            for i in range(n)]
-    fit = fit_gemm(rows, share * statistics.median(o["overhead"] for o in outs))
-    bw = statistics.median(o["bw"] for o in outs) / share
-    table = tuple((*shapes[i], share * statistics.median(o["rows"][i][3] for o in tabs))
+    rows = [(*SHAPES[i], statistics.median(o["rows"][i][3] for o in outs)) for i in range(n)]
+    fit = fit_gemm(rows, statistics.median(o["overhead"] for o in outs))
+    bw = statistics.median(o["bw"] for o in outs)
+    table = tuple((*shapes[i], statistics.median(o["rows"][i][3] for o in tabs))
                   for i in range(len(shapes))) if shapes else ()
-    block = share * statistics.median(o["framework"][0] for o in outs)
-    stage = share * statistics.median(o["framework"][1] for o in outs)
+    block = statistics.median(o["framework"][0] for o in outs)
+    stage = statistics.median(o["framework"][1] for o in outs)
     eager: tuple = ()
     if tabs and "eager" in tabs[0]:
-        eager = tuple(share * statistics.median(v) for v in zip(*(kernels.as_tuple(o["eager"])
-                                                                   for o in tabs)))
+        eager = tuple(statistics.median(v) for v in zip(*(kernels.as_tuple(o["eager"])
+                                                           for o in tabs)))
         # each timed kernel carries its own dispatch: leave only the rest (autograd, Python)
         calls = statistics.median(o["eager"]["kernels"] for o in tabs)
         block = max(0.0, block - calls * fit["overhead"])
@@ -218,9 +220,10 @@ def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float =
                    step_overhead=step, eager=eager,
                    peak_flops=fit["peak"], peak_fp32=fit["peak"], gemm_eff=1.0,
                    gemm_d0=fit["d0"], overhead=0.0, hbm_bw=bw, mem_eff=1.0,
-                   attn_eff=1.0, cores=ranks,
+                   attn_eff=1.0, cores=slots,
                    note=base.note + f"; fp32 matmul sweep on {probes} process(es) for "
-                   f"{ranks} rank(s)" + (f" (time-shared: × {share:g})" if share > 1 else "")
+                   f"{ranks} rank(s)" + (f" ({slots} run at once: time-shared)"
+                                         if ranks > slots else "")
                    + f": ceiling "
                    f"{fit['peak'] / 1e9:.1f} GFLOP/s, d0 {fit['d0']:g}, "
                    f"{fit['overhead'] * 1e6:.1f} µs per matmul call (median error "

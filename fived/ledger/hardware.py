@@ -46,7 +46,9 @@ class Hardware:
     attn_eff: float = 0.55  # flash attention's fraction of peak (forward; backward alike)
     mem_eff: float = 0.80  # achievable fraction of hbm_bw for element-wise kernels
     overhead: float = 0.0  # seconds per kernel/op beyond its roofline time (launch, dispatch)
-    cores: int = 0  # this-machine: CPU cores the ranks share (0: a device per rank)
+    # this-machine: how many ranks run at once on the CPU's cores (cores // threads per
+    # rank); more are time-shared (0: a device per rank, nothing shared)
+    cores: int = 0
     # this-machine: measured (M, N, K, seconds per call) of the shapes a layout runs; a GEMM
     # found here takes its measured time (overhead included) instead of the curve's
     gemm_table: tuple[tuple[float, float, float, float], ...] = ()

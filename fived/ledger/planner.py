@@ -25,6 +25,9 @@ Time model of one optimizer step on the slowest pipeline rank (every term is rep
     (with ``ClockOptions.comm_overlap`` False — a CPU, where gloo shares the cores — nothing
     is hidden: dp and cp are fully exposed)
     T_step = T_pipe + dp + opt;  tokens/s = global tokens / T_step;
+    with more ranks than run at once on a CPU (``Hardware.cores``, this-machine):
+    T_step = max(T_step, world · (m·(t_f + t_b + t_rc) + opt) / cores + the waits on
+             communication + the runtime's per-step cost)  (the difference: ``time_shared``)
     MFU    = model FLOPs per token · tokens/s / (world · peak)
 
 Each collective costs ``hardware.collective_seconds`` on the intra-node link when its group
@@ -265,13 +268,22 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
     else:
         t_opt = 2.0 * mem.states_total / hw.hbm_bw
     step = (mb + ticks) * t_mb + dp_step + t_opt + hw.step_overhead
+    # ranks sharing a CPU's cores (this-machine): while some wait (bubble, communication)
+    # others run, but the step is at least every rank's busy time over the ranks that run at
+    # once, plus the communication all of them wait on together
+    shared = 0.0
+    if hw.cores and par.world_size > hw.cores:
+        busy = mb * (t_f + t_b + t_rc) + t_opt
+        waits = mb * (tp + ep + cp + pp + zero_mb) + dp_step
+        shared = max(0.0, par.world_size * busy / hw.cores + waits + hw.step_overhead - step)
+        step += shared
     mem_bound = mb * ct["memory_bound"]
     times = {
         "compute": mb * (t_f + t_b) - mem_bound, "memory_bound": mem_bound,
         "recompute": mb * t_rc, "tp": mb * tp, "ep": mb * ep,
         "cp": mb * cp, "pp_p2p": mb * pp, "zero_per_micro": mb * zero_mb,
         "bubble": ticks * t_mb, "dp": dp_step, "optimizer": t_opt,
-        "runtime": hw.step_overhead,
+        "runtime": hw.step_overhead, "time_shared": shared,
     }
     tokens = global_batch * m.seq_len
     tps = tokens / step
