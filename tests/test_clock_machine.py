@@ -1,8 +1,8 @@
 """`fived ledger --gpu this-machine` against `fived train`'s measured step time (issue 20).
 
-The prediction and the run are measured back to back, twice, in the same time window (the
+The prediction and the run are measured back to back, three times, in the same time window (the
 machine's load changes by the minute), and the medians compared: within 20 % for 1, 2 and 4
-ranks of `small`. On the quiet machine it passed at 1.01, 1.08 and 0.95 (docs/ledger.md).
+ranks of `small`. On the quiet machine it passed at 0.88, 1.01 and 1.11 (docs/ledger.md).
 Marked slow: on the shared 2-core machine under load (load average ~25 while eight sessions
 work) one run's step time swings by 2× from step to step, so the check means something only
 on a quiet machine.
@@ -34,7 +34,7 @@ def _predicted(n: int) -> float:
 
 def _measured(n: int, path) -> float:
     subprocess.run([sys.executable, "-m", "fived", "train", "--model", "small", "--dp", str(n),
-                    "--steps", "5", "--metrics-out", str(path)],
+                    "--steps", "8", "--metrics-out", str(path)],
                    capture_output=True, text=True, timeout=900, check=True, env=ENV)
     secs = [json.loads(line)["seconds"] for line in open(path) if '"seconds"' in line]
     return statistics.median(secs[1:])  # the first step warms up
@@ -44,7 +44,7 @@ def _measured(n: int, path) -> float:
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_this_machine_predicts_fived_train_within_20_percent(n, tmp_path):
     pred, meas = [], []
-    for i in range(2):
+    for i in range(3):
         pred.append(_predicted(n))
         meas.append(_measured(n, tmp_path / f"m{i}.jsonl"))
     ratio = statistics.median(pred) / statistics.median(meas)
