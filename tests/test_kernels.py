@@ -43,10 +43,14 @@ def test_every_traced_op_is_timed():
     assert out["kernels"] > 21
 
 
-def test_only_whole_blocks_are_traced():
-    assert K.traceable(TINY, PAR)
-    assert not K.traceable(TINY, ParallelConfig(tp=2))
+def test_a_tp_rank_is_traced_as_a_block_cut_tp_ways_and_cp_is_not_traced():
+    assert K.traceable(TINY, PAR) and K.traceable(TINY, ParallelConfig(tp=2))
     assert not K.traceable(TINY, ParallelConfig(cp=2))
+    assert not K.traceable(TINY, ParallelConfig(ep=2))
+    cut = K.local_model(TINY, ParallelConfig(tp=4))
+    assert (cut.heads, cut.kv_heads, cut.ffn, cut.vocab, cut.hidden) == (1, 1, 16, 16, 32)
+    tr = K.trace(TINY, ParallelConfig(tp=2), 2)
+    assert _per_block(tr, "fwd", "gemm") == 7
 
 
 def test_the_clock_takes_the_measured_kernels_in_place_of_attention_and_bytes():

@@ -19,8 +19,9 @@ far below the matmul rate at small head dimensions. So instead of counting bytes
    block, and forward/backward of the first and the last stage.
 
 GEMMs (``mm``, ``addmm``, ``bmm``) are left to the roofline's GEMM table (``fived.cli.machine``),
-timed the same way. Only the shapes fived's runtime model can take are traced (no tensor,
-context or expert cut of the block: those fall back to the roofline's byte count).
+timed the same way. A tp rank's block is traced as a whole block with its heads and MLP cut
+tp ways (``local_model``); context and expert cuts are not traced (they fall back to the
+roofline's byte count).
 """
 
 from __future__ import annotations
@@ -35,8 +36,21 @@ FLUSH_FLOATS = 12 * 2**20  # 48 MB: more than this machine's last-level cache
 
 
 def traceable(m, par) -> bool:
-    """Whether the runtime block of this layout is the whole model's block at a smaller batch."""
-    return par.tp == 1 and par.cp == 1 and par.ep == 1 and not m.is_moe
+    """Whether the runtime block of this layout is a whole model's block at its local shape:
+    a smaller batch, and with tp the heads and the MLP cut tp ways (``local_model``)."""
+    return par.cp == 1 and par.ep == 1 and not m.is_moe
+
+
+def local_model(m, par):
+    """The model whose whole block runs the kernels of one tp rank's block: q heads, k/v
+    heads (replicated below tp) and the MLP cut tp ways, the vocabulary too (the head's
+    columns and the cross-entropy's logits). Sequence parallelism's shorter norms and the
+    collectives' own copies are not in it."""
+    tp = par.tp
+    if tp == 1:
+        return m
+    return replace(m, heads=m.heads // tp, kv_heads=max(1, m.kv_heads // tp), ffn=m.ffn // tp,
+                   vocab=max(1, m.vocab // tp))
 
 
 def _spec(x):
@@ -98,7 +112,7 @@ def trace(m, par, b: int) -> dict[str, collections.Counter]:
     rec = _recorder()
     out = {}
     for layers in (1, 2):
-        cfg = replace(m, layers=layers)
+        cfg = replace(local_model(m, par), layers=layers)
         model = build_model(cfg, 0, dtype=dtype)
         x = torch.zeros(b, cfg.seq_len, dtype=torch.long)
         pos = torch.arange(cfg.seq_len)
