@@ -84,17 +84,17 @@ def check_cluster(args: argparse.Namespace) -> None:
         raise ConfigError(problems)
 
 
-def hardware(args: argparse.Namespace, ranks: int = 1, shapes: list | None = None,
-             par=None, model=None, micro_batch: int = 0):
-    """The preset, or for ``this-machine`` a measured one (``fived.cli.machine``; ``shapes``:
-    the layout's GEMMs, timed as they will run)."""
+def hardware(args: argparse.Namespace, ranks: int = 1, par=None, model=None,
+             micro_batch: int = 0):
+    """The preset, or for ``this-machine`` a measured one (``fived.cli.machine``; with a
+    layout, its kernels timed as they will run)."""
     from ..ledger import hardware as H
 
     if args.gpu == "this-machine":
         from .machine import this_machine
 
-        return this_machine(args.bench_json, ranks=ranks, shapes=shapes, par=par,
-                            model=model, micro_batch=micro_batch)
+        return this_machine(args.bench_json, ranks=ranks, par=par, model=model,
+                            micro_batch=micro_batch, clock=clock_options(args))
     return H.get(args.gpu, args.bench_json)
 
 
@@ -194,19 +194,16 @@ def main(argv: list[str]) -> int:
     except ValueError:
         raise ConfigError([f"--train-tokens {args.train_tokens!r}: give a count like 1T or 2e12"]
                           ) from None
-    shapes = None
     if args.gpu == "this-machine":
         import sys
 
-        from ..ledger.roofline import gemm_shapes
         from ..ledger.traffic import micro_batch_size
 
         print(f"fived ledger: measuring this machine on {world} rank(s) ...", flush=True,
               file=sys.stderr)
-        shapes = gemm_shapes(m, par, micro_batch_size(par, gb), clock_options(args))
-    probe = args.gpu == "this-machine"
-    hw = hardware(args, world, shapes, par if probe else None, m if probe else None,
-                  micro_batch_size(par, gb) if probe else 0)
+        hw = hardware(args, world, par, m, micro_batch_size(par, gb))
+    else:
+        hw = hardware(args, world)
     gpn = args.gpus_per_node or hw.gpus_per_node
     from ..ledger import memory as M
 

@@ -167,19 +167,24 @@ def time_sharing(ranks: int, threads: int, cores: int) -> tuple[int, int]:
 
 
 def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float = 0.03,
-                 shapes: list | None = None, par=None, model=None, micro_batch: int = 0):
+                 par=None, model=None, micro_batch: int = 0, clock=None):
     """The measured preset (``fived.ledger.hardware.Hardware``) for ``ranks`` local ranks;
-    with ``shapes`` (``roofline.gemm_shapes`` of a layout) those GEMMs are timed too and kept
-    as the preset's ``gemm_table``."""
+    with a layout (``par``, ``model``, ``micro_batch``, the ``clock`` options) its GEMMs
+    (``roofline.gemm_shapes``) are timed too and kept as the preset's ``gemm_table``, and its
+    other kernels traced and timed (``kernels.measure``) where the block can be traced."""
     import os
 
     from ..dist.launch import run_local, threads_per_rank
     from ..ledger import hardware as H
+    from ..ledger.roofline import gemm_shapes
 
     base = H.this_machine(bench_json)
-    traced = model is not None and par is not None and micro_batch > 0 and kernels.traceable(
-        model, par)
-    layout = (model, par, micro_batch, seconds / 2) if traced else None
+    shapes, layout = None, None
+    if model is not None:
+        if kernels.traceable(model, par):  # the attention is one traced kernel, not two GEMMs
+            layout = (model, par, micro_batch, seconds / 2)
+            clock = replace(clock, attention="flash")
+        shapes = gemm_shapes(model, par, micro_batch, clock)
     probes, slots = time_sharing(ranks, threads_per_rank(ranks), os.cpu_count() or 1)
     if probes > 1:
         outs = run_local(_rank_sweep, probes, (seconds, None), timeout=300.0)
