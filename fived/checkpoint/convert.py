@@ -5,6 +5,7 @@ every rank wrote are simply all intersected with the whole tensor."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from ..config import ModelConfig, ParallelConfig, TrainConfig
 from . import hf
 from . import storage as S
+from .pieces import Pieces
 from .state import LoadPlanner, SavePlanner, tensor_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,13 +35,14 @@ def model_of(man: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**man["config"]["model"])
 
 
-def whole_model(ckpt: Path, man: dict[str, Any], dtype: torch.dtype | None = None
-                ) -> dict[str, torch.Tensor]:
-    """Every parameter of checkpoint ``ckpt`` whole, by fived name: the fp32 master where the
-    checkpoint has one, else the saved parameter (plus Kahan's c where saved); cast to
-    ``dtype`` (None: as saved)."""
+def whole_model(ckpt: Path, man: dict[str, Any], dtype: torch.dtype | None = None,
+                names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Parameters ``names`` (default: every one) of checkpoint ``ckpt`` whole, by fived name:
+    the fp32 master where the checkpoint has one, else the saved parameter (plus Kahan's c
+    where saved); cast to ``dtype`` (None: as saved). DCP reads only the tensors asked for."""
     tensors = man["tensors"]
-    names = sorted(k[len("model."):] for k in tensors if k.startswith("model."))
+    every = param_names(man)
+    names = every if names is None else names
     dest = {}
     for n in names:
         src = f"master.{n}" if f"master.{n}" in tensors else f"model.{n}"
@@ -50,14 +53,37 @@ def whole_model(ckpt: Path, man: dict[str, Any], dtype: torch.dtype | None = Non
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner(), no_dist=True)
-    saved = getattr(torch, tensors[f"model.{names[0]}"]["dtype"]) if names else torch.float32
+    saved = getattr(torch, tensors[f"model.{every[0]}"]["dtype"]) if every else torch.float32
     out = {}
     for n in names:
-        t = dest[f"master.{n}"] if f"master.{n}" in dest else dest[f"model.{n}"]
+        t = dest.pop(f"master.{n}") if f"master.{n}" in dest else dest.pop(f"model.{n}")
         if f"comp.{n}" in dest:
-            t = t.float() + dest[f"comp.{n}"]
+            t = t.float() + dest.pop(f"comp.{n}")
         out[n] = t.to(dtype or saved)
     return out
+
+
+def param_names(man: dict[str, Any]) -> list[str]:
+    return sorted(k[len("model."):] for k in man["tensors"] if k.startswith("model."))
+
+
+def export_hf(ckpt: Path, man: dict[str, Any], out: Path, dtype: torch.dtype | None,
+              max_shard_bytes: int, progress: Any = None) -> list[tuple[str, int, int]]:
+    """``fived export``: the checkpoint as HF safetensors shards of at most ``max_shard_bytes``
+    (a tensor larger than that gets a shard of its own, as transformers does), streamed: the
+    shards are planned from the manifest's shapes, then each is read (DCP, only its tensors),
+    written and dropped, so the process holds one shard at a time, never the whole model."""
+    tensors = man["tensors"]
+    saved = getattr(torch, tensors[f"model.{param_names(man)[0]}"]["dtype"])
+    esize = torch.empty((), dtype=dtype or saved).element_size()
+    sizes = {n: math.prod(tensors[f"model.{n}"]["shape"]) * esize for n in param_names(man)}
+    shards = hf.plan_shards(sizes, max_shard_bytes)
+    cfg = model_of(man)
+    for i, names in enumerate(shards):
+        hf.write_shard(whole_model(ckpt, man, dtype, names), out, i, len(shards))
+        if progress:
+            progress(i + 1, len(shards))
+    return hf.write_index(shards, sizes, cfg, out, str(dtype or saved).replace("torch.", ""))
 
 
 def import_hf(hf_dir: str | Path, save_dir: str | Path, seq_len: int | None = None,
@@ -66,18 +92,10 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, seq_len: int | None = No
     starts fresh on resume); (the checkpoint, its model config, its tensors table)."""
     cfg = hf.model_config(hf.read_config(hf_dir, "fived import"), "fived import", seq_len)
     shapes = param_shapes(cfg)
-    tensors = hf.read_tensors(hf_dir)
-    if cfg.tied_embeddings:
-        tensors.pop("lm_head.weight", None)
-    from ..config import ConfigError
-
-    bad = [f"{n}: {tuple(tensors[n].shape)} in {hf_dir}, config.json implies {s}"
-           for n, s in shapes.items() if n in tensors and tuple(tensors[n].shape) != s]
-    bad += [f"{n}: missing from {hf_dir}" for n in shapes if n not in tensors]
-    bad += [f"{n}: in {hf_dir}, not in a {cfg.name} model" for n in tensors if n not in shapes]
-    if bad:
-        raise ConfigError([f"fived import {hf_dir}: tensors do not match config.json:"] + bad[:40])
-    state = {f"model.{n}": tensors[n].to(DTYPES[dtype]).contiguous() for n in shapes}
+    src = hf.HFSource(hf_dir, cfg, "fived import")  # headers only; every mismatch refused
+    # streamed: DCP's writer asks for one tensor at a time, read from the files only then
+    state = {f"model.{n}": Pieces.lazy(s, DTYPES[dtype], lambda n=n: src.read(n))
+             for n, s in shapes.items()}
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
     S.clean_tmp(root)

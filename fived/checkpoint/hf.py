@@ -30,6 +30,7 @@ dropless, so export says so (the weights are the same, the forward differs when 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -130,95 +131,188 @@ def to_hf_name(name: str) -> str:
     return name if name == "lm_head.weight" else f"model.{name}"
 
 
-def read_tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a local HF directory (``model.safetensors`` or the shards its index
-    lists), under fived's names; fused transformers-5 experts are split back."""
-    from safetensors.torch import load_file
-
+def hf_files(hf_dir: str | Path, flag: str = "--init-from") -> list[Path]:
+    """The safetensors files of a local HF directory: those its index lists, or every one."""
     p = Path(hf_dir)
     index = p / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise ConfigError([f"{flag} {index}: not a safetensors index ({e})"]) from None
     else:
         files = sorted(f.name for f in p.glob("*.safetensors"))
     if not files:
-        raise ConfigError([f"{hf_dir}: no *.safetensors files (only safetensors are read: "
-                           "they hold no code)"])
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not (p / f).is_file():
-            raise ConfigError([f"{p / f}: listed in the index, missing"])
-        for k, v in load_file(str(p / f)).items():
-            k = k[len("model."):] if k.startswith("model.") else k
-            if k.endswith(FUSED[0]):  # [E, 2F, H] = [w1; w3] per expert
-                pre = k[:-len(FUSED[0])] + ".block_sparse_moe.experts."
-                w1, w3 = v.chunk(2, dim=1)
-                for e in range(v.shape[0]):
-                    out[f"{pre}{e}.w1.weight"], out[f"{pre}{e}.w3.weight"] = w1[e], w3[e]
-            elif k.endswith(FUSED[1]):  # [E, H, F]
-                pre = k[:-len(FUSED[1])] + ".block_sparse_moe.experts."
-                for e in range(v.shape[0]):
-                    out[f"{pre}{e}.w2.weight"] = v[e]
-            elif k.endswith(".mlp.gate.weight"):  # transformers 5's router name
-                out[k.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")] = v
-            else:
-                out[k] = v
-    return out
+        raise ConfigError([f"{flag} {hf_dir}: no *.safetensors files (only safetensors are "
+                           "read: they hold no code)"])
+    missing = [f for f in files if not (p / f).is_file()]
+    if missing:
+        raise ConfigError([f"{flag} {p / f}: listed in {index.name}, missing" for f in missing])
+    return [p / f for f in files]
+
+
+class HFSource:
+    """A local HF directory read lazily, piece by piece (safetensors' ``get_slice``).
+
+    ``tensors`` maps each fived name to (file, HF key, leading selector, global shape): only
+    the headers are read to build it. ``fill(out, name, shape, dim, parts, index)`` reads chunk
+    ``index`` of ``parts`` along ``dim`` (the rank's piece, ``fived.parallel.placement``)
+    straight into ``out`` in row blocks of at most ``BLOCK`` elements, so a rank never holds
+    more of the file than that block beyond its own piece; transformers 5's fused experts are
+    sliced out of the stacked tensor the same way."""
+
+    BLOCK = 1 << 22
+
+    def __init__(self, hf_dir: str | Path, cfg: ModelConfig | None = None,
+                 flag: str = "--init-from"):
+        from safetensors import safe_open
+
+        self.dir, self.flag = Path(hf_dir), flag
+        self.tensors: dict[str, tuple[Path, str, tuple, tuple[int, ...]]] = {}
+        self._open: dict[Path, Any] = {}
+        for f in hf_files(hf_dir, flag):
+            try:
+                h = self._open[f] = safe_open(str(f), framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own errors
+                raise ConfigError([f"{flag} {f}: not a safetensors file ({e})"]) from None
+            for k in h.keys():
+                self._index(f, k, tuple(h.get_slice(k).get_shape()))
+        if cfg is not None:
+            self.check(cfg)
+
+    def _index(self, f: Path, key: str, shape: tuple[int, ...]) -> None:
+        k = key[len("model."):] if key.startswith("model.") else key
+        if k.endswith(FUSED[0]):  # [E, 2F, H] = [w1; w3] per expert
+            pre = k[:-len(FUSED[0])] + ".block_sparse_moe.experts."
+            E, F2, H = shape
+            for e in range(E):
+                self.tensors[f"{pre}{e}.w1.weight"] = (f, key, (e, 0), (F2 // 2, H))
+                self.tensors[f"{pre}{e}.w3.weight"] = (f, key, (e, F2 // 2), (F2 // 2, H))
+        elif k.endswith(FUSED[1]):  # [E, H, F]
+            pre = k[:-len(FUSED[1])] + ".block_sparse_moe.experts."
+            for e in range(shape[0]):
+                self.tensors[f"{pre}{e}.w2.weight"] = (f, key, (e, 0), tuple(shape[1:]))
+        elif k.endswith(".mlp.gate.weight"):  # transformers 5's router name
+            name = k.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+            self.tensors[name] = (f, key, (), shape)
+        else:
+            self.tensors[k] = (f, key, (), shape)
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Every parameter of ``cfg`` present with its shape, nothing else (a ConfigError
+        naming the file and the tensor of each mismatch)."""
+        from .convert import param_shapes
+
+        shapes = param_shapes(cfg)
+        have = {n: t for n, t in self.tensors.items()
+                if not (cfg.tied_embeddings and n == "lm_head.weight")}
+        bad = [f"{n}: {have[n][3]} in {have[n][0].name} ({have[n][1]}), the model needs {s}"
+               for n, s in shapes.items() if n in have and tuple(have[n][3]) != tuple(s)]
+        bad += [f"{n}: missing from {self.dir}" for n in shapes if n not in have]
+        bad += [f"{n}: in {have[n][0].name}, not in the model" for n in have if n not in shapes]
+        if bad:
+            raise ConfigError([f"{self.flag} {self.dir}: the tensors do not match the model:"]
+                              + bad[:40])
+
+    @torch.no_grad()
+    def fill(self, out: torch.Tensor, name: str, shape: tuple[int, ...], dim: int = 0,
+             parts: int = 1, index: int = 0) -> torch.Tensor:
+        from ..model.init import piece_box
+
+        f, key, lead, _ = self.tensors[name]
+        sl = self._open[f].get_slice(key)
+        box = list(piece_box(tuple(shape), dim, parts, index))
+        if lead:  # a fused expert: its index, and its row offset inside [w1; w3]
+            e, off = lead
+            box[0] = (box[0][0] + off, box[0][1] + off)
+        dest = out.view([b - a for a, b in box])
+        r0, r1 = box[0]
+        row = max(1, math.prod(b - a for a, b in box[1:]))
+        step = max(1, self.BLOCK // row)
+        rest = tuple(slice(a, b) for a, b in box[1:])
+        for r in range(r0, r1, step):
+            sel = (slice(r, min(r + step, r1)),) + rest
+            dest[r - r0:min(r + step, r1) - r0].copy_(sl[(lead[0],) + sel if lead else sel])
+        return out
+
+    def read(self, name: str) -> torch.Tensor:
+        """One whole tensor (``fived import`` streams them one at a time)."""
+        f, key, lead, shape = self.tensors[name]
+        out = torch.empty(shape, dtype=_dtype(self._open[f].get_slice(key).get_dtype()))
+        return self.fill(out, name, shape)
+
+
+def _dtype(st: str) -> torch.dtype:
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+            "F64": torch.float64}[st]
+
+
+def read_tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a local HF directory, whole, under fived's names (small models and
+    tests; the commands stream through ``HFSource`` instead)."""
+    src = HFSource(hf_dir)
+    return {n: src.read(n) for n in src.tensors}
 
 
 def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, flag: str = "--init-from") -> None:
-    """Copy a local HF directory's weights into the whole plain model (every rank, before
-    ``parallelize`` cuts it): any layout then holds its pieces."""
+    """Read a local HF directory's weights into a whole plain model, tensor by tensor."""
     cfg = model_config(read_config(hf_dir, flag), flag, model.cfg.seq_len)
     if replace(cfg, name=model.cfg.name) != replace(model.cfg, name=model.cfg.name):
         raise ConfigError([f"{flag} {hf_dir}: config.json describes {cfg}, the model built is "
                            f"{model.cfg}"])
-    tensors = read_tensors(hf_dir)
-    if model.cfg.tied_embeddings:
-        tensors.pop("lm_head.weight", None)
-    params = dict(model.named_parameters())
-    bad = [f"{n}: in the checkpoint {tuple(tensors[n].shape)}, model {tuple(p.shape)}"
-           for n, p in params.items() if n in tensors and tensors[n].shape != p.shape]
-    bad += [f"{n}: missing from {hf_dir}" for n in params if n not in tensors]
-    bad += [f"{n}: in {hf_dir}, not in the model" for n in tensors if n not in params]
-    if bad:
-        raise ConfigError([f"{flag} {hf_dir}: the tensors do not match the model:"] + bad[:40])
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(tensors[n].to(p.dtype))
+    src = HFSource(hf_dir, model.cfg, flag)
+    for n, p in model.named_parameters():
+        src.fill(p.data, n, tuple(p.shape))
+
+
+def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Names (sorted) grouped into shards of at most ``max_bytes`` (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(sizes):
+        if shards[-1] and size + sizes[name] > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += sizes[name]
+    return shards
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_shard(tensors: dict[str, torch.Tensor], out: Path, i: int, n: int) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({to_hf_name(k): t.contiguous() for k, t in tensors.items()},
+              str(out / shard_name(i, n)), metadata={"format": "pt"})
+
+
+def write_index(shards: list[list[str]], sizes: dict[str, int], cfg: ModelConfig, out: Path,
+                dtype: str) -> list[tuple[str, int, int]]:
+    """``model.safetensors.index.json`` and ``config.json``; [(file, tensors, bytes)]."""
+    weight_map, rows = {}, []
+    for i, names in enumerate(shards):
+        fname = shard_name(i, len(shards))
+        rows.append((fname, len(names), sum(sizes[k] for k in names)))
+        weight_map.update({to_hf_name(k): fname for k in names})
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(sizes.values())},
+         "weight_map": dict(sorted(weight_map.items()))}, indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=1))
+    return rows
 
 
 def write_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
-             shard_bytes: int = 2 * 2**30) -> list[tuple[str, int, int]]:
+             shard_bytes: int = 5 * 10**9) -> list[tuple[str, int, int]]:
     """config.json + ``model-0000i-of-0000n.safetensors`` shards (≤ ``shard_bytes`` each) +
-    ``model.safetensors.index.json``; [(file, tensors, bytes)]."""
-    from safetensors.torch import save_file
-
-    dtype = next(iter(tensors.values())).dtype
+    ``model.safetensors.index.json`` from tensors in memory; [(file, tensors, bytes)]."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    conf = hf_config(cfg, str(dtype).replace("torch.", ""))
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        nb = t.numel() * t.element_size()
-        if shards[-1] and size + nb > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][to_hf_name(name)] = t
-        size += nb
-    n = len(shards)
-    weight_map, rows, total = {}, [], 0
-    for i, sh in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file(sh, str(out / fname), metadata={"format": "pt"})
-        nb = sum(t.numel() * t.element_size() for t in sh.values())
-        total += nb
-        rows.append((fname, len(sh), nb))
-        weight_map.update({k: fname for k in sh})
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-        indent=1))
-    (out / "config.json").write_text(json.dumps(conf, indent=1))
-    return rows
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    shards = plan_shards(sizes, shard_bytes)
+    for i, names in enumerate(shards):
+        write_shard({k: tensors[k] for k in names}, out, i, len(shards))
+    dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
+    return write_index(shards, sizes, cfg, out, dtype)

@@ -23,6 +23,7 @@ with the boxes on disk, whatever layout wrote them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,15 @@ class Pieces:
     shape: tuple[int, ...]
     dtype: torch.dtype
     items: list[tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=list)
+    load: Callable[[], torch.Tensor] | None = None  # the whole tensor, read only when written
+
+    @classmethod
+    def lazy(cls, shape: tuple[int, ...], dtype: torch.dtype,
+             load: Callable[[], torch.Tensor]) -> Pieces:
+        """One box, the whole tensor, read by ``load()`` when DCP writes it (``fived import``
+        streams a model tensor by tensor: the writer resolves one item at a time)."""
+        return cls(tuple(shape), dtype, [((0,) * len(shape), torch.empty(shape, device="meta"))],
+                   load)
 
     def add_range(self, flat: torch.Tensor, piece_shape: tuple[int, ...], shift: tuple[int, ...],
                   a: int, b: int) -> None:
@@ -100,7 +110,7 @@ class Pieces:
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         for off, t in self.items:
             if torch.Size(off) == index.offset:
-                return t
+                return self.load().to(self.dtype).contiguous() if self.load else t
         raise ValueError(f"{index.fqn}: no local box at {tuple(index.offset)}")
 
     def numel(self) -> int:

@@ -204,6 +204,7 @@ def manifest(t: Any, done: int, mems: list[dict[str, int]] | None) -> dict[str, 
                                                 "skipped": sc.skipped},
         "data": t.data_state(),
         "memory_per_rank": mems or [],
+        "rss_per_rank": getattr(t, "rss", []),  # measured peak resident bytes (build, so far)
     }
 
 

@@ -90,13 +90,18 @@ def main(argv: list[str]) -> int:
     t.add_row("total", str(len(man["tensors"])), report.fmt_b(total))
     report.show(con, t)
     rows = ledger_rows(man)
+    rss = man.get("rss_per_rank") or []
     if rows:
         t = report.table("model-state bytes per rank when saved (params+grads+master+optimizer"
-                         "+padding)", [("rank", "r"), ("measured", "r"), ("ledger", "r"),
-                                       ("equal", "l")])
+                         "+padding); peak RSS measured", [
+                             ("rank", "r"), ("measured", "r"), ("ledger", "r"), ("equal", "l"),
+                             ("RSS build", "r"), ("RSS peak", "r")])
         for r, meas, led in rows:
+            b, pk = (report.fmt_b(rss[r]["build"]), report.fmt_b(rss[r]["peak"])) if (
+                r < len(rss)) else ("", "")
             t.add_row(str(r), report.fmt_b(meas), report.fmt_b(led),
-                      "yes" if abs(meas - led) < 0.5 else f"differs by {meas - led:+.0f} B")
+                      "yes" if abs(meas - led) < 0.5 else f"differs by {meas - led:+.0f} B",
+                      b, pk)
         report.show(con, t)
     if args.files:
         t = report.table("files (size and sha256 verified)", [("file", "l"), ("bytes", "r"),

@@ -26,9 +26,26 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf", required=True, metavar="OUT", help="the directory to write (new or empty)")
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                     help="the exported weights' dtype (default: the checkpoint's compute dtype)")
-    ap.add_argument("--shard-gb", type=float, default=2.0, metavar="GB",
-                    help="largest safetensors file (default: 2)")
+    ap.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="largest safetensors file, as transformers' save_pretrained takes it: "
+                         "5GB, 500MB, 2GiB or bytes (default: 5GB); export holds one shard at "
+                         "a time in memory, never the whole model")
     return ap
+
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5·10⁹ bytes (transformers' units: KB/MB/GB decimal, KiB/MiB/GiB binary)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in UNITS or float(m.group(1)) <= 0:
+        raise ConfigError([f"--max-shard-size {text!r}: give a positive size such as 5GB, "
+                           "500MB, 2GiB or a number of bytes"])
+    return max(1, int(float(m.group(1)) * UNITS[m.group(2).upper()]))
 
 
 def main(argv: list[str]) -> int:
@@ -40,17 +57,16 @@ def main(argv: list[str]) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError([f"fived export --hf {args.hf}: exists and is not an empty directory "
                            "(nothing is overwritten)"])
-    if args.shard_gb <= 0:
-        raise ConfigError([f"--shard-gb must be > 0 (got {args.shard_gb:g})"])
+    max_bytes = parse_size(args.max_shard_size)
     print(f"fived export {ckpt} -> {out} ...", flush=True)
     man = verify(ckpt, "fived export")
     from ..checkpoint import hf
-    from ..checkpoint.convert import DTYPES, model_of, whole_model
+    from ..checkpoint.convert import DTYPES, export_hf, model_of
 
     cfg = model_of(man)
     hf.hf_config(cfg)  # refuses what transformers cannot represent, before reading tensors
-    tensors = whole_model(ckpt, man, DTYPES[args.dtype] if args.dtype else None)
-    rows = hf.write_hf(tensors, cfg, out, int(args.shard_gb * 2**30))
+    rows = export_hf(ckpt, man, out, DTYPES[args.dtype] if args.dtype else None, max_bytes,
+                     lambda i, n: print(f"  shard {i}/{n} written", flush=True))
     if cfg.is_moe and cfg.capacity_factor > 0:
         print(f"note: trained with capacity_factor {cfg.capacity_factor:g} (tokens over capacity "
               "dropped); transformers' Mixtral is dropless, so its outputs differ where fived "

@@ -57,8 +57,11 @@ def checkpoint_inputs(model, train, given):
     if train.init_from:
         from ..checkpoint.hf import model_config, read_config
 
+        from ..checkpoint.hf import HFSource
+
         model = model_config(read_config(train.init_from, "--init-from"), "--init-from",
                              model.seq_len)
+        HFSource(train.init_from, model)  # the headers only: every file there, every shape
     if train.resume:
         from ..checkpoint.convert import model_of, param_shapes
         from ..checkpoint.state import check_compatible

@@ -76,8 +76,12 @@ def parallelize_parts(model: Transformer, grid: Any, par: Any
     return parts, placements
 
 
-def parallelize(model: Transformer, grid: Any, par: Any, train: Any) -> Parallelized:
-    """Lay ``model`` (plain, whole, initialised; the same on every rank) out on ``grid``."""
+def parallelize(model: Transformer, grid: Any, par: Any, train: Any, source: Any = None,
+                device: Any = None) -> Parallelized:
+    """Lay ``model`` out on ``grid``: a plain whole model, initialised, the same on every rank;
+    or (born sharded) one built on the meta device, with ``source`` to fill this rank's pieces
+    on ``device`` once they are cut (``fived.model.init.InitSource``, ``checkpoint.hf.HFSource``):
+    nothing is allocated before the engine lays out the rank's own flat buffers."""
     parts, placements = parallelize_parts(model, grid, par)
     if par.pp > 1:
         stage: nn.Module = StageModel(parts, stage_ids(pipeline_layout(par), grid.coords()["pp"]))
@@ -86,7 +90,7 @@ def parallelize(model: Transformer, grid: Any, par: Any, train: Any) -> Parallel
         stage, executor = parts[0], None
     # ZeRO-3's gather units: the blocks; with pp the chunks (the executor gathers them)
     units = list(stage.chunk_models) if par.pp > 1 else list(stage.layers.values())
-    engine = make_engine(stage, grid, par, train, placements, units)
+    engine = make_engine(stage, grid, par, train, placements, units, source, device)
     return Parallelized(stage, placements, engine, executor)
 
 

@@ -100,6 +100,10 @@ def summary_table(history: list[dict[str, Any]]) -> Table:
               " / ".join(human_bytes(m[k]) for k in ("params", "grads", "master", "optimizer")))
     if m.get("padding"):
         t.add_row("  ZeRO padding", human_bytes(m["padding"]))
+    rss = history[-1].get("rss_per_rank")
+    if rss:  # measured (getrusage), not predicted: the build, then the whole run
+        t.add_row("peak RSS after build (max rank)", human_bytes(max(r["build"] for r in rss)))
+        t.add_row("peak RSS, run (max rank)", human_bytes(max(r["peak"] for r in rss)))
     per_dim: dict[str, float] = {}
     for rank_traffic in history[-1]["traffic_per_rank"]:
         for dim, b in rank_traffic["bytes"].items():

@@ -34,7 +34,8 @@ from ..dist.grid import GROUP_NAMES, DimGroup, Grid
 from ..dist.launch import rank_device
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
-from ..model.moe import set_aux_grad_scale
+from ..model.init import InitSource
+from ..model.moe import moe_layers, set_aux_grad_scale
 from ..optim import lr_at
 from ..parallel.context import shard_batch
 from ..parallel.expert import collect_stats
@@ -43,6 +44,15 @@ from . import data as D
 
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "buffers", "padding")
 TRAFFIC_KEYS = GROUP_NAMES
+
+
+def rss_peak() -> int:
+    """This process's peak resident set size in bytes (``getrusage``: VmHWM)."""
+    import resource
+    import sys
+
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kb if sys.platform == "darwin" else kb * 1024)
 
 
 def measure_matmul_peak(seconds: float = 0.25, n: int = 512) -> float:
@@ -71,15 +81,25 @@ class Trainer:
         self.traffic = grid.groups["tp"].traffic if grid is not None else Traffic()
         self.grid = grid if grid is not None else Grid.from_config(par, rank).connect(self.traffic)
         self.coords = self.grid.coords()
-        model = build_model(model_cfg, train.seed, dtype_of(par.precision), self.device, init)
-        if train.init_from:  # Hugging Face weights into the plain model, before any cut
-            from ..checkpoint.hf import load_hf_into
+        # born sharded: the plain model on meta (no storage), cut on meta by ``parallelize``;
+        # the engine then allocates this rank's flat buffers on its device and ``source``
+        # fills each piece (drawn from (seed, name) block by block, or read as a slice of the
+        # Hugging Face files); resume overwrites them from the checkpoint's slices
+        model = build_model(model_cfg, train.seed, dtype_of(par.precision), "meta", init=False)
+        source = None
+        if init and train.init_from:
+            from ..checkpoint.hf import HFSource
 
-            load_hf_into(model, train.init_from)
+            source = HFSource(train.init_from, model_cfg)
+        elif init:
+            source = InitSource(train.seed, model.param_std)
         if train.compile:  # torch.compile each block (the GPU path's option)
             for blk in model.layers.values():
                 blk.compile()
-        self.parallel = parallelize(model, self.grid, par, train)
+        self.parallel = parallelize(model, self.grid, par, train, source, self.device)
+        for moe in moe_layers(self.parallel.model):  # its statistics were made on meta
+            moe.reset_stats()
+        self.build_rss = rss_peak()  # the build's peak (VmHWM): this rank's pieces, no more
         self.stage = self.parallel.model
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
@@ -247,6 +267,7 @@ class Trainer:
         row = [float(mem.get(k, 0)) for k in MEMORY_KEYS]
         row += [float(by_dim.get(k, 0.0)) for k in TRAFFIC_KEYS]
         row += [float(secs.get(k, 0.0)) for k in TRAFFIC_KEYS]
+        row += [float(self.build_rss), float(rss_peak())]
         vec = torch.tensor(row, dtype=torch.float64, device=self.device)
         out = torch.zeros(self.world * vec.numel(), dtype=torch.float64, device=self.device)
         ops.all_gather_into(out, vec, self.world_metrics)
@@ -255,9 +276,11 @@ class Trainer:
         mems = [dict(zip(MEMORY_KEYS, map(int, r[:nm]))) for r in rows]
         traffic = [
             {"bytes": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm:nm + nt]) if v},
-             "seconds": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm + nt:]) if v}}
+             "seconds": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm + nt:-2]) if v}}
             for r in rows
         ]
+        # peak resident bytes per rank: after the build, and so far (the run's peak)
+        self.rss = [{"build": int(r[-2]), "peak": int(r[-1])} for r in rows]
         return mems, traffic
 
 
@@ -307,6 +330,8 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             rec["memory_per_rank"] = mems
             rec["traffic"] = traffic[0]["bytes"]
             rec["traffic_per_rank"] = traffic
+            rec["rss_peak"] = max(r["peak"] for r in trainer.rss)  # VmHWM, the largest rank
+            rec["rss_per_rank"] = trainer.rss
             rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
             rec["mfu"] = flops_tok * rec["tokens_per_s"] / peak_flops if peak_flops else 0.0
             if trainer.device.type == "cuda":  # measured, next to the ledger's (gpu_check.sh)

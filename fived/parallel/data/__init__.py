@@ -30,16 +30,17 @@ ENGINES: dict[int, type[DataParallel]] = {0: DDP, 1: Zero1, 2: Zero2, 3: Zero3}
 
 
 def make_engine(model: nn.Module, grid: Any, par: Any, train: Any,
-                placements: dict[str, Placement], units: list[nn.Module] | None = None
-                ) -> DataParallel:
+                placements: dict[str, Placement], units: list[nn.Module] | None = None,
+                source: Any = None, device: Any = None) -> DataParallel:
     """The data-parallel engine for ``par.zero`` (DDP, ZeRO-1, 2 or 3), any precision.
 
     ``placements``: every trainable parameter's ``Placement``, keyed by its name in
     ``model.named_parameters()``; ``units``: ZeRO-3's gather units in forward order (the
-    transformer blocks; parameters in no unit form the root unit)."""
+    transformer blocks; parameters in no unit form the root unit); ``source``: what fills the
+    parameters still on the meta device, on ``device`` (born sharded: ``base.build_state``)."""
     if par.zero not in ENGINES:
         raise ConfigError([f"--zero {par.zero}: ZeRO stages are 0, 1, 2, 3"])
-    return ENGINES[par.zero](model, grid, par, train, placements, units)
+    return ENGINES[par.zero](model, grid, par, train, placements, units, source, device)
 
 
 __all__ = ["DDP", "ENGINES", "Bucket", "DataParallel", "Zero1", "Zero2", "Zero3", "make_engine"]

@@ -65,16 +65,22 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, grid: Any, par: Any, train: Any,
                  placements: dict[str, Placement] | None = None,
-                 units: list[nn.Module] | None = None):
+                 units: list[nn.Module] | None = None, source: Any = None,
+                 device: torch.device | None = None):
         """``placements``: every trainable parameter's, by name (None: all replicated, dense);
-        ``units``: ZeRO-3's gather units in forward order (ignored by the other stages)."""
+        ``units``: ZeRO-3's gather units in forward order (ignored by the other stages);
+        ``source``: what fills parameters still on the meta device (``fived.model.init.
+        InitSource``, ``fived.checkpoint.hf.HFSource``; None: they stay as they are), written
+        straight into the flat buffers on ``device`` (default: the parameters' device)."""
+        self.source = source
         self.model, self.grid, self.par, self.train = model, grid, par, train
         self.overlap = bool(par.overlap)
         self.last_micro = True
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         # every buffer the engine makes lives on the parameters' device (cuda on the GPU path)
-        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.device = (torch.device(device) if device is not None else
+                       self.params[0].device if self.params else torch.device("cpu"))
         self.placements = dict(replicated(named)) if placements is None else placements
         missing = [n for n, _ in named if n not in self.placements]
         if missing:
@@ -198,8 +204,17 @@ class DataParallel:
         flat = torch.zeros(b.padded, dtype=self.policy.compute, device=self.device)
         with torch.no_grad():
             for j, p in enumerate(b.params):
-                flat[b.offsets[j]:b.offsets[j] + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = b.view(flat, j)
+                view = b.view(flat, j)
+                if p.is_meta and not flat.is_meta:  # born sharded: only this rank's piece
+                    if self.source is not None:
+                        pl = self.placements[b.names[j]]
+                        self.source.fill(view, pl.name, pl.shape, pl.dim, pl.parts, pl.index)
+                    # the module keeps its Parameter object, moved off meta (``.data`` cannot
+                    # change the device); then, as for any parameter, a view of the buffer
+                    torch.utils.swap_tensors(p, nn.Parameter(view.new_empty(0), p.requires_grad))
+                else:
+                    view.copy_(p.detach())
+                p.data = view
         b.param_full = flat
         b.param_shard = self.own_shard(flat, b)
         b.master = b.param_shard.float().clone() if self.policy.separate_master else b.param_shard

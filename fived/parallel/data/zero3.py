@@ -70,7 +70,8 @@ class Zero3(Zero2):
     stage = 3
 
     def __init__(self, model: nn.Module, grid: Any, par: Any, train: Any,
-                 placements: dict | None = None, units: list[nn.Module] | None = None):
+                 placements: dict | None = None, units: list[nn.Module] | None = None,
+                 source: Any = None, device: Any = None):
         # with pp the executor drives the gathers (``begin_compute``/``end_compute``): the units
         # are the rank's pipeline chunks (stages), not its blocks
         self.driven = par.pp > 1
@@ -78,7 +79,7 @@ class Zero3(Zero2):
         units = list(units or [])
         self.units: list[GatherUnit] = []
         self.root = GatherUnit("root", [])
-        super().__init__(model, grid, par, train, placements, units)
+        super().__init__(model, grid, par, train, placements, units, source, device)
         nb = len(units)
         per_unit: list[list[Bucket]] = [[] for _ in range(nb + 1)]
         for b in self.buckets:
@@ -89,8 +90,7 @@ class Zero3(Zero2):
         for u in self.units + [self.root]:
             for b in u.buckets:
                 self.unit_of[b.index] = u
-            u.state = "full"  # built gathered (the flat copies of the model's parameters)
-            self.free(u)
+            u.state = "free"  # each bucket was freed as soon as its shard was cut
         if self.driven:
             return
         for i, m in enumerate(units):
@@ -121,8 +121,10 @@ class Zero3(Zero2):
         return flat[b.lo:b.hi].clone()
 
     def build_state(self, b: Bucket) -> None:
+        """Built gathered, its shard kept, then freed at once: the build's transient is one
+        bucket (one gather unit), never the rank's whole model."""
         super().build_state(b)
-        self.hold(nbytes(b.param_full))  # built gathered; __init__ frees every unit
+        b.param_full.untyped_storage().resize_(0)
 
     def param_state(self, b: Bucket) -> torch.Tensor:
         return b.param_shard
