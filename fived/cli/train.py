@@ -55,9 +55,7 @@ def checkpoint_inputs(model, train, given):
         raise ConfigError(["--init-from and --resume: give one (a checkpoint already holds "
                            "its weights)"])
     if train.init_from:
-        from ..checkpoint.hf import model_config, read_config
-
-        from ..checkpoint.hf import HFSource
+        from ..checkpoint.hf import HFSource, model_config, read_config
 
         model = model_config(read_config(train.init_from, "--init-from"), "--init-from",
                              model.seq_len)
