@@ -26,8 +26,9 @@ SHAPE = dict(vocab_size=256, hidden_size=32, num_hidden_layers=4, num_attention_
              num_key_value_heads=2, intermediate_size=48, rope_theta=50000.0, rms_norm_eps=1e-6)
 
 
-def make_hf(path, kind: str = "llama", tied: bool = False):
-    """A random transformers model saved to ``path``; returns it (eval, fp32)."""
+def make_hf(path, kind: str = "llama", tied: bool = False, shard: str | None = None):
+    """A random transformers model saved to ``path`` (in files of at most ``shard``, with
+    ``model.safetensors.index.json``); returns it (eval, fp32)."""
     torch.manual_seed(0)
     if kind == "llama":
         m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE,
@@ -39,7 +40,7 @@ def make_hf(path, kind: str = "llama", tied: bool = False):
         for n, p in m.named_parameters():
             if "norm" in n:
                 p.mul_(1 + 0.1 * torch.randn_like(p))
-    m.save_pretrained(path)
+    m.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     return m.eval()
 
 
@@ -113,12 +114,13 @@ def _layout_logits(rank: int, world: int, jobs: list) -> list:
 
 def test_import_into_tp_pp_ep_layouts_gives_transformers_logits(tmp_path):
     dirs = {k: tmp_path / k for k in ("untied", "tied", "moe")}
-    refs = {"untied": make_hf(dirs["untied"]), "tied": make_hf(dirs["tied"], tied=True),
+    refs = {"untied": make_hf(dirs["untied"], shard="60KB"), "tied": make_hf(dirs["tied"], tied=True),
             "moe": make_hf(dirs["moe"], "mixtral")}
     jobs = [(dirs["untied"], ParallelConfig(tp=2, pp=2)),
             (dirs["tied"], ParallelConfig(tp=2, dp=2)),  # pp > 1 is refused for tied models
             (dirs["moe"], ParallelConfig(ep=2, pp=2)),
             (dirs["moe"], ParallelConfig(tp=2, ep=2))]
+    assert len(list(dirs["untied"].glob("*.safetensors"))) >= 3  # a multi-file checkpoint
     res = run_ranks(_layout_logits, 4, jobs, timeout=600)
     for i, name in enumerate(["untied", "tied", "moe", "moe"]):
         got = [r[i] for r in res if r[i] is not None]
@@ -146,9 +148,13 @@ def test_export_loads_in_transformers_with_fived_logits(tmp_path, kind):
               small_train(steps=2, global_batch=4, init_from=str(src), save_dir=str(ck)),
               timeout=600)
     out = tmp_path / "hf"
-    r = subprocess.run([sys.executable, "-m", "fived", "export", str(ck), "--hf", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "fived", "export", str(ck), "--hf", str(out),
+                        "--max-shard-size", "40KB"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    files = sorted(out.glob("*.safetensors"))  # streamed shards of at most 40 kB (or 1 tensor)
+    assert len(files) >= 3 and all(f.stat().st_size <= 40_000 + 8192 for f in files)  # + header
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(idx["weight_map"].values())) == [f.name for f in files]
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["LlamaForCausalLM" if kind == "llama"
                                      else "MixtralForCausalLM"]
@@ -232,3 +238,35 @@ def test_import_inspect_and_bad_input_exit_2(tmp_path, capsys):
         f.write(b"\x00\x01")
     fails(["train", "--resume", str(ck)], data.name, "sha256")
     fails(["checkpoint", "inspect", str(ck), "--files"], data.name)
+
+
+def test_init_from_bad_files_exit_2(tmp_path, capsys):
+    """--init-from: an index naming a missing file, a tensor of the wrong shape: one error
+    naming the file and tensor, exit 2, nothing written, no rank started."""
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    from fived.cli.main import main
+
+    src = tmp_path / "hf"
+    make_hf(src, shard="60KB")
+    files = sorted(src.glob("*.safetensors"))
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+
+    def fails(*words):
+        assert main(["train", "--init-from", str(src), "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and all(w in err for w in words), err
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+    key = "model.layers.1.mlp.up_proj.weight"
+    idx = _json.loads((src / "model.safetensors.index.json").read_text())
+    home = src / idx["weight_map"][key]
+    saved = load_file(str(home))
+    save_file({**saved, key: saved[key][:-1].contiguous()}, str(home))
+    fails("layers.1.mlp.up_proj.weight", home.name, "(47, 32)")
+    save_file(saved, str(home))
+    files[-1].rename(tmp_path / "away")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    fails(files[-1].name, "missing")
