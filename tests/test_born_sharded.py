@@ -128,3 +128,13 @@ def test_a_rank_builds_only_its_own_states():
 def test_the_memory_check_fails_on_a_whole_model_build_mutation():
     with pytest.raises(AssertionError):
         _check_build(whole=True)
+
+
+def test_a_layout_too_big_for_the_machine_is_warned_before_any_rank(capsys):
+    from fived.cli.train import warn_if_too_big
+
+    train = small_train()
+    assert not warn_if_too_big(PRESETS["tiny"], ParallelConfig(), train, 1)
+    assert warn_if_too_big(PRESETS["llama3-8b"], ParallelConfig(), train, 1)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the ledger gives the largest rank" in err[0] and "TB" in err[0]

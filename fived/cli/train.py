@@ -124,6 +124,10 @@ def main(argv: list[str]) -> int:
                   flush=True)
         if train.init_from:
             print(f"weights from the Hugging Face directory {train.init_from}", flush=True)
+        import os
+
+        warn_if_too_big(model, par, train,
+                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env else world)
     from ..dist.launch import RankFailure, run_local
     from ..train.trainer import measure_matmul_peak, train_rank
 
@@ -148,6 +152,39 @@ def main(argv: list[str]) -> int:
         print(f"metrics: {train.metrics_out}")
     return 0
 
+
+
+def available_per_rank(local_ranks: int) -> tuple[float, str]:
+    """(bytes one rank can have, what that is): a GPU's memory where torch sees one, else this
+    machine's available memory (``MemAvailable``) shared by its ``local_ranks``."""
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory), "one GPU's memory"
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return float("inf"), "unknown"
+    return avail / max(local_ranks, 1), f"available memory / {local_ranks} local rank(s)"
+
+
+def warn_if_too_big(model, par, train, local_ranks: int) -> bool:
+    """One warning line when the ledger's largest rank (states + activations + buffers) is
+    more than a rank can have; printed before any rank allocates. True when it warned."""
+    from ..ledger.memory import fmt_bytes, largest_rank
+    from ..ledger.traffic import micro_batch_size
+
+    need = largest_rank(model, par, micro_batch_size(par, train.global_batch),
+                        optimizer=train.optimizer).total
+    have, what = available_per_rank(local_ranks)
+    if need <= have:
+        return False
+    print(f"warning: the ledger gives the largest rank {fmt_bytes(need)}, more than a rank can "
+          f"have here ({fmt_bytes(have)}: {what}); it may run out of memory", file=sys.stderr,
+          flush=True)
+    return True
 
 
 def dry_run(model, par, train, args: argparse.Namespace) -> int:
