@@ -28,10 +28,18 @@ from ..comm import ops
 EPS = 1e-6
 
 
+SQ_CHUNK = 1 << 18  # elements per float64 partial sum: the norm's transient stays 2 MiB
+
+
 def accumulate_sq(acc: torch.Tensor, pieces: Iterable[tuple[torch.Tensor, float]]) -> torch.Tensor:
-    """``acc += w · Σ g²`` for every (g, w), in float64, in order; returns ``acc``."""
+    """``acc += w · Σ g²`` for every (g, w), in float64, in order, in chunks of ``SQ_CHUNK``
+    elements (a float64 copy of a whole gradient would be twice its size); returns ``acc``."""
     for g, w in pieces:
-        acc += g.double().pow(2).sum() * w
+        s = torch.zeros((), dtype=torch.float64, device=acc.device)
+        for c in g.reshape(-1).split(SQ_CHUNK):
+            d = c.double()
+            s += torch.dot(d, d)
+        acc += s * w
     return acc
 
 
