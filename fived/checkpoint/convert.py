@@ -17,18 +17,11 @@ import torch.distributed.checkpoint as dcp
 from ..config import ModelConfig, ParallelConfig, TrainConfig
 from . import hf
 from . import storage as S
+from .hf import param_shapes  # noqa: F401 - re-exported (cli.train, tests)
 from .pieces import Pieces
 from .state import LoadPlanner, SavePlanner, tensor_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's global shape (a model on the meta device: nothing allocated)."""
-    from ..model.llama import Transformer
-
-    with torch.device("meta"):
-        return {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
 
 
 def model_of(man: dict[str, Any]) -> ModelConfig:

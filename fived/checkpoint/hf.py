@@ -131,6 +131,14 @@ def to_hf_name(name: str) -> str:
     return name if name == "lm_head.weight" else f"model.{name}"
 
 
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global shape (a model on the meta device: nothing allocated)."""
+    from ..model.llama import Transformer
+
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
+
+
 def hf_files(hf_dir: str | Path, flag: str = "--init-from") -> list[Path]:
     """The safetensors files of a local HF directory: those its index lists, or every one."""
     p = Path(hf_dir)
@@ -201,8 +209,6 @@ class HFSource:
     def check(self, cfg: ModelConfig) -> None:
         """Every parameter of ``cfg`` present with its shape, nothing else (a ConfigError
         naming the file and the tensor of each mismatch)."""
-        from .convert import param_shapes
-
         shapes = param_shapes(cfg)
         have = {n: t for n, t in self.tensors.items()
                 if not (cfg.tied_embeddings and n == "lm_head.weight")}

@@ -102,6 +102,7 @@ def summary_table(history: list[dict[str, Any]]) -> Table:
         t.add_row("  ZeRO padding", human_bytes(m["padding"]))
     rss = history[-1].get("rss_per_rank")
     if rss:  # measured (getrusage), not predicted: the build, then the whole run
+        t.add_row("build time (max rank)", f"{max(r.get('build_s', 0) for r in rss):.2f} s")
         t.add_row("peak RSS after build (max rank)", human_bytes(max(r["build"] for r in rss)))
         t.add_row("peak RSS, run (max rank)", human_bytes(max(r["peak"] for r in rss)))
     per_dim: dict[str, float] = {}

@@ -85,6 +85,7 @@ class Trainer:
         # the engine then allocates this rank's flat buffers on its device and ``source``
         # fills each piece (drawn from (seed, name) block by block, or read as a slice of the
         # Hugging Face files); resume overwrites them from the checkpoint's slices
+        t0 = time.perf_counter()  # the build (after the grid is connected)
         model = build_model(model_cfg, train.seed, dtype_of(par.precision), "meta", init=False)
         source = None
         if init and train.init_from:
@@ -100,6 +101,7 @@ class Trainer:
         for moe in moe_layers(self.parallel.model):  # its statistics were made on meta
             moe.reset_stats()
         self.build_rss = rss_peak()  # the build's peak (VmHWM): this rank's pieces, no more
+        self.build_seconds = time.perf_counter() - t0
         self.stage = self.parallel.model
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
@@ -267,7 +269,7 @@ class Trainer:
         row = [float(mem.get(k, 0)) for k in MEMORY_KEYS]
         row += [float(by_dim.get(k, 0.0)) for k in TRAFFIC_KEYS]
         row += [float(secs.get(k, 0.0)) for k in TRAFFIC_KEYS]
-        row += [float(self.build_rss), float(rss_peak())]
+        row += [float(self.build_rss), float(rss_peak()), self.build_seconds]
         vec = torch.tensor(row, dtype=torch.float64, device=self.device)
         out = torch.zeros(self.world * vec.numel(), dtype=torch.float64, device=self.device)
         ops.all_gather_into(out, vec, self.world_metrics)
@@ -276,11 +278,11 @@ class Trainer:
         mems = [dict(zip(MEMORY_KEYS, map(int, r[:nm]))) for r in rows]
         traffic = [
             {"bytes": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm:nm + nt]) if v},
-             "seconds": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm + nt:-2]) if v}}
+             "seconds": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm + nt:-3]) if v}}
             for r in rows
         ]
         # peak resident bytes per rank: after the build, and so far (the run's peak)
-        self.rss = [{"build": int(r[-2]), "peak": int(r[-1])} for r in rows]
+        self.rss = [{"build": int(r[-3]), "peak": int(r[-2]), "build_s": r[-1]} for r in rows]
         return mems, traffic
 
 
