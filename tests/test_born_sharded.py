@@ -137,4 +137,4 @@ def test_a_layout_too_big_for_the_machine_is_warned_before_any_rank(capsys):
     assert not warn_if_too_big(PRESETS["tiny"], ParallelConfig(), train, 1)
     assert warn_if_too_big(PRESETS["llama3-8b"], ParallelConfig(), train, 1)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the ledger gives the largest rank" in err[0] and "TB" in err[0]
+    assert len(err) == 1 and "the ledger gives the largest rank" in err[0]
