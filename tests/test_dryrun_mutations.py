@@ -98,6 +98,32 @@ def test_an_extra_collective_of_another_op_is_caught(monkeypatch):
 
 
 # ------------------------------------------------------------------------ activations
+def test_an_activation_over_allocated_behind_a_view_is_caught(monkeypatch):
+    """The first block's output written into the first half of a buffer twice its size: the
+    next layer saves a correctly shaped view, the storage saved is twice as large."""
+    from fived.model import llama
+
+    par = ParallelConfig()
+    assert _bad("tiny", par) == []
+    orig_init, orig_forward = llama.Block.__init__, llama.Block.forward
+
+    def init(self, cfg, index, dtype):
+        orig_init(self, cfg, index, dtype)
+        self.first = index == 0
+
+    def forward(self, h, rope):
+        out = orig_forward(self, h, rope)
+        if not self.first:
+            return out
+        buf = torch.empty((2,) + tuple(out.shape), dtype=out.dtype, device=out.device)[0]
+        return buf.copy_(out)
+
+    monkeypatch.setattr(llama.Block, "__init__", init)
+    monkeypatch.setattr(llama.Block, "forward", forward)
+    bad = _bad("tiny", par)
+    assert bad and all("activation peak" in line for line in bad), bad
+
+
 def test_a_stray_saved_tensor_of_one_percent_is_caught(monkeypatch):
     """The first block saves one stray tensor of 1 % of the ledger's activation peak (the old
     2 % tolerance let it through)."""
