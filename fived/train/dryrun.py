@@ -16,13 +16,20 @@ this one process:
    executor (or the plain loop), the engine's bucketed reductions, the gradient norm's
    collectives, the AdamW step and the parameter all-gathers;
 
-and records what the ledger predicts: model-state bytes (``engine.memory()``), the bytes every
-collective through ``fived.comm`` sent (per group), and the peak of live activation bytes —
-every distinct storage autograd saved for backward, counted from the moment it is saved until
-its last reference dies (``LiveSaved``), the quantity ``fived.ledger.memory.activations``
-predicts (pipeline in-flight micro-batches included). It writes the same metrics JSONL as a
-real run (plus ``ranks`` and ``activation_peak_per_rank``), so ``fived ledger --check FILE``
-compares model states and traffic exactly and the activation peak within 2 %.
+and records what the ledger predicts: model-state bytes (``engine.memory()``, and again from the
+storages themselves, ``storage_states``), the bytes every collective through ``fived.comm`` sent
+(per group and per group/op, ``traffic_by_op``), and the peak of live activation bytes — every
+distinct storage autograd saved for backward (``untyped_storage().nbytes()``, once per storage),
+counted from the moment it is saved until its last reference dies (``LiveSaved``), the quantity
+``fived.ledger.memory.activations`` predicts (pipeline in-flight micro-batches included). It
+writes the same metrics JSONL as a real run (plus ``ranks``, ``memory_storage_per_rank`` and
+``activation_peak_per_rank``), so ``fived ledger --check FILE`` compares model states (both
+counts), traffic per group and per (group, op) and ZeRO-2's ``buffers`` exactly and the
+activation peak within 0.5 % or 16 KiB (``fived.ledger.verify``).
+
+The attention is the runtime's own ``layers.causal_attention``; only SDPA on meta tensors is sent
+to the flash kernel's op (``flash_on_meta``). MoE layers run ``_uniform_moe``, a twin of
+``MoE.moe`` with static routing (the real one needs values); tests compare the two on the CPU.
 
 The device. Every tensor is made on the rank's device. The dry run uses ``meta``, a device that
 is not the CPU: a tensor left on the CPU by mistake meets a meta tensor and the fake mode raises
