@@ -48,12 +48,14 @@ def test_a_state_over_allocated_behind_a_view_is_caught(monkeypatch):
     assert bad and all("storage[grads]" in line for line in bad), bad
 
 
-def test_zero2_buffers_are_compared_with_zero_full_grads(monkeypatch):
-    """ZeRO-2's transient full-gradient bucket held twice (a leak in ``ensure_grad``'s
-    accounting): the engine's ``buffers`` peak now differs from the ledger's zero_full_grads."""
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_buffers_are_compared_with_the_ledger(monkeypatch, zero):
+    """ZeRO-2/3's transient full-gradient bucket held twice (a leak in ``ensure_grad``'s
+    accounting): the engine's ``buffers`` peak now differs from the ledger's zero_full_grads
+    (+ zero3_gather)."""
     from fived.parallel.data import zero12
 
-    par = ParallelConfig(dp=2, zero=2)
+    par = ParallelConfig(dp=2, zero=zero)
     assert _bad("tiny", par) == []
     orig = zero12.Zero2.ensure_grad
 

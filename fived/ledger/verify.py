@@ -16,9 +16,9 @@ A dry run's record (``fived train --dry-run``) carries more, and each is compare
 * ``traffic_per_rank[i]["ops"]``: bytes per ``group/op``, equal to the ledger's collectives
   summed per (group, op) (``bytes_by_group_op``) — an extra collective of another op on a group
   is caught even where the group's total would hide it in another term;
-* ``buffers`` of ZeRO-2: the engine's peak of transient full gradient buckets, equal to the
-  ledger's ``zero_full_grads`` (``memory.comm_buffers``) to the byte (ZeRO-3: see
-  ``buffers_check_skipped``);
+* ``buffers`` of ZeRO-2/3: the engine's peak of transient full gradient buckets (and ZeRO-3's
+  gathered units), equal to the ledger's ``zero_full_grads`` (+ ``zero3_gather``,
+  ``memory.comm_buffers``) to the byte (where not, ``buffers_check_skipped`` says why);
 * ``activation_peak_per_rank``: within ``ACTIVATION_TOLERANCE`` (relative) or
   ``ACTIVATION_SLACK`` bytes, whichever is larger (``check_activations``).
 """
@@ -77,19 +77,21 @@ def bytes_by_group_op(m: ModelConfig, par: ParallelConfig, global_batch: int, ra
     return {k: v for k, v in out.items() if v}
 
 
-def buffers_check_skipped(par: ParallelConfig) -> str | None:
+def buffers_check_skipped(m: ModelConfig, par: ParallelConfig) -> str | None:
     """Why a dry run's ZeRO ``buffers`` peak is not compared with the ledger (None: it is)."""
-    if par.zero == 3:
-        return ("zero3: the ledger's zero3_gather (the unit in use + the prefetched one) is "
-                "below the engine's measured gathered peak (tiny dp2: 924,160 vs 1,186,816 "
-                "bytes) — open")
+    if par.zero == 3 and par.pp > 1:
+        return "zero3 with pp: the gathered chunks' peak is not modelled exactly (open)"
+    if par.zero == 3 and m.is_moe and par.ep > 1:
+        return ("zero3 with experts over ep: two gradient groups in flight at once are not "
+                "modelled exactly (tiny-moe dp2·ep2: ledger 1,101,312 vs 1,202,688 bytes; open)")
     return None
 
 
 def predict_buffers(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int) -> int:
-    """The ledger's ZeRO-2 transient full-gradient bytes (``comm_buffers``' zero_full_grads)."""
+    """The ledger's ZeRO-2/3 transient bytes (``comm_buffers``: zero_full_grads, and for
+    ZeRO-3 zero3_gather)."""
     cb = comm_buffers(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"])
-    return int(cb.get("zero_full_grads", 0.0))
+    return int(cb.get("zero_full_grads", 0.0) + cb.get("zero3_gather", 0.0))
 
 
 def compare_dry_extras(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,
@@ -111,12 +113,12 @@ def compare_dry_extras(m: ModelConfig, par: ParallelConfig, global_batch: int, r
             if pred.get(k, 0.0) != ops.get(k, 0.0):
                 out.append(f"rank {rank} traffic[{k}]: ledger {pred.get(k, 0.0)} != "
                            f"measured {ops.get(k, 0.0)}")
-    if par.zero == 2 and "dry_run" in rec and not buffers_check_skipped(par):
+    if par.zero >= 2 and "dry_run" in rec and not buffers_check_skipped(m, par):
         pred_b = predict_buffers(m, par, global_batch, rank)
         got_b = rec["memory_per_rank"][i].get("buffers", 0)
         if pred_b != got_b:
-            out.append(f"rank {rank} buffers: ledger zero_full_grads {pred_b} != measured "
-                       f"{got_b}")
+            out.append(f"rank {rank} buffers: ledger zero_full_grads + zero3_gather {pred_b} "
+                       f"!= measured {got_b}")
     return out
 
 
