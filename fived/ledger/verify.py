@@ -97,7 +97,7 @@ def predict_buffers(m: ModelConfig, par: ParallelConfig, global_batch: int, rank
 def compare_dry_extras(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,
                        i: int, rank: int, optimizer: str) -> list[str]:
     """The dry run's own measurements of rank ``rank`` (index ``i``): storage bytes, traffic
-    per (group, op), ZeRO-2's buffers — each exact."""
+    per (group, op), ZeRO-2/3's buffers (where not skipped) — each exact."""
     out = []
     pm, _ = predict_rank(m, par, global_batch, rank, optimizer)
     if "memory_storage_per_rank" in rec:
@@ -127,8 +127,10 @@ def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: 
     """Mismatches between one step record and the ledger, one line each ([] = exact).
 
     ``buffers`` is the engine's measured peak of transient buffers (ZeRO-2 full gradient
-    buckets, ZeRO-3 gathered units), which depends on the order hooks fire; it is skipped by
-    default for ZeRO-2/3 (``skip_buffers``) and compared (it is 0) otherwise."""
+    buckets, ZeRO-3 gathered units), which depends on the order hooks fire; in the
+    ``memory`` comparison it is skipped by default for ZeRO-2/3 (``skip_buffers``) and compared
+    (it is 0) otherwise. A dry run's record compares it with the ledger's transient terms in
+    ``compare_dry_extras`` (with its storage bytes and traffic per (group, op))."""
     if skip_buffers is None:
         skip_buffers = par.zero >= 2
     out = []
