@@ -234,3 +234,18 @@ def test_a_bug_inside_moe_moe_is_caught(monkeypatch):
     real, _ = _saved_and_out(layer, x, MoE.moe)
     twin, _ = _saved_and_out(layer, x, _uniform_moe)
     assert real != twin
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_saved_tensors_counts_storages_once(device):
+    """``SavedTensors`` counts a saved view's whole storage, once however many views of it are
+    saved, on the CPU and on meta (where every data pointer is 0)."""
+    from fived.train.activations import SavedTensors
+
+    w = torch.ones(4, device=device, requires_grad=True)
+    big = torch.zeros(2, 4, device=device)  # 32 bytes behind each 16-byte row
+    other = torch.zeros(4, device=device)
+    with SavedTensors() as saved:
+        y = (w * big[0]) + (w * big[1]) + (w * other)  # mul saves each plain operand
+    assert saved.count == 2 and saved.bytes == 32 + 16
+    assert y.shape == (4,)
