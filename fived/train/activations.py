@@ -7,8 +7,8 @@ view counts its whole allocation). Storages are told apart by identity, not by `
 the meta device, and for empty tensors, every data pointer is 0), and each is held until the
 ``with`` block ends so that no address is reused inside it. Parameters, and the storages of
 ``exclude``, are not activations. ``s.bytes`` is the measured activation footprint of that
-forward, the quantity the ledger's activation term predicts; ``s.by_dtype`` splits it and
-``s.count`` is the number of storages.
+forward, the quantity the ledger's activation term predicts; ``s.by_dtype`` splits it,
+``s.count`` is the number of storages and ``s.sizes`` lists each as (dtype, bytes).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class SavedTensors:
         self.bytes = 0
         self.by_dtype: dict[str, int] = defaultdict(int)
         self.count = 0
+        self.sizes: list[tuple[str, int]] = []
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -38,6 +39,7 @@ class SavedTensors:
             self.bytes += n
             self.by_dtype[str(t.dtype)] += n
             self.count += 1
+            self.sizes.append((str(t.dtype), n))
         return t
 
     @staticmethod
