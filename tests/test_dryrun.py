@@ -1,6 +1,7 @@
 """The dry run (``fived train --dry-run``): a rank of any layout built and stepped on fake meta
 tensors with the fake process group, its model states and traffic equal to the ledger's to the
-byte and its activation peak within 2 %, through ``fived ledger --check``; bad input is one
+byte (also counted as storage bytes, and traffic per (group, op)) and its activation peak
+within 0.5 % or 16 KiB, through ``fived ledger --check``; bad input is one
 clear error (exit 2)."""
 
 from __future__ import annotations

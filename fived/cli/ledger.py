@@ -267,7 +267,7 @@ def _dry_run_activations(m: ModelConfig, par: ParallelConfig, gb: int, path: str
         rows.append([str(r), report.fmt_b(pred), report.fmt_b(got),
                      f"{(got - pred) / max(pred, 1):+.2%}"])
     title = ("dry run: activation peak per rank (not compared: " + skipped + ")" if skipped else
-             "dry run: activation peak per rank (compared within 2 %)")
+             "dry run: activation peak per rank (compared within 0.5 % or 16 KiB)")
     t = report.table(title, [("rank", "r"), ("ledger", "r"), ("measured", "r"), ("diff", "r")])
     for row in rows:
         t.add_row(*row)

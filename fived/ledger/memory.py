@@ -472,7 +472,10 @@ def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
     reduce-scatter; the reduce-scatter runs on the last micro-batch, so with m > 1 every bucket's
     full buffer lives through the accumulation (as large as ZeRO-1's grads), with m = 1 about
     three buckets are in flight. ZeRO-3 also holds the gathered unit in use and the prefetched
-    next one."""
+    next one; without pp, the root unit (embedding, norm, head) stays gathered for the whole
+    step and its gradient bucket lives through the whole backward, on top of both. ZeRO-2/3
+    without pp or ep agree with the engine's measured ``buffers`` to the byte in the dry run
+    (``fived.ledger.verify.compare_dry_extras``)."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
@@ -480,19 +483,27 @@ def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
     if par.zero >= 2 and max(group_sizes(par).values()) > 1:
         bks = buckets(m, par, pp_rank)
         gb = grad_bytes(par)
+        # ZeRO-3 without pp: the root (embedding, norm, head) is gathered for the whole
+        # forward and backward, and its gradient bucket (the head's gradient comes first, the
+        # embedding's last) lives through the whole backward — both on top of the blocks'
+        # (measured exactly by the dry run at tiny and small, dp2, one group)
+        root_stays = par.zero == 3 and par.pp == 1
+        root = sum(b.padded for b in bks if b.unit == -1) if root_stays else 0
+        rest = [b.padded for b in bks if not (root_stays and b.unit == -1)]
         if par.micro_batches > 1:
             out["zero_full_grads"] = float(sum(b.padded for b in bks) * gb)
         else:
-            out["zero_full_grads"] = float(sum(sorted((b.padded for b in bks),
-                                                      reverse=True)[:3]) * gb)
+            out["zero_full_grads"] = float((root + sum(sorted(rest, reverse=True)[:3])) * gb)
         if par.zero == 3:
             units: dict[int, int] = {}
             for b in bks:
-                units[b.unit] = units.get(b.unit, 0) + b.padded
-            # the unit in use and the prefetched next; pp: every chunk (per step) or one
+                if not (root_stays and b.unit == -1):
+                    units[b.unit] = units.get(b.unit, 0) + b.padded
+            # the unit in use and the prefetched next (+ the root); pp: every chunk (per
+            # step) or one
             whole = (len(units) if par.pp > 1 and par.zero3_pp_gather == "step" else
                      1 if par.pp > 1 else 2)
-            out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole])
+            out["zero3_gather"] = float((root + sum(sorted(units.values(), reverse=True)[:whole]))
                                         * param_bytes(par))
     if par.pp > 1:
         out["pp_p2p"] = 2 * tokens * m.hidden * e / (par.tp if sp else 1)

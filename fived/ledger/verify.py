@@ -7,6 +7,20 @@ rank from its grid coordinates (``fived.dist.grid``) and returns one line per mi
 means the ledger and the runtime agree to the byte. The ep all-to-all bytes follow the router:
 where the record carries the routing (``moe.counts``, as the trainer writes for MoE models) they
 are predicted exactly from it (``traffic.ep_routed_bytes``), otherwise from uniform routing.
+
+A dry run's record (``fived train --dry-run``) carries more, and each is compared too:
+
+* ``memory_storage_per_rank``: params, grads, master, optimizer counted from the storages
+  (``untyped_storage().nbytes()``, each storage once), equal to the ledger's to the byte — an
+  allocation larger than the view the engine reports is caught;
+* ``traffic_per_rank[i]["ops"]``: bytes per ``group/op``, equal to the ledger's collectives
+  summed per (group, op) (``bytes_by_group_op``) — an extra collective of another op on a group
+  is caught even where the group's total would hide it in another term;
+* ``buffers`` of ZeRO-2/3: the engine's peak of transient full gradient buckets (and ZeRO-3's
+  gathered units), equal to the ledger's ``zero_full_grads`` (+ ``zero3_gather``,
+  ``memory.comm_buffers``) to the byte (where not, ``buffers_check_skipped`` says why);
+* ``activation_peak_per_rank``: within ``ACTIVATION_TOLERANCE`` (relative) or
+  ``ACTIVATION_SLACK`` bytes, whichever is larger (``check_activations``).
 """
 
 from __future__ import annotations
@@ -15,8 +29,8 @@ import json
 
 from ..config import ModelConfig, ParallelConfig, _coerce
 from ..dist.grid import Grid
-from .memory import act_bytes, activations, model_states
-from .traffic import ep_routed_bytes, micro_batch_size, step_bytes
+from .memory import act_bytes, activations, comm_buffers, model_states
+from .traffic import ep_routed_bytes, micro_batch_size, step_bytes, step_traffic
 
 
 def coords(par: ParallelConfig, rank: int) -> dict[str, int]:
@@ -48,13 +62,75 @@ def predict_rank(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: i
     return mem, step_bytes(m, par, micro_batch_size(par, global_batch), c["pp"], optimizer)
 
 
+def bytes_by_group_op(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
+                      optimizer: str = "adamw") -> dict[str, float]:
+    """The ledger's bytes sent per ``group/op`` by one rank in one step (zero entries left
+    out), keyed as the dry run records them (``fived.train.dryrun.traffic_by_op``)."""
+    colls = step_traffic(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"],
+                         optimizer)
+    out: dict[str, float] = {}
+    for c in colls:
+        if c.n <= 1 or c.count == 0:
+            continue
+        key = f"{c.group}/{c.op}"
+        out[key] = out.get(key, 0.0) + c.bytes
+    return {k: v for k, v in out.items() if v}
+
+
+def buffers_check_skipped(m: ModelConfig, par: ParallelConfig) -> str | None:
+    """Why a dry run's ZeRO ``buffers`` peak is not compared with the ledger (None: it is)."""
+    if par.zero == 3 and par.pp > 1:
+        return "zero3 with pp: the gathered chunks' peak is not modelled exactly (open)"
+    if par.zero == 3 and m.is_moe and par.ep > 1:
+        return ("zero3 with experts over ep: two gradient groups in flight at once are not "
+                "modelled exactly (tiny-moe dp2·ep2: ledger 1,101,312 vs 1,202,688 bytes; open)")
+    return None
+
+
+def predict_buffers(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int) -> int:
+    """The ledger's ZeRO-2/3 transient bytes (``comm_buffers``: zero_full_grads, and for
+    ZeRO-3 zero3_gather)."""
+    cb = comm_buffers(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"])
+    return int(cb.get("zero_full_grads", 0.0) + cb.get("zero3_gather", 0.0))
+
+
+def compare_dry_extras(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,
+                       i: int, rank: int, optimizer: str) -> list[str]:
+    """The dry run's own measurements of rank ``rank`` (index ``i``): storage bytes, traffic
+    per (group, op), ZeRO-2/3's buffers (where not skipped) — each exact."""
+    out = []
+    pm, _ = predict_rank(m, par, global_batch, rank, optimizer)
+    if "memory_storage_per_rank" in rec:
+        got = rec["memory_storage_per_rank"][i]
+        for k in sorted(got):
+            if int(pm.get(k, 0)) != got[k]:
+                out.append(f"rank {rank} storage[{k}]: ledger {int(pm.get(k, 0))} != "
+                           f"measured {got[k]} (untyped_storage bytes)")
+    ops = rec["traffic_per_rank"][i].get("ops") if "traffic_per_rank" in rec else None
+    if ops is not None and not (rec.get("moe") or {}).get("counts"):
+        pred = bytes_by_group_op(m, par, global_batch, rank, optimizer)
+        for k in sorted(set(pred) | set(ops)):
+            if pred.get(k, 0.0) != ops.get(k, 0.0):
+                out.append(f"rank {rank} traffic[{k}]: ledger {pred.get(k, 0.0)} != "
+                           f"measured {ops.get(k, 0.0)}")
+    if par.zero >= 2 and "dry_run" in rec and not buffers_check_skipped(m, par):
+        pred_b = predict_buffers(m, par, global_batch, rank)
+        got_b = rec["memory_per_rank"][i].get("buffers", 0)
+        if pred_b != got_b:
+            out.append(f"rank {rank} buffers: ledger zero_full_grads + zero3_gather {pred_b} "
+                       f"!= measured {got_b}")
+    return out
+
+
 def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,
                    skip_buffers: bool | None = None, optimizer: str = "adamw") -> list[str]:
     """Mismatches between one step record and the ledger, one line each ([] = exact).
 
     ``buffers`` is the engine's measured peak of transient buffers (ZeRO-2 full gradient
-    buckets, ZeRO-3 gathered units), which depends on the order hooks fire; it is skipped by
-    default for ZeRO-2/3 (``skip_buffers``) and compared (it is 0) otherwise."""
+    buckets, ZeRO-3 gathered units), which depends on the order hooks fire; in the
+    ``memory`` comparison it is skipped by default for ZeRO-2/3 (``skip_buffers``) and compared
+    (it is 0) otherwise. A dry run's record compares it with the ledger's transient terms in
+    ``compare_dry_extras`` (with its storage bytes and traffic per (group, op))."""
     if skip_buffers is None:
         skip_buffers = par.zero >= 2
     out = []
@@ -81,13 +157,22 @@ def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: 
             if pt.get(k, 0.0) != got.get(k, 0.0):
                 out.append(f"rank {rank} traffic[{k}]: ledger {pt.get(k, 0.0)} != "
                            f"measured {got.get(k, 0.0)}")
+        if "dry_run" in rec:
+            out += compare_dry_extras(m, par, global_batch, rec, i, rank, optimizer)
         if "activation_peak_per_rank" in rec:  # the dry run's peak of saved activations
             out += check_activations(m, par, global_batch, rank,
                                      rec["activation_peak_per_rank"][i])
     return out
 
 
-ACTIVATION_TOLERANCE = 0.02
+# The activation peak is a sum of storages the ledger predicts term by term. Measured residuals
+# (measured - ledger, before this tolerance): +0.23..+0.28 % on the recorded 405B and Mixtral
+# dry runs (docs/dryrun), +0.002..+0.39 % on tiny dense layouts, +0.64..+0.70 % (14,848 bytes)
+# on tiny-moe, whose per-sequence router and aux-loss scalars are a larger share of a 2 MB peak.
+# So: 0.5 % of the prediction, or 16 KiB where that is larger (tiny models only: at 405B scale
+# 16 KiB is 1e-7 of the peak).
+ACTIVATION_TOLERANCE = 0.005
+ACTIVATION_SLACK = 16 * 1024
 
 
 def predict_activations(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int
@@ -112,13 +197,17 @@ def activation_check_skipped(par: ParallelConfig) -> str | None:
 
 def check_activations(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
                       measured: float) -> list[str]:
+    """The dry run's activation peak against the ledger's: |measured - ledger| within
+    ``ACTIVATION_TOLERANCE`` of the ledger's bytes or ``ACTIVATION_SLACK`` bytes, the larger."""
     if activation_check_skipped(par):
         return []
     pred = predict_activations(m, par, global_batch, rank)
-    if pred and abs(measured - pred) / pred <= ACTIVATION_TOLERANCE:
+    allowed = max(ACTIVATION_TOLERANCE * pred, ACTIVATION_SLACK)
+    if pred and abs(measured - pred) <= allowed:
         return []
     return [f"rank {rank} activation peak: ledger {pred:.0f} vs measured {measured:.0f} "
-            f"({(measured - pred) / max(pred, 1):+.2%}, tolerance {ACTIVATION_TOLERANCE:.0%})"]
+            f"({(measured - pred) / max(pred, 1):+.2%}, tolerance {ACTIVATION_TOLERANCE:.1%} "
+            f"or {ACTIVATION_SLACK} bytes)"]
 
 
 def run_of_file(path: str) -> tuple[ModelConfig, ParallelConfig, int] | None:

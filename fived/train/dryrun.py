@@ -16,13 +16,20 @@ this one process:
    executor (or the plain loop), the engine's bucketed reductions, the gradient norm's
    collectives, the AdamW step and the parameter all-gathers;
 
-and records what the ledger predicts: model-state bytes (``engine.memory()``), the bytes every
-collective through ``fived.comm`` sent (per group), and the peak of live activation bytes —
-every distinct storage autograd saved for backward, counted from the moment it is saved until
-its last reference dies (``LiveSaved``), the quantity ``fived.ledger.memory.activations``
-predicts (pipeline in-flight micro-batches included). It writes the same metrics JSONL as a
-real run (plus ``ranks`` and ``activation_peak_per_rank``), so ``fived ledger --check FILE``
-compares model states and traffic exactly and the activation peak within 2 %.
+and records what the ledger predicts: model-state bytes (``engine.memory()``, and again from the
+storages themselves, ``storage_states``), the bytes every collective through ``fived.comm`` sent
+(per group and per group/op, ``traffic_by_op``), and the peak of live activation bytes — every
+distinct storage autograd saved for backward (``untyped_storage().nbytes()``, once per storage),
+counted from the moment it is saved until its last reference dies (``LiveSaved``), the quantity
+``fived.ledger.memory.activations`` predicts (pipeline in-flight micro-batches included). It
+writes the same metrics JSONL as a real run (plus ``ranks``, ``memory_storage_per_rank`` and
+``activation_peak_per_rank``), so ``fived ledger --check FILE`` compares model states (both
+counts), traffic per group and per (group, op) and ZeRO-2's ``buffers`` exactly and the
+activation peak within 0.5 % or 16 KiB (``fived.ledger.verify``).
+
+The attention is the runtime's own ``layers.causal_attention``; only SDPA on meta tensors is sent
+to the flash kernel's op (``flash_on_meta``). MoE layers run ``_uniform_moe``, a twin of
+``MoE.moe`` with static routing (the real one needs values); tests compare the two on the CPU.
 
 The device. Every tensor is made on the rank's device. The dry run uses ``meta``, a device that
 is not the CPU: a tensor left on the CPU by mistake meets a meta tensor and the fake mode raises
@@ -142,30 +149,28 @@ def flash_on_meta():
     """SDPA on meta tensors -> the CUDA flash kernel's op (``aten._scaled_dot_product_flash_
     attention``, which has a meta implementation): what SDPA runs on a GPU, saving q, k, v, the
     output and the fp32 log-sum-exp — not the math fallback (materialised probabilities) SDPA
-    picks for an unknown device. It replaces ``fived.model.layers.causal_attention`` (looked up
-    when the attention core runs, on any thread: a recompute runs in autograd's) while the dry
-    run lasts."""
-    from ..model import layers as L
+    picks for an unknown device.
 
-    orig = L.causal_attention
+    Only ``torch.nn.functional.scaled_dot_product_attention`` itself is redirected (looked up
+    when called, on any thread: a recompute runs in autograd's), and only for a maskless call on
+    meta tensors; the runtime's own ``fived.model.layers.causal_attention`` (and whatever else
+    calls SDPA) runs unchanged, so an extra op or a saved tensor inside it is in the dry run."""
+    orig = F.scaled_dot_product_attention
 
-    def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if q.device.type != "meta":
-            return orig(q, k, v)
-        rep = q.shape[2] // k.shape[2]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=2)
-            v = v.repeat_interleave(rep, dim=2)
-        o = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True,
-            scale=1.0 / math.sqrt(q.shape[-1]))[0]
-        return o.transpose(1, 2)
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+             **kw: Any) -> torch.Tensor:
+        if q.device.type != "meta" or attn_mask is not None or kw.get("enable_gqa"):
+            return orig(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **kw)
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal,
+            scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))[0]
 
-    L.causal_attention = causal_attention
+    F.scaled_dot_product_attention = sdpa
     try:
         yield
     finally:
-        L.causal_attention = orig
+        F.scaled_dot_product_attention = orig
 
 
 # ------------------------------------------------------------------------ MoE: uniform routing
@@ -243,6 +248,57 @@ def _uniform_dispatch(rows: torch.Tensor, counts: torch.Tensor, compute: Any, gr
     return A.all_to_all(y, group, split, split)
 
 
+# ------------------------------------------------------------------------ model states
+STATE_KEYS = ("params", "grads", "master", "optimizer")
+
+
+def _tensors(x: Any, depth: int = 2) -> list[torch.Tensor]:
+    """The tensors in ``x``: itself, or inside lists, tuples and dict values ``depth`` deep."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if depth and isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y, depth - 1)]
+    if depth and isinstance(x, dict):
+        return [t for y in x.values() for t in _tensors(y, depth - 1)]
+    return []
+
+
+def storage_states(engine: Any) -> dict[str, int]:
+    """Model-state bytes from the storages themselves: ``untyped_storage().nbytes()`` of each
+    distinct storage (views share one; it is counted once, under the first key that holds it:
+    params, grads, master, optimizer). A tensor over-allocated behind a correctly sized view
+    counts its whole allocation here, where ``engine.memory()`` (numel × element size) does not.
+    The optimizer's tensors are whatever its attributes hold (its masters are already counted)."""
+    bks = engine.buckets
+    held = {"params": [engine.param_state(b) for b in bks],
+            "grads": [engine.grad_state(b) for b in bks],
+            "master": ([b.master for b in bks] if engine.policy.separate_master else [])
+            + [b.comp for b in bks],
+            "optimizer": _tensors(vars(engine.opt))}
+    seen: set[int] = set()
+    out = {}
+    for key in STATE_KEYS:
+        n = 0
+        for t in held[key]:
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            if st._cdata not in seen:
+                seen.add(st._cdata)
+                n += st.nbytes()
+        out[key] = n
+    return out
+
+
+def traffic_by_op(traffic: Traffic) -> dict[str, float]:
+    """Bytes sent per ``group/op`` (e.g. ``tp/all_gather``), zero entries left out."""
+    out: dict[str, float] = {}
+    for (dim, op), r in sorted(traffic.records.items()):
+        if dim in GROUP_NAMES and r.bytes:
+            out[f"{dim}/{op}"] = out.get(f"{dim}/{op}", 0.0) + r.bytes
+    return out
+
+
 # ------------------------------------------------------------------------ one rank
 class DryTrainer(Trainer):
     """The Trainer on fake tensors: zeros for data, no values read back."""
@@ -318,10 +374,13 @@ def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig
             t_build = time.perf_counter() - t0
             rec = trainer.dry_step(0)
             mem = trainer.engine.memory()
+            storage = storage_states(trainer.engine)
         rec["memory"] = {k: int(mem.get(k, 0)) for k in
                          ("params", "grads", "master", "optimizer", "buffers", "padding")}
+        rec["memory_storage"] = storage
         rec["traffic"] = {k: v for k, v in traffic.bytes_by_dim().items()
                           if k in GROUP_NAMES and v}
+        rec["traffic_ops"] = traffic_by_op(traffic)
         rec["build_seconds"] = t_build
         rec["rank"] = rank
         rec["coords"] = grid.coords()
@@ -354,7 +413,8 @@ def dry_run(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, ran
            "memory": recs[0]["memory"],
            "memory_per_rank": [r["memory"] for r in recs],
            "traffic": recs[0]["traffic"],
-           "traffic_per_rank": [{"bytes": r["traffic"]} for r in recs],
+           "traffic_per_rank": [{"bytes": r["traffic"], "ops": r["traffic_ops"]} for r in recs],
+           "memory_storage_per_rank": [r["memory_storage"] for r in recs],
            "activation_peak_per_rank": [r["activation_peak"] for r in recs],
            "seconds_per_rank": [r["wall_seconds"] for r in recs],
            "run": {"model": asdict(model_cfg), "parallel": asdict(par),
