@@ -2,7 +2,7 @@
 (``state``), atomic directories with a manifest (``storage``), the boxes a rank owns
 (``pieces``), Hugging Face import/export (``hf``). See docs/checkpoints.md."""
 
-from .state import Saver, load, rank_state
+from .state import SaveError, Saver, load, rank_state
 from .storage import resolve, verify
 
-__all__ = ["Saver", "load", "rank_state", "resolve", "verify"]
+__all__ = ["SaveError", "Saver", "load", "rank_state", "resolve", "verify"]
