@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..config import ConfigError
@@ -162,7 +163,7 @@ class Saver:
             error = None
             try:
                 dcp.save(state, storage_writer=writer, planner=SavePlanner())
-            except Exception as e:  # noqa: BLE001 - every rank learns of it in _agree
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - see _agree
                 error = e
             self._agree(done, tmp, error)  # rank 0 finalizes only once every rank wrote
             self.pending = (None, done, man, tmp)
@@ -185,8 +186,15 @@ class Saver:
 
             shutil.rmtree(tmp, ignore_errors=True)
         prev = S.complete(self.root)
-        what = (f"{type(error).__name__}: {error}" if error is not None
-                else "it failed on another rank")
+        if isinstance(error, CheckpointException):  # DCP's: every failing rank's exception
+            causes = {r: (e[0] if isinstance(e, tuple) else e)  # (exception, frames)
+                      for r, e in error.failures.items()}
+            what = "; ".join(f"rank {r}: {type(e).__name__}: {e}"
+                             for r, e in sorted(causes.items()))
+        elif error is not None:
+            what = f"{type(error).__name__}: {error}"
+        else:
+            what = "it failed on another rank"
         raise SaveError(
             f"checkpoint step {done} could not be written to {self.root} ({what}); its "
             f"partial files were removed and the previous checkpoint "
@@ -205,7 +213,7 @@ class Saver:
         if fut is not None:
             try:
                 fut.result()
-            except Exception as e:  # noqa: BLE001 - every rank learns of it in _agree
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - see _agree
                 error = e
             self._agree(done, tmp, error)  # rank 0 finalizes only once every rank wrote
         final = None

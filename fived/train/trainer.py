@@ -390,18 +390,22 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
                 if rank == 0:
                     print(f"fived train: {bad.stop}", flush=True)
                 break
-            saved = bool(saver and saver.due(step + 1, end))
+            # in a streak of bad steps nothing is saved: the newest checkpoint stays a good one
+            # (and --keep never prunes a good checkpoint for a bad one)
+            saved = bool(saver and saver.due(step + 1, end) and not bad.run)
             if saved:
                 saver.save(step + 1, mems)
             if preempt.agreed():  # every rank, after the same step
-                if saver and not saved:
+                if saver and not saved and not bad.run:
                     saver.save(step + 1, mems)
+                    saved = True
                 preempted = step + 1
                 if rank == 0:
                     print(f"fived train: SIG{preempt.hit or 'TERM'} (on some rank): "
                           + (f"saved step {step + 1} to {train.save_dir}; exiting with status "
-                             "75 (preempted, resumable with --resume auto)" if saver else
-                             "no --save-dir, nothing saved; exiting with status 75"),
+                             "75 (preempted, resumable with --resume auto)" if saved else
+                             "nothing saved (no --save-dir, or a bad step); exiting with "
+                             "status 75"),
                           flush=True)
                 break
         if saver:
