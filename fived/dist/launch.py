@@ -97,8 +97,17 @@ def init_process_group(rank: int, world: int, port: int | None, timeout_s: float
 
     _, backend = device_and_backend(prefer_cpu, local_rank)
     kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
-    if port is None:  # torchrun's env://
-        dist.init_process_group(backend, **kw)
+    if port is None:  # torchrun's env://, its keys apart for each restart (see below)
+        from torch.distributed.rendezvous import rendezvous
+
+        # torchrun --max-restarts keeps its store across restarts, and with it the previous
+        # attempt's keys: a restarted rank 1 would read the dead rank 0's gloo address
+        # ("Connection refused"). A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps
+        # every attempt's rendezvous its own.
+        store, rank, world = next(rendezvous("env://", timeout=kw["timeout"]))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"fived/attempt-{attempt}/", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
     else:
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw

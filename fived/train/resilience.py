@@ -46,6 +46,9 @@ class Preemption:
                 break
 
     def _on(self, signum: int, frame: Any) -> None:
+        if self.hit is not None:  # a second signal: leave now, as without a handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         self.hit = signal.Signals(signum).name
 
     def agreed(self) -> bool:
