@@ -138,6 +138,12 @@ def _nan_from3(trainer, step):
         _plant_nan(trainer)
 
 
+def _sigterm_rank1(trainer, step):
+    """Only rank 1 is signalled (as if only its node were told of the preemption)."""
+    if trainer.rank == 1 and step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _runs(rank, world, runs):
     from fived.train.trainer import train_rank
 
@@ -145,12 +151,18 @@ def _runs(rank, world, runs):
 
 
 def test_nan_gradient_on_one_rank_skips_the_step_and_k_in_a_row_stop(tmp_path):
+    """(and: a preemption signal on one rank stops every rank after the same step)"""
     par = ParallelConfig(dp=2, zero=1)
     t = small_train(steps=6)
     d = tmp_path / "ck"
     stop_t = replace(t, steps=8, save_dir=str(d), save_every=2, max_bad_steps=2)
-    ref, skip, stop = run_ranks(_runs, 2, [(DENSE, par, t, None), (DENSE, par, t, _nan_grads),
-                                           (DENSE, par, stop_t, _nan_from3)], timeout=300)[0]
+    pre_t = replace(t, save_dir=str(tmp_path / "pre"))
+    ref, skip, stop, pre = run_ranks(_runs, 2, [
+        (DENSE, par, t, None), (DENSE, par, t, _nan_grads), (DENSE, par, stop_t, _nan_from3),
+        (DENSE, par, pre_t, _sigterm_rank1)], timeout=300)[0]
+    # SIGTERM on rank 1 only: rank 0 (whose summary this is) agreed, both saved after step 2
+    assert pre["preempted"] == 3 and pre["losses"] == ref["losses"][:3]
+    assert sorted(p.name for p in (tmp_path / "pre").iterdir()) == ["step-000003"]
     # one NaN on rank 1's gradients: step 2 is skipped everywhere, counted, and the run goes on
     h = {r["step"]: r for r in skip["history"]}
     assert h[2]["skipped"] and h[2]["bad"] and not math.isfinite(h[2]["grad_norm"])
