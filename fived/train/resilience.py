@@ -46,9 +46,9 @@ class Preemption:
                 break
 
     def _on(self, signum: int, frame: Any) -> None:
-        if self.hit is not None:  # a second signal: leave now, as without a handler
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        # a second signal changes nothing: under SLURM + torchrun a rank gets SIGTERM from
+        # slurmstepd and again from its torchrun agent, and must still save (torchrun
+        # SIGKILLs it after its own grace period)
         self.hit = signal.Signals(signum).name
 
     def agreed(self) -> bool:
