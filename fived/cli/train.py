@@ -96,6 +96,10 @@ def resume_auto(train):
     if not train.save_dir:
         raise ConfigError(["--resume auto: resumes the newest checkpoint under --save-dir, but "
                            "no --save-dir is given; add --save-dir DIR"])
+    from pathlib import Path
+
+    if Path(train.save_dir).exists() and not Path(train.save_dir).is_dir():
+        raise ConfigError([f"--save-dir {train.save_dir}: exists and is not a directory"])
     ckpt, _, skipped = newest_valid(train.save_dir)
     env = torchrun_env()
     if env is None or env[0] == 0:  # under torchrun, rank 0 speaks
