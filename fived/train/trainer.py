@@ -304,7 +304,13 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
 
     die_at = die_hook(rank)  # tests only: one environment lookup in normal use
     torch.manual_seed(train.seed)
-    trainer = Trainer(model_cfg, par, train, rank, world)
+    # caught from here on: a signal while the model is built or loaded acts after step one
+    preempt = Preemption(train.preempt_signals, rank_device(), world)
+    try:
+        trainer = Trainer(model_cfg, par, train, rank, world)
+    except BaseException:
+        preempt.close()
+        raise
     tb = None
     if rank == 0 and train.tensorboard:
         from .tb import TensorBoard
@@ -343,7 +349,6 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
                       verbose=show)
     out_file = _metrics_file(train.metrics_out, start) if (rank == 0 and train.metrics_out) \
         else None
-    preempt = Preemption(train.preempt_signals, trainer.device, world)
     preempted: int | None = None
     save_error = ""
     try:
