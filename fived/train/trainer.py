@@ -400,7 +400,7 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             saved = bool(saver and saver.due(step + 1, end) and not bad.run)
             if saved:
                 saver.save(step + 1, mems)
-            if preempt.agreed():  # every rank, after the same step
+            if preempt.agreed() and step + 1 < end:  # every rank, after the same step
                 if saver and not saved and not bad.run:
                     saver.save(step + 1, mems)
                     saved = True
