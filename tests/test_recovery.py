@@ -229,3 +229,16 @@ def test_history_is_bounded_and_the_table_keeps_the_first_loss():
     c.print(summary_table(list(h.records), h))
     text = c.export_text()
     assert "10.0000 → 1.0000" in text and "1 of 10" in text
+
+
+def test_resume_auto_says_what_it_does_before_torch_is_imported(tmp_path):
+    """The line comes first (well under a second: torch is not imported to find it)."""
+    r = subprocess.run([sys.executable, "-c", "import sys, fived.checkpoint.storage, "
+                        "fived.cli.train; assert 'torch' not in sys.modules"], env=ENV)
+    assert r.returncode == 0
+    r = fived("train", "--nprocs", "1", "--steps", "2", "--save-dir", str(tmp_path / "ck"),
+              "--resume", "auto", "--print-config")
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first == f"--resume auto: no complete checkpoint under {tmp_path / 'ck'}: starting fresh"
+    assert not (tmp_path / "ck").exists()  # nothing written by --print-config
