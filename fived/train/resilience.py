@@ -38,6 +38,7 @@ class Preemption:
         self.device, self.world = device, world
         self.old: dict[int, Any] = {}
         names, _ = preempt_signal_names(spec)
+        self.active = bool(names)  # the same on every rank: --preempt-signals '' costs nothing
         for n in names:
             sig = getattr(signal, f"SIG{n}")
             try:
@@ -54,6 +55,8 @@ class Preemption:
     def agreed(self) -> bool:
         """True on every rank when a signal reached any rank (a collective: all ranks call it
         after the same step)."""
+        if not self.active:
+            return False
         if self.world == 1:
             return self.hit is not None
         import torch
