@@ -232,8 +232,17 @@ class TrainConfig:
     async_save: bool = spec(False, "write checkpoints in the background while training goes on")
     stop_after: int = spec(0, "stop after this many steps of --steps (0: all); the schedule "
                               "stays --steps long, so --resume continues it exactly", ge=0)
-    resume: str = spec("", "resume from DIR (its newest checkpoint) or DIR/step-N, any layout",
-                       metavar="DIR")
+    resume: str = spec("", "resume from DIR (its newest checkpoint) or DIR/step-N, any layout; "
+                           "'auto': the newest complete checkpoint under --save-dir if there is "
+                           "one, else a fresh start (the same command line starts and restarts "
+                           "a run: torchrun --max-restarts, SLURM requeue)",
+                       metavar="DIR|auto")
+    preempt_signals: str = spec("TERM,USR1", "signals that make every rank save at the next step "
+                                "boundary and exit with status 75 (preempted, resumable); "
+                                "comma-separated names, '' for none", metavar="SIG,SIG")
+    max_bad_steps: int = spec(3, "a step whose loss or gradient norm is NaN/inf is skipped; stop "
+                                 "after K such steps in a row (the last checkpoint is kept)",
+                              ge=1, metavar="K")
     init_from: str = spec("", "start from a Hugging Face Llama/Mixtral directory (safetensors + "
                               "config.json); the model shape comes from its config.json",
                           metavar="HF_DIR")
@@ -369,6 +378,7 @@ def validate(
         check(p, model, par, world_size)
     if train is not None:
         _check_batch(p, par, train)
+        _check_recovery(p, train)
     _check_zero_align(p, par)
     if p:
         raise ConfigError(p)
@@ -488,6 +498,29 @@ def _check_batch(p: list[str], par: ParallelConfig, train: TrainConfig) -> None:
     elif (train.global_batch // replicas) % par.micro_batches:
         p.append(f"sequences per replica {train.global_batch // replicas} are not divisible by "
                  f"--micro-batches {par.micro_batches}")
+
+
+RESUME_AUTO = "auto"
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: preempted, saved, resumable (docs/checkpoints.md)
+
+
+def preempt_signal_names(spec_: str) -> tuple[list[str], list[str]]:
+    """``--preempt-signals TERM,USR1`` -> (the names, the unknown ones)."""
+    import signal as _signal
+
+    names = [n.strip().upper().removeprefix("SIG") for n in spec_.split(",") if n.strip()]
+    bad = [n for n in names if n in ("KILL", "STOP") or not hasattr(_signal, f"SIG{n}")]
+    return names, bad
+
+
+def _check_recovery(p: list[str], train: TrainConfig) -> None:
+    if train.resume == RESUME_AUTO and not train.save_dir:
+        p.append("--resume auto: resumes the newest checkpoint under --save-dir, but no "
+                 "--save-dir is given; add --save-dir DIR")
+    _, bad = preempt_signal_names(train.preempt_signals)
+    if bad:
+        p.append(f"--preempt-signals {train.preempt_signals}: {', '.join(bad)} is not a signal "
+                 "this process can catch (use names such as TERM, USR1, USR2, INT; '' for none)")
 
 
 def _check_zero_align(p: list[str], par: ParallelConfig) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..config import ConfigError
@@ -117,6 +118,12 @@ def rng_state(engine: Any = None) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ save
+class SaveError(RuntimeError):
+    """A save that failed on some rank (a full disk: OSError ENOSPC, a quota, an I/O error):
+    its ``.tmp-step-N`` is removed and the previous checkpoint is untouched (never renamed
+    over, never pruned), so ``--resume auto`` loads it; every rank raises it together."""
+
+
 class Saver:
     """Periodic saves of one rank (``--save-dir --save-every --keep --async-save``)."""
 
@@ -153,9 +160,47 @@ class Saver:
                                  process_group=self.group, async_stager=_NoStage())
             self.pending = (fut, done, man, tmp)
         else:
-            dcp.save(state, storage_writer=writer, planner=SavePlanner())
+            error = None
+            try:
+                dcp.save(state, storage_writer=writer, planner=SavePlanner())
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - see _agree
+                error = e
+            self._agree(done, tmp, error)  # rank 0 finalizes only once every rank wrote
             self.pending = (None, done, man, tmp)
             self.wait()
+
+    def _agree(self, done: int, tmp: Path, error: BaseException | None) -> None:
+        """Every rank: did the save of ``done`` fail on any rank? (one all-reduce; it is the
+        barrier that lets a finished save be seen). On failure rank 0 removes ``tmp`` and
+        every rank raises ``SaveError``."""
+        bad = 1.0 if error is not None else 0.0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dev = self.trainer.device if self.group is None else torch.device("cpu")
+            flag = torch.tensor([bad], device=dev)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            bad = float(flag.item())
+        if not bad:
+            return
+        if self.trainer.rank == 0:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        prev = S.complete(self.root)
+        if isinstance(error, CheckpointException):  # DCP's: every failing rank's exception
+            causes = {r: (e[0] if isinstance(e, tuple) else e)  # (exception, frames)
+                      for r, e in error.failures.items()}
+            what = "; ".join(f"rank {r}: {type(e).__name__}: {e}"
+                             for r, e in sorted(causes.items()))
+        elif error is not None:
+            what = f"{type(error).__name__}: {error}"
+        else:
+            what = "it failed on another rank"
+        raise SaveError(
+            f"checkpoint step {done} could not be written to {self.root} ({what}); its "
+            f"partial files were removed and the previous checkpoint "
+            + (f"{prev[-1][1].name} is intact (--resume auto loads it)" if prev else
+               "— there is none — is unchanged") + ". Free space (or fix the disk) and rerun "
+            "the same command line.")
 
     def wait(self) -> None:
         """Block until the pending save is on disk; rank 0 then writes the manifest and renames
@@ -164,17 +209,25 @@ class Saver:
             return
         fut, done, man, tmp = self.pending
         self.pending = None
+        error: BaseException | None = None
         if fut is not None:
-            fut.result()
+            try:
+                fut.result()
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - see _agree
+                error = e
+            self._agree(done, tmp, error)  # rank 0 finalizes only once every rank wrote
+        final = None
         if self.trainer.rank == 0:
-            man["tensors"] = tensor_table(tmp)
-            final = S.finalize(self.root, done, man, self.keep)
-            if self.verbose:
-                nbytes = sum(f.stat().st_size for f in final.iterdir())
-                print(f"checkpoint: {final} ({nbytes / 2**20:.1f} MiB"
-                      f"{', written in the background' if fut is not None else ''})", flush=True)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+            try:
+                man["tensors"] = tensor_table(tmp)
+                final = S.finalize(self.root, done, man, self.keep)
+            except OSError as e:  # the manifest or an fsync on a full disk
+                error = e
+        self._agree(done, tmp, error)  # the barrier: every rank leaves once it is visible
+        if final is not None and self.verbose:
+            nbytes = sum(f.stat().st_size for f in final.iterdir())
+            print(f"checkpoint: {final} ({nbytes / 2**20:.1f} MiB"
+                  f"{', written in the background' if fut is not None else ''})", flush=True)
 
 
 class _NoStage:

@@ -132,6 +132,23 @@ def resolve(path: str | Path, flag: str = "--resume") -> Path:
     return found[-1][1]
 
 
+def newest_valid(root: str | Path, flag: str = "--resume auto"
+                 ) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+    """``--resume auto``: the newest complete checkpoint under ``root`` that verifies (sizes,
+    sha256), its manifest, and a line for each newer one that did not (skipped); ``(None, None,
+    [])`` when ``root`` does not exist or holds no complete checkpoint (a fresh start)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None, None, []
+    skipped = []
+    for _, ckpt in reversed(complete(root)):
+        try:
+            return ckpt, verify(ckpt, flag), skipped
+        except ConfigError as e:
+            skipped.append(f"{ckpt.name} skipped: {'; '.join(e.problems)}")
+    return None, None, skipped
+
+
 def read_manifest(ckpt: Path, flag: str = "--resume") -> dict[str, Any]:
     try:
         with open(ckpt / MANIFEST) as f:

@@ -36,6 +36,7 @@ EXAMPLES = """examples:
   fived figures all --out figs --quick         # every figure: PNG + SVG + JSON + command
   fived report --out report --from figs        # one offline HTML page of them
   fived train --save-dir ck --save-every 10 && fived train --resume ck --tp 2 --pp 2
+  torchrun --max-restarts 3 ... -m fived train --save-dir ck --save-every 50 --resume auto  # start = restart
   fived checkpoint inspect ck        fived export ck --hf hf_out     fived import hf_out --save-dir ck2
 """
 

@@ -11,7 +11,16 @@ import argparse
 import sys
 from dataclasses import replace
 
-from ..config import ConfigError, check_count, check_outputs, check_runtime_model, fill_dp, validate
+from ..config import (
+    PREEMPTED_EXIT,
+    RESUME_AUTO,
+    ConfigError,
+    check_count,
+    check_outputs,
+    check_runtime_model,
+    fill_dp,
+    validate,
+)
 from ..data.meta import check_data_run, model_for_data
 from ..dist.launch import torchrun_env
 from . import flags
@@ -51,6 +60,8 @@ def checkpoint_inputs(model, train, given):
     mismatched tensor is listed). --save-dir must be a directory or creatable."""
     from pathlib import Path
 
+    if train.resume == RESUME_AUTO:
+        train = resume_auto(train)
     if train.init_from and train.resume:
         raise ConfigError(["--init-from and --resume: give one (a checkpoint already holds "
                            "its weights)"])
@@ -76,6 +87,29 @@ def checkpoint_inputs(model, train, given):
     if train.save_dir and Path(train.save_dir).exists() and not Path(train.save_dir).is_dir():
         raise ConfigError([f"--save-dir {train.save_dir}: exists and is not a directory"])
     return model, train
+
+
+def resume_auto(train):
+    """``--resume auto``: the newest complete, verified checkpoint under --save-dir, or a fresh
+    start (resume ""); one line either way, before torch is imported."""
+    from ..checkpoint.storage import newest_valid
+
+    if not train.save_dir:
+        raise ConfigError(["--resume auto: resumes the newest checkpoint under --save-dir, but "
+                           "no --save-dir is given; add --save-dir DIR"])
+    from pathlib import Path
+
+    if Path(train.save_dir).exists() and not Path(train.save_dir).is_dir():
+        raise ConfigError([f"--save-dir {train.save_dir}: exists and is not a directory"])
+    ckpt, _, skipped = newest_valid(train.save_dir)
+    env = torchrun_env()
+    if env is None or env[0] == 0:  # under torchrun, rank 0 speaks
+        for line in skipped:
+            print(f"--resume auto: {line}", flush=True)
+        print("--resume auto: " + (f"resuming from {ckpt}" if ckpt else
+                                   f"no complete checkpoint under {train.save_dir}: starting "
+                                   "fresh"), flush=True)
+    return replace(train, resume=str(ckpt) if ckpt else "")
 
 
 def main(argv: list[str]) -> int:
@@ -136,21 +170,32 @@ def main(argv: list[str]) -> int:
 
         # every rank has its own threads (or device): the aggregate peak is world × one rank's
         peak = measure_matmul_peak() * world if env[0] == 0 else 0.0
-        run_torchrun(train_rank, (model, par, train, True, peak), args.timeout)
-        return 0
+        out = run_torchrun(train_rank, (model, par, train, True, peak), args.timeout)
+        return end_status(out)
     peak = measure_matmul_peak()
     print(f"measured matmul peak {peak / 1e9:.1f} GFLOP/s (MFU denominator); "
           f"starting {world} local rank(s) on gloo ...", flush=True)
+    from ..config import preempt_signal_names
+
     try:
-        run_local(train_rank, world, (model, par, train, True, peak), timeout=args.timeout * 50,
-                  collective_timeout=args.timeout)
+        outs = run_local(train_rank, world, (model, par, train, True, peak),
+                         timeout=args.timeout * 50, collective_timeout=args.timeout,
+                         forward_signals=preempt_signal_names(train.preempt_signals)[0])
     except RankFailure as e:
         print(f"fived train: rank {e.rank} failed — every rank was stopped.\n{e.detail}",
               file=sys.stderr)
         return 1
     if train.metrics_out:
         print(f"metrics: {train.metrics_out}")
-    return 0
+    return end_status(outs[0])
+
+
+def end_status(summary) -> int:
+    """0: trained; 75 (``PREEMPTED_EXIT``): a preemption signal, saved, resumable; 1: stopped
+    after --max-bad-steps non-finite steps in a row (the message is printed by rank 0)."""
+    if summary.get("preempted") is not None:
+        return PREEMPTED_EXIT
+    return 1 if summary.get("stopped") else 0
 
 
 

@@ -97,8 +97,17 @@ def init_process_group(rank: int, world: int, port: int | None, timeout_s: float
 
     _, backend = device_and_backend(prefer_cpu, local_rank)
     kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
-    if port is None:  # torchrun's env://
-        dist.init_process_group(backend, **kw)
+    if port is None:  # torchrun's env://, its keys apart for each restart (see below)
+        from torch.distributed.rendezvous import rendezvous
+
+        # torchrun --max-restarts keeps its store across restarts, and with it the previous
+        # attempt's keys: a restarted rank 1 would read the dead rank 0's gloo address
+        # ("Connection refused"). A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps
+        # every attempt's rendezvous its own.
+        store, rank, world = next(rendezvous("env://", timeout=kw["timeout"]))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"fived/attempt-{attempt}/", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
     else:
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw
@@ -195,8 +204,15 @@ def threads_per_rank(nprocs: int) -> int:
 
 
 def run_local(fn: Callable, nprocs: int, args: tuple = (), timeout: float = 600.0,
-              collective_timeout: float = 120.0, prefer_cpu: bool = False) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``nprocs`` local ranks; return results by rank."""
+              collective_timeout: float = 120.0, prefer_cpu: bool = False,
+              forward_signals: list[str] | tuple[str, ...] = ()) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``nprocs`` local ranks; return results by rank.
+
+    ``forward_signals`` (names, e.g. ["TERM", "USR1"]): while the ranks run, this process
+    passes each such signal it receives on to every live rank (``fived train``'s preemption:
+    the ranks save and return; see fived.train.resilience)."""
+    import signal
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -213,6 +229,22 @@ def run_local(fn: Callable, nprocs: int, args: tuple = (), timeout: float = 600.
     ]
     for p in procs:
         p.start()
+
+    def forward(signum: int, frame: Any) -> None:
+        for p in procs:
+            if p.is_alive() and p.pid:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    old_handlers = {}
+    for name in forward_signals:
+        sig = getattr(signal, f"SIG{name}")
+        try:
+            old_handlers[sig] = signal.signal(sig, forward)
+        except ValueError:  # not the main thread
+            break
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -246,4 +278,6 @@ def run_local(fn: Callable, nprocs: int, args: tuple = (), timeout: float = 600.
                 p.kill()
                 p.join(timeout=5)
         results.close()
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
     return [out[r] for r in range(nprocs)]

@@ -54,10 +54,12 @@ class LiveDisplay:
     def close(self) -> None:
         self.progress.stop()
 
-    def final_table(self, history: list[dict[str, Any]]) -> None:
+    def final_table(self, history: list[dict[str, Any]], totals: Any = None) -> None:
+        """``history``: the kept (last) records; ``totals``: ``resilience.History`` (the first
+        loss and the run's totals beyond the window)."""
         if not history:
             return
-        self.console.print(summary_table(history))
+        self.console.print(summary_table(history, totals))
 
 
 def moe_line(moe: dict[str, Any] | None) -> str:
@@ -72,24 +74,30 @@ def moe_line(moe: dict[str, Any] | None) -> str:
             f"tokens/expert% {spread} a2a {100 * moe['a2a_share']:.0f}% of step")
 
 
-def summary_table(history: list[dict[str, Any]]) -> Table:
-    """Median over the steps after the first (warm-up) of what the run measured."""
+def summary_table(history: list[dict[str, Any]], totals: Any = None) -> Table:
+    """Median over the steps after the first (warm-up) of what the run measured (of the kept
+    window of records, ``fived.train.resilience.WINDOW``, on a long run)."""
     steady = history[1:] or history
+    first = totals.first["loss"] if totals is not None and totals.first else history[0]["loss"]
     t = Table(title="fived train — measured", show_header=True, header_style="bold")
     t.add_column("quantity")
     t.add_column("value", justify="right")
-    t.add_row("loss first → last", f"{history[0]['loss']:.4f} → {history[-1]['loss']:.4f}")
+    t.add_row("loss first → last", f"{first:.4f} → {history[-1]['loss']:.4f}")
     t.add_row("tokens/s (median)", f"{statistics.median(h['tokens_per_s'] for h in steady):.0f}")
     t.add_row("MFU (median)", f"{100 * statistics.median(h['mfu'] for h in steady):.2f}%")
     t.add_row("step time (median)", f"{1000 * statistics.median(h['seconds'] for h in steady):.1f} ms")
     if history[-1].get("moe"):
         moe = history[-1]["moe"]
         t.add_row("MoE aux / z loss (last)", f"{moe['aux_loss']:.5f} / {moe['z_loss']:.5f}")
-        t.add_row("MoE dropped assignments (total)", f"{sum(h['moe']['dropped'] for h in history)}")
+        dropped = (totals.moe_dropped if totals is not None
+                   else sum(h["moe"]["dropped"] for h in history))
+        t.add_row("MoE dropped assignments (total)", f"{dropped}")
         per = [sum(col) for col in zip(*moe["tokens_per_expert"])]
         t.add_row("MoE tokens per expert (last, all layers)", " ".join(map(str, per)))
         t.add_row("all-to-all share of step (median)",
                   f"{100 * statistics.median(h['moe']['a2a_share'] for h in steady):.1f}%")
+    if totals is not None and totals.skipped:
+        t.add_row("steps skipped (overflow / non-finite)", f"{totals.skipped} of {totals.steps}")
     mems = history[-1]["memory_per_rank"]
     worst = max(range(len(mems)), key=lambda r: sum(mems[r][k] for k in
                                                     ("params", "grads", "master", "optimizer")))

@@ -41,6 +41,7 @@ from ..parallel.context import shard_batch
 from ..parallel.expert import collect_stats
 from ..parallel.parallelize import dtype_of, parallelize
 from . import data as D
+from .resilience import non_finite
 
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "buffers", "padding")
 TRAFFIC_KEYS = GROUP_NAMES
@@ -207,13 +208,18 @@ class Trainer:
             on_grads()
         grad_norm = self.engine.clip(self.tcfg.grad_clip)
         lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
-        stepped = self.engine.step(lr)
+        # the loss before the update: both it and the norm are global, so every rank sees the
+        # same bad step (fived.train.resilience) and skips it (the engine's overflow skip
+        # covers a non-finite norm; a non-finite loss alone is skipped here)
+        loss = self.global_loss(local_loss) / global_tokens
+        bad = non_finite(loss, grad_norm, self.par.precision == "fp16")
+        stepped = (self.engine.step(lr) if math.isfinite(loss)
+                   or getattr(self.engine, "overflow", False) else False)
         if self.engine.skip_reason and self.rank == 0:
             print(self.engine.skip_reason, flush=True)
         seconds = time.perf_counter() - t0
-        loss = self.global_loss(local_loss) / global_tokens
         rec = {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
-               "lr": lr, "grad_norm": grad_norm, "skipped": not stepped}
+               "lr": lr, "grad_norm": grad_norm, "skipped": not stepped, "bad": bad}
         if self.loader is not None:  # seconds this step waited for the prefetch thread
             rec["data_wait_s"] = self.loader.wait_s - waited
         if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
@@ -286,15 +292,50 @@ class Trainer:
         return mems, traffic
 
 
+def _metrics_file(path: str, start: int):
+    """``--metrics-out`` of rank 0: a fresh run truncates it; a resumed run (start > 0) keeps
+    the records of the steps before ``start`` (a run killed after its last save wrote some
+    steps twice otherwise) and appends, so after any number of restarts it holds every step
+    once."""
+    from pathlib import Path
+
+    if start > 0 and Path(path).is_file():
+        kept = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line).get("step", -1) < start:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except ValueError:  # a line cut by a kill: dropped
+                    pass
+        with open(path, "w") as f:
+            f.writelines(kept)
+        return open(path, "a")
+    return open(path, "w")
+
+
 def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig,
                train: TrainConfig, show: bool = True, peak_flops: float = 0.0,
-               record_grads: bool = False) -> dict[str, Any]:
+               record_grads: bool = False, fault: Any = None) -> dict[str, Any]:
     """Train on this rank; every rank returns the same summary (losses per step etc.).
 
     ``record_grads``: the summary also holds ``grads``, this rank's reduced gradient pieces of
-    the first step with their placements (``fived.testing.assemble_grads`` joins the ranks')."""
+    the first step with their placements (``fived.testing.assemble_grads`` joins the ranks').
+    ``fault(trainer, step)`` (tests): runs on every step once the gradients are reduced (to
+    plant a NaN). The summary's ``preempted`` (steps done, saved) or ``stopped`` (a message:
+    too many bad steps) says why a run ended early (fived.train.resilience)."""
+    from ..checkpoint.state import SaveError
+    from .resilience import BadSteps, History, Preemption, die, die_hook
+
+    die_at = die_hook(rank)  # tests only: one environment lookup in normal use
     torch.manual_seed(train.seed)
-    trainer = Trainer(model_cfg, par, train, rank, world)
+    # caught from here on: a signal while the model is built or loaded acts after step one
+    preempt = Preemption(train.preempt_signals, rank_device(), world)
+    try:
+        trainer = Trainer(model_cfg, par, train, rank, world)
+    except BaseException:
+        preempt.close()
+        raise
     tb = None
     if rank == 0 and train.tensorboard:
         from .tb import TensorBoard
@@ -305,13 +346,21 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
         from .metrics import LiveDisplay
 
         display = LiveDisplay(model_cfg, par, train, world, peak_flops)
-    out_file = open(train.metrics_out, "w") if (rank == 0 and train.metrics_out) else None
     flops_tok = model_flops_per_token(model_cfg)
-    history: list[dict[str, Any]] = []
+    history = History()
+    bad = BadSteps(train.max_bad_steps)
     grads: dict[str, Any] = {}
 
-    def record() -> None:
-        grads.update(trainer.grad_pieces())
+    def on_grads(step: int) -> Any:
+        if not (fault or (record_grads and step == 0)):
+            return None
+
+        def hook() -> None:
+            if record_grads and step == 0:
+                grads.update(trainer.grad_pieces())
+            if fault is not None:
+                fault(trainer, step)
+        return hook
 
     start, saver = 0, None
     if train.resume:  # fived.checkpoint: any layout's checkpoint into this one
@@ -323,10 +372,16 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
 
         saver = Saver(trainer, train.save_dir, train.save_every, train.keep, train.async_save,
                       verbose=show)
+    out_file = _metrics_file(train.metrics_out, start) if (rank == 0 and train.metrics_out) \
+        else None
+    preempted: int | None = None
+    save_error = ""
     try:
         end = min(train.steps, train.stop_after or train.steps)
         for step in range(start, end):
-            rec = trainer.step(step, record if (record_grads and step == 0) else None)
+            if die_at == step:
+                die()
+            rec = trainer.step(step, on_grads(step))
             mems, traffic = trainer.gather_stats(trainer.engine.memory())
             rec["memory"] = mems[0]
             rec["memory_per_rank"] = mems
@@ -345,9 +400,15 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
                     display.progress.console.print(
                         f"step {step}: validation loss {rec['val_loss']:.4f}, perplexity "
                         f"{rec['val_ppl']:.2f}")
+            bad.update(rec)
+            rec["bad_steps"] = bad.total
+            if rec["bad"] and rank == 0:
+                print(f"step {step}: non-finite loss {rec['loss']} or gradient norm "
+                      f"{rec['grad_norm']}: step skipped ({bad.run} in a row, "
+                      f"--max-bad-steps {bad.limit})", flush=True)
             if tb:
                 tb.log(rec)
-            history.append(rec)
+            history.add(rec)
             if out_file:
                 if step == start:  # what ran, so `fived ledger --check FILE` needs nothing else
                     rec = {**rec, "run": {"model": asdict(model_cfg), "parallel": asdict(par),
@@ -357,11 +418,36 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
                 out_file.flush()
             if display:
                 display.update(rec)
-            if saver and saver.due(step + 1, end):
+            if bad.stop:  # nothing more is saved: the newest checkpoint is the last good one
+                if rank == 0:
+                    print(f"fived train: {bad.stop}", flush=True)
+                break
+            # in a streak of bad steps nothing is saved: the newest checkpoint stays a good one
+            # (and --keep never prunes a good checkpoint for a bad one)
+            saved = bool(saver and saver.due(step + 1, end) and not bad.run)
+            if saved:
                 saver.save(step + 1, mems)
+            if preempt.agreed() and step + 1 < end:  # every rank, after the same step
+                if saver and not saved and not bad.run:
+                    saver.save(step + 1, mems)
+                    saved = True
+                preempted = step + 1
+                if rank == 0:
+                    print(f"fived train: SIG{preempt.hit or 'TERM'} (on some rank): "
+                          + (f"saved step {step + 1} to {train.save_dir}; exiting with status "
+                             "75 (preempted, resumable with --resume auto)" if saved else
+                             "nothing saved (no --save-dir, or a bad step); exiting with "
+                             "status 75"),
+                          flush=True)
+                break
         if saver:
             saver.wait()
+    except SaveError as e:  # every rank together; the previous checkpoint is intact
+        save_error = str(e)
+        if rank == 0:
+            print(f"fived train: {save_error}", flush=True)
     finally:
+        preempt.close()
         trainer.close()
         if tb:
             tb.close()
@@ -369,17 +455,22 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             display.close()
         if out_file:
             out_file.close()
-    summary = {"losses": [h["loss"] for h in history], "history": history,
+    records = list(history.records)
+    summary = {"losses": history.losses.tolist(), "history": records,
+               "bad_steps": bad.total,
                "config": {"model": asdict(model_cfg), "parallel": asdict(par),
                           "train": asdict(train)}}
+    if preempted is not None:
+        summary["preempted"] = preempted
+    if bad.stop or save_error:
+        summary["stopped"] = bad.stop or save_error
     if record_grads:
         summary["grads"] = grads
-    evals = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
-    if evals:
-        summary["val"] = evals
+    if history.evals:
+        summary["val"] = history.evals
     if display:
-        display.final_table(history)
-        if evals:
+        display.final_table(records, history)
+        if history.evals:
             display.console.print("validation loss by step: " + ", ".join(
-                f"{s}: {v:.4f}" for s, v in evals))
+                f"{s}: {v:.4f}" for s, v in history.evals))
     return summary

@@ -1,0 +1,140 @@
+"""What keeps a long run going without a person (docs/checkpoints.md, "Runs that recover").
+
+* ``Preemption`` — ``--preempt-signals`` (default TERM,USR1): the handler only sets a flag; at
+  every step boundary the ranks agree (one 1-element all-reduce MAX over the world), so a
+  signal that reached any one rank makes every rank save after the same step and leave with
+  status 75 (``PREEMPTED_EXIT``: preempted, resumable). Bound: the rest of the step in flight,
+  plus the save.
+* ``BadSteps`` — a step whose loss or global gradient norm is not finite is skipped (the
+  engine makes no update; both values are global, so every rank skips the same step); after
+  ``--max-bad-steps`` in a row the run stops with a message and saves nothing more, so the
+  last good checkpoint stays the newest.
+* ``History`` — what ``train_rank`` keeps of the steps: the last ``WINDOW`` records (the final
+  table's medians and the tests' per-step checks), running totals, every loss as 8 bytes
+  (``array('d')``); ``--metrics-out`` still gets every record.
+* ``die_hook`` — tests only: ``FIVED_TEST_DIE_AT_STEP`` kills this rank (SIGKILL) at a step;
+  in normal use it is one environment lookup at start-up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from array import array
+from collections import deque
+from typing import Any
+
+from ..config import preempt_signal_names
+
+WINDOW = 256  # the records train_rank keeps (medians of the final table)
+
+
+class Preemption:
+    """Catch ``names`` (e.g. ["TERM", "USR1"]) on this rank; ``agreed()`` at a step boundary."""
+
+    def __init__(self, spec: str, device: Any, world: int):
+        self.hit: str | None = None
+        self.device, self.world = device, world
+        self.old: dict[int, Any] = {}
+        names, _ = preempt_signal_names(spec)
+        self.active = bool(names)  # the same on every rank: --preempt-signals '' costs nothing
+        for n in names:
+            sig = getattr(signal, f"SIG{n}")
+            try:
+                self.old[sig] = signal.signal(sig, self._on)
+            except ValueError:  # not the main thread (a test calling train_rank in a thread)
+                break
+
+    def _on(self, signum: int, frame: Any) -> None:
+        # a second signal changes nothing: under SLURM + torchrun a rank gets SIGTERM from
+        # slurmstepd and again from its torchrun agent, and must still save (torchrun
+        # SIGKILLs it after its own grace period)
+        self.hit = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """True on every rank when a signal reached any rank (a collective: all ranks call it
+        after the same step)."""
+        if not self.active:
+            return False
+        if self.world == 1:
+            return self.hit is not None
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.hit else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def close(self) -> None:
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+
+
+class BadSteps:
+    """Consecutive and total non-finite steps; ``stop`` holds the message once K in a row."""
+
+    def __init__(self, limit: int):
+        self.limit, self.run, self.total = limit, 0, 0
+        self.stop: str | None = None
+
+    @staticmethod
+    def is_bad(rec: dict[str, Any]) -> bool:
+        return bool(rec.get("bad"))
+
+    def update(self, rec: dict[str, Any]) -> None:
+        if not self.is_bad(rec):
+            self.run = 0
+            return
+        self.run += 1
+        self.total += 1
+        if self.run >= self.limit:
+            self.stop = (f"stopped at step {rec['step']}: {self.run} steps in a row had a "
+                         f"non-finite loss or gradient norm (--max-bad-steps {self.limit}); each "
+                         "was skipped, nothing after the last good step was saved")
+
+
+def non_finite(loss: float, grad_norm: float, fp16: bool) -> bool:
+    """A bad step: NaN/inf loss, or NaN/inf gradient norm (in fp16 an infinite norm is the loss
+    scaler's business: it skips the step and backs off, as it always has)."""
+    return not math.isfinite(loss) or (not fp16 and not math.isfinite(grad_norm))
+
+
+class History:
+    """Bounded: the last ``WINDOW`` records, the first loss, totals; every loss as a double."""
+
+    def __init__(self, window: int = WINDOW):
+        self.records: deque[dict[str, Any]] = deque(maxlen=window)
+        self.losses = array("d")
+        self.first: dict[str, Any] | None = None
+        self.steps = self.skipped = self.moe_dropped = 0
+        self.evals: list[tuple[int, float]] = []
+
+    def add(self, rec: dict[str, Any]) -> None:
+        if self.first is None:
+            self.first = {"step": rec["step"], "loss": rec["loss"]}
+        self.records.append(rec)
+        self.losses.append(rec["loss"])
+        self.steps += 1
+        self.skipped += bool(rec.get("skipped"))
+        if rec.get("moe"):
+            self.moe_dropped += rec["moe"]["dropped"]
+        if "val_loss" in rec:
+            self.evals.append((rec["step"], rec["val_loss"]))
+
+
+def die_hook(rank: int) -> int | None:
+    """Tests: ``FIVED_TEST_DIE_AT_STEP="R:S0,S1,..."`` — rank R kills itself (SIGKILL) at the
+    start of step S_k on torchrun's k-th attempt (``TORCHELASTIC_RESTART_COUNT``); None unless
+    set for this rank and attempt."""
+    spec = os.environ.get("FIVED_TEST_DIE_AT_STEP")
+    if not spec:
+        return None
+    r, _, steps = spec.partition(":")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    at = [int(s) for s in steps.split(",") if s]
+    return at[attempt] if int(r) == rank and attempt < len(at) else None
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
