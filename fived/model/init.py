@@ -69,7 +69,17 @@ def fill_piece(out: torch.Tensor, seed: int, name: str, shape: tuple[int, ...], 
     ``shape``, N(0, std²) or ones when ``std`` is 0) into ``out``, drawing only its blocks."""
     if std == 0.0:
         return out.fill_(1.0)
-    rows, cols, (r0, r1), (c0, c1) = _ranges(tuple(shape), dim, parts, index)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # block-sized ops: a thread pool's wake-ups cost more than they give
+    try:
+        return _fill(out, seed, name, tuple(shape), std, dim, parts, index)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fill(out: torch.Tensor, seed: int, name: str, shape: tuple[int, ...], std: float,
+          dim: int, parts: int, index: int) -> torch.Tensor:
+    rows, cols, (r0, r1), (c0, c1) = _ranges(shape, dim, parts, index)
     dest = out.view(r1 - r0, c1 - c0)
     for i in range(r0 // TILE, (r1 - 1) // TILE + 1):
         br0, br1 = i * TILE, min((i + 1) * TILE, rows)
