@@ -165,8 +165,9 @@ class HFSource:
     ``tensors`` maps each fived name to (file, HF key, leading selector, global shape): only
     the headers are read to build it. ``fill(out, name, shape, dim, parts, index)`` reads chunk
     ``index`` of ``parts`` along ``dim`` (the rank's piece, ``fived.parallel.placement``)
-    straight into ``out`` in row blocks of at most ``BLOCK`` elements, so a rank never holds
-    more of the file than that block beyond its own piece; transformers 5's fused experts are
+    straight into ``out`` in row blocks of at most ``BLOCK`` elements; each file is mapped only
+    while one tensor is read (its pages count in the resident set while mapped), so a rank holds
+    its own piece and at most one tensor's pages of the file; transformers 5's fused experts are
     sliced out of the stacked tensor the same way."""
 
     BLOCK = 1 << 22
@@ -177,14 +178,18 @@ class HFSource:
 
         self.dir, self.flag = Path(hf_dir), flag
         self.tensors: dict[str, tuple[Path, str, tuple, tuple[int, ...]]] = {}
-        self._open: dict[Path, Any] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
         for f in hf_files(hf_dir, flag):
             try:
-                h = self._open[f] = safe_open(str(f), framework="pt")
+                with safe_open(str(f), framework="pt") as h:
+                    for k in h.keys():
+                        sl = h.get_slice(k)
+                        self._index(f, k, tuple(sl.get_shape()))
+                        self.dtypes[k] = _dtype(sl.get_dtype())
+            except ConfigError:
+                raise
             except Exception as e:  # noqa: BLE001 - safetensors raises its own errors
                 raise ConfigError([f"{flag} {f}: not a safetensors file ({e})"]) from None
-            for k in h.keys():
-                self._index(f, k, tuple(h.get_slice(k).get_shape()))
         if cfg is not None:
             self.check(cfg)
 
@@ -223,13 +228,19 @@ class HFSource:
     @torch.no_grad()
     def fill(self, out: torch.Tensor, name: str, shape: tuple[int, ...], dim: int = 0,
              parts: int = 1, index: int = 0) -> torch.Tensor:
-        from ..model.init import piece_box
+        from safetensors import safe_open
 
         f, key, lead, _ = self.tensors[name]
-        sl = self._open[f].get_slice(key)
+        with safe_open(str(f), framework="pt") as h:  # mapped for this tensor only: unmapped
+            return self._fill(h.get_slice(key), out, lead, shape, dim, parts, index)  # after
+
+    def _fill(self, sl: Any, out: torch.Tensor, lead: tuple, shape: tuple[int, ...], dim: int,
+              parts: int, index: int) -> torch.Tensor:
+        from ..model.init import piece_box
+
         box = list(piece_box(tuple(shape), dim, parts, index))
         if lead:  # a fused expert: its index, and its row offset inside [w1; w3]
-            e, off = lead
+            off = lead[1]
             box[0] = (box[0][0] + off, box[0][1] + off)
         dest = out.view([b - a for a, b in box])
         r0, r1 = box[0]
@@ -244,7 +255,7 @@ class HFSource:
     def read(self, name: str) -> torch.Tensor:
         """One whole tensor (``fived import`` streams them one at a time)."""
         f, key, lead, shape = self.tensors[name]
-        out = torch.empty(shape, dtype=_dtype(self._open[f].get_slice(key).get_dtype()))
+        out = torch.empty(shape, dtype=self.dtypes[key])
         return self.fill(out, name, shape)
 
 
