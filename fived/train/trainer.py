@@ -103,6 +103,8 @@ class Trainer:
             moe.reset_stats()
         self.build_rss = rss_peak()  # the build's peak (VmHWM): this rank's pieces, no more
         self.build_seconds = time.perf_counter() - t0
+        self.build_cuda = (torch.cuda.max_memory_allocated(self.device)
+                           if self.device.type == "cuda" else 0)  # the build's device peak
         self.stage = self.parallel.model
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
@@ -393,6 +395,7 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             rec["mfu"] = flops_tok * rec["tokens_per_s"] / peak_flops if peak_flops else 0.0
             if trainer.device.type == "cuda":  # measured, next to the ledger's (gpu_check.sh)
                 rec["cuda_max_allocated"] = torch.cuda.max_memory_allocated(trainer.device)
+                rec["cuda_build_allocated"] = trainer.build_cuda
             last = step == train.steps - 1
             if train.eval_every and (step == 0 or (step + 1) % train.eval_every == 0 or last):
                 rec.update(trainer.evaluate())  # after the step's stats: its traffic is apart
