@@ -17,6 +17,49 @@ from torch import nn
 STD = 0.02  # the init std of every weight matrix (residual outputs: STD / √(2·layers))
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(g) ⊙ u that saves only g and u (Megatron's ``SwiGLUFunction``): backward recomputes
+    silu(g) instead of keeping it and the product (both ffn wide); the gradients are the bits
+    plain autograd computes."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, u = ctx.saved_tensors  # the kernels autograd runs for silu(g) * u, silu recomputed
+        return torch.ops.aten.silu_backward(dy * u, g), dy * F.silu(g)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) ⊙ u, saving g and u only (the product is saved by the down projection)."""
+    return _SwiGLU.apply(g, u)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """x · r · w, r = 1/sqrt(mean(x²) + eps), in fp32; saves x (as given) and r (fp32, one per
+    token) — what a fused kernel keeps (Apex/TE ``rsigma``); x̂ = x·r is recomputed."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, r, w)
+        return (xf * r * w.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, r, w = ctx.saved_tensors
+        xhat = x.float() * r
+        gf = g.float()
+        dw = (gf * xhat).flatten(0, -2).sum(0).to(w.dtype)
+        dxhat = gf * w.float()
+        dx = r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dw, None
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) ⊙ up x)."""
 
@@ -27,11 +70,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · g, computed in fp32."""
+    """x / sqrt(mean(x²) + eps) · g, computed in fp32 (saves x and the fp32 1/rms only)."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -39,9 +82,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return _RMSNorm.apply(x, self.weight, self.eps)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
@@ -62,14 +103,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ / √d + causal mask) v with grouped-query heads; (b, s, h, d) in and out."""
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=2)
-        v = v.repeat_interleave(rep, dim=2)
+    """softmax(q kᵀ / √d + causal mask) v with grouped-query heads; (b, s, h, d) in and out.
+    K/V are not repeated to the query heads (``enable_gqa``): the flash kernel saves q, k, v,
+    the output and the fp32 log-sum-exp, nothing else."""
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-        scale=1.0 / math.sqrt(q.shape[-1]),
+        scale=1.0 / math.sqrt(q.shape[-1]), enable_gqa=q.shape[2] != k.shape[2],
     )
     return o.transpose(1, 2)
 
