@@ -192,7 +192,7 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                 Collective("tp", "reduce_scatter", x, t, cut, "SP scatter after wo/w_down",
                            "fwd"),
                 Collective("tp", "all_gather", x, t, cut, "grad of SP scatter", "bwd"),
-                Collective("tp", "all_gather", x, t, cut, "SP re-gather of saved column input",
+                Collective("tp", "all_gather", x, t, cut, "re-gather of SP column inputs",
                            "bwd"),
                 Collective("tp", "reduce_scatter", x, t, cut, "grad of SP gather", "bwd")]
         out += _moe_balance_counts(m, par, micro_batch, layers, "tp")

@@ -379,8 +379,8 @@ def tp_traffic_bytes(model: Any, par: Any, micro_batch: int, pp_rank: int = 0
 
     * each block: 2 forward + 2 backward all-reduces of A (SP: 2 all-gathers + 2 reduce-scatters
       of A each way, and 2 more backward all-gathers: the column inputs, saved as shards,
-      gathered again for the weight gradients); full recompute reruns the forward up to its last saved tensor: +1
-      all-reduce (SP: +2 all-gathers, +1 reduce-scatter);
+      gathered again for the weight gradients); full recompute reruns the forward up to its
+      last saved tensor: +1 all-reduce (SP: +2 all-gathers, +1 reduce-scatter);
     * replicated kv heads (tp > kv_heads): per block 2 all-reduces of the full (kv_heads·d, h)
       weight gradient (wk, wv);
     * embedding: 1 forward all-reduce of A (SP: reduce-scatter forward, all-gather backward);
