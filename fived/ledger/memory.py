@@ -26,8 +26,8 @@ hkv = kv_heads·d, f ffn, a heads), what autograd saves in the fived runtime:
     2 RMSNorms      2·(2e·h + 4)            input, output (saved by the next matmul), fp32
                                             1/rms (``fived.model.layers._RMSNorm``; eager fp32
                                             math, ``fused_norm=False``: 2·(8h + e·h + 4))
-    q, k, v         e·(hq + 2·hkv)          after RoPE, kv heads not repeated (``enable_gqa``;
-                                            ``kv_repeat``: hkv = hq)
+    q, k, v         e·(hq + 2·hkv)          after RoPE, kv heads not repeated (flash with GQA,
+                                            ``layers.flash_attention``; ``kv_repeat``: hkv = hq)
     softmax         flash: 4·a (fp32 log-sum-exp)   materialised: e·a·s_kv (probabilities)
     attention out   e·hq                    (also the input of wo)
     SwiGLU          3·e·f                   gate out, up out (``layers._SwiGLU``, silu
