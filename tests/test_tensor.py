@@ -54,7 +54,7 @@ def check_traffic(out: dict, model, par: ParallelConfig) -> None:
         assert s["history"][-1]["traffic"]["tp"] == want
 
 
-WORLD2 = [  # overlap (the default) and the plain copy_to/gather_from regions (--no-overlap)
+WORLD2 = [  # overlap (the default) and --no-overlap (copy_to; SP: the region, waited at once)
     (MODEL, ParallelConfig(tp=2)),
     (MODEL, ParallelConfig(tp=2, sequence_parallel=True, overlap=False)),
     (TIED, ParallelConfig(tp=2, sequence_parallel=True)),
