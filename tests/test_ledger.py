@@ -143,24 +143,43 @@ def test_seven_b_headline():
 def test_activation_terms_hand_computed():
     m = replace(preset("llama2-7b"), seq_len=4096)
     par = ParallelConfig(precision="bf16")
-    a = memory.layer_activations(m, par, 1, memory.ActivationOptions("flash", kv_repeat=False))
+    a = memory.layer_activations(m, par, 1, memory.ActivationOptions("flash"))
     s, h, f = 4096, 4096, 11008
-    assert a["norms"] == s * 2 * (8 * h + 2 * h + 4)
+    assert a["norms"] == s * 2 * (2 * 2 * h + 4)  # input, output, fp32 1/rms
     assert a["qkv"] == s * 2 * 3 * h
     assert a["softmax"] == s * 4 * 32
-    assert a["mlp"] == s * 4 * 2 * f
+    assert a["mlp"] == s * 3 * 2 * f  # gate, up, product (silu recomputed)
+    eager = memory.layer_activations(m, par, 1, memory.ActivationOptions(fused_norm=False))
+    assert eager["norms"] == s * 2 * (8 * h + 2 * h + 4)
     mat = memory.layer_activations(m, par, 1, memory.ActivationOptions("materialised"))
     assert mat["softmax"] == s * 2 * 32 * s
     # tp divides the inner terms; sp also the norms; cp divides tokens
     t = memory.layer_activations(m, replace(par, tp=4), 1)
     assert t["mlp"] == a["mlp"] / 4 and t["norms"] == a["norms"]
     t = memory.layer_activations(m, replace(par, tp=4, sequence_parallel=True), 1)
-    # sp divides the norms' own tensors by tp, but the column matmuls keep their all-gathered
-    # input (the norm output) whole: e·h per token, before attention and before the MLP
-    assert t["norms"] == (a["norms"] - s * 2 * 2 * h) / 4
-    assert t["sp_inputs"] == s * 2 * 2 * h
+    # sp: the column matmuls save the norm output's shard (re-gathered in backward), so every
+    # norm tensor, the output included, is 1/tp
+    assert t["norms"] == a["norms"] / 4 and "sp_inputs" not in t
     c = memory.layer_activations(m, replace(par, cp=2), 1)
     assert c["mlp"] == a["mlp"] / 2
+
+
+def megatron_bytes_per_token(m, t: int) -> float:
+    """Megatron-Core's saved bytes per token per Llama layer, bf16, SP, flash, no recompute
+    (docs/ledger.md derives it): 12h/t + 4·d_kv/t + 6f/t."""
+    return 12 * m.hidden / t + 4 * m.kv_heads * m.head_dim / t + 6 * m.ffn / t
+
+
+@pytest.mark.parametrize("name,t", [("llama3-405b", 8), ("llama3-8b", 2), ("llama2-7b", 4)])
+def test_layer_activations_match_megatron(name, t):
+    """The ledger's per-layer bytes (bf16, SP, fused kernels) vs Megatron-Core's formula: within
+    1 % (fived also keeps the fp32 1/rms and log-sum-exp, 8/t + 4a/t bytes per token)."""
+    m = replace(preset(name), seq_len=8192)
+    par = ParallelConfig(tp=t, sequence_parallel=True, precision="bf16")
+    ours = sum(memory.layer_activations(m, par, 1, memory.FUSED).values()) / 8192
+    meg = megatron_bytes_per_token(m, t)
+    assert ours == pytest.approx(meg + (8 + 4 * m.heads) / t)
+    assert ours / meg < 1.01
 
 
 def test_pipeline_inflight_factor():
@@ -248,6 +267,9 @@ def test_traffic_formulas():
     sp = replace(par, sequence_parallel=True)
     core = [c for c in traffic.tp_traffic(m, sp, 1) if c.what.startswith(("SP", "grad of SP"))]
     assert sum(c.bytes for c in core) == pytest.approx(sum(c.bytes for c in layer))
+    # ... plus the backward re-gather of the column inputs saved as shards (attention, MLP)
+    again = [c for c in traffic.tp_traffic(m, sp, 1) if c.what.startswith("re-gather of SP")]
+    assert sum(c.bytes for c in again) == 32 * 2 * bytes_sent("all_gather", x, 4)
     # PP: first stage sends activations only, last stage grads only
     pp = ParallelConfig(pp=4, micro_batches=8, **bf)
     first, last = traffic.pp_traffic(m, pp, 1, 0), traffic.pp_traffic(m, pp, 1, 3)

@@ -54,7 +54,7 @@ def check_traffic(out: dict, model, par: ParallelConfig) -> None:
         assert s["history"][-1]["traffic"]["tp"] == want
 
 
-WORLD2 = [  # overlap (the default) and the plain copy_to/gather_from regions (--no-overlap)
+WORLD2 = [  # overlap (the default) and --no-overlap (copy_to; SP: the region, waited at once)
     (MODEL, ParallelConfig(tp=2)),
     (MODEL, ParallelConfig(tp=2, sequence_parallel=True, overlap=False)),
     (TIED, ParallelConfig(tp=2, sequence_parallel=True)),
@@ -139,7 +139,9 @@ def test_traffic_formula_by_hand():
     assert tp_traffic_bytes(MODEL, ParallelConfig(tp=2), 8) == {
         "all_reduce": 4 * 4 * a + a + a + loss}  # blocks, embedding, head
     sp = tp_traffic_bytes(MODEL, ParallelConfig(tp=2, sequence_parallel=True), 8)
-    assert sp == {"all_gather": (4 * 4 + 2) * a / 2, "reduce_scatter": (4 * 4 + 2) * a / 2,
+    # SP: per block 2 gathers forward, 2 backward (grad of the scatters) and 2 re-gathers of the
+    # column inputs saved as shards; embedding 1 backward; head 1 forward + 1 re-gather
+    assert sp == {"all_gather": (4 * 6 + 3) * a / 2, "reduce_scatter": (4 * 4 + 2) * a / 2,
                   "all_reduce": loss + 9 * 64 * 4}  # + the 9 norm weights' gradients
 
 
@@ -183,11 +185,18 @@ def _activations(rank: int, world: int) -> dict:
 
 
 def test_sp_norm_activations_are_one_over_tp(world2):
+    from fived.ledger.memory import activations
+
     for per_rank in world2["activations"]:
         plain, sp = per_rank[False], per_rank[True]
         assert plain["norms"] == 2 * MODEL.layers + 1
         assert sp["norm"] * 2 == plain["norm"]
         assert sp["total"] < plain["total"]
+        # the ledger to the byte, bar the loss's scalars and bool mask (256 B here): under SP the
+        # column matmuls save the sequence shard (a whole-sequence save: +32 KiB per region)
+        for on in (False, True):
+            pred = sum(activations(MODEL, ParallelConfig(tp=2, sequence_parallel=on), 2).values())
+            assert 0 <= per_rank[on]["total"] - pred <= 512
 
 
 @pytest.mark.slow

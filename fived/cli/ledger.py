@@ -209,7 +209,7 @@ def main(argv: list[str]) -> int:
 
     if args.eager_activations or args.gpu == "this-machine":  # the fived runtime's kernels
         opts = M.ActivationOptions("materialised" if args.gpu == "this-machine" else
-                                   args.attention, kv_repeat=True, fused_norm=False)
+                                   args.attention)
     else:
         opts = M.ActivationOptions(args.attention, kv_repeat=False, fused_norm=True)
     doc = ledger_document(m, par, hw, gb, gpn, args.efficiency, args.mem_fraction, opts,

@@ -23,18 +23,21 @@ Models", redone for the Llama block: RMSNorm, RoPE, GQA, SwiGLU, no dropout, no 
 Per layer and per token of a micro-batch (e = activation bytes, h hidden, hq = heads·d,
 hkv = kv_heads·d, f ffn, a heads), what autograd saves in the fived runtime:
 
-    2 RMSNorms      2·(4h + 4h + e·h + 4)   fp32 input copy, fp32 normalised, output, fp32 rsqrt
-                                            (a fused kernel: 2·(2e·h + 4), ``fused_norm``)
-    q, k, v         e·(hq + 2·hkv')         hkv' = hq when K/V are repeated to the query heads
-                                            (the runtime's ``repeat_interleave``), else hkv
+    2 RMSNorms      2·(2e·h + 4)            input, output (saved by the next matmul), fp32
+                                            1/rms (``fived.model.layers._RMSNorm``; eager fp32
+                                            math, ``fused_norm=False``: 2·(8h + e·h + 4))
+    q, k, v         e·(hq + 2·hkv)          after RoPE, kv heads not repeated (flash with GQA,
+                                            ``layers.flash_attention``; ``kv_repeat``: hkv = hq)
     softmax         flash: 4·a (fp32 log-sum-exp)   materialised: e·a·s_kv (probabilities)
     attention out   e·hq                    (also the input of wo)
-    SwiGLU          4·e·f                   gate out, silu(gate), up out, their product
+    SwiGLU          3·e·f                   gate out, up out (``layers._SwiGLU``, silu
+                                            recomputed in backward), their product (w_down's)
 
 With tp the q/k/v/attention/SwiGLU terms divide by tp (k, v by min(tp, kv_heads)); the norm
-terms divide by tp only under sequence parallelism — except their output, which the next column
-matmul saves all-gathered (whole sequence, ``sp_inputs``: e·h before attention and before a
-dense MLP, and before the head; found by the dry run, ``fived.train.dryrun``).
+terms divide by tp only under sequence parallelism, where the column matmuls save the norm
+output's sequence shard and all-gather it again in backward (``fived.parallel.tensor``).
+With hq = h, bf16 and SP that is 12h/t + 4·hkv/t + 6f/t (+ 8/t + 4a/t) bytes per token:
+Megatron-Core's number (docs/ledger.md derives it from its source).
 With cp each rank holds s/cp tokens (the
 materialised scores are (s/cp)×s). Recompute: ``selective`` checkpoints the attention core
 (keeps q, k, v with kv heads unrepeated and the output; drops the softmax term); ``full`` keeps
@@ -276,11 +279,12 @@ def checkpoint_bytes(m: ModelConfig, dtype_bytes: int = 2) -> int:
 @dataclass(frozen=True)
 class ActivationOptions:
     attention: str = "flash"  # flash | materialised
-    kv_repeat: bool = True  # K/V repeated to the query heads before attention (fived runtime)
-    fused_norm: bool = False  # a fused RMSNorm kernel saves only its input and rsqrt
+    kv_repeat: bool = False  # K/V repeated to the query heads before attention
+    fused_norm: bool = True  # RMSNorm saves only its input and rsqrt (fived runtime, fused
+    # kernels); False: eager fp32 math, which also keeps the fp32 copies
 
 
-EAGER = ActivationOptions()  # what the fived runtime's eager PyTorch saves (tests measure it)
+EAGER = ActivationOptions()  # what the fived runtime saves (tests measure it)
 FUSED = ActivationOptions("flash", kv_repeat=False, fused_norm=True)  # GPU kernels (planner)
 
 
@@ -307,14 +311,10 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     else:
         hkv = m.kv_heads * d / min(tp, m.kv_heads)
     norm_div = tp if sp else 1
-    out = {
+    out = {  # under SP the column matmuls save the norm output's shard (counted in the norm)
         "norms": tokens * 2 * norm_bytes_per_token(h, e, opts.fused_norm) / norm_div,
         "qkv": tokens * e * (hq + 2 * hkv),
     }
-    if sp:  # the column matmuls save their all-gathered (whole-sequence) input, not the shard
-        gathered = 1 if m.is_moe else 2  # before attention, and before a dense MLP
-        out["norms"] -= tokens * gathered * e * h / tp
-        out["sp_inputs"] = tokens * gathered * e * h
     if opts.attention == "materialised":
         out["softmax"] = tokens * e * heads_local * m.seq_len
     else:
@@ -325,12 +325,12 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     out["attn_out"] = tokens * e * hq
     if m.is_moe:
         # experts are whole on every tp rank (replicated), the shared expert is tp-cut
-        out["mlp"] = tokens * 4 * e * m.expert_ffn * m.top_k / norm_div
+        out["mlp"] = tokens * 3 * e * m.expert_ffn * m.top_k / norm_div
         if m.shared_expert:
-            out["mlp"] += tokens * 4 * e * m.expert_ffn / tp
+            out["mlp"] += tokens * 3 * e * m.expert_ffn / tp
         out["router"] = tokens * moe_routing_bytes_per_token(m, par) / norm_div
-    else:  # SwiGLU saves gate, up, silu(gate) and the product; GELU its input and output
-        out["mlp"] = tokens * (4 if m.mlp == "swiglu" else 2) * e * m.ffn / tp
+    else:  # SwiGLU saves gate, up and the product (silu recomputed); GELU its input and output
+        out["mlp"] = tokens * (3 if m.mlp == "swiglu" else 2) * e * m.ffn / tp
     return out
 
 
@@ -384,8 +384,6 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
     if last:
         out["final_norm"] = tokens * norm_bytes_per_token(m.hidden, e, opts.fused_norm) / (
             par.tp if sp else 1)
-        if sp:  # the head's column matmul saves the all-gathered input
-            out["final_norm"] += tokens * e * m.hidden * (1 - 1 / par.tp)
         out["log_softmax"] = tokens * 4 * m.vocab / par.tp
         out["targets"] = tokens * 8
     return out

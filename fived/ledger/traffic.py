@@ -19,12 +19,13 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
              →  3(N−1)/N · param bytes per step with one micro-batch and grads in the param dtype
 * TP (``tp_traffic``), per layer per micro-batch, X = b·s_l·h·e:
     no SP:  forward 2 all_reduce(X) (after wo, after w_down), backward 2 all_reduce(X)
-    SP:     forward 2 all_gather(X) + 2 reduce_scatter(X), backward the same — equal bytes
+    SP:     forward 2 all_gather(X) + 2 reduce_scatter(X), backward the same — equal bytes —
+            plus 2 all_gather(X): the column inputs, saved as sequence shards, re-gathered
     full recompute: + 1 all_reduce(X) per layer (SP: + 2 all_gather + 1 reduce_scatter), the
     rerun forward stopping at the block's last saved tensor; tp > kv_heads: + 2 all_reduce of
     the (kv_heads·d, h) weight gradient per layer; plus the vocab-parallel ends: embedding
     forward all_reduce(X) (SP: reduce_scatter, backward all_gather), head input backward
-    all_reduce(X) (SP: forward all_gather, backward reduce_scatter), cross-entropy
+    all_reduce(X) (SP: forward all_gather, backward all_gather + reduce_scatter), cross-entropy
     all_reduce(b·s_l·4) (max) and all_reduce(2·b·s_l·4) (Σexp, target logit); and under SP the
     replicated norm gains' gradients: all_reduce(grad_bytes·h) per norm on this rank (and the
     MoE router's and experts' gradients). ``fived.parallel.tensor.tp_traffic_bytes`` sums it.
@@ -191,6 +192,8 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                 Collective("tp", "reduce_scatter", x, t, cut, "SP scatter after wo/w_down",
                            "fwd"),
                 Collective("tp", "all_gather", x, t, cut, "grad of SP scatter", "bwd"),
+                Collective("tp", "all_gather", x, t, cut, "re-gather of SP column inputs",
+                           "bwd"),
                 Collective("tp", "reduce_scatter", x, t, cut, "grad of SP gather", "bwd")]
         out += _moe_balance_counts(m, par, micro_batch, layers, "tp")
     else:
@@ -211,6 +214,7 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     if last:
         if sp:
             out += [Collective("tp", "all_gather", x, t, mb, "head input", "fwd"),
+                    Collective("tp", "all_gather", x, t, mb, "head input re-gather", "bwd"),
                     Collective("tp", "reduce_scatter", x, t, mb, "grad of head input", "bwd")]
         else:
             out.append(Collective("tp", "all_reduce", x, t, mb, "grad of head input", "bwd"))

@@ -17,6 +17,54 @@ from torch import nn
 STD = 0.02  # the init std of every weight matrix (residual outputs: STD / √(2·layers))
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(g) ⊙ u that saves only g and u (Megatron's ``SwiGLUFunction``): backward recomputes
+    silu(g) instead of keeping it and the product (both ffn wide); the gradients are the bits
+    plain autograd computes."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, u = ctx.saved_tensors  # the kernels autograd runs for silu(g) * u, silu recomputed
+        return torch.ops.aten.silu_backward(dy * u, g), dy * F.silu(g)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) ⊙ u, saving g and u only (the product is saved by the down projection)."""
+    return _SwiGLU.apply(g, u)
+
+
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs (float64 stays float64, for gradcheck)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """x · r · w, r = 1/sqrt(mean(x²) + eps), in fp32 (or wider); saves x (as given) and r (fp32, one per
+    token) — what a fused kernel keeps (Apex/TE ``rsigma``); x̂ = x·r is recomputed."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        xf = x.to(_math_dtype(x))
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, r, w)
+        return (xf * r * w.to(xf.dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, r, w = ctx.saved_tensors
+        xhat = x.to(r.dtype) * r
+        gf = g.to(r.dtype)
+        dw = (gf * xhat).flatten(0, -2).sum(0).to(w.dtype)
+        dxhat = gf * w.to(r.dtype)
+        dx = r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dw, None
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) ⊙ up x)."""
 
@@ -27,11 +75,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · g, computed in fp32."""
+    """x / sqrt(mean(x²) + eps) · g, computed in fp32 (saves x and the fp32 1/rms only)."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -39,9 +87,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return _RMSNorm.apply(x, self.weight, self.eps)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
@@ -61,24 +107,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ / √d + causal mask) v with grouped-query heads; (b, s, h, d) in and out."""
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=2)
-        v = v.repeat_interleave(rep, dim=2)
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-        scale=1.0 / math.sqrt(q.shape[-1]),
-    )
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √d + causal mask) v with grouped-query heads; (b, s, h, d) in and out.
+
+    K/V keep their kv heads (SDPA's ``enable_gqa``): the flash kernel saves q, k, v, the output
+    and the fp32 log-sum-exp, nothing else. On meta tensors (the dry run) SDPA has no fused
+    kernel to pick and would fall back to materialised probabilities; there the CUDA flash op
+    runs itself (it has a meta implementation and takes the kv heads as they are)."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.device.type == "meta":
+        o = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True,
+                                                               scale=scale)[0]
+    else:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                           enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2)
+
+
+causal_attention = flash_attention  # the name context parallelism and the benchmarks call
 
 
 class CausalAttention(nn.Module):
     """The attention core over the whole sequence (context parallelism replaces it)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return causal_attention(q, k, v)
+        return flash_attention(q, k, v)
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

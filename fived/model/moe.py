@@ -80,7 +80,7 @@ class Expert(nn.Module):
         self.w2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(L.swiglu(self.w1(x), self.w3(x)))
 
 
 class _AuxGrad(torch.autograd.Function):

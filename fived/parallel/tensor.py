@@ -12,7 +12,10 @@ column, down row), so one block costs per micro-batch, with ``A = b·s·h`` acti
 
 With sequence parallelism the residual stream and RMSNorm run on a 1/tp slice of the sequence;
 each all-reduce becomes an all-gather (before the column layers) and a reduce-scatter (after the
-row layers) — the same bytes, and 1/tp of the norm/residual activations.
+row layers) — the same bytes, and 1/tp of the norm/residual activations. The column layers save
+their input's shard, not the gathered sequence, and all-gather it again in backward for the
+weight gradients (overlapped with the input-gradient matmul), as Megatron-Core does: one more
+all-gather of A per column region (attention, MLP, head) per micro-batch.
 
 Grouped-query attention: kv heads are cut when tp divides them; when tp > kv_heads each kv
 chunk is held by tp/kv_heads ranks, and each replica sees only the gradient of its own query
@@ -56,40 +59,63 @@ from .placement import Placement
 
 
 class _Region:
-    """One column region with overlap: the full input, and the dX of its consumers summed."""
+    """One column region: the inputs of the column layers that read one tensor (q/k/v; gate/up;
+    the head), the full input while their forwards run, and the dX of their consumers summed.
 
-    def __init__(self, group: Any, sp: bool, x: torch.Tensor):
-        self.group, self.sp = group, sp
-        self.pending, self.acc = 0, None
+    Forward all-gathers (SP) the sequence shard once for all consumers and drops the full copy
+    when the next region opens; each consumer saves the *shard* (Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication``), and the first consumer to run
+    backward all-gathers it again — asynchronously, while its input-gradient matmul runs — for
+    every consumer's weight gradient; the last consumer frees it."""
+
+    def __init__(self, group: Any, sp: bool, overlap: bool, x: torch.Tensor):
+        self.group, self.sp, self.overlap = group, sp, overlap
+        self.pending, self.acc, self.gathered = 0, None, None
         with torch.no_grad():
             self.full = (ops.all_gather(x, group, dim=1).contiguous() if sp else x.detach())
 
+    def close(self) -> None:
+        """The forward is done with the full input (the next region opened)."""
+        self.full = None
+
 
 class _ColumnMatmul(torch.autograd.Function):
-    """y = x_full Wᵀ inside a shared region. Backward: dX of every consumer is summed; the last
-    consumer to run starts the all-reduce (SP: reduce-scatter) of the sum asynchronously, then
-    computes its own weight gradient while the collective is in flight (Megatron's overlap)."""
+    """y = x_full Wᵀ inside a shared region, saving x as given (the shard under SP). Backward:
+    SP re-gathers x (once per region, overlapped with dX = g W); dX of every consumer is summed;
+    the last consumer to run starts the all-reduce (SP: reduce-scatter) of the sum, with
+    ``overlap`` asynchronously while it computes its own weight gradient (Megatron's overlap)."""
 
     @staticmethod
     def forward(ctx, x, w, region):
         region.pending += 1
         ctx.region = region
-        ctx.save_for_backward(region.full, w)
+        ctx.save_for_backward(x, w)
         return F.linear(region.full, w)
 
     @staticmethod
     def backward(ctx, g):
-        full, w = ctx.saved_tensors
+        x, w = ctx.saved_tensors
         r = ctx.region
+        r.full = None
+        gather = None
+        if r.sp and r.gathered is None:
+            gather = ops.all_gather(x, r.group, dim=1, async_op=r.overlap)
         dx = g.matmul(w)
+        if gather is not None:
+            r.gathered = (gather.wait() if r.overlap else gather).contiguous()
+        full = r.gathered if r.sp else x
         r.acc = dx if r.acc is None else r.acc.add_(dx)
         r.pending -= 1
         handle = None
         if r.pending == 0:
             acc, r.acc = r.acc, None
-            handle = (ops.reduce_scatter(acc, r.group, dim=1, async_op=True) if r.sp
-                      else ops.all_reduce(acc, r.group, async_op=True))
+            handle = (ops.reduce_scatter(acc, r.group, dim=1, async_op=r.overlap) if r.sp
+                      else ops.all_reduce(acc, r.group, async_op=r.overlap))
+            if not r.overlap:
+                handle = ops.Handle(None, None, "", handle)
         dw = g.flatten(0, -2).t().matmul(full.flatten(0, -2))
+        if r.pending == 0:
+            r.gathered = None
         return (handle.wait() if handle is not None else None), dw, None
 
 
@@ -98,7 +124,8 @@ class Columns:
 
     Several column layers read the same tensor (q/k/v; gate/up; the head after the norm); they
     share one region keyed by the input tensor, so dX is all-reduced (or reduce-scattered) once,
-    not once per layer. With ``overlap`` the reduction runs while weight gradients compute."""
+    not once per layer, and under SP the shard is gathered once each way. With ``overlap`` the
+    reduction runs while weight gradients compute, the backward re-gather while dX computes."""
 
     def __init__(self, group: Any, sequence_parallel: bool, overlap: bool):
         self.group, self.sp, self.overlap = group, sequence_parallel, overlap
@@ -106,19 +133,16 @@ class Columns:
 
     def _region(self, x: torch.Tensor, make) -> Any:
         if self._last is None or self._last[0] is not x:
+            if self._last is not None and isinstance(self._last[1], _Region):
+                self._last[1].close()
             self._last = (x, make(x))
         return self._last[1]
 
-    def _enter(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sp:  # one contiguous copy, not one per consumer's matmul
-            return R.gather_from(x, self.group, dim=1).contiguous()
-        return R.copy_to(x, self.group)
-
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x Wᵀ for a column-cut W, x the (sequence shard of the) input."""
-        if not self.overlap:
-            return F.linear(self._region(x, self._enter), w)
-        region = self._region(x, lambda t: _Region(self.group, self.sp, t))
+        if not self.overlap and not self.sp:
+            return F.linear(self._region(x, lambda t: R.copy_to(t, self.group)), w)
+        region = self._region(x, lambda t: _Region(self.group, self.sp, self.overlap, t))
         return _ColumnMatmul.apply(x, w, region)
 
 
@@ -354,13 +378,14 @@ def tp_traffic_bytes(model: Any, par: Any, micro_batch: int, pp_rank: int = 0
     ``A = micro_batch·s·h·dtype_bytes``. Per micro-batch:
 
     * each block: 2 forward + 2 backward all-reduces of A (SP: 2 all-gathers + 2 reduce-scatters
-      of A each way); full recompute reruns the forward up to its last saved tensor: +1
-      all-reduce (SP: +2 all-gathers, +1 reduce-scatter);
+      of A each way, and 2 more backward all-gathers: the column inputs, saved as shards,
+      gathered again for the weight gradients); full recompute reruns the forward up to its
+      last saved tensor: +1 all-reduce (SP: +2 all-gathers, +1 reduce-scatter);
     * replicated kv heads (tp > kv_heads): per block 2 all-reduces of the full (kv_heads·d, h)
       weight gradient (wk, wv);
     * embedding: 1 forward all-reduce of A (SP: reduce-scatter forward, all-gather backward);
-    * head (or tied head): 1 backward all-reduce of A (SP: all-gather forward, reduce-scatter
-      backward);
+    * head (or tied head): 1 backward all-reduce of A (SP: all-gather forward, all-gather and
+      reduce-scatter backward);
     * loss: all-reduce of micro_batch·s fp32 maxima and of 2·micro_batch·s fp32 (sum-exp, target).
 
     Per step: with SP, one all-reduce of each norm weight's gradient (2 per block + final norm).
