@@ -377,8 +377,9 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
     out: dict[str, float] = {}
-    # RoPE cos/sin tables (fp32, s_local × d/2 each), one pair per forward
-    out["rope_tables"] = m.seq_len / par.cp * m.head_dim * 4
+    # RoPE cos/sin tables (the compute dtype, s_local × d/2 each), one pair per forward, shared
+    # by every layer of the chunk
+    out["rope_tables"] = m.seq_len / par.cp * m.head_dim * e
     if first:
         out["token_ids"] = tokens * 8
     if last:

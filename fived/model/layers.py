@@ -92,11 +92,13 @@ class RMSNorm(nn.Module):
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
                 dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (s, head_dim/2) for the (possibly non-contiguous) ``positions``."""
+    """cos, sin of shape (s, head_dim/2) for the (possibly non-contiguous) ``positions``, in
+    ``dtype`` (rounded through fp32: the values any dtype's tables had when they were cast per
+    layer); one pair per forward, which every layer's ``apply_rope`` saves without a copy."""
     inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
                     / head_dim)
     ang = positions.to(torch.float64)[:, None] * inv[None, :]
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+    return ang.cos().float().to(dtype), ang.sin().float().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -128,7 +128,7 @@ class Transformer(nn.Module):
         """Tokens (first part) or hidden states in; hidden states, logits, or — when ``targets``
         are given on the last part — the summed token loss out."""
         h = self.embed_tokens(x) if self.first else x
-        rope = L.rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        rope = L.rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for block in self.layers.values():
             h = block(h, rope)
         if not self.last:
