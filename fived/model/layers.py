@@ -134,7 +134,7 @@ class CausalAttention(nn.Module):
     """The attention core over the whole sequence (context parallelism replaces it)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return flash_attention(q, k, v)
+        return causal_attention(q, k, v)  # the one name every caller (and a test's patch) uses
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
