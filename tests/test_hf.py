@@ -214,6 +214,14 @@ def test_import_inspect_and_bad_input_exit_2(tmp_path, capsys):
     assert (ck / "step-000000" / "manifest.json").is_file()
     assert main(["checkpoint", "inspect", str(ck), "--files"]) == 0
     assert "step 0" in capsys.readouterr().out
+    # an imported checkpoint (weights, no data position) resumes: it used to fail in every rank
+    from fived.checkpoint.storage import resolve as _resolve
+    from fived.config import ModelConfig as _MC
+
+    man = json.loads((_resolve(ck) / "manifest.json").read_text())
+    losses = run_ranks(_train_and_save, 1, _MC(**man["config"]["model"]), ParallelConfig(),
+                       small_train(steps=1, global_batch=2, resume=str(_resolve(ck))))[0]
+    assert len(losses) == 1 and np.isfinite(losses[0])
 
     def fails(argv, *words):
         before = sorted(p.name for p in tmp_path.rglob("*"))

@@ -95,8 +95,10 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, seq_len: int | None = No
     tmp = S.tmp_dir(root, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=SavePlanner(),
-                 no_dist=True)
+        # one file per tensor: DCP's writer keeps every tensor of a file until the file is
+        # written, so one file per rank would hold the whole model
+        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False)
+        dcp.save(state, storage_writer=writer, planner=SavePlanner(), no_dist=True)
     man = {"family": "fived", "step": 0, "world": 1, "imported_from": str(hf_dir),
            "config": {"model": asdict(cfg), "parallel": asdict(ParallelConfig(precision=dtype)),
                       "train": asdict(TrainConfig(model=cfg.name))},

@@ -146,7 +146,11 @@ class Trainer:
                 "next_step": self.next_step}
 
     def load_data_state(self, saved: dict[str, Any]) -> None:
-        """Continue from a checkpoint's ``data_state``; a ConfigError if it read other data."""
+        """Continue from a checkpoint's ``data_state``; a ConfigError if it read other data. An
+        imported checkpoint (``fived import``: weights only, no data yet) starts at step 0."""
+        if not saved:
+            self.next_step = 0
+            return
         mine = self.data_state()
         flags = {"source": "--data", "tokenizer_hash": "--data (its tokenizer)",
                  "data_hash": "--data (its tokens)", "corpus_mb": "--corpus-mb",
