@@ -100,28 +100,35 @@ def test_an_extra_collective_of_another_op_is_caught(monkeypatch):
 
 
 # ------------------------------------------------------------------------ activations
-def test_an_activation_over_allocated_behind_a_view_is_caught(monkeypatch):
-    """The first block's output written into the first half of a buffer twice its size: the
-    next layer saves a correctly shaped view, the storage saved is twice as large."""
+def _patch_first_block(monkeypatch, change) -> None:
+    """Block 0's output goes through ``change(out)`` (the other blocks are left alone)."""
     from fived.model import llama
 
-    par = ParallelConfig()
-    assert _bad("tiny", par) == []
     orig_init, orig_forward = llama.Block.__init__, llama.Block.forward
 
     def init(self, cfg, index, dtype):
         orig_init(self, cfg, index, dtype)
-        self.first = index == 0
+        self.mutated = index == 0
 
     def forward(self, h, rope):
         out = orig_forward(self, h, rope)
-        if not self.first:
-            return out
-        buf = torch.empty((2,) + tuple(out.shape), dtype=out.dtype, device=out.device)[0]
-        return buf.copy_(out)
+        return change(out) if self.mutated else out
 
     monkeypatch.setattr(llama.Block, "__init__", init)
     monkeypatch.setattr(llama.Block, "forward", forward)
+
+
+def test_an_activation_over_allocated_behind_a_view_is_caught(monkeypatch):
+    """The first block's output written into the first half of a buffer twice its size: the
+    next layer saves a correctly shaped view, the storage saved is twice as large."""
+    par = ParallelConfig()
+    assert _bad("tiny", par) == []
+
+    def doubled(out):
+        buf = torch.empty((2,) + tuple(out.shape), dtype=out.dtype, device=out.device)[0]
+        return buf.copy_(out)
+
+    _patch_first_block(monkeypatch, doubled)
     bad = _bad("tiny", par)
     assert bad and all("activation peak" in line for line in bad), bad
 
@@ -130,27 +137,17 @@ def test_a_stray_saved_tensor_of_one_percent_is_caught(monkeypatch):
     """The first block saves one stray tensor of 1 % of the ledger's activation peak (the old
     2 % tolerance let it through)."""
     from fived.ledger import verify
-    from fived.model import llama
 
     par = ParallelConfig()
     m = preset("tiny")
     assert _bad("tiny", par) == []
     stray_bytes = int(0.01 * verify.predict_activations(m, par, TRAIN.global_batch, 0))
-    orig_init, orig_forward = llama.Block.__init__, llama.Block.forward
 
-    def init(self, cfg, index, dtype):
-        orig_init(self, cfg, index, dtype)
-        self.stray = index == 0
+    def stray(out):
+        extra = torch.zeros(stray_bytes // 4, device=out.device)  # fp32: 4 bytes each
+        return out + (extra * out.reshape(-1)[:1]).sum()  # mul saves the stray
 
-    def forward(self, h, rope):
-        out = orig_forward(self, h, rope)
-        if self.stray:
-            stray = torch.zeros(stray_bytes // 4, device=out.device)  # fp32: 4 bytes each
-            out = out + (stray * out.reshape(-1)[:1]).sum()  # mul saves the stray
-        return out
-
-    monkeypatch.setattr(llama.Block, "__init__", init)
-    monkeypatch.setattr(llama.Block, "forward", forward)
+    _patch_first_block(monkeypatch, stray)
     bad = _bad("tiny", par)
     assert bad and all("activation peak" in line for line in bad), bad
 
