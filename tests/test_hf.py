@@ -195,10 +195,10 @@ def test_fused_transformers5_experts_are_read(tmp_path):
                "model.layers.0.mlp.experts.down_proj": w2,
                "model.layers.0.mlp.gate.weight": torch.randn(2, 4)},
               str(tmp_path / "model.safetensors"))
-    t = hf.read_tensors(tmp_path)
-    assert torch.equal(t["layers.0.block_sparse_moe.experts.1.w3.weight"], w3[1])
-    assert torch.equal(t["layers.0.block_sparse_moe.experts.0.w2.weight"], w2[0])
-    assert "layers.0.block_sparse_moe.gate.weight" in t
+    src = hf.HFSource(tmp_path)
+    assert torch.equal(src.read("layers.0.block_sparse_moe.experts.1.w3.weight"), w3[1])
+    assert torch.equal(src.read("layers.0.block_sparse_moe.experts.0.w2.weight"), w2[0])
+    assert "layers.0.block_sparse_moe.gate.weight" in src.tensors
 
 
 # ------------------------------------------------------------------ the commands' bad input

@@ -186,8 +186,6 @@ class HFSource:
                         sl = h.get_slice(k)
                         self._index(f, k, tuple(sl.get_shape()))
                         self.dtypes[k] = _dtype(sl.get_dtype())
-            except ConfigError:
-                raise
             except Exception as e:  # noqa: BLE001 - safetensors raises its own errors
                 raise ConfigError([f"{flag} {f}: not a safetensors file ({e})"]) from None
         if cfg is not None:
@@ -262,13 +260,6 @@ class HFSource:
 def _dtype(st: str) -> torch.dtype:
     return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
             "F64": torch.float64}[st]
-
-
-def read_tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a local HF directory, whole, under fived's names (small models and
-    tests; the commands stream through ``HFSource`` instead)."""
-    src = HFSource(hf_dir)
-    return {n: src.read(n) for n in src.tensors}
 
 
 def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, flag: str = "--init-from") -> None:

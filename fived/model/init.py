@@ -26,10 +26,6 @@ from torch import nn
 TILE = 256  # block edge: a block is at most TILE × TILE elements
 
 
-def param_seed(seed: int, name: str) -> int:
-    return zlib.crc32(f"{seed}/{name}".encode()) + (int(seed) << 32)
-
-
 def _block_seed(seed: int, name: str, i: int, j: int) -> int:
     return (zlib.crc32(f"{seed}/{name}/{i}/{j}".encode()) + (int(seed) << 32)) % (2**63)
 
