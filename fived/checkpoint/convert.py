@@ -105,3 +105,35 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, seq_len: int | None = No
            "optimizer": None, "loss_scaler": None, "data": {}, "memory_per_rank": [],
            "tensors": tensor_table(tmp)}
     return S.finalize(root, 0, man), cfg, man["tensors"]
+
+
+class CheckpointSource:
+    """A fived checkpoint read piece by piece (``fived generate --from``, born sharded): ``fill``
+    has ``fived.model.init.InitSource``'s signature and reads, with DCP, only the box of
+    chunk ``index`` of ``parts`` along ``dim`` — the fp32 master where the checkpoint has one,
+    else the saved parameter (plus Kahan's c) — cast into ``out``."""
+
+    def __init__(self, ckpt: str | Path, man: dict[str, Any]):
+        self.ckpt, self.tensors = Path(ckpt), man["tensors"]
+
+    def fill(self, out: torch.Tensor, name: str, shape: tuple[int, ...], dim: int = 0,
+             parts: int = 1, index: int = 0) -> torch.Tensor:
+        from ..model.init import piece_box
+
+        box = piece_box(tuple(shape), dim, parts, index)
+        offsets, sizes = tuple(a for a, _ in box), tuple(b - a for a, b in box)
+        src = f"master.{name}" if f"master.{name}" in self.tensors else f"model.{name}"
+        keys = [src] + ([f"comp.{name}"] if f"comp.{name}" in self.tensors else [])
+        dest, got = {}, []
+        for k in keys:
+            dtype = getattr(torch, self.tensors[k]["dtype"])
+            t = torch.empty(sizes, dtype=dtype)
+            dest[k] = Pieces(tuple(self.tensors[k]["shape"]), dtype, [(offsets, t)])
+            got.append(t)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(dest, storage_reader=S.safe_reader(self.ckpt), planner=LoadPlanner(),
+                     no_dist=True)
+        value = got[0].float() + got[1] if len(got) > 1 else got[0]
+        with torch.no_grad():
+            return out.copy_(value.view(out.shape))

@@ -1,5 +1,5 @@
 """fived's command line: train | data | grid | plan | ledger | bench | figures | report |
-checkpoint | export | import.
+checkpoint | export | import | generate.
 
 One module per command (``fived.cli.train``, ``grid``, ``plan``, ``ledger``), one flag set
 shared by all (``fived.cli.flags``), one ``fived.config.validate``. ``fived bench NAME`` and
@@ -38,6 +38,7 @@ EXAMPLES = """examples:
   fived train --save-dir ck --save-every 10 && fived train --resume ck --tp 2 --pp 2
   torchrun --max-restarts 3 ... -m fived train --save-dir ck --save-every 50 --resume auto  # start = restart
   fived checkpoint inspect ck        fived export ck --hf hf_out     fived import hf_out --save-dir ck2
+  fived generate --from ck --prompt "def " --max-new-tokens 64 --tp 2
 """
 
 COMMANDS = {
@@ -52,6 +53,7 @@ COMMANDS = {
     "checkpoint": "inspect a checkpoint: step, layout, tensors, bytes per rank vs the ledger",
     "export": "export a checkpoint to a Hugging Face directory (safetensors + config.json)",
     "import": "import a local Hugging Face Llama/Mixtral directory as a checkpoint",
+    "generate": "sample text from a checkpoint or a HF directory (KV cache, any --tp)",
 }
 
 
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch("fived.bench" if argv[0] == "bench" else "fived.viz", argv[0], argv[1:])
     if argv and argv[0] == "report":  # the page lives with the figures (fived.viz._page)
         return run("report", importlib.import_module("fived.viz._page").main, argv[1:])
-    if argv and argv[0] in ("train", "data", "grid", "plan", "ledger", "checkpoint", "export", "import"):
+    if argv and argv[0] in ("train", "data", "grid", "plan", "ledger", "checkpoint", "export", "import",
+                               "generate"):
         name = "hf_import" if argv[0] == "import" else argv[0]
         mod = importlib.import_module(f"{__package__}.{name}")
         return run(argv[0], mod.main, argv[1:])

@@ -92,20 +92,22 @@ class RMSNorm(nn.Module):
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
                 dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (s, head_dim/2) for the (possibly non-contiguous) ``positions``, in
-    ``dtype`` (rounded through fp32: the values any dtype's tables had when they were cast per
-    layer); one pair per forward, which every layer's ``apply_rope`` saves without a copy."""
+    """cos, sin of shape (*positions.shape, head_dim/2) for the (possibly non-contiguous)
+    ``positions`` — (s,) in training, (b, s) per row when generating — in ``dtype`` (rounded
+    through fp32: the values any dtype's tables had when they were cast per layer); one pair
+    per forward, which every layer's ``apply_rope`` saves without a copy."""
     inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
                     / head_dim)
-    ang = positions.to(torch.float64)[:, None] * inv[None, :]
+    ang = positions.to(torch.float64)[..., None] * inv
     return ang.cos().float().to(dtype), ang.sin().float().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of the head dimension; x is (b, s, heads, d)."""
+    """Rotate the two halves of the head dimension; x is (b, s, heads, d), the tables (s, d/2)
+    or (b, s, d/2)."""
     d = x.shape[-1] // 2
     x1, x2 = x[..., :d], x[..., d:]
-    c, s = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    c, s = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
@@ -124,6 +126,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     else:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
                                            enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     allowed: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √d where ``allowed``) v: q (b, n, h, d) new queries against the cached
+    keys and values k, v (b, t, kv_heads, d), ``allowed`` (b, 1, n, t) bool (generation's
+    causal-and-not-padding mask, ``fived.model.cache``); (b, n, h, d) out."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed,
+                                       scale=1.0 / math.sqrt(q.shape[-1]),
+                                       enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2)
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from . import layers as L
+from .cache import KVCache, LayerCache
 from .init import init_weights
 from .moe import MoE
 
@@ -45,14 +46,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.heads * d, h, bias=False, dtype=dtype)
         self.core = L.CausalAttention()
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: LayerCache | None = None) -> torch.Tensor:
         cos, sin = rope
         q = self.q_proj(x)
         b, s, d = q.shape[0], q.shape[1], self.head_dim
         q = L.apply_rope(q.view(b, s, -1, d), cos, sin)
         k = L.apply_rope(self.k_proj(x).view(b, s, -1, d), cos, sin)
         v = self.v_proj(x).view(b, s, -1, d)
-        o = self.core(q, k, v)
+        if cache is None:
+            o = self.core(q, k, v)
+        else:  # generation: the new keys/values join the cached ones (fived.model.cache)
+            o = L.masked_attention(q, *cache.update(k, v))
         return self.o_proj(o.reshape(b, s, -1))
 
 
@@ -71,8 +76,9 @@ class Block(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope)
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: LayerCache | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, cache)
         return h + self.ffn(self.post_attention_layernorm(h))
 
 
@@ -124,13 +130,20 @@ class Transformer(nn.Module):
         return p
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, cache: KVCache | None = None
+                ) -> torch.Tensor:
         """Tokens (first part) or hidden states in; hidden states, logits, or — when ``targets``
-        are given on the last part — the summed token loss out."""
+        are given on the last part — the summed token loss out.
+
+        Generation (``cache``, after ``cache.begin``): ``positions`` are (b, s), each row's
+        own; the keys and values join the cache, and the logits are the last slot's only."""
         h = self.embed_tokens(x) if self.first else x
         rope = L.rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
-        for block in self.layers.values():
-            h = block(h, rope)
+        for i, block in self.layers.items():
+            h = block(h, rope, None if cache is None else LayerCache(cache, int(i)))
+        if cache is not None:
+            cache.advance()
+            h = h[:, -1:]
         if not self.last:
             return h
         logits = self.lm_head(self.norm(h))
