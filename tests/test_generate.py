@@ -201,3 +201,16 @@ def test_cli_bad_input_exit_2(ckpt, tmp_path):
     ck2, _, _ = import_hf(hf_dir, tmp_path / "imported")
     fails("--from", ck2, "--prompt", "a", words=["records no tokenizer", "--tokenizer"])
     assert not (tmp_path / "nothing").exists()
+
+
+def test_bench_generate_prints_a_valid_document(capsys):
+    from fived.bench import schema
+    from fived.bench.generate import main
+
+    assert main(["--model", "tiny", "--reps", "1", "--prompt-len", "8", "--new-tokens", "4",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out)  # the document alone on stdout
+    schema.validate(doc)
+    assert doc["extra"]["same_tokens"] is True
+    assert {r["variant"] for r in doc["rows"]} == {"prefill tp1", "decode tp1"}

@@ -181,74 +181,6 @@ def encode(tok: Any, texts: list[str], cfg: ModelConfig, max_new: int) -> list[l
     return ids
 
 
-# ------------------------------------------------------------------ each rank
-def _stream(tok: Any) -> Any:
-    """on_token for one prompt: print the new text as it decodes (held back while a multibyte
-    character is incomplete)."""
-    ids: list[int] = []
-    shown = [0]
-
-    def on_token(row: int, t: int) -> None:
-        ids.append(t)
-        text = tok.decode(ids)
-        if text.endswith("\ufffd"):
-            return
-        sys.stdout.write(text[shown[0]:])
-        sys.stdout.flush()
-        shown[0] = len(text)
-    return on_token
-
-
-def rank_main(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
-    import torch
-
-    from ..comm import ops
-    from ..comm.ops import Traffic
-    from ..config import ParallelConfig
-    from ..data.tokenizer import from_spec
-    from ..dist.grid import Grid
-    from ..dist.launch import rank_device
-    from ..infer.generate import Sampling, generate
-    from ..infer.model import inference_model, param_bytes
-    from ..parallel.parallelize import dtype_of
-
-    cfg = ModelConfig(**job["cfg"])
-    traffic = Traffic()
-    grid = Grid.from_config(ParallelConfig(tp=world), rank).connect(traffic)
-    device = rank_device() if world > 1 else torch.device("cpu")
-    if job["kind"] == "ckpt":
-        from ..checkpoint.convert import CheckpointSource
-        from ..checkpoint.storage import read_manifest
-
-        source = CheckpointSource(job["path"], read_manifest(Path(job["path"]), "--from"))
-    else:
-        from ..checkpoint.hf import HFSource
-
-        source = HFSource(job["path"], cfg, "--hf")
-    model = inference_model(cfg, grid, source, device, dtype_of(job["dtype"]))
-    tok = from_spec(job["tokenizer"])
-    tp = grid["tp"]
-    gather = (lambda z: ops.all_gather(z, tp, dim=-1)) if world > 1 else None
-    stream = rank == 0 and job["stream"]
-    if stream:
-        sys.stdout.write(job["texts"][0])
-        sys.stdout.flush()
-    out = generate(model, job["ids"], job["max_new"], Sampling(**job["sampling"]),
-                   None if job["ignore_eos"] else tok.eos, tok.vocab, gather,
-                   _stream(tok) if stream else None)
-    if stream:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    if rank != 0:
-        return None
-    doc = asdict(out)
-    doc.pop("extra")
-    doc["text"] = [tok.decode(t) for t in out.tokens]
-    doc["weights_bytes"] = param_bytes(model)
-    doc["traffic_bytes"] = traffic.bytes_by_dim().get("tp", 0.0)
-    return doc
-
-
 # ------------------------------------------------------------------ the command
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
@@ -275,15 +207,16 @@ def main(argv: list[str]) -> int:
     print(f"{cfg.name}: {len(texts)} prompt(s), {sum(map(len, ids))} tokens, tp{tp}, {dtype}, "
           f"from {path}", file=sys.stderr, flush=True)
     from ..dist.launch import run_local, run_torchrun
+    from ..infer.generate import rank_job
 
     if env is not None:
-        doc = run_torchrun(rank_main, (job,))
+        doc = run_torchrun(rank_job, (job,))
         if env[0] != 0:
             return 0
     elif tp == 1:
-        doc = rank_main(0, 1, job)
+        doc = rank_job(0, 1, job)
     else:
-        doc = run_local(rank_main, tp, (job,))[0]
+        doc = run_local(rank_job, tp, (job,))[0]
     show(doc, texts, tp, args.json, job["stream"])
     return 0
 

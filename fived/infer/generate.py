@@ -20,9 +20,12 @@ vocabulary (a model row past the tokenizer's symbols is never picked).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +48,6 @@ class Generated:
     decode_s: float = 0.0  # every later forward and pick
     decode_steps: int = 0  # forwards after the prefill
     cache_bytes: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> int:
@@ -127,3 +129,70 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: i
     out.decode_s = time.perf_counter() - t1
     out.cache_bytes = cache.nbytes()
     return out
+
+
+# ------------------------------------------------------------------ each rank
+def _stream(tok: Any) -> Any:
+    """on_token for one prompt: print the new text as it decodes (held back while a multibyte
+    character is incomplete)."""
+    ids: list[int] = []
+    shown = [0]
+
+    def on_token(row: int, t: int) -> None:
+        ids.append(t)
+        text = tok.decode(ids)
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[shown[0]:])
+        sys.stdout.flush()
+        shown[0] = len(text)
+    return on_token
+
+
+def rank_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
+    """``fived generate`` on one rank: ``job`` is what the command resolved (the model, its
+    source, the tokenizer's spec, the prompts' ids, the sampling); rank 0 streams one prompt's
+    text and returns the measurements."""
+    from ..comm import ops
+    from ..comm.ops import Traffic
+    from ..config import ModelConfig, ParallelConfig
+    from ..data.tokenizer import from_spec
+    from ..dist.grid import Grid
+    from ..dist.launch import rank_device
+    from ..parallel.parallelize import dtype_of
+    from .model import inference_model, param_bytes
+
+    cfg = ModelConfig(**job["cfg"])
+    traffic = Traffic()
+    grid = Grid.from_config(ParallelConfig(tp=world), rank).connect(traffic)
+    device = rank_device() if world > 1 else torch.device("cpu")
+    if job["kind"] == "ckpt":
+        from ..checkpoint.convert import CheckpointSource
+        from ..checkpoint.storage import read_manifest
+
+        source = CheckpointSource(job["path"], read_manifest(Path(job["path"]), "--from"))
+    else:
+        from ..checkpoint.hf import HFSource
+
+        source = HFSource(job["path"], cfg, "--hf")
+    model = inference_model(cfg, grid, source, device, dtype_of(job["dtype"]))
+    tok = from_spec(job["tokenizer"])
+    tp = grid["tp"]
+    gather = (lambda z: ops.all_gather(z, tp, dim=-1)) if world > 1 else None
+    stream = rank == 0 and job["stream"]
+    if stream:
+        sys.stdout.write(job["texts"][0])
+        sys.stdout.flush()
+    out = generate(model, job["ids"], job["max_new"], Sampling(**job["sampling"]),
+                   None if job["ignore_eos"] else tok.eos, tok.vocab, gather,
+                   _stream(tok) if stream else None)
+    if stream:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if rank != 0:
+        return None
+    doc = asdict(out)
+    doc["text"] = [tok.decode(t) for t in out.tokens]
+    doc["weights_bytes"] = param_bytes(model)
+    doc["traffic_bytes"] = traffic.bytes_by_dim().get("tp", 0.0)
+    return doc

@@ -140,7 +140,7 @@ class Transformer(nn.Module):
         h = self.embed_tokens(x) if self.first else x
         rope = L.rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for i, block in self.layers.items():
-            h = block(h, rope, None if cache is None else LayerCache(cache, int(i)))
+            h = block(h, rope) if cache is None else block(h, rope, LayerCache(cache, int(i)))
         if cache is not None:
             cache.advance()
             h = h[:, -1:]
