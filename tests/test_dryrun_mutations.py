@@ -4,10 +4,10 @@ substitutes for the attention) let through, and asserts that ``verify.compare_re
 dry run's record now reports it — and reports nothing for the unbroken runtime. Tiny models,
 seconds each.
 
-The MoE layer is the exception: the dry run cannot run ``MoE.moe`` itself (its routing is data:
-``nonzero``, ``bincount``, ``tolist``), so its uniform-routing twin is compared with the real
-``MoE.moe`` in a CPU run at uniform routing: the same saved storages (each one's dtype and
-bytes) and output shape."""
+The MoE layer runs its own ``MoE.moe`` in the dry run; only ``MoE.assign`` (its routing is data:
+``nonzero``, ``bincount``, ``tolist``) is made uniform there, and a CPU run at uniform routing
+checks that the uniform assignment saves what the real one saves (each storage's dtype and
+bytes) and gives the output's shape."""
 
 from __future__ import annotations
 
@@ -201,36 +201,36 @@ def _saved_and_out(layer, x, moe):
     return (saved.bytes, sorted(saved.sizes)), out
 
 
-def test_the_uniform_moe_twin_equals_moe_moe():
+def test_the_uniform_assignment_saves_what_routing_saves():
     from fived.model.moe import MoE
-    from fived.train.dryrun import _uniform_moe
+    from fived.train.dryrun import _uniform_assign
 
     layer, x = _uniform_case()
     real, out_real = _saved_and_out(layer, x, MoE.moe)
     assert layer.dropped == 0 and layer.tokens_per_expert.tolist() == [8.0] * 4
-    twin, out_twin = _saved_and_out(layer, x, _uniform_moe)
-    # the twin's rows are in token order, not the router's (values differ): shapes are what
-    # the dry run measures
+    layer.assign = _uniform_assign.__get__(layer)
+    twin, out_twin = _saved_and_out(layer, x, MoE.moe)
+    # the uniform rows are in assignment order, not the router's (values differ): shapes are
+    # what the dry run measures
     assert out_twin.shape == out_real.shape and out_twin.dtype == out_real.dtype
     assert twin == real  # total bytes, and every storage's (dtype, bytes)
 
 
 def test_a_bug_inside_moe_moe_is_caught(monkeypatch):
-    """``MoE.moe`` saving one extra tensor (its input multiplied by a mask of ones) no longer
-    equals the dry run's twin."""
+    """``MoE.moe`` saving one extra tensor (its input multiplied by a mask of ones): the dry
+    run, which runs ``MoE.moe`` itself, reports the activation peak."""
     from fived.model.moe import MoE
-    from fived.train.dryrun import _uniform_moe
 
+    par = ParallelConfig()
+    assert _bad("tiny-moe", par) == []
     orig = MoE.moe
 
     def masked(self, x):
         return orig(self, x * torch.ones_like(x))
 
     monkeypatch.setattr(MoE, "moe", masked)
-    layer, x = _uniform_case()
-    real, _ = _saved_and_out(layer, x, MoE.moe)
-    twin, _ = _saved_and_out(layer, x, _uniform_moe)
-    assert real != twin
+    bad = _bad("tiny-moe", par)
+    assert bad and all("activation peak" in line for line in bad), bad
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

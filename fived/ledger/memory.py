@@ -338,12 +338,13 @@ def moe_routing_bytes_per_token(m: ModelConfig, par: ParallelConfig) -> float:
     """What one MoE layer's routing saves per token (``fived.model.moe.MoE.moe``), measured
     tensor by tensor (the dry run's MoE check): router probabilities and logits (4E + 4E, the
     logits for the z-loss), log-sum-exp 4, top-k ids 8k, top-k probabilities, their sum and the
-    normalised weights (activation dtype) 4k + 4 + e·k, the two permutation indices 16k, the
-    permuted rows e·h·k, the experts' outputs and the un-permuted slots 2·e·h·k; in bf16/fp16
+    normalised weights (fp32) 4k + 4 + 4k, the two permutation indices 16k, the permuted rows
+    e·h·k (the experts' input, once), the experts' outputs e·h·k (the weighted combine keeps
+    them once and rebuilds the un-permuted slots in backward, ``moe._Combine``); in bf16/fp16
     the fp32 copy of the input the router reads (4h) instead of the input (e·h, in the norm
     term); with ep > 1 the dispatch's local order and its inverse 16k."""
     e, h, k, E = act_bytes(par), m.hidden, m.top_k, m.experts
-    out = 8 * E + 4 + 8 * k + 4 * k + 4 + e * k + 16 * k + 3 * e * h * k
+    out = 8 * E + 4 + 8 * k + 4 * k + 4 + 4 * k + 16 * k + 2 * e * h * k
     if e != 4:  # the router saves an fp32 copy of its input, and nothing saves the input
         out += 4 * h - e * h  # itself (the norm term counts it as saved by the next matmul)
     if par.ep > 1:

@@ -96,6 +96,33 @@ class _AuxGrad(torch.autograd.Function):
         return g, torch.full((), ctx.scale, dtype=torch.float32, device=g.device), None
 
 
+class _Combine(torch.autograd.Function):
+    """out_t = Σ_j w_{t,j} · slot_{t,j}, the slots being the expert outputs ``y`` (sorted by
+    expert) put back at token-major positions ``sel`` (dropped assignments: 0). Saves ``y``,
+    the fp32 weights and ``sel`` only — autograd would keep ``y`` for the scatter and the
+    scattered slots for the product (two more copies of k·h per token); backward rebuilds the
+    slots and runs the kernels autograd runs, so the gradients are the same bits."""
+
+    @staticmethod
+    def forward(ctx, y, weights, sel, k):
+        n, h = weights.shape[0], y.shape[-1]
+        slots = y.new_zeros(n * k, h).index_copy(0, sel, y).view(n, k, h)
+        ctx.save_for_backward(y, weights, sel)
+        return (slots * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        y, weights, sel = ctx.saved_tensors
+        n, k = weights.shape
+        h = y.shape[-1]
+        w = weights.unsqueeze(-1).to(y.dtype)
+        gs = g.unsqueeze(1).expand(n, k, h)  # the sum's backward
+        dy = (gs * w).reshape(n * k, h).index_select(0, sel)
+        slots = y.new_zeros(n * k, h).index_copy(0, sel, y).view(n, k, h)
+        dw = (gs * slots).sum(-1, keepdim=True).squeeze(-1).to(weights.dtype)
+        return dy, dw, None, None
+
+
 def capacity(cfg: ModelConfig, tokens_per_sequence: int) -> int:
     """Per-sequence, per-expert capacity C = ⌈c · s · k / E⌉ (a huge number when dropless)."""
     if cfg.capacity_factor <= 0:
@@ -135,6 +162,7 @@ class MoE(nn.Module):
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.aux_grad_scale = 0.0
         self.keep_aux = False  # tests: keep the last aux tensor (with its graph) in last_aux
+        self.count_stats = True  # the dry run (fake tensors, no values) counts nothing
         self.last_aux: torch.Tensor | None = None
         self.reset_stats()
 
@@ -156,6 +184,18 @@ class MoE(nn.Module):
         outs = [self.experts[str(e)](chunk) for e, chunk in
                 zip(self.local_experts, torch.split(rows, counts))]
         return torch.cat(outs) if outs else rows
+
+    def assign(self, top_i: torch.Tensor, keep: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The kept assignments (token-major index t·k + j) sorted by expert: their indices
+        ``sel``, the rows per expert (a tensor, and as ints). The one data-dependent step (the
+        dry run swaps in uniform routing here, ``fived.train.dryrun``)."""
+        flat_e = top_i.reshape(-1)
+        kept_idx = keep.nonzero().squeeze(1)
+        e_kept = flat_e[kept_idx]
+        order = torch.argsort(e_kept, stable=True)
+        counts = torch.bincount(e_kept, minlength=self.cfg.experts)
+        return kept_idx[order], counts, counts.tolist()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(b, s, h) -> (b, s, h); s may be this rank's part of each sequence."""
@@ -184,27 +224,19 @@ class MoE(nn.Module):
         balance = E * (f * P).sum()
         z = torch.logsumexp(logits, dim=-1).pow(2).sum()
 
-        # permute: kept assignments (token-major index t·k + j) sorted by expert
-        flat_e = top_i.reshape(-1)
-        kept_idx = keep.nonzero().squeeze(1)
-        e_kept = flat_e[kept_idx]
-        order = torch.argsort(e_kept, stable=True)
-        sel = kept_idx[order]
-        counts = torch.bincount(e_kept, minlength=E)
+        sel, counts, sizes = self.assign(top_i, keep)
         rows = flat[sel // k]
         if self.dispatch is not None:
             y = self.dispatch(rows, counts, self.compute_local)
         else:
-            y = self.compute_local(rows, counts.tolist())
+            y = self.compute_local(rows, sizes)
         # un-permute into (N, k, h) slots (dropped ones stay 0) and weight in fixed k order
-        slots = y.new_zeros(b * s * k, h).index_copy(0, sel, y)
-        out = (slots.view(b * s, k, h) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
-        out = out.view(b, s, h).to(x.dtype)
+        out = _Combine.apply(y, weights, sel, k).view(b, s, h).to(x.dtype)
 
-        if not _in_backward():
+        if self.count_stats and not _in_backward():
             self.forwards += 1
             self.tokens_per_expert += counts.double().cpu()
-            self.dropped += float(keep.numel() - kept_idx.numel())
+            self.dropped += float(keep.numel() - sel.numel())
             self.balance_sum += float(balance.detach())
             self.z_sum += float(z.detach())
         aux = cfg.aux_loss_coef * cfg.seq_len * balance + cfg.z_loss_coef * z

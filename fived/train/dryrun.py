@@ -28,8 +28,9 @@ counts), traffic per group and per (group, op) and ZeRO-2's ``buffers`` exactly 
 activation peak within 0.5 % or 16 KiB (``fived.ledger.verify``).
 
 The attention is the runtime's own ``layers.causal_attention``; only SDPA on meta tensors is sent
-to the flash kernel's op (``flash_on_meta``). MoE layers run ``_uniform_moe``, a twin of
-``MoE.moe`` with static routing (the real one needs values); tests compare the two on the CPU.
+to the flash kernel's op (``flash_on_meta``). MoE layers run their own ``MoE.moe``; only its one
+data-dependent step, ``MoE.assign`` (which assignments each expert gets), is uniform routing
+here, and the ep dispatch sends the uniform counts (``uniform_routing``).
 
 The device. Every tensor is made on the rank's device. The dry run uses ``meta``, a device that
 is not the CPU: a tensor left on the CPU by mistake meets a meta tensor and the fake mode raises
@@ -176,10 +177,10 @@ def flash_on_meta():
 # ------------------------------------------------------------------------ MoE: uniform routing
 def uniform_routing(model: torch.nn.Module) -> None:
     """Each MoE layer routes by the ledger's assumption: every expert receives tokens·top_k/E
-    rows and none is dropped. The layer's forward is ``MoE.moe`` step for step (router, aux
-    losses and their count reduction, the permutation, the dispatch all-to-alls, the experts,
-    the weighted un-permute) with only the data-dependent index arithmetic made static; the
-    statistics (drops, aux values) are not recorded."""
+    rows and none is dropped. The layer runs its own ``MoE.moe`` (router, aux losses and their
+    count reduction, the permutation, the dispatch all-to-alls, the experts, the weighted
+    un-permute) with only ``MoE.assign`` — the data-dependent index arithmetic — made static;
+    the statistics (drops, aux values) are not recorded."""
     from functools import partial
 
     from ..model.moe import moe_layers
@@ -187,46 +188,20 @@ def uniform_routing(model: torch.nn.Module) -> None:
     for m in moe_layers(model):
         if m.dispatch is not None:  # expert parallelism: the group the real dispatch talks on
             m.dispatch = partial(_uniform_dispatch, group=m.dispatch.keywords["group"])
-        m.moe = _uniform_moe.__get__(m)
+        m.assign = _uniform_assign.__get__(m)
+        m.count_stats = False
 
 
-def _uniform_moe(self: Any, x: torch.Tensor) -> torch.Tensor:
-    from ..model.moe import _AuxGrad
-
-    cfg = self.cfg
-    E, k = cfg.experts, cfg.top_k
-    b, s, h = x.shape
-    if (b * s * k) % E:
-        raise ConfigError([f"dry run: {b * s * k} token-assignments do not split evenly over "
-                           f"{E} experts (uniform routing)"])
-    flat = x.reshape(b * s, h)
-    logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E) fp32
-    probs = logits.softmax(dim=-1)
-    top_p, top_i = probs.topk(k, dim=-1)
-    weights = top_p / top_p.sum(dim=-1, keepdim=True)
-    routed = F.one_hot(top_i.view(b, s * k), E).sum(1).float()
-    if self.reduce_counts is not None:
-        routed = self.reduce_counts(routed)
-    s_full = routed.sum(-1, keepdim=True) / k
-    f = routed / (s_full * k)
-    P = probs.view(b, s, E).sum(1) / s_full
-    balance = E * (f * P).sum()
-    z = torch.logsumexp(logits, dim=-1).pow(2).sum()
-    n = b * s * k  # every assignment kept; uniform: n/E rows per expert, in expert order
-    sel = torch.arange(n, device=x.device)
-    counts = torch.full((E,), n // E, dtype=torch.int64, device=x.device)
-    rows = flat[sel // k]
-    if self.dispatch is not None:
-        y = self.dispatch(rows, counts, self.compute_local)
-    else:
-        y = self.compute_local(rows, [n // E] * E)
-    slots = y.new_zeros(n, h).index_copy(0, sel, y)
-    out = (slots.view(b * s, k, h) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
-    out = out.view(b, s, h).to(x.dtype)
-    aux = cfg.aux_loss_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
-    if torch.is_grad_enabled() and aux.requires_grad:
-        out = _AuxGrad.apply(out, aux, self.aux_grad_scale)
-    return out
+def _uniform_assign(self: Any, top_i: torch.Tensor, keep: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``MoE.assign`` at uniform routing: every assignment kept, n/E rows per expert in
+    assignment order (fake tensors have no values to route by)."""
+    n, E = top_i.numel(), self.cfg.experts
+    if n % E:
+        raise ConfigError([f"dry run: {n} token-assignments do not split evenly over {E} "
+                           "experts (uniform routing)"])
+    counts = torch.full((E,), n // E, dtype=torch.int64, device=top_i.device)
+    return torch.arange(n, device=top_i.device), counts, [n // E] * E
 
 
 def _uniform_dispatch(rows: torch.Tensor, counts: torch.Tensor, compute: Any, group: Any
