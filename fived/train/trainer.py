@@ -507,3 +507,36 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             display.console.print("validation loss by step: " + ", ".join(
                 f"{s}: {v:.4f}" for s, v in history.evals))
     return summary
+
+
+def eval_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig,
+              train: TrainConfig, ckpt: str, split: str, batches: int,
+              progress: str = "stdout") -> dict[str, Any]:
+    """``fived eval`` on this rank: the weights of checkpoint ``ckpt`` (any layout) laid out
+    as ``par``, then ``batches`` global batches of ``split`` of ``train.data`` forward only.
+    Every rank returns the same summary; rank 0 prints a progress line per batch to
+    ``progress`` ("stdout", "stderr" or "" for none)."""
+    import sys
+
+    from ..checkpoint import load
+
+    torch.manual_seed(train.seed)
+    trainer = Trainer(model_cfg, par, train, rank, world, eval_split=split)
+    try:
+        step = load(trainer, ckpt, weights_only=True)
+        out = sys.stdout if progress == "stdout" else sys.stderr
+        t0 = time.perf_counter()
+
+        def on_batch(k: int, loss: float) -> None:
+            if rank == 0 and progress:
+                print(f"batch {k + 1}/{batches}: loss {loss:.4f}, perplexity "
+                      f"{math.exp(min(loss, 700.0)):.2f} ({time.perf_counter() - t0:.2f} s)",
+                      file=out, flush=True)
+
+        res = trainer.evaluate(batches, on_batch)
+        seconds = time.perf_counter() - t0
+    finally:
+        trainer.close()
+    tokens = batches * train.global_batch * model_cfg.seq_len
+    return {"loss": res["val_loss"], "ppl": res["val_ppl"], "tokens": tokens,
+            "seconds": seconds, "tokens_per_s": tokens / seconds, "step": step}
