@@ -20,6 +20,7 @@ import pytest
 from fived.config import ParallelConfig, preset, validate
 from fived.data.meta import model_for_data
 from fived.data.prepare import Options, prepare
+from fived.testing import micro_step_evaluate as old_evaluate
 from fived.testing import run_ranks, small_train
 
 TOL = 1e-6
@@ -43,28 +44,7 @@ def data_dir(tmp_path_factory):
     return _prepare(tmp_path_factory.mktemp("eval"))
 
 
-# ------------------------------------------------------------------ the old path, for parity
-def old_evaluate(t) -> float:
-    """What ``Trainer.evaluate`` did before: each batch a training micro-step (forward and
-    backward) with a zero loss scale, the gradients discarded, MoE statistics reset."""
-    from fived.model.moe import set_aux_grad_scale
-
-    n = t.tcfg.eval_batches
-    total = None
-    set_aux_grad_scale(t.stage, 0.0)
-    for k in range(n):
-        x, y, positions = t.shard(*t.eval_loader.get(k))
-        t.engine.zero_grad()
-        loss = t.forward_backward(x, y, positions, 0.0)
-        total = loss if total is None else total + loss
-        t.engine.finish()
-    t.engine.zero_grad()
-    for m in t.stage.modules():
-        if hasattr(m, "reset_stats"):
-            m.reset_stats()
-    return t.global_loss(total) / (n * t.tcfg.global_batch * t.cfg.seq_len)
-
-
+# ------------------------------------------------------------------ parity with the old path
 def _grad_state(t):
     """Every gradient a rank holds: the engine's buffers and each parameter's .grad."""
     import torch
