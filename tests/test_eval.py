@@ -122,7 +122,7 @@ def test_one_rank_no_grad_eval_equals_the_training_micro_step_path(data_dir):
     _check([r], r["old"], "1 rank")
 
 
-LAYOUTS = [  # every 2-rank layout of the default suite, one spawn
+LAYOUTS = [  # every 2-rank layout of the default suite, one spawn (V layout: a local hand-off)
     ("tiny", ParallelConfig(dp=2)),
     ("tiny", ParallelConfig(tp=2)),
     ("tiny", ParallelConfig(pp=2, micro_batches=2, schedule="1f1b")),
@@ -130,6 +130,10 @@ LAYOUTS = [  # every 2-rank layout of the default suite, one spawn
     ("tiny", ParallelConfig(dp=2, zero=3)),
     ("tiny", ParallelConfig(cp=2)),
     ("tiny-moe", ParallelConfig(ep=2)),
+    ("tiny", ParallelConfig(pp=2, micro_batches=4, schedule="interleaved", virtual_stages=2)),
+    ("tiny", ParallelConfig(pp=2, micro_batches=4, schedule="zb-v", virtual_stages=2,
+                            recompute="full")),
+    ("tiny", ParallelConfig(tp=2, sequence_parallel=True, zero=2, recompute="selective")),
 ]
 
 
@@ -143,7 +147,8 @@ def test_two_rank_layouts_no_grad_eval_equals_the_old_path_and_one_rank(data_dir
     per_rank = run_ranks(_parity_rank, 2, runs, timeout=600)
     for i, (name, par) in enumerate(LAYOUTS):
         _check([per_rank[r][i] for r in range(2)], refs[i], f"{name} {par.describe()}")
-    assert per_rank[0][-1]["moe_layers"] > 0
+    moe = [i for i, (name, _) in enumerate(LAYOUTS) if name == "tiny-moe"]
+    assert moe and all(per_rank[r][i]["moe_layers"] > 0 for r in range(2) for i in moe)
 
 
 def test_forward_only_schedule_keeps_the_forward_half_and_checks():
