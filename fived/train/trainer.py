@@ -10,10 +10,11 @@ Per step every rank
 
 The data is the built-in corpus (``fived.train.data``) or, with ``--data DIR``, the prefetching
 loader of ``fived.data.loader`` (rows of the batch group only; the padded vocabulary masked);
-``evaluate`` gives the validation loss, ``data_state``/``load_data_state`` the data position
-a checkpoint stores (docs/data.md).
+``evaluate`` gives the validation loss (forward only, docs/eval.md), ``data_state`` /
+``load_data_state`` the data position a checkpoint stores (docs/data.md).
 
-``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.dist.launch``).
+``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.dist.launch``);
+``eval_rank`` what each rank of ``fived eval`` runs.
 """
 
 from __future__ import annotations
