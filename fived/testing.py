@@ -106,3 +106,26 @@ def grad_rel_diff(a: dict[str, Any], ref: dict[str, Any]) -> float:
     """Largest over parameters of ‖a − ref‖ / ‖ref‖ (the same names required)."""
     assert sorted(a) == sorted(ref), sorted(set(a) ^ set(ref))
     return max(float((a[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)) for n in ref)
+
+
+def micro_step_evaluate(t: Any) -> float:
+    """The validation loss as ``Trainer.evaluate`` computed it before it ran forward only
+    (the reference of tests/test_eval.py and benchmarks/eval_forward_only.py): each batch a
+    training micro-step, forward and backward with a zero loss scale, the gradients reduced
+    and discarded, the MoE statistics reset."""
+    from .model.moe import set_aux_grad_scale
+
+    n = t.tcfg.eval_batches
+    total = None
+    set_aux_grad_scale(t.stage, 0.0)
+    for k in range(n):
+        x, y, positions = t.shard(*t.eval_loader.get(k))
+        t.engine.zero_grad()
+        loss = t.forward_backward(x, y, positions, 0.0)
+        total = loss if total is None else total + loss
+        t.engine.finish()
+    t.engine.zero_grad()
+    for m in t.stage.modules():
+        if hasattr(m, "reset_stats"):
+            m.reset_stats()
+    return t.global_loss(total) / (n * t.tcfg.global_batch * t.cfg.seq_len)

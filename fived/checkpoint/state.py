@@ -310,8 +310,11 @@ def _zeros(b: Any) -> torch.Tensor:
     return torch.zeros(b.hi - b.lo, device=b.param_shard.device)
 
 
-def load(trainer: Any, ckpt: str | Path) -> int:
-    """Load checkpoint ``ckpt`` (a ``step-N`` directory) into this rank; the steps done."""
+def load(trainer: Any, ckpt: str | Path, weights_only: bool = False) -> int:
+    """Load checkpoint ``ckpt`` (a ``step-N`` directory) into this rank; the steps done.
+    ``weights_only`` (``fived eval``): the parameters only; no optimizer state, random state,
+    loss scale or data position (the evaluation may read other data with the same
+    tokenizer)."""
     t, eng = trainer, trainer.engine
     ckpt = Path(ckpt)
     man = S.read_manifest(ckpt)
@@ -320,7 +323,7 @@ def load(trainer: Any, ckpt: str | Path) -> int:
     tensors = man["tensors"]
     opt_man = man.get("optimizer") or {}
     same_opt = opt_man.get("type") == type(eng.opt).__name__  # else: a fresh optimizer state
-    with_opt = same_opt and any(k.startswith("optim.") for k in tensors)
+    with_opt = same_opt and any(k.startswith("optim.") for k in tensors) and not weights_only
     has_master = any(k.startswith("master.") for k in tensors)
     has_comp = any(k.startswith("comp.") for k in tensors) and not has_master
     src = "master" if has_master else "model"
@@ -347,7 +350,7 @@ def load(trainer: Any, ckpt: str | Path) -> int:
         for key, gshape, local, shape, shift, a, c in entries:
             _add(dest, key, gshape, local, shape, shift, a, c)
     rng = {}
-    for k, v in rng_state(eng).items():
+    for k, v in ({} if weights_only else rng_state(eng)).items():
         if f"rng.{k}.rank{t.rank}" in tensors:
             rng[k] = dest[f"rng.{k}.rank{t.rank}"] = torch.empty_like(v)
     dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner())
@@ -364,6 +367,8 @@ def load(trainer: Any, ckpt: str | Path) -> int:
         for k, v in (opt_man.get("scalars") or {}).items():
             if k == "t":
                 eng.opt.t = int(v)
+    if weights_only:
+        return int(man["step"])
     sc = getattr(eng, "scaler", None)
     if sc is not None and man.get("loss_scaler"):
         sc.scale = float(man["loss_scaler"]["scale"])

@@ -1,4 +1,4 @@
-"""fived's command line: train | data | grid | plan | ledger | bench | figures | report |
+"""fived's command line: train | eval | data | grid | plan | ledger | bench | figures | report |
 checkpoint | export | import | generate.
 
 One module per command (``fived.cli.train``, ``grid``, ``plan``, ``ledger``), one flag set
@@ -37,12 +37,14 @@ EXAMPLES = """examples:
   fived report --out report --from figs        # one offline HTML page of them
   fived train --save-dir ck --save-every 10 && fived train --resume ck --tp 2 --pp 2
   torchrun --max-restarts 3 ... -m fived train --save-dir ck --save-every 50 --resume auto  # start = restart
+  fived eval --from ck --data data/notes --tp 2   # loss/perplexity of a checkpoint
   fived checkpoint inspect ck        fived export ck --hf hf_out     fived import hf_out --save-dir ck2
   fived generate --from ck --prompt "def " --max-new-tokens 64 --tp 2
 """
 
 COMMANDS = {
     "train": "train a model on local ranks or under torchrun",
+    "eval": "loss and perplexity of a checkpoint on a data split, forward only, any layout",
     "data": "prepare text for `fived train --data DIR` (fived data prepare|info)",
     "grid": "print every rank's coordinates and groups",
     "plan": "search the layouts of a model on a cluster, fastest first",
@@ -115,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch("fived.bench" if argv[0] == "bench" else "fived.viz", argv[0], argv[1:])
     if argv and argv[0] == "report":  # the page lives with the figures (fived.viz._page)
         return run("report", importlib.import_module("fived.viz._page").main, argv[1:])
-    if argv and argv[0] in ("train", "data", "grid", "plan", "ledger", "checkpoint", "export", "import",
-                               "generate"):
-        name = "hf_import" if argv[0] == "import" else argv[0]
+    if argv and argv[0] in ("train", "eval", "data", "grid", "plan", "ledger", "checkpoint",
+                            "export", "import", "generate"):
+        name = {"import": "hf_import", "eval": "evaluate"}.get(argv[0], argv[0])
         mod = importlib.import_module(f"{__package__}.{name}")
         return run(argv[0], mod.main, argv[1:])
     ap = parser()

@@ -10,10 +10,11 @@ Per step every rank
 
 The data is the built-in corpus (``fived.train.data``) or, with ``--data DIR``, the prefetching
 loader of ``fived.data.loader`` (rows of the batch group only; the padded vocabulary masked);
-``evaluate`` gives the validation loss, ``data_state``/``load_data_state`` the data position
-a checkpoint stores (docs/data.md).
+``evaluate`` gives the validation loss (forward only, docs/eval.md), ``data_state`` /
+``load_data_state`` the data position a checkpoint stores (docs/data.md).
 
-``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.dist.launch``).
+``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.dist.launch``);
+``eval_rank`` what each rank of ``fived eval`` runs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ..parallel.parallelize import dtype_of, parallelize
 from . import data as D
 from .resilience import non_finite
 
+MOE_STATS = ("tokens_per_expert", "dropped", "balance_sum", "z_sum", "forwards")
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "buffers", "padding")
 TRAFFIC_KEYS = GROUP_NAMES
 
@@ -72,10 +74,12 @@ class Trainer:
 
     def __init__(self, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig,
                  rank: int, world: int, grid: Grid | None = None,
-                 device: torch.device | str | None = None, init: bool = True):
+                 device: torch.device | str | None = None, init: bool = True,
+                 eval_split: str = ""):
         """``grid``: an already connected grid (the dry run's); ``device``: where every tensor
         of this rank lives (default: ``rank_device()``, cuda under nccl); ``init=False`` skips
-        drawing the weights (fake tensors in the dry run)."""
+        drawing the weights (fake tensors in the dry run); ``eval_split`` (``fived eval``):
+        open only the loader of this split of --data, for ``evaluate``, no training loader."""
         self.cfg, self.par, self.tcfg = model_cfg, par, train
         self.rank, self.world = rank, world
         self.device = torch.device(device) if device is not None else rank_device()
@@ -114,10 +118,11 @@ class Trainer:
         self.next_step = 0  # the data position: the step the next batch belongs to
         self.loader = self.eval_loader = None
         if train.data:
-            self._open_data()
+            self._open_data(eval_split)
 
-    def _open_data(self) -> None:
-        """--data: the loaders of this rank's rows (the batch group), the padded-logit mask."""
+    def _open_data(self, eval_split: str = "") -> None:
+        """--data: the loaders of this rank's rows (the batch group), the padded-logit mask;
+        ``eval_split``: only that split's (not shuffled), no training loader."""
         from ..data.loader import Loader
         from ..data.shards import DataDir
         from ..data.vocab import mask_padded_logits
@@ -128,9 +133,12 @@ class Trainer:
                                f"the model's vocab is {self.cfg.vocab}"])
         kw = dict(seq_len=self.cfg.seq_len, batch=t.global_batch, seed=t.seed, replica=b.rank,
                   replicas=b.size, device=self.device)
-        self.loader = Loader(data, "train", prefetch=t.prefetch, **kw)
-        if t.eval_every:
-            self.eval_loader = Loader(data, "val", shuffle=False, **kw)
+        if eval_split:
+            self.eval_loader = Loader(data, eval_split, shuffle=False, prefetch=t.prefetch, **kw)
+        else:
+            self.loader = Loader(data, "train", prefetch=t.prefetch, **kw)
+            if t.eval_every:
+                self.eval_loader = Loader(data, "val", shuffle=False, **kw)
         masked = mask_padded_logits(self.stage, data.vocab, self.cfg.vocab)
         if data.vocab < self.cfg.vocab and getattr(self.stage, "last", True) and not masked:
             raise RuntimeError("the padded vocabulary rows could not be masked: no loss module")
@@ -233,26 +241,45 @@ class Trainer:
                                        self.world_metrics, global_tokens, seconds, self.traffic)
         return rec
 
-    def evaluate(self) -> dict[str, float]:
-        """Validation loss (mean CE per token) and perplexity over --eval-batches global
-        batches of the val split, the same sequences on every layout. Each batch runs as a
-        training micro-step would (so every engine, pipeline and ZeRO stage works unchanged)
-        with a zero loss scale; the gradients are then discarded."""
+    def forward_only(self, x, y, positions) -> torch.Tensor:
+        """All micro-batches forward only (call under ``torch.no_grad``): this rank's summed
+        token loss; through the executor's forward-only schedule when pp > 1."""
+        if self.executor is not None:
+            return self.executor.run_forward(x, y, positions, self.engine)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        m = self.par.micro_batches
+        for xm, ym in zip(x.chunk(m), y.chunk(m)):
+            total += self.stage(xm, positions, ym).float()
+        return total
+
+    def evaluate(self, batches: int = 0, on_batch: Any = None) -> dict[str, float]:
+        """Validation loss (mean CE per token) and perplexity over ``batches`` (default
+        --eval-batches) global batches of the evaluation split, the same sequences on every
+        layout. Forward only, under ``torch.no_grad``: no graph, no backward, no gradient
+        buffer touched or reduced (ZeRO-3 gathers each unit for its forward and frees it);
+        the MoE routing statistics are left as the training steps made them.
+        ``on_batch(k, loss_k)`` (``fived eval``'s progress) gets each batch's global loss
+        (one extra metrics all-reduce per batch)."""
         assert self.eval_loader is not None
-        n = self.tcfg.eval_batches
+        n = batches or self.tcfg.eval_batches
+        tokens = self.tcfg.global_batch * self.cfg.seq_len
+        stats = [(m, {k: v.clone() if isinstance(v, torch.Tensor) else v
+                      for k, v in vars(m).items() if k in MOE_STATS}) for m in moe_layers(self.stage)]
         total = None  # on whatever device the step's loss is
-        set_aux_grad_scale(self.stage, 0.0)
-        for k in range(n):
-            x, y, positions = self.shard(*self.eval_loader.get(k))
-            self.engine.zero_grad()
-            loss = self.forward_backward(x, y, positions, 0.0)
-            total = loss if total is None else total + loss
-            self.engine.finish()
-        self.engine.zero_grad()
-        for m in self.stage.modules():  # MoE routing statistics belong to training steps
-            if hasattr(m, "reset_stats"):
-                m.reset_stats()
-        loss = self.global_loss(total) / (n * self.tcfg.global_batch * self.cfg.seq_len)
+        try:
+            with torch.no_grad():
+                for k in range(n):
+                    x, y, positions = self.shard(*self.eval_loader.get(k))
+                    loss = self.forward_only(x, y, positions)
+                    total = loss if total is None else total + loss
+                    if on_batch is not None:
+                        on_batch(k, self.global_loss(loss) / tokens)
+        finally:
+            self.engine.end_forward()
+            for m, saved in stats:  # MoE routing statistics belong to training steps
+                for k, v in saved.items():
+                    setattr(m, k, v)
+        loss = self.global_loss(total) / (n * tokens)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
 
     def close(self) -> None:
@@ -481,3 +508,36 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             display.console.print("validation loss by step: " + ", ".join(
                 f"{s}: {v:.4f}" for s, v in history.evals))
     return summary
+
+
+def eval_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig,
+              train: TrainConfig, ckpt: str, split: str, batches: int,
+              progress: str = "stdout") -> dict[str, Any]:
+    """``fived eval`` on this rank: the weights of checkpoint ``ckpt`` (any layout) laid out
+    as ``par``, then ``batches`` global batches of ``split`` of ``train.data`` forward only.
+    Every rank returns the same summary; rank 0 prints a progress line per batch to
+    ``progress`` ("stdout", "stderr" or "" for none)."""
+    import sys
+
+    from ..checkpoint import load
+
+    torch.manual_seed(train.seed)
+    trainer = Trainer(model_cfg, par, train, rank, world, eval_split=split)
+    try:
+        step = load(trainer, ckpt, weights_only=True)
+        out = sys.stdout if progress == "stdout" else sys.stderr
+        t0 = time.perf_counter()
+
+        def on_batch(k: int, loss: float) -> None:
+            if rank == 0 and progress:
+                print(f"batch {k + 1}/{batches}: loss {loss:.4f}, perplexity "
+                      f"{math.exp(min(loss, 700.0)):.2f} ({time.perf_counter() - t0:.2f} s)",
+                      file=out, flush=True)
+
+        res = trainer.evaluate(batches, on_batch)
+        seconds = time.perf_counter() - t0
+    finally:
+        trainer.close()
+    tokens = batches * train.global_batch * model_cfg.seq_len
+    return {"loss": res["val_loss"], "ppl": res["val_ppl"], "tokens": tokens,
+            "seconds": seconds, "tokens_per_s": tokens / seconds, "step": step}

@@ -275,6 +275,10 @@ class DataParallel:
     def after_finish(self) -> None:
         """All reductions are complete."""
 
+    def end_forward(self) -> None:
+        """A forward-only pass (evaluation, ``torch.no_grad``) is over: release what it
+        gathered. No gradient was made, so nothing is reduced."""
+
     # ------------------------------------------------------------------ buffers
     def hold(self, n: int) -> None:
         self.live_buffers += n

@@ -23,6 +23,10 @@ group), and the executor drives them around every F and B action (``begin_comput
                               as soon as this one is freed): only one chunk is whole at a
                               time, at the price of 2m all-gathers per chunk per step
 
+Evaluation (``torch.no_grad``) gathers each unit before its forward and frees it after, as
+training does; its outputs need no gradient, so no backward hook is registered, no gradient
+buffer is touched and nothing is reduced (``end_forward`` frees what a pass kept).
+
 Model-state bytes per rank (Ψ parameters; P params, G grads, M fp32 master, 8 Adam):
 
     (P + G + M + 8)/N·Ψ     bf16: 16Ψ/N (18Ψ/N, fp32 grads)     fp32: 16Ψ/N
@@ -242,6 +246,12 @@ class Zero3(Zero2):
     def after_finish(self) -> None:
         for u in self.units + [self.root]:
             u.done = 0
+            self.free(u)
+
+    def end_forward(self) -> None:
+        """After an evaluation pass: free every unit still gathered (``--zero3-pp-gather
+        step`` keeps them to the end of the pass; the hooks free the others already)."""
+        for u in self.units + [self.root]:
             self.free(u)
 
     def zero_grad(self) -> None:

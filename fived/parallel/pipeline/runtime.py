@@ -33,6 +33,10 @@
   A B directly followed by its own W in the list (DualPipe-V's full backwards, written
   ``BW``; a first stage's B, which sends nothing) is run as one ordinary backward, its forward
   without the mode, and the W is empty.
+* **Forward only (evaluation).** ``run_forward`` runs ``schedules.forward_only`` of the
+  step's schedule (its F, SEND_F and RECV_F actions, same order) under ``torch.no_grad``: the
+  activations go stage to stage over the same p2p, each freed once sent, the last stage sums
+  the token loss; no backward, no gradient touched, ZeRO-3 gathers around each F only.
 * **Measurement.** Per step: compute seconds (F/B/W), comm seconds (posting sends, and
   receive waits after the peer had sent), idle (the rest of the pipeline makespan, which is
   max(end) − min(start) over the pp ranks), measured bubble = 1 − compute/makespan, and peak
@@ -321,6 +325,68 @@ class PipelineExecutor:
         end = time.time()
         if self.measure:
             self.stats = self._measure(p2p, start, end, compute, dict(peak))
+        return total
+
+    # ------------------------------------------------------------------ forward only
+    def run_forward(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor,
+                    engine: Any) -> torch.Tensor:
+        """The forward half of the step's schedule under ``torch.no_grad`` (evaluation):
+        this rank's summed token loss (0 unless it holds the last stage). No autograd graph,
+        no backward action, no gradient buffer touched; ``engine.begin_compute`` /
+        ``end_compute`` wrap each F (ZeRO-3's gathers)."""
+        fwd = getattr(self, "_fwd", None)
+        if fwd is None:
+            sched = S.forward_only(self.schedule)
+            S.check(sched)
+            acts = sched.ranks[self.rank]
+            nxt: dict[int, int | None] = {}
+            upcoming = None
+            for i in range(len(acts) - 1, -1, -1):
+                nxt[i] = upcoming
+                if acts[i].kind == "F":
+                    upcoming = self.chunk_of[acts[i].stage]
+            fwd = self._fwd = (sched, acts, nxt, {})
+        sched, acts, nxt, p2ps = fwd
+        m = self.par.micro_batches
+        xs, ys = x.chunk(m), y.chunk(m)
+        shape = self.activation_shape(xs[0].shape[0])
+        p2p = p2ps.get(shape)
+        if p2p is None:
+            p2p = p2ps[shape] = _P2P(self.group, sched, self.rank, shape, self.dtype, x.device)
+        p2p.reset()
+        nothing = lambda *args: None  # noqa: E731 (an engine without ZeRO-3 gathers)
+        begin = getattr(engine, "begin_compute", nothing)
+        end_ = getattr(engine, "end_compute", nothing)
+        last = self.num_stages - 1
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        local: dict[tuple, torch.Tensor] = {}
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        with torch.no_grad():
+            for i, a in enumerate(acts):
+                key = (a.mb, a.stage)
+                if a.kind == "SEND_F":
+                    out = outputs.pop(key)
+                    if S.is_local(a, sched):  # V layout: stage p−1 → p on this rank
+                        local[S.message(a)] = out
+                    else:
+                        p2p.send(out, S.peer(a, sched), [out])
+                elif a.kind == "RECV_F":
+                    inputs[key] = (local.pop(S.message(a)) if S.is_local(a, sched)
+                                   else p2p.recv(S.message(a), S.peer(a, sched)))
+                else:  # F
+                    c = self.chunk_of[a.stage]
+                    begin(c, "F")
+                    inp = xs[a.mb] if a.stage == 0 else inputs.pop(key)
+                    out = self.stage(inp, positions, ys[a.mb] if a.stage == last else None,
+                                     chunk=c)
+                    if a.stage == last:
+                        total += out.float()
+                    else:
+                        outputs[key] = out
+                    end_(c, "F", nxt[i])
+                p2p.poll()
+            p2p.drain()
         return total
 
     # ------------------------------------------------------------------ measurement

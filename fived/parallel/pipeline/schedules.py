@@ -68,6 +68,7 @@ class Schedule:
     split_backward: bool = False
     ranks: list[list[Action]] = field(default_factory=list)
     layout: str = "loop"  # "loop": stage s on rank s mod pp; "v": s and 2·pp−1−s on rank s
+    forward_only: bool = False  # F, SEND_F and RECV_F only (``forward_only``: evaluation)
 
     @property
     def stages(self) -> int:
@@ -368,6 +369,17 @@ def build(name: str, pp: int, micro_batches: int, virtual: int = 1) -> Schedule:
     return sched
 
 
+def forward_only(sched: Schedule) -> Schedule:
+    """The forward half of ``sched`` (evaluation, under ``torch.no_grad``): every rank keeps
+    its F, SEND_F and RECV_F actions in their order and drops every backward action and its
+    messages. Deadlock-free whenever ``sched`` is (each rank's list is a subsequence of its
+    own, and no kept receive waits on a dropped send); ``check`` verifies it all the same."""
+    keep = ("F", "SEND_F", "RECV_F")
+    return Schedule(sched.name, sched.pp, sched.micro_batches, sched.virtual, False,
+                    [[a for a in acts if a.kind in keep] for acts in sched.ranks],
+                    sched.layout, forward_only=True)
+
+
 # ---------------------------------------------------------------- checking
 
 def _needs(a: Action, S: int, split: bool) -> list[tuple[Action, str]]:
@@ -394,7 +406,8 @@ def check(sched: Schedule) -> None:
     pp, m, S = sched.pp, sched.micro_batches, sched.stages
     if len(sched.ranks) != pp:
         raise ScheduleError(f"{len(sched.ranks)} action lists for pp = {pp} ranks")
-    kinds = ("F", "B", "W") if sched.split_backward else ("F", "B")
+    kinds = ("F",) if sched.forward_only else ("F", "B", "W") if sched.split_backward \
+        else ("F", "B")
     sends: dict[tuple, tuple[int, int]] = {}
     recvs: dict[tuple, tuple[int, int]] = {}
     for r, acts in enumerate(sched.ranks):
@@ -405,6 +418,8 @@ def check(sched: Schedule) -> None:
                 raise ScheduleError(f"{where}: unknown action kind {a.kind!r}")
             if a.kind == "W" and not sched.split_backward:
                 raise ScheduleError(f"{where}: W in a schedule without a split backward")
+            if sched.forward_only and a.kind not in ("F", "SEND_F", "RECV_F"):
+                raise ScheduleError(f"{where}: {a.kind} in a forward-only schedule")
             if not (0 <= a.mb < m and 0 <= a.stage < S):
                 raise ScheduleError(f"{where}: micro-batch or stage out of range (m={m}, S={S})")
             if sched.rank_of(a.stage) != r:
