@@ -168,6 +168,13 @@ def test_cli_generates_from_a_checkpoint_at_tp1_and_tp2(ckpt):
     assert all(len(p["tokens"]) == 12 for p in docs[0]["prompts"])
     assert docs[1]["traffic_bytes"] > 0 and docs[0]["traffic_bytes"] == 0
     assert docs[1]["weights_bytes"] < docs[0]["weights_bytes"]
+    from test_torchrun import torchrun
+
+    r = torchrun("-m", "fived", *map(str, args))  # torchrun's world is the tp degree; rank 0 prints
+    assert r.returncode == 0, r.stderr[-3000:]
+    tr = json.loads(r.stdout)
+    assert tr["tp"] == 2 and [p["tokens"] for p in tr["prompts"]] == [
+        p["tokens"] for p in docs[0]["prompts"]]
     r = fived("generate", "--from", ckpt, "--prompt", "import", "--max-new-tokens", 8)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("import") and "time to first token" in r.stdout

@@ -184,7 +184,13 @@ def encode(tok: Any, texts: list[str], cfg: ModelConfig, max_new: int) -> list[l
 # ------------------------------------------------------------------ the command
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    print("fived generate: resolving the model and the prompts ...", file=sys.stderr, flush=True)
+    from ..dist.launch import torchrun_env
+
+    env = torchrun_env()
+    say = env is None or env[0] == 0  # under torchrun, rank 0 speaks
+    if say:
+        print("fived generate: resolving the model and the prompts ...", file=sys.stderr,
+              flush=True)
     for flag, v, ok in (("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1),
                         ("--temperature", args.temperature, args.temperature >= 0),
                         ("--top-k", args.top_k, args.top_k >= 0),
@@ -193,9 +199,6 @@ def main(argv: list[str]) -> int:
             raise ConfigError([f"{flag} {v}: out of range (see fived generate --help)"])
     kind, path, cfg, tok, dtype = resolve_model(args)
     texts = read_prompts(args)
-    from ..dist.launch import torchrun_env
-
-    env = torchrun_env()
     tp = env[1] if env is not None else args.tp
     check_tp(cfg, tp)
     ids = encode(tok, texts, cfg, args.max_new_tokens)
@@ -204,8 +207,9 @@ def main(argv: list[str]) -> int:
                sampling=dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                              seed=args.seed),
                stream=len(texts) == 1 and not args.json)
-    print(f"{cfg.name}: {len(texts)} prompt(s), {sum(map(len, ids))} tokens, tp{tp}, {dtype}, "
-          f"from {path}", file=sys.stderr, flush=True)
+    if say:
+        print(f"{cfg.name}: {len(texts)} prompt(s), {sum(map(len, ids))} tokens, tp{tp}, "
+              f"{dtype}, from {path}", file=sys.stderr, flush=True)
     from ..dist.launch import run_local, run_torchrun
     from ..infer.generate import rank_job
 

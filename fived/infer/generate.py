@@ -158,14 +158,15 @@ def rank_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | Non
     from ..config import ModelConfig, ParallelConfig
     from ..data.tokenizer import from_spec
     from ..dist.grid import Grid
-    from ..dist.launch import rank_device
+    from ..dist.launch import device_and_backend, rank_device
     from ..parallel.parallelize import dtype_of
     from .model import inference_model, param_bytes
 
     cfg = ModelConfig(**job["cfg"])
     traffic = Traffic()
     grid = Grid.from_config(ParallelConfig(tp=world), rank).connect(traffic)
-    device = rank_device() if world > 1 else torch.device("cpu")
+    # one rank, no process group: the GPU if there is one (device_and_backend's rule)
+    device = rank_device() if world > 1 else device_and_backend()[0]
     if job["kind"] == "ckpt":
         from ..checkpoint.convert import CheckpointSource
         from ..checkpoint.storage import read_manifest

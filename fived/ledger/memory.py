@@ -42,8 +42,9 @@ With cp each rank holds s/cp tokens (the
 materialised scores are (s/cp)×s). Recompute: ``selective`` checkpoints the attention core
 (keeps q, k, v with kv heads unrepeated and the output; drops the softmax term); ``full`` keeps
 only each block's input (e·h per token) plus one layer's full activations while it recomputes.
-The first stage also keeps the token ids (8 B/token); the last stage the final norm, the fp32
-log-softmax of the logits (4·V/tp per token) and the targets (8 B/token).
+The first stage also keeps the token ids (8 B/token); the last stage the final norm, the logits
+in the compute dtype (e·V/tp per token) with the fp32 log-sum-exp (tp: max and sum of
+exponentials, 8 B), and the targets (8 B/token; tp: + 1 B "in this vocab slice").
 
 Pipeline in-flight factor (Narayanan et al. 2021): micro-batches whose activations a pipeline
 rank r holds at its peak — GPipe m; 1F1B and ZB-H1 min(p − r, m); interleaved with v chunks
@@ -373,7 +374,7 @@ def block_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> 
 
 def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, first: bool,
                             last: bool, opts: ActivationOptions = EAGER) -> dict[str, float]:
-    """Token ids on the first stage; final norm, fp32 log-softmax and targets on the last."""
+    """Token ids on the first stage; final norm, the loss's logits and targets on the last."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
@@ -386,8 +387,11 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
     if last:
         out["final_norm"] = tokens * norm_bytes_per_token(m.hidden, e, opts.fused_norm) / (
             par.tp if sp else 1)
-        out["log_softmax"] = tokens * 4 * m.vocab / par.tp
-        out["targets"] = tokens * 8
+        # the loss keeps the logits in the compute dtype and two (tp: the max and the sum of
+        # exponentials) or one (the log-sum-exp) fp32 numbers per token
+        out["logits"] = tokens * (e * m.vocab / par.tp + (8 if par.tp > 1 else 4))
+        # the targets (int64); under tp their local index and an "inside this slice" bool
+        out["targets"] = tokens * (8 + (1 if par.tp > 1 else 0))
     return out
 
 
@@ -454,7 +458,7 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         for name, v in per.items():
             out[name] = layer_mbs * v
     for name, v in stage_extra_activations(m, par, micro_batch, first, last, opts).items():
-        if name in ("final_norm", "log_softmax", "targets"):
+        if name in ("final_norm", "logits", "targets"):
             out[name] = k_last * v  # held by the last (virtual) stage
         elif name == "token_ids":
             out[name] = k_first * v

@@ -151,9 +151,30 @@ class CausalAttention(nn.Module):
         return causal_attention(q, k, v)  # the one name every caller (and a test's patch) uses
 
 
+class _TokenCE(torch.autograd.Function):
+    """Σ_t (lse_t − z_t[target_t]), z the logits in fp32, lse their log-sum-exp. Saves the
+    logits as given (the compute dtype: no fp32 copy in bf16), the fp32 lse (one per token)
+    and the targets; backward recomputes softmax(z) = exp(z − lse) from them."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        z = logits.float()
+        lse = torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(logits, lse, targets)
+        return (lse - z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, lse, targets = ctx.saved_tensors
+        p = (logits.float() - lse.unsqueeze(-1)).exp_()
+        p.scatter_add_(-1, targets.unsqueeze(-1), p.new_full(targets.shape + (1,), -1.0))
+        return (p * g).to(logits.dtype), None
+
+
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum over tokens of the cross-entropy, in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+    """Sum over tokens of the cross-entropy, in fp32, keeping one copy of the logits in their
+    own dtype for backward (``_TokenCE``)."""
+    return _TokenCE.apply(logits.flatten(0, -2), targets.flatten())
 
 
 class TokenLoss(nn.Module):

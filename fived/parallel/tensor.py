@@ -27,7 +27,7 @@ The vocab-parallel embedding masks tokens outside its vocab slice and reduces th
 embeddings (all-reduce; reduce-scatter to the sequence shard with SP). The vocab-parallel
 cross-entropy never gathers the logits: per token it all-reduces the max (b·s floats), then the
 sum of exponentials and the target logit together (2·b·s floats); backward is local,
-``softmax − onehot``. Every tp rank holds the same full loss.
+``softmax − onehot``, recomputed from the saved logits (compute dtype), max and sum. Every tp rank holds the same full loss.
 
 ``apply_tp(model, group, placements, sequence_parallel, overlap)`` cuts a plain model: it
 replaces each ``nn.Linear`` of attention and MLP with a ``ColumnLinear``/``RowLinear`` holding
@@ -261,18 +261,19 @@ class _VocabParallelCE(torch.autograd.Function):
         target_z = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * inside
         both = torch.stack([ez.sum(-1), target_z])
         ops.all_reduce(both, group)
-        sumexp, target_z = both[0], both[1]
-        ez.div_(sumexp.unsqueeze(-1))  # softmax of the local slice
-        ctx.save_for_backward(ez, idx, inside)
-        ctx.in_dtype = logits.dtype
+        sumexp, target_z = both[0].clone(), both[1]  # sumexp alone is kept
+        # one copy of the logits, in their own dtype, and two fp32 numbers per token: the
+        # softmax of the local slice is recomputed in backward by the same ops (same bits)
+        ctx.save_for_backward(logits, m, sumexp, idx, inside)
         return (sumexp.log() - target_z).sum()
 
     @staticmethod
     def backward(ctx, g):
-        p, idx, inside = ctx.saved_tensors
-        grad = p.clone()
+        logits, m, sumexp, idx, inside = ctx.saved_tensors
+        grad = (logits.float() - m.unsqueeze(-1)).exp()
+        grad.div_(sumexp.unsqueeze(-1))  # softmax of the local slice
         grad.scatter_add_(-1, idx.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
-        return (grad * g).to(ctx.in_dtype), None, None, None
+        return (grad * g).to(logits.dtype), None, None, None
 
 
 def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, group: Any) -> torch.Tensor:
