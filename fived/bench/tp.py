@@ -25,11 +25,12 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..cli import flags
+
+if TYPE_CHECKING:  # torch is imported where it runs: --help stays fast
+    import torch
 
 VARIANTS = ("fived", "dtensor")
 
@@ -101,6 +102,7 @@ def _local_piece(full: torch.Tensor, pl: Any) -> torch.Tensor:
 
 
 def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel
 
