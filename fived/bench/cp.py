@@ -137,6 +137,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return flags.parse(ap, argv)
 
 
+@schema.json_stdout
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table

@@ -130,6 +130,7 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
     return rows
 
 
+@schema.json_stdout
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fived bench pp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
