@@ -165,18 +165,17 @@ def main(argv: list[str]) -> int:
         warn_if_too_big(model, par, train,
                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env else world)
     from ..dist.launch import RankFailure, run_local
-    from ..train.trainer import measure_matmul_peak, train_rank
+    from ..train.trainer import MEASURE_PEAK, train_rank
 
+    # the MFU denominator: every rank measures its matmul peak at once, the peak is the sum
+    # (fived.train.trainer.measure_world_peak)
+    peak = MEASURE_PEAK
     if env:
         from ..dist.launch import run_torchrun
 
-        # every rank has its own threads (or device): the aggregate peak is world × one rank's
-        peak = measure_matmul_peak() * world if env[0] == 0 else 0.0
         out = run_torchrun(train_rank, (model, par, train, True, peak), args.timeout)
         return end_status(out)
-    peak = measure_matmul_peak()
-    print(f"measured matmul peak {peak / 1e9:.1f} GFLOP/s (MFU denominator); "
-          f"starting {world} local rank(s) on gloo ...", flush=True)
+    print(f"starting {world} local rank(s) on gloo ...", flush=True)
     from ..config import preempt_signal_names
 
     try:
