@@ -40,6 +40,7 @@ class ConfigError(ValueError):
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
 V_SCHEDULES = ("zb-v", "dualpipe-v")  # two stages per rank in a V: rank r holds r and 2pp−1−r
 PRECISIONS = ("fp32", "bf16", "fp16")
+AUTO = "auto"  # --precision auto (the default): resolved once, by ``resolve_precision``
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 CP_MODES = ("ring", "ulysses")
@@ -163,8 +164,9 @@ class ParallelConfig:
     micro_batches: int = spec(1, "micro-batches per optimizer step (per replica)", ge=1)
     sequence_parallel: bool = spec(False, "shard norms and residuals over tp along the sequence")
     recompute: str = spec("none", "activation recompute", choices=RECOMPUTE)
-    precision: str = spec("fp32", "compute precision (bf16/fp16 keep fp32 master weights)",
-                          choices=PRECISIONS)
+    precision: str = spec(AUTO, "compute precision (bf16/fp16 keep fp32 master weights); auto: "
+                                "bf16 on GPU hardware (a cuda device for train, a GPU preset "
+                                "for ledger/plan), fp32 on the CPU", choices=(AUTO, *PRECISIONS))
     grad_reduce_dtype: str = spec("fp32", "dtype gradients are reduced in", choices=GRAD_REDUCE_DTYPES)
     master_weights: str = spec("fp32", "bf16 parameters' master copy: fp32, or none (round to "
                                        "nearest), sr (stochastic rounding), kahan (bf16 "
@@ -257,6 +259,28 @@ def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError([f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"])
     return PRESETS[name]
+
+
+def auto_precision(gpu: bool) -> str:
+    """What ``--precision auto`` means: bf16 on GPU hardware, fp32 on the CPU."""
+    return "bf16" if gpu else "fp32"
+
+
+def resolve_precision(par: ParallelConfig, gpu: bool, where: str) -> tuple[ParallelConfig, str]:
+    """The one rule for ``--precision auto``: (the layout with a concrete precision, the words
+    every command prints first). ``gpu``: the run is on GPU hardware (a cuda device for
+    ``train``, a GPU preset for ``ledger``/``plan``; ``--gpu this-machine`` and the CPU are not);
+    ``where``: the device or preset, for the words. An explicit precision is kept as given."""
+    if par.precision != AUTO:
+        return par, f"precision {par.precision}"
+    p = auto_precision(gpu)
+    return replace(par, precision=p), f"precision {p} (auto: {where})"
+
+
+def precision_of(par: ParallelConfig) -> str:
+    """The layout's precision where no command resolved ``auto`` (the torch-free ledger's
+    Python API, which knows no device): the CPU's, fp32, as ``fived train`` runs here."""
+    return auto_precision(False) if par.precision == AUTO else par.precision
 
 
 # ---------------------------------------------------------------- the flag names
@@ -645,7 +669,8 @@ def as_dict(obj: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "PRESETS", "DIMS",
+    "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "PRESETS", "DIMS", "AUTO",
+    "auto_precision", "resolve_precision", "precision_of",
     "DEFAULT_WORLD", "preset", "validate", "check_values", "check_field", "check_count",
     "check_outputs", "fill_dp", "flag_of", "read_toml", "load_toml", "dump_toml", "as_dict",
     "field",

@@ -101,7 +101,7 @@ def test_every_train_field_is_a_flag_with_its_default(capsys):
         assert flag_of("train", f.name) in out, f.name
     for group in ("model:", "layout:", "run:", "configuration:", "launch:"):
         assert group in out
-    assert "(default: fp32)" in out and "(default: 16)" in out
+    assert "(default: auto)" in out and "(default: 16)" in out
     for old in ("--tp", "--cp", "--ep", "--dp", "--pp", "--zero", "--schedule", "--virtual-stages",
                 "--micro-batches", "--sequence-parallel", "--recompute", "--precision",
                 "--grad-reduce-dtype", "--cp-mode", "--bucket-mb", "--no-overlap", "--pp-layers",
@@ -109,7 +109,7 @@ def test_every_train_field_is_a_flag_with_its_default(capsys):
                 "--metrics-out", "--model", "--config", "--nprocs", "--timeout"):
         assert old in out, old
     ledger = _help(capsys, "ledger")
-    assert "--precision" in ledger and "(default: fp32)" in ledger and "--check" in ledger
+    assert "--precision" in ledger and "(default: auto)" in ledger and "--check" in ledger
 
 
 def _config(capsys, argv):
@@ -125,8 +125,14 @@ def test_same_defaults_everywhere(capsys):
     train = _config(capsys, ["train"])
     ledger = _config(capsys, ["ledger"])
     plan = _config(capsys, ["plan"])
-    assert train == ledger  # the ledger of what `fived train` runs: dp 4 on 4 ranks, fp32
-    assert train["parallel"]["dp"] == 4 and train["parallel"]["precision"] == "fp32"
+    # --precision auto: fp32 for `fived train` on this cpu, bf16 on the ledger's GPU preset;
+    # the ledger of this machine is the ledger of what `fived train` runs: dp 4 on 4 ranks, fp32
+    assert ledger["parallel"].pop("precision") == "bf16"
+    assert train["parallel"].pop("precision") == "fp32"
+    assert train == ledger
+    here = _config(capsys, ["ledger", "--gpu", "this-machine"])
+    assert here["parallel"].pop("precision") == "fp32" and here == train
+    assert train["parallel"]["dp"] == 4
     assert plan["model"] == train["model"] and plan["train"] == train["train"]
     flags = ["--tp", "2", "--zero", "1", "--precision", "bf16", "--global-batch", "8"]
     assert _config(capsys, ["train", *flags]) == _config(capsys, ["ledger", *flags])

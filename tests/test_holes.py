@@ -206,7 +206,8 @@ def test_plan_json_is_machine_output(capsys):
     assert main(["plan", "--model", "small", "--gpus", "4", "--global-batch", "16", "--top", "2",
                  "--micro-batch-sizes", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert len(doc["top"]) == 2 and doc["precision"] == "fp32"
+    assert len(doc["top"]) == 2 and doc["precision"] == "bf16"  # auto on a GPU preset
+    assert doc["precision_note"] == "precision bf16 (auto: h100-sxm)"
 
 
 # ------------------------------------------------------------------ help that tells the truth

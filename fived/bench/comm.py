@@ -40,6 +40,7 @@ from ..comm.bench import (
     size_sweep,
 )
 from ..comm.volume import busbw_factor
+from . import schema
 
 
 @dataclass
@@ -242,6 +243,7 @@ def markdown_summary(doc: dict[str, Any], columns: int = 6) -> str:
 
 
 # ---------------------------------------------------------------------------------- entry point
+@schema.json_stdout
 def main(argv: list[str]) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -297,8 +299,7 @@ def main(argv: list[str]) -> int:
             fh.write(text + "\n")
         con.print(f"wrote {args.out}")
     if args.json:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+        schema.emit_text(text)
     return 0
 
 

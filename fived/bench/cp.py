@@ -19,8 +19,6 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from ..cli import flags
 from . import schema
 
@@ -29,6 +27,7 @@ DEFAULT_MODES = ("ring", "ulysses", "allgather", "ring-contiguous")
 
 
 def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
+    import torch
     import torch.distributed as dist
 
     from ..comm.ops import Traffic
@@ -94,6 +93,8 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
 
 
 def _one_rank(a: dict[str, Any]) -> tuple[float, int]:
+    import torch
+
     from ..model import layers as L
     from ..train.activations import SavedTensors
 
@@ -136,6 +137,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return flags.parse(ap, argv)
 
 
+@schema.json_stdout
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table

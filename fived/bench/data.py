@@ -19,7 +19,6 @@ The ratio loader / trainer must be at least ``--min-ratio`` (default 50; exit st
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli import flags
+from . import schema
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,6 +108,7 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
             "trainer_wait_s": waited, "trainer_step_s": sum(secs)}
 
 
+@schema.json_stdout
 def main(argv: list[str]) -> int:
     args = flags.parse(parser(), argv)
     from rich.console import Console
@@ -129,5 +130,5 @@ def main(argv: list[str]) -> int:
               f"{res['trainer_step_s']:.2f} s; required ratio >= {res['min_ratio']:g}: "
               f"{'yes' if res['ok'] else 'NO'}")
     if args.json:
-        print(json.dumps(res))
+        schema.emit(res)
     return 0 if res["ok"] else 1

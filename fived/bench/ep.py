@@ -66,6 +66,7 @@ def measure(model: Any, ep: int, train: Any, timeout: float = 600.0) -> dict[str
     }
 
 
+@schema.json_stdout
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

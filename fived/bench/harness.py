@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cli import flags
+from . import schema
 
 HEADER = "fived bench {name}: {what} — {n} ranks, model {model}, {reps} reps × {steps} steps"
 
@@ -311,7 +312,6 @@ def hidden_fraction(rows: list[dict], overlap: str, serial: str) -> float | None
 
 def schema_rows(rows: list[dict], variant: str, hidden: dict[str, float | None]
                 ) -> list[dict]:
-    from . import schema
 
     return [schema.row(variant, r["name"], r["step_s"], peer=r["peer"],
                        state_bytes=r["state_bytes"], bytes_sent=r["bytes_sent"],
@@ -343,6 +343,7 @@ def report(doc: dict) -> None:
           "the same first loss on every rank (checked).", 80))
 
 
+@schema.json_stdout
 def main(argv: list[str], kind: str, build: Callable, hidden: Callable[[list[dict]], dict],
          peer: str, what: str, description: str, variant: str | None = None) -> int:
     """Parse the common arguments, run ``build``'s variants on ``--nprocs`` ranks, report
@@ -354,7 +355,6 @@ def main(argv: list[str], kind: str, build: Callable, hidden: Callable[[list[dic
                         model=f"h{args.hidden}·l{args.layers}·s{args.seq_len}", reps=args.reps,
                         steps=args.steps), flush=True)
     from ..dist.launch import run_local, threads_per_rank
-    from . import schema
 
     t0 = time.perf_counter()
     rows = run_local(run_rank, args.nprocs, (build, args), timeout=900)[0]

@@ -29,11 +29,12 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..config import ParallelConfig, TrainConfig, preset
+
+if TYPE_CHECKING:  # torch is imported where it runs: --help stays fast
+    import torch
 
 EXPERIMENTS = ("masters", "moments", "reduce", "fp16", "optimizers")
 
@@ -121,6 +122,7 @@ class CountingAdamW:
 
 
 def moments(args) -> dict[str, Any]:
+    import torch
     m, t = model_cfg(args.layers), train_cfg(args.steps, args.lr)
     out: dict[str, Any] = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
@@ -151,6 +153,8 @@ def moments_rows(res) -> list[list[str]]:
 def shard_grads(m, t, shards: int) -> list[torch.Tensor]:
     """The model's flat fp32 gradient of each of ``shards`` equal parts of one global batch
     (each part's Σ CE / global tokens, as every dp rank computes it)."""
+    import torch
+
     from ..model.llama import build_model
     from ..train.data import global_batch
 
@@ -177,6 +181,7 @@ def ring_sum(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 def reduce(args) -> dict[str, Any]:
+    import torch
     m, t = model_cfg(args.layers), replace(train_cfg(1, args.lr), global_batch=16)
     out: dict[str, Any] = {"dp": [], "bf16": [], "fp32": [], "bf16_input_only": []}
     for dp in (1, 2, 4, 8, 16):
@@ -200,6 +205,7 @@ def reduce_rows(res) -> list[list[str]]:
 
 # ----------------------------------------------------------------------------- fp16
 def fp16(args) -> dict[str, Any]:
+    import torch
     m, t = model_cfg(args.layers), train_cfg(args.steps, args.lr)
     tr = _trainer(m, ParallelConfig(precision="fp16", grad_reduce_dtype="bf16"), t)
     sc = tr.engine.scaler

@@ -22,9 +22,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import torch
-from torch import nn
-
 from ..cli import flags
 from . import schema
 
@@ -38,17 +35,24 @@ class _NoEngine:
         pass
 
 
-class _Wrap(nn.Module):
-    def __init__(self, m: nn.Module, positions: torch.Tensor):
-        super().__init__()
-        self.m, self.positions = m, positions
+def _wrap(m: Any, positions: Any) -> Any:
+    """A chunk with its positions bound: the module torch's ``PipelineStage`` calls as m(x)."""
+    from torch import nn
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.m(x, self.positions)
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m, self.positions = m, positions
+
+        def forward(self, x: Any) -> Any:
+            return self.m(x, self.positions)
+
+    return Wrap()
 
 
 def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: int,
           reps: int) -> list:
+    import torch
     import torch.distributed as dist
     from torch.distributed import pipelining as tp
 
@@ -74,7 +78,7 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
         ex = parallelize(build_model(cfg, 7), grid, par, TrainConfig()).executor
         ex.measure = False
         ids = ex.stage.stage_ids  # r, r + pp (loop) or r, 2pp − 1 − r (V)
-        stages = [tp.PipelineStage(_Wrap(chunk, pos), ids[k], world * v,
+        stages = [tp.PipelineStage(_wrap(chunk, pos), ids[k], world * v,
                                    torch.device("cpu"), group=grid["pp"].pg)
                   for k, chunk in enumerate(ex.stage.chunk_models)]
         loss_fn = lambda o, t: token_losses(o, t) * scale  # noqa: E731
@@ -126,6 +130,7 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
     return rows
 
 
+@schema.json_stdout
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fived bench pp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -118,12 +118,58 @@ def document(bench: str, argv: list[str], rows: list[dict[str, Any]],
     return doc
 
 
+_JSON_OUT: list[Any] = []  # the real stdout while ``json_stdout`` sends the rest to stderr
+
+
 def emit(doc: dict[str, Any]) -> None:
     """Print the document as one JSON line on stdout (the last line a bench prints)."""
     import json
 
-    sys.stdout.write(json.dumps(doc) + "\n")
-    sys.stdout.flush()
+    emit_text(json.dumps(doc))
+
+
+def emit_text(text: str) -> None:
+    """``text`` (a JSON document) on stdout: the real one, under ``json_stdout``."""
+    out = _JSON_OUT[-1] if _JSON_OUT else sys.stdout
+    out.write(text + "\n")
+    out.flush()
+
+
+def json_stdout(main: Any) -> Any:
+    """A bench's ``main(argv)`` under ``--json``: stdout carries the JSON document alone
+    (``emit``), every other line -- progress, tables, the ranks' own prints -- goes to stderr,
+    so ``fived bench NAME --json | python -m json.tool`` reads it. File descriptor 1 itself is
+    pointed at stderr while the bench runs, so the spawned ranks' prints follow."""
+    import contextlib
+    import functools
+    import os
+
+    @functools.wraps(main)
+    def run(argv: list[str] | None = None, *rest: Any, **kw: Any) -> Any:
+        args = sys.argv[1:] if argv is None else argv
+        if "--json" not in args or "-h" in args or "--help" in args:
+            return main(argv, *rest, **kw)
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            on_fd1 = sys.stdout.fileno() == 1
+        except (AttributeError, OSError, ValueError):  # a captured stdout (pytest): keep it
+            on_fd1 = False
+        real = os.fdopen(os.dup(saved), "w") if on_fd1 else sys.stdout
+        _JSON_OUT.append(real)
+        try:
+            os.dup2(2, 1)
+            with contextlib.redirect_stdout(sys.stderr):
+                return main(argv, *rest, **kw)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+            _JSON_OUT.pop()
+            if on_fd1:
+                real.close()
+    return run
 
 
 def validate(doc: Any) -> None:

@@ -25,11 +25,13 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..cli import flags
+from . import schema
+
+if TYPE_CHECKING:  # torch is imported where it runs: --help stays fast
+    import torch
 
 VARIANTS = ("fived", "dtensor")
 
@@ -101,6 +103,7 @@ def _local_piece(full: torch.Tensor, pl: Any) -> torch.Tensor:
 
 
 def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -220,12 +223,12 @@ def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str
     return out
 
 
+@schema.json_stdout
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
     from ..config import ParallelConfig, preset, validate
     from ..dist.launch import run_local, threads_per_rank
-    from . import schema
 
     cfg = preset(args.model)
     validate(cfg, ParallelConfig(tp=args.tp, sequence_parallel=args.sp != "off"))

@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from ..config import ConfigError
+from ..config import AUTO, ConfigError
 from . import storage as S
 from .optimizer import optim_entries, owned, scalars
 from .pieces import Pieces
@@ -248,9 +248,13 @@ class _NoStage:
 def manifest(t: Any, done: int, mems: list[dict[str, int]] | None) -> dict[str, Any]:
     eng = t.engine
     sc = getattr(eng, "scaler", None)
+    par = asdict(t.par)
+    if par["precision"] == AUTO:  # what ran, not "auto" (the Python API; commands resolve it)
+        par["precision"] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+            eng.policy.compute, "fp32")
     return {
         "family": "fived", "step": done, "world": t.world,
-        "config": {"model": asdict(t.cfg), "parallel": asdict(t.par), "train": asdict(t.tcfg)},
+        "config": {"model": asdict(t.cfg), "parallel": par, "train": asdict(t.tcfg)},
         "optimizer": {"type": type(eng.opt).__name__, "scalars": scalars(eng.opt)},
         "master_weights": eng.policy.master if eng.policy.compute != torch.float32 else "fp32",
         "loss_scaler": None if sc is None else {"scale": sc.scale, "good_steps": sc.good_steps,

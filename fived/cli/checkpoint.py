@@ -10,6 +10,7 @@ verified; ``--json`` prints the manifest.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ..config import ConfigError, ModelConfig, ParallelConfig
@@ -67,7 +68,8 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     from ..checkpoint.storage import read_manifest, resolve, verify
 
-    print(f"fived checkpoint inspect {args.dir} ...", flush=True)
+    print(f"fived checkpoint inspect {args.dir} ...", flush=True,
+          file=sys.stderr if args.json else sys.stdout)  # --json: stdout is the document
     ckpt = resolve(args.dir, "fived checkpoint inspect")
     man = (verify if args.files else read_manifest)(ckpt, "fived checkpoint inspect")
     if args.json:

@@ -106,9 +106,11 @@ def trace(m, par, b: int) -> dict[str, collections.Counter]:
     """{"fwd1", "bwd1", "fwd2", "bwd2"}: the ops of the model with 1 and 2 blocks."""
     import torch
 
+    from ..config import precision_of
     from ..model.llama import build_model
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[par.precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+        precision_of(par)]  # this machine's kernels: auto is its cpu's, fp32
     rec = _recorder()
     out = {}
     for layers in (1, 2):

@@ -11,7 +11,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from ..config import ConfigError, ModelConfig, ParallelConfig, check_count, fill_dp, validate
+from ..config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    check_count,
+    fill_dp,
+    resolve_precision,
+    validate,
+)
 from . import flags, report
 from .report import fmt_b, fmt_n, fmt_s, parse_count
 
@@ -107,9 +115,27 @@ def clock_options(args: argparse.Namespace):
                         comm_overlap=not eager)
 
 
-def global_batch(args: argparse.Namespace, res: flags.Resolved) -> int:
-    """--global-batch (or the TOML's, or the default) unless --global-batch-tokens is given
-    without --global-batch on the command line."""
+def global_batch(args: argparse.Namespace, res: flags.Resolved, gpus: int | None = None,
+                 multiple: int = 1) -> tuple[int, str]:
+    """(sequences per step, how they were chosen): --global-batch (or the TOML's) unless
+    --global-batch-tokens is given without --global-batch on the command line; with neither,
+    ``fived.ledger.planner.cluster_batch`` of ``gpus`` (None: the training default, 16)."""
+    from ..ledger.planner import cluster_batch
+
+    if not args.global_batch_tokens and "train.global_batch" not in res.given:
+        gb = res.train.global_batch
+        if gpus is None:
+            return gb, ""
+        auto = cluster_batch(gpus, gb, multiple)
+        if auto == gb:
+            return gb, ""
+        return auto, (f" (no --global-batch: {gpus} GPUs / 4 as a power of two, at least {gb}"
+                      + (f", a multiple of dp·ep·micro-batches = {multiple}" if multiple > 1
+                         else "") + ")")
+    return _given_batch(args, res), ""
+
+
+def _given_batch(args: argparse.Namespace, res: flags.Resolved) -> int:
     if args.global_batch_tokens and args.global_batch is None:
         try:
             tokens = parse_count(args.global_batch_tokens)
@@ -181,12 +207,16 @@ def main(argv: list[str]) -> int:
         if run is not None:  # the file says what ran: its layout, not the flags
             return _check(*run, args.check, args.json, from_file=True)
     m = res.model
-    train = replace(res.train, global_batch=global_batch(args, res))
     par, world = fill_dp(res.par, res.dp_given, args.gpus)
+    par, precision = ledger_precision(args, par)
+    multiple = par.dp * par.ep * par.micro_batches if par.world_size >= 1 else 1
+    gb, batch_note = global_batch(args, res, world if args.gpus is not None and not args.check
+                                  else None, max(multiple, 1))
+    train = replace(res.train, global_batch=gb)
     validate(m, par, train, world)
     if args.print_config:
-        return flags.print_config(replace(res, par=par, train=train), f"fived ledger: {world} GPUs")
-    gb = train.global_batch
+        return flags.print_config(replace(res, par=par, train=train),
+                                  f"fived ledger: {world} GPUs · {precision}")
     if args.check:
         return _check(m, par, gb, args.check, args.json)
     try:
@@ -214,11 +244,25 @@ def main(argv: list[str]) -> int:
         opts = M.ActivationOptions(args.attention, kv_repeat=False, fused_norm=True)
     doc = ledger_document(m, par, hw, gb, gpn, args.efficiency, args.mem_fraction, opts,
                           train_tokens, train.optimizer, clock_options(args))
+    doc["precision_note"] = precision
+    doc["global_batch_note"] = batch_note.strip(" ()")
     if args.json:
         report.print_json(doc)
         return 0
-    print_ledger(doc, m, par, hw, args.wide)
+    print_ledger(doc, m, par, hw, args.wide, precision, batch_note)
     return 0
+
+
+def ledger_precision(args: argparse.Namespace, par: ParallelConfig) -> tuple[ParallelConfig, str]:
+    """``--precision auto`` for the ledger (``fived.config.resolve_precision``): bf16 on a GPU
+    preset, fp32 on --gpu this-machine; with --check (a `fived train` run's file), what
+    `fived train` resolves here (bf16 on a cuda device, else fp32)."""
+    if args.check:
+        from ..dist.launch import cuda_expected
+
+        gpu = cuda_expected()
+        return resolve_precision(par, gpu, "fived train on " + ("cuda" if gpu else "the cpu"))
+    return resolve_precision(par, args.gpu != "this-machine", args.gpu)
 
 
 def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: bool,
@@ -330,12 +374,15 @@ def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,
     }
 
 
-def print_ledger(doc: dict, m: ModelConfig, par: ParallelConfig, hw, wide: bool = False) -> None:
+def print_ledger(doc: dict, m: ModelConfig, par: ParallelConfig, hw, wide: bool = False,
+                 precision: str = "", batch_note: str = "") -> None:
     con = report.console(wide)
     md = doc["model"]
     n = md["params"]
-    con.print(f"[bold]fived ledger[/]: {m.name} · {doc['layout_name']} · {doc['world']}× {hw.name}"
-              f" · global batch {doc['global_batch']} × {m.seq_len} tokens · {par.precision}")
+    con.print(f"[bold]fived ledger[/]: {precision or par.precision} · {m.name} · "
+              f"{doc['layout_name']} · {doc['world']}× {hw.name} · global batch "
+              f"{doc['global_batch']} × {m.seq_len} tokens{batch_note}", markup=True,
+              highlight=False)
     t = report.table("the model and the two walls",
                      [("quantity", "l"), ("value", "r"), ("how", "l")], wrap=("quantity", "how"))
     t.add_row("parameters Ψ", f"{n:,}", f"dense {md['dense']:,}, expert {md['expert']:,}, "

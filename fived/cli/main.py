@@ -62,8 +62,9 @@ COMMANDS = {
 def modules(package: str) -> list[str]:
     """The runnable modules of a package (``fived.bench`` ...), without importing them."""
     pkg = importlib.import_module(package)
+    helpers = getattr(pkg, "NOT_COMMANDS", ())  # shared code, no main: fived.bench's harness
     return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(pkg.__path__)
-                  if not m.name.startswith("_"))
+                  if not m.name.startswith("_") and m.name not in helpers)
 
 
 def run(cmd: str, fn: Callable[[list[str]], int | None], argv: list[str]) -> int:
@@ -86,6 +87,10 @@ def _dispatch(package: str, what: str, argv: list[str]) -> int:
               f"(e.g. fived {what} {names[0]} --help)")
         return 0
     name = argv[0].replace("-", "_")
+    if argv[0] not in names:
+        print(f"fived {what}: no {what} named {argv[0]!r}; choose one of {', '.join(names)}",
+              file=sys.stderr)
+        return 2
     try:
         mod = importlib.import_module(f"{package}.{name}")
     except ModuleNotFoundError as e:

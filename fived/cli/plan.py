@@ -11,6 +11,7 @@ import argparse
 
 from ..config import (
     DEFAULT_WORLD,
+    DIMS,
     OPTIMIZERS,
     RECOMPUTE,
     SCHEDULES,
@@ -18,6 +19,7 @@ from ..config import (
     ParallelConfig,
     check_count,
     check_values,
+    resolve_precision,
     validate,
 )
 from . import flags, report
@@ -101,26 +103,23 @@ def main(argv: list[str]) -> int:
     check_count("--max-virtual", args.max_virtual)
     space = _search_space(args)
     m = res.model
-    train = replace(res.train, global_batch=global_batch(args, res))
-    batch_note = ""
-    if not args.global_batch_tokens and "train.global_batch" not in res.given:
-        # the training default (16 sequences) caps data parallelism at 16: on a cluster,
-        # plan for a batch that grows with it (8,192 GPUs: 2,048 sequences, Llama 3's)
-        auto = max(train.global_batch, 1 << max(0, (gpus // 4).bit_length() - 1))
-        if auto != train.global_batch:
-            batch_note = (f" (no --global-batch given: {auto} sequences, a quarter of the "
-                          f"GPUs rounded down to a power of two)")
-            train = replace(train, global_batch=auto)
-    par = res.par
+    # the training default (16 sequences) caps data parallelism at 16: on a cluster, plan for
+    # a batch that grows with it (fived.ledger.planner.cluster_batch, the ledger's rule too)
+    gb, batch_note = global_batch(args, res, gpus)
+    train = replace(res.train, global_batch=gb)
+    check_fixed(res)
+    par, precision = resolve_precision(res.par, args.gpu != "this-machine", args.gpu)
     problems = check_values(m, par, train)
     if problems:
         raise ConfigError(problems)
     # the model and the run, on one rank: the search checks each layout itself
-    validate(m, ParallelConfig(precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype),
-             train)
+    fixed = fixed_fields(res)
+    validate(m, ParallelConfig(precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype,
+                               **fixed), train)
     if args.print_config:
-        return flags.print_config(replace(res, train=train),
-                                  f"fived plan: {gpus} GPUs; the [parallel] layout is searched")
+        return flags.print_config(replace(res, par=par, train=train),
+                                  f"fived plan: {gpus} GPUs · {precision}; the [parallel] layout "
+                                  "is searched")
     from ..ledger import params as P
     from ..ledger import planner as PL
 
@@ -130,28 +129,57 @@ def main(argv: list[str]) -> int:
     con = None
     if not args.json:
         con = report.console(args.wide)
-        con.print(f"[bold]fived plan[/]: {m.name} ({fmt_n(P.total_params(m))} params, seq "
-                  f"{m.seq_len}) on {gpus}× {hw.name} ({gpn} per node) · global batch {gb} × "
-                  f"{m.seq_len} = {fmt_n(gb * m.seq_len)} tokens{batch_note} · {par.precision}, "
+        con.print(f"[bold]fived plan[/]: {precision} · {m.name} ({fmt_n(P.total_params(m))} "
+                  f"params, seq {m.seq_len}) on {gpus}× {hw.name} ({gpn} per node) · global "
+                  f"batch {gb} × {m.seq_len} = {fmt_n(gb * m.seq_len)} tokens{batch_note} · "
                   f"{par.grad_reduce_dtype} gradients · "
-                  f"{', '.join(_optimizers(args, train))}")
+                  f"{', '.join(_optimizers(args, train))}"
+                  + "".join(f" · {k} {flags.shown(v)}" for k, v in fixed.items()))
     res_ = PL.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
                    clock=clock_options(args), precision=par.precision,
                    grad_reduce_dtype=par.grad_reduce_dtype,
-                   optimizer=_optimizers(args, train), **space)
+                   optimizer=_optimizers(args, train), fixed=fixed, **space)
     top = res_.ranked[:args.top]
     if args.json:
         doc = {"model": m.name, "seq_len": m.seq_len, "gpus": gpus, "gpus_per_node": gpn,
                "hardware": hw.as_dict(), "global_batch": gb, "global_batch_tokens": gb * m.seq_len,
-               "precision": par.precision, "grad_reduce_dtype": par.grad_reduce_dtype,
-               "optimizers": list(_optimizers(args, train)),
+               "precision": par.precision, "precision_note": precision,
+               "global_batch_note": batch_note.strip(" ()"),
+               "grad_reduce_dtype": par.grad_reduce_dtype,
+               "optimizers": list(_optimizers(args, train)), "fixed": {
+                   k: list(v) if isinstance(v, tuple) else v for k, v in fixed.items()},
                "efficiency": args.efficiency, "counts": res_.counts, "reasons": res_.reasons,
                "top": [p.as_dict() for p in top]}
         if not top and res_.smallest_unfit:
             doc["smallest_unfit"] = res_.smallest_unfit.as_dict()
         report.print_json(doc)
         return 0 if top else 1
-    return _print_result(con, res_, top, args, res, hw, gpus, gpn)
+    return _print_result(con, res_, top, args, replace(res, par=par), hw, gpus, gpn)
+
+
+# [parallel] keys of a --config: the search tries these (the file's values are not used) ...
+SEARCHED = ("tp", "cp", "ep", "dp", "pp", "zero", "schedule", "virtual_stages", "micro_batches",
+            "sequence_parallel", "recompute", "pp_layers")
+# ... keeps these as the file gives them, for every layout it tries ...
+FIXED = ("cp_mode", "bucket_mb", "overlap", "order")
+# ... and refuses the rest (the ledger of one layout, `fived ledger --config`, reads them)
+REFUSED = ("zero3_pp_gather", "master_weights", "collectives", "zero_align")
+
+
+def check_fixed(res: flags.Resolved) -> None:
+    """A --config's [parallel] keys the search neither tries nor keeps: one error naming them."""
+    bad = [k for k in REFUSED if f"parallel.{k}" in res.given]
+    if bad:
+        raise ConfigError([f"--config: [parallel] {', '.join(bad)}: fived plan does not search "
+                           f"or use {'it' if len(bad) == 1 else 'them'}; remove "
+                           f"{'it' if len(bad) == 1 else 'them'} (`fived ledger --config` "
+                           "reads every key of one layout); the plan keeps "
+                           f"{', '.join(FIXED)} as given and searches {', '.join(SEARCHED)}"])
+
+
+def fixed_fields(res: flags.Resolved) -> dict:
+    """The [parallel] values every searched layout keeps (cp_mode, bucket_mb, overlap, order)."""
+    return {k: getattr(res.par, k) for k in FIXED if f"parallel.{k}" in res.given}
 
 
 def _search_space(args) -> dict:
@@ -191,7 +219,7 @@ def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
     con.print(f"  fived ledger --model {m.name} --gpus {gpus} --gpu {args.gpu} "
               + (f"--gpus-per-node {gpn} " if args.gpus_per_node else "") + _flags(top[0])
               + (f" --seq-len {m.seq_len}" if "model.seq_len" in res.given else "")
-              + (f" --precision {par.precision}" if par.precision != "fp32" else "")
+              + (f" --precision {par.precision}" if "parallel.precision" in res.given else "")
               + (f" --grad-reduce-dtype {par.grad_reduce_dtype}"
                  if par.grad_reduce_dtype != "fp32" else "")
               + (f" --optimizer {top[0].optimizer}" if top[0].optimizer != "adamw" else ""),
@@ -264,5 +292,13 @@ def _flags(p) -> str:
         out.append("--sequence-parallel")
     if par.recompute != "none":
         out.append(f"--recompute {par.recompute}")
+    if par.cp_mode != "ring":
+        out.append(f"--cp-mode {par.cp_mode}")
+    if par.bucket_mb != ParallelConfig.bucket_mb:
+        out.append(f"--bucket-mb {par.bucket_mb:g}")
+    if not par.overlap:
+        out.append("--no-overlap")
+    if par.order != DIMS:
+        out.append("--order " + ",".join(par.order))
     out.append(f"--micro-batches {par.micro_batches} --global-batch {p.global_batch}")
     return " ".join(out)

@@ -129,13 +129,15 @@ def main(argv: list[str]) -> int:
     if args.timeout <= 0:
         raise ConfigError([f"--timeout must be > 0 seconds (got {args.timeout:g})"])
     par, world = fill_dp(res.par, res.dp_given, world)
+    par, precision = train_precision(par)
+    res = replace(res, par=par)
     if train.init_from or train.resume or train.save_dir:
         model, train = checkpoint_inputs(model, train, res.given)
     validate(model, par, train, world)
     check_runtime_model(model)
     check_data_run(model, model.seq_len, train)
     if args.print_config:
-        return flags.print_config(replace(res, par=par), f"fived train: {world} rank(s)")
+        return flags.print_config(res, f"fived train: {world} rank(s) · {precision}")
     check_outputs(train)
     if train.tensorboard:
         from pathlib import Path
@@ -148,9 +150,9 @@ def main(argv: list[str]) -> int:
             raise ConfigError([f"--tensorboard {train.tensorboard}: {str(ancestor)!r} is a file, "
                                "not a directory"])
     if args.dry_run:
-        return dry_run(model, par, train, args)
+        return dry_run(model, par, train, args, precision)
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
-        print(f"fived train: {model.name} · {par.describe()} · {world} rank(s) · "
+        print(f"fived train: {precision} · {model.name} · {par.describe()} · {world} rank(s) · "
               f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens"
               + (f" · data {train.data} (vocab {model.vocab})" if train.data else ""), flush=True)
         if train.resume:
@@ -163,18 +165,17 @@ def main(argv: list[str]) -> int:
         warn_if_too_big(model, par, train,
                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env else world)
     from ..dist.launch import RankFailure, run_local
-    from ..train.trainer import measure_matmul_peak, train_rank
+    from ..train.trainer import MEASURE_PEAK, train_rank
 
+    # the MFU denominator: every rank measures its matmul peak at once, the peak is the sum
+    # (fived.train.trainer.measure_world_peak)
+    peak = MEASURE_PEAK
     if env:
         from ..dist.launch import run_torchrun
 
-        # every rank has its own threads (or device): the aggregate peak is world × one rank's
-        peak = measure_matmul_peak() * world if env[0] == 0 else 0.0
         out = run_torchrun(train_rank, (model, par, train, True, peak), args.timeout)
         return end_status(out)
-    peak = measure_matmul_peak()
-    print(f"measured matmul peak {peak / 1e9:.1f} GFLOP/s (MFU denominator); "
-          f"starting {world} local rank(s) on gloo ...", flush=True)
+    print(f"starting {world} local rank(s) on gloo ...", flush=True)
     from ..config import preempt_signal_names
 
     try:
@@ -188,6 +189,20 @@ def main(argv: list[str]) -> int:
     if train.metrics_out:
         print(f"metrics: {train.metrics_out}")
     return end_status(outs[0])
+
+
+def train_precision(par):
+    """``--precision auto`` for ``fived train`` (``fived.config.resolve_precision``): bf16 when
+    the ranks compute on a cuda device, fp32 on the cpu; resolved here, once, so every rank, the
+    metrics file and the checkpoints' manifests record what ran."""
+    from ..config import AUTO, resolve_precision
+
+    if par.precision != AUTO:
+        return resolve_precision(par, False, "")
+    from ..dist.launch import cuda_expected
+
+    gpu = cuda_expected()
+    return resolve_precision(par, gpu, "cuda" if gpu else "cpu")
 
 
 def end_status(summary) -> int:
@@ -232,15 +247,16 @@ def warn_if_too_big(model, par, train, local_ranks: int) -> bool:
     return True
 
 
-def dry_run(model, par, train, args: argparse.Namespace) -> int:
+def dry_run(model, par, train, args: argparse.Namespace, precision: str = "") -> int:
     """``--dry-run``: the named ranks, one after the other, in this process."""
     import time
 
     from ..train.dryrun import parse_ranks
 
     ranks = parse_ranks(args.ranks, par)  # a ConfigError (exit 2) before torch is imported
-    print(f"fived train --dry-run: {model.name} · {par.describe()} · {par.world_size} rank(s) · "
-          f"global batch {train.global_batch}×{model.seq_len} tokens · {par.precision} · "
+    print(f"fived train --dry-run: {precision or par.precision} · {model.name} · "
+          f"{par.describe()} · {par.world_size} rank(s) · "
+          f"global batch {train.global_batch}×{model.seq_len} tokens · "
           f"ranks {','.join(map(str, ranks))} on fake {args.dry_run_device} tensors", flush=True)
     t0 = time.perf_counter()
     from ..train.dryrun import dry_run as run

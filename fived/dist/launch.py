@@ -5,7 +5,8 @@ This module is the only place in fived that reads the process environment (``RAN
 
 * ``torchrun_env()`` — ``(rank, world, local_rank)`` when an env:// launcher (torchrun, or one
   ``torchrun`` per node under SLURM) started this process, else ``None``;
-* ``device_and_backend(prefer_cpu)`` — cuda+nccl when a GPU is visible, else cpu+gloo;
+* ``device_and_backend(prefer_cpu)`` — cuda+nccl when a GPU is visible, else cpu+gloo
+  (``cuda_expected()`` says which beforehand, for ``--precision auto``);
   ``rank_device()`` — the device of an initialised rank (cuda under nccl, else cpu);
 * ``run_torchrun(fn, args, collective_timeout)`` — this process is one torchrun rank: initialise
   the process group, call ``fn(rank, world, *args)``, wait for every rank (a barrier) and tear the
@@ -55,6 +56,22 @@ def torchrun_env() -> tuple[int, int, int] | None:
     if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
         return None
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+
+
+def cuda_expected(prefer_cpu: bool = False) -> bool:
+    """Whether ``device_and_backend`` will put this process's ranks on cuda (what ``--precision
+    auto`` asks: bf16 there, fp32 on the cpu). Plainly no (``prefer_cpu``, ``FIVED_DEVICE=cpu``,
+    ``CUDA_VISIBLE_DEVICES`` empty, no GPU driver) is answered without importing torch."""
+    env = os.environ
+    if prefer_cpu or env.get("FIVED_DEVICE", "") == "cpu" or env.get("CUDA_VISIBLE_DEVICES") in (
+            "", "-1"):
+        return False
+    drivers = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+    if "torch" not in sys.modules and not any(os.path.exists(p) for p in drivers):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def under_torchrun() -> bool:

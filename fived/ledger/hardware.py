@@ -67,6 +67,11 @@ class Hardware:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def gpu(self) -> bool:
+        """A GPU preset (``--precision auto`` is bf16 there); this-machine is not one."""
+        return self.name in PRESETS
+
     def matmul_peak(self, precision: str) -> float:
         if precision == "fp32":
             return self.peak_fp32 or self.peak_flops / 16

@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..config import V_SCHEDULES, ModelConfig, ParallelConfig
+from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, precision_of
 from .optimizers import opt_buckets
 from .optimizers import state_bytes as optimizer_state_bytes
 from .params import rank_stages, stage_layers
@@ -67,20 +67,20 @@ GIB = 2**30
 
 # ------------------------------------------------------------------------ precision
 def param_bytes(par: ParallelConfig) -> int:
-    return 4 if par.precision == "fp32" else 2
+    return 4 if precision_of(par) == "fp32" else 2
 
 
 def grad_bytes(par: ParallelConfig) -> int:
     """The gradient buffer's element size: fp32 training 4; mixed precision follows
     ``grad_reduce_dtype`` (fp32: 4 → 18Ψ, bf16: 2 → 16Ψ)."""
-    if par.precision == "fp32":
+    if precision_of(par) == "fp32":
         return 4
     return 4 if par.grad_reduce_dtype == "fp32" else 2
 
 
 def master_bytes(par: ParallelConfig) -> int:
     """fp32 master 4; without one (``--master-weights none|sr``) 0; Kahan's bf16 compensation 2."""
-    if par.precision == "fp32":
+    if precision_of(par) == "fp32":
         return 0
     return {"fp32": 4, "kahan": 2}.get(par.master_weights, 0)
 
@@ -89,7 +89,7 @@ OPTIMIZER_BYTES = 8  # Adam m and v in fp32
 
 
 def act_bytes(par: ParallelConfig) -> int:
-    return 4 if par.precision == "fp32" else 2
+    return 4 if precision_of(par) == "fp32" else 2
 
 
 def bytes_per_param(par: ParallelConfig) -> int:

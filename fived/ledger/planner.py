@@ -45,7 +45,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import V_SCHEDULES, ConfigError, ModelConfig, ParallelConfig, validate
+from ..config import (
+    V_SCHEDULES,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    resolve_precision,
+    validate,
+)
 from . import bubble as B
 from . import compute as C
 from . import roofline as R
@@ -131,7 +138,8 @@ class Prediction:
                          "virtual_stages": p.virtual_stages, "schedule": p.schedule,
                          "zero": p.zero, "sequence_parallel": p.sequence_parallel,
                          "recompute": p.recompute, "precision": p.precision,
-                         "grad_reduce_dtype": p.grad_reduce_dtype,
+                         "grad_reduce_dtype": p.grad_reduce_dtype, "cp_mode": p.cp_mode,
+                         "bucket_mb": p.bucket_mb, "overlap": p.overlap, "order": list(p.order),
                          "micro_batches": p.micro_batches},
             "micro_batch_size": self.micro_batch, "global_batch": self.global_batch,
             "memory": self.memory.as_dict(), "device_memory": self.device_memory,
@@ -212,6 +220,7 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
             opts: ActivationOptions = GPU_ACTIVATIONS, optimizer: str = "adamw",
             clock: R.ClockOptions | None = None) -> Prediction:
     """Memory, traffic and time of one layout (see the module docstring)."""
+    par = resolve_precision(par, hw.gpu, hw.name)[0]  # --precision auto, by the hardware
     gpn = gpus_per_node or hw.gpus_per_node
     clock = clock or R.ClockOptions(attention=opts.attention)
     b = micro_batch_size(par, global_batch)
@@ -293,6 +302,16 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
 
 
 # ------------------------------------------------------------------------ the search
+def cluster_batch(gpus: int, default: int, multiple: int = 1) -> int:
+    """The global batch (sequences) of a cluster when none is given: ``fived plan`` and
+    ``fived ledger`` alike. The training default (16 sequences) caps data parallelism at 16, so
+    on a cluster the batch grows with it: a quarter of the GPUs rounded down to a power of two
+    (8,192 GPUs: 2,048 sequences, Llama 3's), at least ``default``, then rounded up to a
+    ``multiple`` (the ledger's fixed layout: dp·ep·micro-batches; the plan searches it: 1)."""
+    auto = max(default, 1 << max(0, (max(gpus, 1) // 4).bit_length() - 1))
+    return -(-auto // multiple) * multiple
+
+
 def _pow2_upto(n: int) -> list[int]:
     out, k = [], 1
     while k <= n:
@@ -319,9 +338,11 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
                recomputes: tuple[str, ...] = ("none", "selective", "full"),
                zeros: tuple[int, ...] = (0, 1, 2, 3), max_virtual: int = 4,
-               counts: dict[str, int] | None = None):
+               counts: dict[str, int] | None = None, fixed: dict | None = None):
     """Yield every (ParallelConfig, micro-batch size) the search considers; ``counts`` tallies
-    what is discarded before any prediction (invalid, iron rule)."""
+    what is discarded before any prediction (invalid, iron rule); ``fixed``: fields every
+    layout keeps (a --config's cp_mode, bucket_mb, overlap, order)."""
+    fixed = fixed or {}
     counts = counts if counts is not None else {}
     tps = _pow2_upto(min(gpus, max(gpus_per_node, 1) * 2))
     eps = _divisors(m.experts) if m.is_moe else [1]
@@ -367,7 +388,7 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                         schedule=sched, virtual_stages=v, micro_batches=mbs,
                                         sequence_parallel=tp > 1, recompute=rc,
                                         precision=precision, grad_reduce_dtype=grad_reduce_dtype,
-                                        pp_layers=split)
+                                        pp_layers=split, **fixed)
                                     try:
                                         validate(m, par)
                                     except ConfigError:

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..config import ModelConfig, ParallelConfig
+from ..config import ModelConfig, ParallelConfig, precision_of
 from .hardware import Hardware
 
 
@@ -85,7 +85,7 @@ LOSS_EAGER = {"fwd": (6, lambda e: e + 36), "bwd": (2, lambda e: e + 12)}
 
 
 def dtype_bytes(par: ParallelConfig) -> int:
-    return 4 if par.precision == "fp32" else 2
+    return 4 if precision_of(par) == "fp32" else 2
 
 
 def gemm_efficiency(hw: Hardware, m: float, n: float, k: float) -> float:
@@ -281,7 +281,7 @@ def micro_batch_times(m: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
 @lru_cache(maxsize=65536)
 def _micro_batch_times(m: ModelConfig, par: ParallelConfig, b: int, hw: Hardware, layers: int,
                        first: bool, last: bool, opts: ClockOptions) -> dict[str, float]:
-    p = par.precision
+    p = precision_of(par)
     blk = block_ops(m, par, b, opts)
     ext = stage_extra_ops(m, par, b, first, last, opts)
     if hw.eager:

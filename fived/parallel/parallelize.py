@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import V_SCHEDULES
+from ..config import AUTO, V_SCHEDULES, auto_precision
 from ..model.llama import Transformer
 from .context import apply_cp
 from .data import make_engine
@@ -95,4 +95,10 @@ def parallelize(model: Transformer, grid: Any, par: Any, train: Any, source: Any
 
 
 def dtype_of(precision: str) -> torch.dtype:
+    """The compute dtype; ``auto`` (a layout no command resolved: the Python API) by the device
+    the ranks get (``fived.config.auto_precision``: bf16 on cuda, fp32 on the cpu)."""
+    if precision == AUTO:
+        from ..dist.launch import cuda_expected
+
+        precision = auto_precision(cuda_expected())
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]

@@ -58,15 +58,52 @@ def rss_peak() -> int:
     return int(kb if sys.platform == "darwin" else kb * 1024)
 
 
-def measure_matmul_peak(seconds: float = 0.25, n: int = 512) -> float:
-    """FLOP/s of an fp32 n×n matmul on this process's threads (the MFU denominator on CPU)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def measure_matmul_peak(seconds: float = 0.25, n: int = 512,
+                        device: torch.device | str = "cpu") -> float:
+    """FLOP/s of an fp32 n×n matmul on this process's threads, or its cuda device."""
+    dev = torch.device(device)
+    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     a @ b
+    sync()
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         a @ b
         reps += 1
+    sync()
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+MEASURE_PEAK = -1.0  # train_rank's peak_flops: every rank measures, at once (measure_world_peak)
+MFU_BOUND = 1.0  # a measured MFU above this is not one: the peak was measured on a busier machine
+
+
+def measure_world_peak(world: int, device: torch.device, seconds: float = 0.25) -> float:
+    """The MFU denominator: every rank measures its own matmul peak at the same moment (a
+    barrier first), on the threads (or device) it trains on, and the peak is their sum. Ranks
+    that share a machine share its cores while they measure, exactly as while they train, so
+    the sum cannot exceed what the machine gives them (one process measuring for all, with its
+    own threads, could: e.g. OMP_NUM_THREADS=1 there, a thread per rank here, or a machine busy
+    then and quiet now)."""
+    if world > 1:
+        dist.barrier()
+    mine = measure_matmul_peak(seconds, device=device)
+    if world == 1:
+        return mine
+    t = torch.tensor([mine], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+def mfu_of(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs / s over the measured peak (0 without one); above ``MFU_BOUND`` it is shown
+    as n/a (``mfu_text``)."""
+    return flops_per_token * tokens_per_s / peak_flops if peak_flops > 0 else 0.0
+
+
+def mfu_text(mfu: float, digits: int = 1) -> str:
+    """The MFU as a run shows it: a percentage, or "n/a (loaded)" when it exceeds 100 %."""
+    return "n/a (loaded)" if mfu > MFU_BOUND else f"{100 * mfu:.{digits}f}%"
 
 
 class Trainer:
@@ -374,6 +411,11 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
         from .tb import TensorBoard
 
         tb = TensorBoard(train.tensorboard)
+    if peak_flops == MEASURE_PEAK:  # the MFU denominator: every rank's threads, measured at once
+        peak_flops = measure_world_peak(world, trainer.device)
+        if rank == 0 and show:
+            print(f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s ({world} rank(s) measured at "
+                  "once, summed: the MFU denominator)", flush=True)
     display = None
     if rank == 0 and show:
         from .metrics import LiveDisplay
@@ -423,7 +465,7 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             rec["rss_peak"] = max(r["peak"] for r in trainer.rss)  # VmHWM, the largest rank
             rec["rss_per_rank"] = trainer.rss
             rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
-            rec["mfu"] = flops_tok * rec["tokens_per_s"] / peak_flops if peak_flops else 0.0
+            rec["mfu"] = mfu_of(flops_tok, rec["tokens_per_s"], peak_flops)
             if trainer.device.type == "cuda":  # measured, next to the ledger's (gpu_check.sh)
                 rec["cuda_max_allocated"] = torch.cuda.max_memory_allocated(trainer.device)
                 rec["cuda_build_allocated"] = trainer.build_cuda
