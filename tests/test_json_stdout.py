@@ -24,6 +24,7 @@ BENCHES = {
     "tp": ["--tp", "2", "--reps", "1", "--warmup", "0", "--batch", "1"],
     "data": ["--batches", "2", "--steps", "1", "--corpus-mb", "0.2"],
     "comm": ["--nprocs", "2", "-b", "1K", "-e", "2K", "-f", "2", "--iters", "1", "--warmup", "0"],
+    "generate": ["--model", "tiny", "--reps", "1", "--prompt-len", "8", "--new-tokens", "4"],
 }
 
 

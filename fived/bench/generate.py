@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Any
 
+from . import schema
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fived bench generate", description=__doc__.splitlines()[0],
@@ -155,6 +157,7 @@ def _rank(rank: int, world: int, job: dict) -> dict | None:
     return {**rec, "same": both.same} if rank == 0 else None
 
 
+@schema.json_stdout
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
@@ -166,7 +169,6 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from ..dist.launch import run_local, threads_per_rank
-    from . import schema
 
     threads = threads_per_rank(args.tp) * args.tp if args.tp > 1 else (
         __import__("torch").get_num_threads())

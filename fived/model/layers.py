@@ -9,6 +9,7 @@ context parallelism can swap the core and tensor parallelism the loss.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -173,7 +174,11 @@ class _TokenCE(torch.autograd.Function):
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum over tokens of the cross-entropy, in fp32, keeping one copy of the logits in their
-    own dtype for backward (``_TokenCE``)."""
+    own dtype for backward (``_TokenCE``). A DTensor (``fived bench tp``'s torch peer, under
+    its ``loss_parallel``) takes torch's own cross-entropy."""
+    dt = sys.modules.get("torch.distributed.tensor")
+    if dt is not None and isinstance(logits, dt.DTensor):
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
     return _TokenCE.apply(logits.flatten(0, -2), targets.flatten())
 
 

@@ -78,7 +78,8 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: LayerCache | None = None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, cache)
+        n = self.input_layernorm(h)  # training calls attention with (x, rope), as it always did
+        h = h + (self.self_attn(n, rope) if cache is None else self.self_attn(n, rope, cache))
         return h + self.ffn(self.post_attention_layernorm(h))
 
 

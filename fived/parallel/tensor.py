@@ -27,7 +27,8 @@ The vocab-parallel embedding masks tokens outside its vocab slice and reduces th
 embeddings (all-reduce; reduce-scatter to the sequence shard with SP). The vocab-parallel
 cross-entropy never gathers the logits: per token it all-reduces the max (b·s floats), then the
 sum of exponentials and the target logit together (2·b·s floats); backward is local,
-``softmax − onehot``, recomputed from the saved logits (compute dtype), max and sum. Every tp rank holds the same full loss.
+``softmax − onehot``, recomputed from the saved logits (compute dtype), max and sum. Every tp
+rank holds the same full loss.
 
 ``apply_tp(model, group, placements, sequence_parallel, overlap)`` cuts a plain model: it
 replaces each ``nn.Linear`` of attention and MLP with a ``ColumnLinear``/``RowLinear`` holding

@@ -63,9 +63,15 @@ class LiveDisplay:
 
 
 def _mfu(mfu: float, digits: int = 1) -> str:
-    from .trainer import mfu_text
-
     return mfu_text(mfu, digits)
+
+
+MFU_BOUND = 1.0  # a measured MFU above this is not one: the peak was measured on a busier machine
+
+
+def mfu_text(mfu: float, digits: int = 1) -> str:
+    """The MFU as a run shows it: a percentage, or "n/a (loaded)" when it exceeds 100 %."""
+    return "n/a (loaded)" if mfu > MFU_BOUND else f"{100 * mfu:.{digits}f}%"
 
 
 def moe_line(moe: dict[str, Any] | None) -> str:

@@ -42,6 +42,7 @@ from ..parallel.context import shard_batch
 from ..parallel.expert import collect_stats
 from ..parallel.parallelize import dtype_of, parallelize
 from . import data as D
+from .metrics import MFU_BOUND, mfu_text  # noqa: F401 - mfu_text re-exported (tests)
 from .resilience import non_finite
 
 MOE_STATS = ("tokens_per_expert", "dropped", "balance_sum", "z_sum", "forwards")
@@ -75,7 +76,6 @@ def measure_matmul_peak(seconds: float = 0.25, n: int = 512,
 
 
 MEASURE_PEAK = -1.0  # train_rank's peak_flops: every rank measures, at once (measure_world_peak)
-MFU_BOUND = 1.0  # a measured MFU above this is not one: the peak was measured on a busier machine
 
 
 def measure_world_peak(world: int, device: torch.device, seconds: float = 0.25) -> float:
@@ -99,11 +99,6 @@ def mfu_of(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> fl
     """Model FLOPs / s over the measured peak (0 without one); above ``MFU_BOUND`` it is shown
     as n/a (``mfu_text``)."""
     return flops_per_token * tokens_per_s / peak_flops if peak_flops > 0 else 0.0
-
-
-def mfu_text(mfu: float, digits: int = 1) -> str:
-    """The MFU as a run shows it: a percentage, or "n/a (loaded)" when it exceeds 100 %."""
-    return "n/a (loaded)" if mfu > MFU_BOUND else f"{100 * mfu:.{digits}f}%"
 
 
 class Trainer:
