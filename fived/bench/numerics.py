@@ -246,6 +246,11 @@ def fp16_rows(res) -> list[list[str]]:
 
 
 # ----------------------------------------------------------------------------- optimizers
+LAYOUTS = {"dp2 zero2": ParallelConfig(dp=2, zero=2),
+           "dp2 zero3 rows": ParallelConfig(dp=2, zero=3, zero_align="rows"),
+           "tp2": ParallelConfig(tp=2)}
+
+
 def _opt_rank(rank: int, world: int, runs: list[tuple]) -> list[dict]:
     from ..train.trainer import Trainer
 
@@ -266,10 +271,7 @@ def optimizers(args, say=progress) -> dict[str, Any]:
     from ..dist.launch import run_local
     from ..ledger.traffic import step_bytes
 
-    m = model_cfg(args.layers)
-    layouts = {"dp2 zero2": ParallelConfig(dp=2, zero=2),
-               "dp2 zero3 rows": ParallelConfig(dp=2, zero=3, zero_align="rows"),
-               "tp2": ParallelConfig(tp=2)}
+    m, layouts = model_cfg(args.layers), LAYOUTS
     runs = [(m, p, replace(train_cfg(max(3, args.steps // 4), args.lr), optimizer=o))
             for p in layouts.values() for o in OPTIMIZERS]
     say(f"  optimizers: {len(runs)} runs of {runs[0][2].steps} steps on 2 local ranks")

@@ -63,9 +63,12 @@ def measure(name: str, quick: bool, tick) -> dict[str, Any]:
     s = settings(name, quick)
     tick(f"{part_of(name)}: {name} ({s['layers']} block(s), {s['steps']} steps)")
     res = N.RUN[name][0](argparse.Namespace(**s), say=tick)
-    m = N.model_cfg(s["layers"])
-    return {"settings": s, "model": asdict(m), "bench": f"fived bench numerics {name} "
-            f"--steps {s['steps']} --lr {s['lr']:g} --layers {s['layers']}", "result": res}
+    d = {"settings": s, "model": asdict(N.model_cfg(s["layers"])),
+         "bench": f"fived bench numerics {name} --steps {s['steps']} --lr {s['lr']:g} "
+                  f"--layers {s['layers']}", "result": res}
+    if name == "optimizers":  # each layout's ParallelConfig, so the ledger can be asked again
+        d["layouts"] = {k: asdict(p) for k, p in N.LAYOUTS.items()}
+    return d
 
 
 def part_of(name: str) -> str:
