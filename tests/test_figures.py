@@ -1,15 +1,20 @@
 """The figures' numbers, checked against the ledger or the run they came from (not pixels).
 
-Default suite: the ledger-only overview, the schedule Gantt data, the collective diagrams and
-the ZeRO part (two ranks, seconds), the files each figure writes. ``slow``: every other part
+Default suite: the ledger-only overview, the schedule Gantt data, the collective diagrams,
+the ZeRO part (two ranks, seconds), parts 8 and 9 at their ``--quick`` size (the numerics
+experiments in one process, the optimizers on two ranks: seconds) and their page, checked with
+``html.parser``, the files each figure writes. ``slow``: every other part
 at its ``--quick`` size, and ``fived figures all --quick``.
 """
 
 from __future__ import annotations
 
+import argparse
+import base64
 import json
 import math
 import statistics
+from html.parser import HTMLParser
 
 import pytest
 
@@ -154,9 +159,167 @@ def test_zero_memory_and_traffic_equal_the_ledger():
     assert dp2[3]["measured_bytes"] == pytest.approx(1.5 * dp2[0]["measured_bytes"], rel=0.01)
 
 
+# ------------------------------------------------------------------ parts 8 and 9: numerics, optimizers
+NEW_PARTS = {"numerics": ["numerics-masters", "numerics-moments", "numerics-reduce",
+                          "numerics-fp16"], "optimizers": ["optimizers-layouts"]}
+
+
+class PageChecker(HTMLParser):
+    """Well-formed HTML (every non-void tag closed in order), and what the page holds: the h2
+    section ids and titles, each h3 id, each <img> (its alt, its src, the <figure> it sits in)
+    and each <figcaption>'s text."""
+
+    VOID = {"meta", "img", "br", "hr", "link", "input", "source", "wbr"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.errors = [], []
+        self.sections, self.h3, self.imgs, self.captions = {}, [], [], []
+        self._text: list[str] | None = None
+        self._h2: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "img":
+            self.imgs.append({"alt": a.get("alt"), "src": a.get("src") or "",
+                              "in_figure": "figure" in self.stack})
+        elif tag == "h2":
+            self._h2, self._text = a.get("id"), []
+        elif tag == "h3":
+            self.h3.append(a.get("id"))
+        elif tag == "figcaption":
+            self._text = []
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag in self.VOID:
+            return
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+            return
+        self.stack.pop()
+        if tag == "h2":
+            self.sections[self._h2] = "".join(self._text)
+            self._text = None
+        elif tag == "figcaption":
+            self.captions.append("".join(self._text))
+            self._text = None
+
+    def handle_data(self, data):
+        if self._text is not None:
+            self._text.append(data)
+
+
+def check_page(text: str) -> PageChecker:
+    p = PageChecker()
+    p.feed(text)
+    p.close()
+    assert not p.errors and p.stack == [], (p.errors, p.stack)
+    for img in p.imgs:
+        assert img["alt"] and img["in_figure"], img
+        head = "data:image/png;base64,"
+        assert img["src"].startswith(head), img["src"][:40]
+        assert base64.b64decode(img["src"][len(head):])[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(p.captions) == len(p.imgs)
+    return p
+
+
+def test_numerics_and_optimizers_parts_and_their_page(tmp_path):
+    """Parts 8 and 9 through `fived figures all --quick --parts numerics,optimizers`: each figure
+    writes PNG + SVG + JSON + command, its numbers are the bench experiment's (re-measured here,
+    or checked against the ledger and the rule they measure), and the page has both sections."""
+    from fived.bench import numerics as N
+    from fived.cli.main import main
+    from fived.config import OPTIMIZERS
+    from fived.ledger.memory import model_states
+    from fived.viz import numerics as V
+
+    figs = tmp_path / "figs"
+    assert main(["figures", "all", "--out", str(figs), "--quick", "--parts",
+                 "numerics,optimizers"]) == 0
+    index = json.loads((figs / "index.json").read_text())
+    assert [r["name"] for r in index["figures"]] == [n for ns in NEW_PARTS.values() for n in ns]
+    recs = {}
+    for r in index["figures"]:
+        for ext in ("png", "svg", "json"):
+            assert (figs / f"{r['name']}.{ext}").stat().st_size > 1000
+        rec = json.loads((figs / f"{r['name']}.json").read_text())
+        assert rec == r and rec["command"] == f"fived figures {r['part']} --out {figs} --quick"
+        exp = rec["name"].split("-")[1] if r["part"] == "numerics" else "optimizers"
+        assert rec["data"]["settings"] == V.settings(exp, True)
+        assert rec["table"] == json.loads(json.dumps(
+            [N.HEADERS[exp], *N.RUN[exp][1](rec["data"]["result"])]))  # the bench's rows
+        recs[exp] = rec["data"]
+    model = ModelConfig(**recs["masters"]["model"])
+    assert model.layers == 1
+
+    ma = recs["masters"]["result"]
+    for mode, v in ma.items():  # the engine's master bytes are the ledger's
+        assert len(v["loss"]) == len(v["lost_fraction"]) == 4
+        want = model_states(model, ParallelConfig(precision="bf16", master_weights=mode))
+        assert v["master_bytes"] == want["master"], mode
+    assert ma["fp32"]["master_bytes"] == 2 * ma["kahan"]["master_bytes"] > 0
+    assert max(ma["none"]["lost_fraction"]) > max(ma["kahan"]["lost_fraction"])
+    mo = recs["moments"]["result"]
+    assert max(mo["fp32"]["m_lost"]) == max(mo["fp32"]["v_lost"]) == 0.0
+    assert max(mo["bf16"]["v_lost"]) > 0.0 and max(mo["fp16"]["v_underflow"]) > 0.0
+
+    red = recs["reduce"]["result"]
+    again = N.reduce(argparse.Namespace(**V.settings("reduce", True)), say=quiet)
+    assert red == again  # measured: the same gradients summed again give the same errors
+    assert red["dp"] == [1, 2, 4, 8, 16] and red["fp32"][0] == 0.0
+    assert all(f < 1e-6 < b for f, b in zip(red["fp32"], red["bf16"]))
+    assert red["bf16"][-1] > red["bf16"][0]
+
+    f16 = recs["fp16"]["result"]
+    assert f16["scale"][0] == 2.0 ** 24 and len(f16["scale"]) == 6
+    for i in range(5):  # overflow ⇔ skipped ⇔ the next scale halves (no 5 clean steps yet)
+        assert (f16["overflow"][i] > 0) == f16["skipped"][i]
+        assert f16["scale"][i + 1] == f16["scale"][i] / (2 if f16["skipped"][i] else 1)
+
+    op = recs["optimizers"]
+    assert set(op["result"]) == set(op["layouts"]) == set(N.LAYOUTS)
+    for lay, per in op["result"].items():
+        par = ParallelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                for k, v in op["layouts"][lay].items()})  # JSON: lists
+        assert par == N.LAYOUTS[lay]
+        assert set(per) == set(OPTIMIZERS)
+        for o, v in per.items():  # measured bytes and state equal the ledger's, to the byte
+            assert v["bytes"] == v["ledger_bytes"] > 0, (lay, o)
+            assert v["state_bytes"] == model_states(model, par, optimizer=o)["optimizer"]
+            assert v["seconds"] > 0
+        assert per["adamw"]["extra_bytes"] == 0
+
+    out = tmp_path / "page"
+    assert main(["report", "--out", str(out), "--from", str(figs), "--parts",
+                 "numerics,optimizers"]) == 0
+    text = (out / "index.html").read_text()
+    p = check_page(text)
+    assert p.sections["part-numerics"].startswith("Part 8")
+    assert p.sections["part-optimizers"].startswith("Part 9")
+    assert p.h3 == [n for ns in NEW_PARTS.values() for n in ns]
+    assert [i["alt"] for i in p.imgs] == [r["title"] for r in index["figures"]]
+    for cap, r in zip(p.captions, index["figures"]):
+        assert r["command"] in cap and r["source"] in cap
+    assert "http://" not in text and "https://" not in text and "<script" not in text
+    assert "<th>optimizer</th>" in text and "<th>skipped</th>" in text  # the bench's tables
+
+
+def test_the_series_is_every_part():
+    from fived.viz._fig import PARTS
+    from fived.viz._page import PART_TITLES
+    from fived.viz.all import parse_parts
+
+    assert parse_parts("") == list(PARTS) and PARTS[-2:] == ("numerics", "optimizers")
+    assert [PART_TITLES[p].split(" —")[0] for p in PARTS[1:]] == [
+        f"Part {i}" for i in range(1, 10)]
+
+
 # ------------------------------------------------------------------ the command and the page
 def test_figures_all_and_report_page(tmp_path, capsys):
     from fived.cli.main import main
+    from fived.viz._page import PART_TITLES
 
     figs = tmp_path / "figs"
     assert main(["figures", "all", "--out", str(figs), "--quick", "--parts", "overview"]) == 0
@@ -171,6 +334,7 @@ def test_figures_all_and_report_page(tmp_path, capsys):
     assert main(["report", "--out", str(out), "--from", str(figs), "--parts", "overview"]) == 0
     page = (out / "index.html").read_text()
     assert page.count("data:image/png;base64,") == 5
+    assert check_page(page).sections == {"part-overview": PART_TITLES["overview"]}
     assert "http://" not in page and "https://" not in page and "<script" not in page
     assert "fived figures overview --out" in page
     assert "report" in capsys.readouterr().out

@@ -58,7 +58,7 @@ def progress(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- masters
-def masters(args) -> dict[str, Any]:
+def masters(args, say=progress) -> dict[str, Any]:
     m, t = model_cfg(args.layers), train_cfg(args.steps, args.lr)
     out: dict[str, Any] = {}
     for mode in ("fp32", "none", "sr", "kahan"):
@@ -71,7 +71,7 @@ def masters(args) -> dict[str, Any]:
             lost.append(r["lost"] / max(1, r["moved"]))
         out[mode] = {"loss": losses, "lost_fraction": lost,
                      "master_bytes": int(tr.engine.memory()["master"])}
-        progress(f"  masters {mode:5s} final loss {losses[-1]:.4f}  updates lost "
+        say(f"  masters {mode:5s} final loss {losses[-1]:.4f}  updates lost "
                  f"{sum(lost) / len(lost):.3f}")
     return out
 
@@ -121,7 +121,7 @@ class CountingAdamW:
                        "v_lost": vl / max(1, n)}
 
 
-def moments(args) -> dict[str, Any]:
+def moments(args, say=progress) -> dict[str, Any]:
     import torch
     m, t = model_cfg(args.layers), train_cfg(args.steps, args.lr)
     out: dict[str, Any] = {}
@@ -136,7 +136,7 @@ def moments(args) -> dict[str, Any]:
             for k, v in opt.counts.items():
                 rec[k].append(v)
         out[name] = rec
-        progress(f"  moments {name}: final loss {rec['loss'][-1]:.4f}  v underflow "
+        say(f"  moments {name}: final loss {rec['loss'][-1]:.4f}  v underflow "
                  f"{max(rec['v_underflow']):.4f}  m lost {max(rec['m_lost']):.4f}  v lost "
                  f"{max(rec['v_lost']):.4f}")
     return out
@@ -180,7 +180,7 @@ def ring_sum(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return acc.double()
 
 
-def reduce(args) -> dict[str, Any]:
+def reduce(args, say=progress) -> dict[str, Any]:
     import torch
     m, t = model_cfg(args.layers), replace(train_cfg(1, args.lr), global_batch=16)
     out: dict[str, Any] = {"dp": [], "bf16": [], "fp32": [], "bf16_input_only": []}
@@ -194,7 +194,7 @@ def reduce(args) -> dict[str, Any]:
         # the rounding of the inputs alone (each shard sent in bf16, summed exactly)
         inp = torch.stack([p.to(torch.bfloat16).double() for p in parts]).sum(0)
         out["bf16_input_only"].append(float((inp - exact).norm()) / norm)
-        progress(f"  reduce dp={dp:2d}: bf16 {out['bf16'][-1]:.2e}  fp32 {out['fp32'][-1]:.2e}")
+        say(f"  reduce dp={dp:2d}: bf16 {out['bf16'][-1]:.2e}  fp32 {out['fp32'][-1]:.2e}")
     return out
 
 
@@ -204,7 +204,7 @@ def reduce_rows(res) -> list[list[str]]:
 
 
 # ----------------------------------------------------------------------------- fp16
-def fp16(args) -> dict[str, Any]:
+def fp16(args, say=progress) -> dict[str, Any]:
     import torch
     m, t = model_cfg(args.layers), train_cfg(args.steps, args.lr)
     tr = _trainer(m, ParallelConfig(precision="fp16", grad_reduce_dtype="bf16"), t)
@@ -239,7 +239,7 @@ def fp16(args) -> dict[str, Any]:
         r = tr.step(s, count)
         rec["skipped"].append(bool(r["skipped"]))
         rec["loss"].append(r["loss"])
-    progress(f"  fp16: {sum(rec['skipped'])} skipped steps, final scale {sc.scale:g}")
+    say(f"  fp16: {sum(rec['skipped'])} skipped steps, final scale {sc.scale:g}")
     return rec
 
 
@@ -252,6 +252,11 @@ def fp16_rows(res) -> list[list[str]]:
 
 
 # ----------------------------------------------------------------------------- optimizers
+LAYOUTS = {"dp2 zero2": ParallelConfig(dp=2, zero=2),
+           "dp2 zero3 rows": ParallelConfig(dp=2, zero=3, zero_align="rows"),
+           "tp2": ParallelConfig(tp=2)}
+
+
 def _opt_rank(rank: int, world: int, runs: list[tuple]) -> list[dict]:
     from ..train.trainer import Trainer
 
@@ -267,17 +272,15 @@ def _opt_rank(rank: int, world: int, runs: list[tuple]) -> list[dict]:
     return out
 
 
-def optimizers(args) -> dict[str, Any]:
+def optimizers(args, say=progress) -> dict[str, Any]:
     from ..config import OPTIMIZERS
     from ..dist.launch import run_local
     from ..ledger.traffic import step_bytes
 
-    m = model_cfg(args.layers)
-    layouts = {"dp2 zero2": ParallelConfig(dp=2, zero=2),
-               "dp2 zero3 rows": ParallelConfig(dp=2, zero=3, zero_align="rows"),
-               "tp2": ParallelConfig(tp=2)}
+    m, layouts = model_cfg(args.layers), LAYOUTS
     runs = [(m, p, replace(train_cfg(max(3, args.steps // 4), args.lr), optimizer=o))
             for p in layouts.values() for o in OPTIMIZERS]
+    say(f"  optimizers: {len(runs)} runs of {runs[0][2].steps} steps on 2 local ranks")
     res = run_local(_opt_rank, 2, (runs,), timeout=1800, collective_timeout=600)[0]
     out: dict[str, Any] = {}
     for (mm, p, t), r, name in zip(runs, res, [n for n in layouts for _ in OPTIMIZERS]):
@@ -304,7 +307,17 @@ def figure(name: str, res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig = plt.figure(figsize=(9, 3.2))
+    draw(name, res, fig)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
+
+
+def draw(name: str, res: dict, fig) -> None:
+    """Experiment ``name``'s two panels into the matplotlib figure ``fig`` (also drawn by
+    ``fived figures numerics|optimizers``)."""
+    axes = fig.subplots(1, 2)
     a, b = axes
     if name == "masters":
         for k, v in res.items():
@@ -353,9 +366,6 @@ def figure(name: str, res: dict, path: str) -> None:
         if ax.has_data():
             ax.legend(fontsize=7)
             ax.set_xlabel(ax.get_xlabel() or "step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
-    plt.close(fig)
 
 
 def text_table(headers: list[str], rows: list[list[str]]) -> str:

@@ -36,11 +36,14 @@ PART_TITLES = {
     "collectives": "Part 1 — collectives", "ddp": "Part 2 — DP → DDP", "zero": "Part 3 — ZeRO",
     "fsdp": "Part 4 — FSDP1 vs FSDP2", "tensor": "Part 5 — Megatron's two cuts",
     "context": "Part 6 — sequence and context parallelism", "bubbles": "Part 7 — bubbles",
+    "numerics": "Part 8 — numerics: what bf16 and fp16 lose, what stays fp32",
+    "optimizers": "Part 9 — optimizers in a sharded world",
     "layout": "One layout",
 }
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
 h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;margin-top:2em}h3{font-size:1.05em}
-img{max-width:100%;border:1px solid #eee}table{border-collapse:collapse;font-size:.8em;margin:.5em 0}
+img{max-width:100%;border:1px solid #eee}figure{margin:0}
+table{border-collapse:collapse;font-size:.8em;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:2px 6px;text-align:left}code{background:#f4f4f4;padding:1px 3px}
 .meta{font-size:.85em;color:#444}details{font-size:.8em}pre{white-space:pre-wrap;max-height:30em;
 overflow:auto;background:#f8f8f8;padding:.5em}"""
@@ -81,11 +84,18 @@ def figure_html(rec: dict[str, Any], folder: str) -> str:
     table = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
                     for k, v in rows)
     raw = html.escape(json.dumps(rec, indent=1, default=float))
+    summary = ""
+    if rec.get("table"):  # the module's own summary rows (header first)
+        head, *body = rec["table"]
+        summary = ("<table><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in head)
+                   + "</tr>" + "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>"
+                                                         for c in r) + "</tr>" for r in body)
+                   + "</table>\n")
     return (f'<h3 id="{rec["name"]}">{html.escape(rec["title"])}</h3>\n'
-            f'<img alt="{html.escape(rec["title"])}" src="data:image/png;base64,{png}">\n'
-            f'<p class="meta"><b>source</b>: {html.escape(rec["source"])} · <b>how</b>: '
-            f'{html.escape(rec["how"])}<br><b>make it again</b>: <code>'
-            f'{html.escape(rec["command"])}</code></p>\n'
+            f'<figure><img alt="{html.escape(rec["title"])}" src="data:image/png;base64,{png}">'
+            f'\n<figcaption class="meta"><b>source</b>: {html.escape(rec["source"])} · '
+            f'<b>how</b>: {html.escape(rec["how"])}<br><b>make it again</b>: <code>'
+            f'{html.escape(rec["command"])}</code></figcaption></figure>\n{summary}'
             f"<details><summary>the numbers ({len(rows)} shown; the full record below)"
             f"</summary><table><tr><th>number</th><th>value</th></tr>{table}</table>"
             f"<pre>{raw}</pre></details>\n")
