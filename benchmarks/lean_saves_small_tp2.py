@@ -12,9 +12,9 @@ B = 8
 
 def rank(r, world):
     from fived.comm.ops import Traffic
-    from fived.dist.grid import Grid
     from fived.model import build_model
     from fived.parallel.parallelize import parallelize_parts
+    from fived.ranks.grid import Grid
     from fived.train.activations import SavedTensors
     m = preset("small")
     par = ParallelConfig(tp=2, sequence_parallel=True)

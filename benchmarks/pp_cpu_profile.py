@@ -29,10 +29,10 @@ def _rank(rank: int, world: int, ours: str, theirs: str, layers: int, m: int, re
     from fived.bench.pp import _NoEngine, _Wrap
     from fived.comm.ops import Traffic
     from fived.config import V_SCHEDULES, ParallelConfig, TrainConfig, preset
-    from fived.dist.grid import Grid
     from fived.model import build_model
     from fived.model.layers import token_losses
     from fived.parallel.parallelize import parallelize
+    from fived.ranks.grid import Grid
 
     cfg = replace(preset("tiny"), layers=layers)
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
-    from fived.dist.launch import run_local
+    from fived.ranks.launch import run_local
 
     print(f"{a.schedule} vs {a.torch_schedule}: pp={a.pp}, m={a.micro_batches}, "
           f"{a.layers} layers, {a.reps} reps each", flush=True)

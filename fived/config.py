@@ -7,7 +7,7 @@ Three dataclasses describe everything fived needs:
 * ``TrainConfig``  — the optimisation run (steps, global batch, learning rate, seed ...).
 
 Each field carries its own help text and bounds (``field.metadata``): the command line builds
-every flag from them (``fived.cli.flags``), so ``fived train``, ``fived ledger``, ``fived plan``
+every flag from them (``fived.ui.flags``), so ``fived train``, ``fived ledger``, ``fived plan``
 and the benchmarks share one flag set with the dataclass defaults, and ``validate`` checks the
 same bounds whether a value came from a flag, a TOML file or Python.
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from .config import ModelConfig, ParallelConfig, TrainConfig
-from .dist.launch import run_local
+from .ranks.launch import run_local
 
 
 def run_ranks(fn: Callable, n: int, *args: Any, timeout: float = 300.0) -> list[Any]:

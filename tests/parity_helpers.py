@@ -23,7 +23,7 @@ def offline_grid(par: ParallelConfig, rank: int):
     in this process (``parallelize_parts`` talks to no one). No process group is initialised
     here, so a collective on it would fail, not go to the world. A one-rank layout can simply
     ``connect`` instead."""
-    from fived.dist.grid import DimGroup, Grid
+    from fived.ranks.grid import DimGroup, Grid
 
     grid = Grid.from_config(par, rank)
     for name in grid.group_names():

@@ -17,7 +17,7 @@ import torch
 from fived.checkpoint.pieces import Pieces, boxes
 from fived.checkpoint.storage import safe_unpickle
 from fived.config import PRESETS, ParallelConfig
-from fived.dist.launch import RankFailure
+from fived.ranks.launch import RankFailure
 from fived.testing import rel_diff, run_ranks, small_train
 
 DENSE, MOE = PRESETS["tiny"], PRESETS["tiny-moe"]

@@ -65,7 +65,7 @@ def _fails_on_rank_one(rank, world):
     from fived.comm import ops
     from fived.comm.ops import Traffic
     from fived.config import ParallelConfig
-    from fived.dist.grid import Grid
+    from fived.ranks.grid import Grid
 
     g = Grid.from_config(ParallelConfig(dp=world), rank).connect(Traffic())
     if rank == 1:
@@ -74,7 +74,7 @@ def _fails_on_rank_one(rank, world):
 
 
 def test_failing_rank_is_reported_and_others_stopped():
-    from fived.dist.launch import RankFailure
+    from fived.ranks.launch import RankFailure
     from fived.testing import run_ranks
 
     with pytest.raises(RankFailure) as e:
@@ -171,7 +171,7 @@ def test_print_config_round_trips(capsys, tmp_path):
 def test_bench_flags_share_the_table(capsys, tmp_path):
     import argparse
 
-    from fived.cli import flags
+    from fived.ui import flags
 
     def parser():
         ap = argparse.ArgumentParser(prog="fived bench x")

@@ -18,7 +18,7 @@ from fived.comm import autograd as ca
 from fived.comm import bench, ops, ring
 from fived.comm.volume import bytes_sent
 from fived.config import ParallelConfig
-from fived.dist.grid import Grid
+from fived.ranks.grid import Grid
 from fived.testing import run_ranks
 
 CHECKS: dict[str, object] = {}
@@ -440,7 +440,7 @@ def _suite(rank: int, world: int) -> dict[int, dict[str, str | None]]:
     import torch.distributed as dist
 
     from fived.comm.ops import Traffic
-    from fived.dist.grid import DimGroup
+    from fived.ranks.grid import DimGroup
 
     assert world == 4
     out = {}

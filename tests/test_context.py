@@ -55,8 +55,8 @@ def _core_rank(rank: int, world: int, b: int, s: int, h: int, g: int, d: int) ->
     import torch.distributed as dist
 
     from fived.comm.ops import Traffic
-    from fived.dist.grid import DimGroup
     from fived.model import layers as L
+    from fived.ranks.grid import DimGroup
     from fived.train.activations import SavedTensors
 
     traffic = Traffic()
@@ -186,7 +186,7 @@ def test_zigzag_balances_attention_flops(core):
 
 def test_ring_saves_only_local_tensors_on_one_rank():
     """cp=1 through the ring kernel: the formula at n=1 (the 1/cp baseline)."""
-    from fived.dist.grid import DimGroup
+    from fived.ranks.grid import DimGroup
     from fived.train.activations import SavedTensors
 
     b, s, h, g, d = 2, 64, 4, 2, 16

@@ -28,7 +28,7 @@ def test_fused_adamw_equals_the_flat_loop():
 
 
 def test_rank_device_is_cpu_without_nccl():
-    from fived.dist.launch import rank_device
+    from fived.ranks.launch import rank_device
 
     assert rank_device() == torch.device("cpu")
 

@@ -60,7 +60,7 @@ def test_small_layouts_match_the_ledger(tmp_path, model, par):
 
 
 def test_distinct_covers_every_role():
-    from fived.dist.grid import Grid
+    from fived.ranks.grid import Grid
     from fived.train.dryrun import distinct_ranks
 
     par = ParallelConfig(tp=8, cp=16, pp=16, dp=8)

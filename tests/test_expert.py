@@ -23,12 +23,12 @@ import pytest
 import torch
 
 from fived.config import ParallelConfig, TrainConfig, preset
-from fived.dist.grid import Grid
 from fived.ledger.params import expert_param_bytes
 from fived.ledger.traffic import bytes_by_group, ep_routed_bytes, ep_traffic, micro_batch_size
 from fived.model import build_model
 from fived.model.moe import capacity, capacity_keep, moe_layers, set_aux_grad_scale
 from fived.parallel.parallelize import parallelize_parts
+from fived.ranks.grid import Grid
 from fived.testing import assemble_grads, grad_rel_diff, rel_diff, small_train
 from fived.train import data as D
 

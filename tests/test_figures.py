@@ -31,12 +31,12 @@ def by_name(figs):
 
 # ------------------------------------------------------------------ overview: the ledger
 def test_overview_numbers_are_the_ledger(tmp_path):
-    from fived.dist.grid import Grid
     from fived.ledger import compute as C
     from fived.ledger import memory as M
     from fived.ledger.hardware import PRESETS as HW
     from fived.ledger.params import total_params
     from fived.ledger.planner import predict
+    from fived.ranks.grid import Grid
     from fived.viz import overview as O
     from fived.viz._fig import save
 
@@ -342,7 +342,7 @@ def test_figures_all_and_report_page(tmp_path, capsys):
 
 def test_report_layout_and_bad_input(tmp_path, capsys):
     from fived.cli.main import main
-    from fived.dist.grid import Grid
+    from fived.ranks.grid import Grid
 
     out = tmp_path / "lay"
     assert main(["report", "--out", str(out), "--tp", "2", "--pp", "2", "--dp", "2",

@@ -16,11 +16,11 @@ import torch
 
 from fived.comm.ops import Traffic
 from fived.config import ModelConfig, ParallelConfig, preset
-from fived.dist.grid import Grid
 from fived.infer.generate import Sampling, generate, pick
 from fived.infer.model import inference_model
 from fived.model import build_model
 from fived.model.init import InitSource
+from fived.ranks.grid import Grid
 from fived.testing import run_ranks
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]

@@ -3,7 +3,7 @@
 import pytest
 
 from fived.config import ParallelConfig
-from fived.dist.grid import Grid, NotConnected
+from fived.ranks.grid import Grid, NotConnected
 from fived.testing import run_ranks
 
 
@@ -63,7 +63,7 @@ def test_pipeline_neighbours():
 # ------------------------------------------------------------------ names and connection
 def test_group_names_are_listed_once():
     from fived.config import DIMS
-    from fived.dist.grid import DERIVED, GROUP_NAMES
+    from fived.ranks.grid import DERIVED, GROUP_NAMES
 
     assert GROUP_NAMES == (*DIMS, *DERIVED)
     assert set(DERIVED) == {"dense", "expert", "batch", "cp_tp"}

@@ -15,7 +15,7 @@ from fived.config import ParallelConfig, preset
 @pytest.fixture
 def no_ranks(monkeypatch):
     """Fail the test if any rank would start."""
-    from fived.dist import launch
+    from fived.ranks import launch
 
     def never(*a, **k):
         raise AssertionError("a rank was started")

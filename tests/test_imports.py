@@ -289,6 +289,13 @@ def test_architecture_page_draws_the_real_arrows():
     """docs/architecture.md lists, per package, exactly what it imports from fived."""
     real = package_arrows(ROOT, "fived")
     doc = documented_arrows((ROOT / "docs" / "architecture.md").read_text())
-    for name in ("cli", "bench", "viz", "train", "parallel", "optim", "model", "ledger", "dist",
-                 "comm", "data", "checkpoint"):
+    for name in ("cli", "bench", "viz", "train", "parallel", "optim", "model", "ledger", "ranks",
+                 "comm", "data", "checkpoint", "infer", "probe", "ui"):
         assert doc.get(name) == real.get(name, set()), (name, doc.get(name), real.get(name))
+
+
+def test_the_commands_are_the_top_floor():
+    """Nothing imports ``fived.cli`` but itself and ``fived.__main__``: the flag set and the
+    tables (``fived.ui``) and the machine probes (``fived.probe``) live below the commands."""
+    real = package_arrows(ROOT, "fived")
+    assert sorted(k for k, v in real.items() if "cli" in v and k != "cli") == ["__main__"]

@@ -1,4 +1,4 @@
-"""`--gpu this-machine`'s traced kernels (fived.cli.kernels) and how the clock uses them."""
+"""`--gpu this-machine`'s traced kernels (fived.probe.kernels) and how the clock uses them."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from fived.cli import kernels as K
-from fived.cli.machine import time_sharing
 from fived.config import ModelConfig, ParallelConfig
 from fived.ledger import hardware as H
 from fived.ledger import roofline as R
+from fived.probe import kernels as K
+from fived.probe.machine import time_sharing
 
 TINY = ModelConfig(name="tiny-probe", vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64,
                    seq_len=16)

@@ -197,9 +197,9 @@ def test_activations_match_saved_tensors(recompute):
     """fp32 one-rank forward: the ledger's activation bytes vs autograd's saved tensors."""
     torch = pytest.importorskip("torch")
     from fived.comm.ops import Traffic
-    from fived.dist.grid import Grid
     from fived.model import build_model
     from fived.parallel.parallelize import parallelize_parts
+    from fived.ranks.grid import Grid
     from fived.train.activations import SavedTensors
 
     m = preset("tiny")
@@ -376,8 +376,8 @@ def test_runtime_tied_micro_batches_equal_the_ledger():
 
 
 def test_grid_coordinates_match_the_grid():
-    from fived.dist.grid import Grid
     from fived.ledger import verify
+    from fived.ranks.grid import Grid
 
     par = ParallelConfig(tp=2, cp=2, ep=1, dp=2, pp=2)
     for r in range(par.world_size):

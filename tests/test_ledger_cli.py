@@ -5,8 +5,8 @@ import json
 import pytest
 
 from fived.cli import main
-from fived.cli.report import parse_count
 from fived.ledger import hardware
+from fived.ui.report import parse_count
 
 
 def _json(capsys, argv):

@@ -38,7 +38,7 @@ def _peak_rank(rank, world):
 
 
 def test_world_peak_is_every_ranks_sum_measured_at_once():
-    from fived.dist.launch import run_local
+    from fived.ranks.launch import run_local
 
     peaks = run_local(_peak_rank, 2, timeout=120)
     assert peaks[0] == peaks[1] > 0  # one sum, the same on every rank

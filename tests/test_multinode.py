@@ -18,8 +18,8 @@ import sys
 import time
 
 from fived.config import ParallelConfig
-from fived.dist.grid import Grid
-from fived.dist.launch import free_port
+from fived.ranks.grid import Grid
+from fived.ranks.launch import free_port
 from fived.testing import rel_diff
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

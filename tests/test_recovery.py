@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 
 from fived.config import PRESETS, ParallelConfig
-from fived.dist.launch import free_port
+from fived.ranks.launch import free_port
 from fived.testing import run_ranks, small_train
 
 DENSE = PRESETS["tiny"]

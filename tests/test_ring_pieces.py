@@ -18,7 +18,7 @@ def _rank(rank: int, world: int) -> list[str]:
     from fived.comm import ring
     from fived.comm.ops import Traffic
     from fived.config import ParallelConfig
-    from fived.dist.grid import Grid
+    from fived.ranks.grid import Grid
 
     traffic = Traffic()
     g = Grid.from_config(ParallelConfig(dp=world), rank).connect(traffic)["dp"]

@@ -150,9 +150,9 @@ def test_traffic_formula_by_hand():
 
 def _activations(rank: int, world: int) -> dict:
     from fived.comm.ops import Traffic
-    from fived.dist.grid import Grid
     from fived.model import build_model
     from fived.parallel.parallelize import parallelize_parts
+    from fived.ranks.grid import Grid
     from fived.train.activations import SavedTensors
 
     grid = Grid.from_config(ParallelConfig(tp=world), rank).connect(Traffic())
@@ -212,8 +212,8 @@ def _loss_grads(rank: int, world: int) -> bool:
     import torch.nn.functional as F
 
     from fived.comm.ops import Traffic
-    from fived.dist.grid import Grid
     from fived.parallel.tensor import vocab_parallel_loss
+    from fived.ranks.grid import Grid
 
     grid = Grid.from_config(ParallelConfig(tp=world), rank).connect(Traffic())
     g = torch.Generator().manual_seed(3)

@@ -1,6 +1,6 @@
 """Under torchrun: a run that trained exits 0 every time; a rank that fails ends the job at once.
 
-Before ``fived.dist.launch.run_torchrun`` about one run in three trained and then aborted at exit
+Before ``fived.ranks.launch.run_torchrun`` about one run in three trained and then aborted at exit
 ("terminate called without an active exception"): a gloo worker thread released the last
 all-gather's tensors while the interpreter was finalising (see ``launch.teardown``).
 """
@@ -13,7 +13,7 @@ import sys
 import textwrap
 import time
 
-from fived.dist.launch import free_port
+from fived.ranks.launch import free_port
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -43,7 +43,7 @@ def test_a_failing_rank_stops_the_job(tmp_path):
     script.write_text(textwrap.dedent("""
         import torch
         import torch.distributed as dist
-        from fived.dist.launch import run_torchrun
+        from fived.ranks.launch import run_torchrun
 
         def fn(rank, world):
             if rank == 1:

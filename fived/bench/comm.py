@@ -3,7 +3,7 @@
     fived bench comm --nprocs 4 -b 1K -e 16M -f 2 --iters 20 --warmup 5 \\
         [--ops all_reduce,all_gather,...] [--impl backend,ring] [--dtype float32] [--json] [--out F]
 
-Spawns ``--nprocs`` local ranks (``fived.dist.launch.run_local``) unless it runs under ``torchrun``,
+Spawns ``--nprocs`` local ranks (``fived.ranks.launch.run_local``) unless it runs under ``torchrun``,
 sweeps the sizes for each (collective, implementation), and prints, per collective, nccl-tests'
 columns (size, count, type, time, algbw, busbw) for each implementation, then the alpha-beta fit
 per collective. ``--json`` prints the result document on stdout (the human output goes to stderr)
@@ -123,8 +123,8 @@ def rank_main(rank: int, world: int, cfg: Settings) -> dict[str, Any] | None:
     from ..comm.bench import sweep
     from ..comm.ops import Traffic
     from ..config import ParallelConfig
-    from ..dist.grid import Grid
-    from ..dist.launch import device_and_backend
+    from ..ranks.grid import Grid
+    from ..ranks.launch import device_and_backend
 
     device, backend = device_and_backend(prefer_cpu=cfg.cpu)
     traffic = Traffic()
@@ -253,7 +253,7 @@ def main(argv: list[str]) -> int:
         print(f"fived bench comm: {e}", file=sys.stderr)
         return 2
     con = _console(args.json)
-    from ..dist import launch  # torch is imported when a rank needs it
+    from ..ranks import launch  # torch is imported when a rank needs it
 
     env = launch.torchrun_env()  # (rank, world, local_rank) under torchrun, else None
     torchrun = env is not None

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from ..cli import flags
+from ..ui import flags
 from . import schema
 
 MODES = ("ring", "ulysses", "allgather", "ring-contiguous")
@@ -31,8 +31,8 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from ..comm.ops import Traffic
-    from ..dist.grid import DimGroup
     from ..parallel import context as C
+    from ..ranks.grid import DimGroup
     from ..train.activations import SavedTensors
 
     traffic = Traffic()
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..dist.launch import RankFailure, run_local
+    from ..ranks.launch import RankFailure, run_local
     from ..train.metrics import human_bytes
 
     argv = sys.argv[1:] if argv is None else argv

@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..cli import flags
+from ..ui import flags
 from . import schema
 
 

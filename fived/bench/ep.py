@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from ..cli import flags
+from ..ui import flags
 from . import schema
 
 
@@ -36,9 +36,9 @@ def _rank(rank: int, world: int, model: Any, par: Any, train: Any) -> dict[str, 
 def measure(model: Any, ep: int, train: Any, timeout: float = 600.0) -> dict[str, Any]:
     """Train one layout; the row of the closing table."""
     from ..config import ParallelConfig
-    from ..dist.launch import run_local
     from ..ledger.params import expert_param_bytes
     from ..ledger.traffic import bytes_by_group, ep_traffic, micro_batch_size
+    from ..ranks.launch import run_local
 
     par = ParallelConfig(ep=ep)
     t0 = time.perf_counter()

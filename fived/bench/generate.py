@@ -95,9 +95,9 @@ def _rank(rank: int, world: int, job: dict) -> dict | None:
     from ..comm import ops
     from ..comm.ops import Traffic
     from ..config import ParallelConfig
-    from ..dist.grid import Grid
     from ..infer.generate import generate
     from ..infer.model import inference_model
+    from ..ranks.grid import Grid
 
     path, b, s, n = job["path"], job["batch"], job["prompt_len"], job["new"]
     cfg = hf.model_config(hf.read_config(path, "--hf"), "--hf", job["seq_len"])
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr, flush=True)
     import os
 
-    from ..dist.launch import run_local, threads_per_rank
+    from ..ranks.launch import run_local, threads_per_rank
 
     threads = threads_per_rank(args.tp) * args.tp if args.tp > 1 else (
         __import__("torch").get_num_threads())
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         schema.emit(doc)
         return 0
-    from ..cli import report
+    from ..ui import report
 
     con = report.console()
     t = report.table(f"generation, {cfg.name} {tag}: fived / transformers (below 1: faster)",

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..cli import flags
+from ..ui import flags
 from . import schema
 
 HEADER = "fived bench {name}: {what} — {n} ranks, model {model}, {reps} reps × {steps} steps"
@@ -106,9 +106,9 @@ class Runner:
 def fived_runner(name: str, cfg: Any, par: Any, train: Any, rank: int, world: int,
                  batch: Callable[[int], tuple]) -> Runner:
     from ..comm.ops import Traffic
-    from ..dist.grid import Grid
     from ..model import build_model
     from ..parallel.parallelize import parallelize
+    from ..ranks.grid import Grid
 
     traffic = Traffic()
     grid = Grid.from_config(par, rank).connect(traffic)
@@ -354,7 +354,7 @@ def main(argv: list[str], kind: str, build: Callable, hidden: Callable[[list[dic
     print(HEADER.format(name=kind, what=what, n=args.nprocs,
                         model=f"h{args.hidden}·l{args.layers}·s{args.seq_len}", reps=args.reps,
                         steps=args.steps), flush=True)
-    from ..dist.launch import run_local, threads_per_rank
+    from ..ranks.launch import run_local, threads_per_rank
 
     t0 = time.perf_counter()
     rows = run_local(run_rank, args.nprocs, (build, args), timeout=900)[0]

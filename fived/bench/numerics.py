@@ -274,8 +274,8 @@ def _opt_rank(rank: int, world: int, runs: list[tuple]) -> list[dict]:
 
 def optimizers(args, say=progress) -> dict[str, Any]:
     from ..config import OPTIMIZERS
-    from ..dist.launch import run_local
     from ..ledger.traffic import step_bytes
+    from ..ranks.launch import run_local
 
     m, layouts = model_cfg(args.layers), LAYOUTS
     runs = [(m, p, replace(train_cfg(max(3, args.steps // 4), args.lr), optimizer=o))

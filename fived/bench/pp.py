@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from ..cli import flags
+from ..ui import flags
 from . import schema
 
 PAIRS = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
@@ -58,10 +58,10 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
 
     from ..comm.ops import Traffic
     from ..config import ParallelConfig, TrainConfig, preset
-    from ..dist.grid import Grid
     from ..model import build_model
     from ..model.layers import token_losses
     from ..parallel.parallelize import parallelize
+    from ..ranks.grid import Grid
 
     cfg = replace(preset(model_name), layers=layers)
     gen = torch.Generator().manual_seed(0)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     "document (docs/benchmarks.md) as the last line")
     argv = sys.argv[1:] if argv is None else argv
     a = flags.parse(ap, argv)
-    from ..dist.launch import run_local
+    from ..ranks.launch import run_local
 
     print(f"fived bench pp: {a.model} with {a.layers} layers, pp={a.pp}, m={a.micro_batches}, "
           f"batch {a.global_batch}; "
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 def _document(argv: list[str], a: argparse.Namespace, rows: Any) -> dict:
     """The ``fived.bench`` document: per schedule a fived row and its torch peer row (no
     optimizer, no model-state comparison: both run the same stage modules)."""
-    from ..dist.launch import threads_per_rank
+    from ..ranks.launch import threads_per_rank
 
     out = []
     for ours, theirs, f, tt, gap in rows:

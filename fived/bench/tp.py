@@ -27,7 +27,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..cli import flags
+from ..ui import flags
 from . import schema
 
 if TYPE_CHECKING:  # torch is imported where it runs: --help stays fast
@@ -109,9 +109,9 @@ def _rank(rank: int, world: int, cfg: Any, args: argparse.Namespace) -> dict[str
 
     from ..comm.ops import Traffic
     from ..config import ParallelConfig, TrainConfig
-    from ..dist.grid import Grid
     from ..model import build_model
     from ..parallel.parallelize import parallelize
+    from ..ranks.grid import Grid
     from ..train.data import local_batch
     from .harness import clip_grads, fastest_adamw, state_bytes_torch
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
     from ..config import ParallelConfig, preset, validate
-    from ..dist.launch import run_local, threads_per_rank
+    from ..ranks.launch import run_local, threads_per_rank
 
     cfg = preset(args.model)
     validate(cfg, ParallelConfig(tp=args.tp, sequence_parallel=args.sp != "off"))

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from ..config import ConfigError, ModelConfig, ParallelConfig
-from . import report
+from ..ui import report
 
 KEYS = ("params", "grads", "master", "optimizer", "padding")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ..data.meta import padded_vocab, read_meta
-from .report import console, fmt_n, print_json, show, table
+from ..ui.report import console, fmt_n, print_json, show, table
 
 EXAMPLES = """examples:
   fived data prepare notes/ --out data/notes                       # byte tokens (257 symbols)

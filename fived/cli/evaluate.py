@@ -22,7 +22,7 @@ import sys
 from dataclasses import fields, replace
 
 from ..config import ConfigError, ModelConfig, TrainConfig, fill_dp, validate
-from . import flags
+from ..ui import flags
 
 EPILOG = """examples:
   fived train --data data/notes --eval-every 10 --save-dir ck --steps 50
@@ -139,11 +139,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError([f"--timeout must be > 0 seconds (got {args.timeout:g})"])
     model, par, train, world, ckpt, batches, man = configs(args)
     if args.print_config:
-        from .flags import Resolved
+        from ..ui.flags import Resolved
 
         return flags.print_config(Resolved(model, par, train, frozenset()),
                                   f"fived eval: {world} rank(s)")
-    from ..dist.launch import torchrun_env
+    from ..ranks.launch import torchrun_env
 
     env = torchrun_env()
     say = sys.stderr if args.json else sys.stdout
@@ -157,14 +157,14 @@ def main(argv: list[str]) -> int:
     rank_args = (model, par, train, str(ckpt), args.split, batches,
                  "stderr" if args.json else "stdout")
     if env:
-        from ..dist.launch import run_torchrun
+        from ..ranks.launch import run_torchrun
 
         if env[1] != world:
             raise ConfigError([f"the layout {par.describe()} needs {world} rank(s), torchrun "
                                f"started {env[1]}"])
         out = run_torchrun(eval_rank, rank_args, args.timeout)
     else:
-        from ..dist.launch import RankFailure, run_local
+        from ..ranks.launch import RankFailure, run_local
 
         try:
             out = run_local(eval_rank, world, rank_args, timeout=args.timeout * 50,
@@ -180,11 +180,11 @@ def main(argv: list[str]) -> int:
            "batches": batches, "global_batch": train.global_batch, "seq_len": model.seq_len,
            **{k: out[k] for k in ("loss", "ppl", "tokens", "seconds", "tokens_per_s")}}
     if args.json:
-        from .report import print_json
+        from ..ui.report import print_json
 
         print_json(doc)
         return 0
-    from . import report
+    from ..ui import report
 
     con = report.console()
     t = report.table(f"step {doc['step']} · {args.split} · {par.describe()}",

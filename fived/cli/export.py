@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from ..config import ConfigError
-from . import report
+from ..ui import report
 
 
 def parser() -> argparse.ArgumentParser:

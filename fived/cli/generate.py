@@ -184,7 +184,7 @@ def encode(tok: Any, texts: list[str], cfg: ModelConfig, max_new: int) -> list[l
 # ------------------------------------------------------------------ the command
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    from ..dist.launch import torchrun_env
+    from ..ranks.launch import torchrun_env
 
     env = torchrun_env()
     say = env is None or env[0] == 0  # under torchrun, rank 0 speaks
@@ -210,8 +210,8 @@ def main(argv: list[str]) -> int:
     if say:
         print(f"{cfg.name}: {len(texts)} prompt(s), {sum(map(len, ids))} tokens, tp{tp}, "
               f"{dtype}, from {path}", file=sys.stderr, flush=True)
-    from ..dist.launch import run_local, run_torchrun
     from ..infer.generate import rank_job
+    from ..ranks.launch import run_local, run_torchrun
 
     if env is not None:
         doc = run_torchrun(rank_job, (job,))
@@ -242,7 +242,7 @@ def show(doc: dict[str, Any], texts: list[str], tp: int, as_json: bool, streamed
                **summary}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
-    from . import report
+    from ..ui import report
 
     if not streamed:
         for p, x in zip(texts, doc["text"]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import DIMS, ConfigError, check_count, check_values, fill_dp
-from . import flags, report
+from ..ui import flags, report
 
 
 def parser() -> argparse.ArgumentParser:
@@ -30,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from ..dist.grid import DERIVED, Grid
+    from ..ranks.grid import DERIVED, Grid
 
     args = parser().parse_args(argv)
     res = flags.configs(args)

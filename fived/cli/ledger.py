@@ -20,8 +20,8 @@ from ..config import (
     resolve_precision,
     validate,
 )
-from . import flags, report
-from .report import fmt_b, fmt_n, fmt_s, parse_count
+from ..ui import flags, report
+from ..ui.report import fmt_b, fmt_n, fmt_s, parse_count
 
 LEDGER_EXAMPLES = """examples:
   fived ledger --model llama2-7b --gpus 8 --gpu rtx-pro-6000 --precision bf16 --zero 3
@@ -94,12 +94,12 @@ def check_cluster(args: argparse.Namespace) -> None:
 
 def hardware(args: argparse.Namespace, ranks: int = 1, par=None, model=None,
              micro_batch: int = 0):
-    """The preset, or for ``this-machine`` a measured one (``fived.cli.machine``; with a
+    """The preset, or for ``this-machine`` a measured one (``fived.probe.machine``; with a
     layout, its kernels timed as they will run)."""
     from ..ledger import hardware as H
 
     if args.gpu == "this-machine":
-        from .machine import this_machine
+        from ..probe.machine import this_machine
 
         return this_machine(args.bench_json, ranks=ranks, par=par, model=model,
                             micro_batch=micro_batch, clock=clock_options(args))
@@ -258,7 +258,7 @@ def ledger_precision(args: argparse.Namespace, par: ParallelConfig) -> tuple[Par
     preset, fp32 on --gpu this-machine; with --check (a `fived train` run's file), what
     `fived train` resolves here (bf16 on a cuda device, else fp32)."""
     if args.check:
-        from ..dist.launch import cuda_expected
+        from ..ranks.launch import cuda_expected
 
         gpu = cuda_expected()
         return resolve_precision(par, gpu, "fived train on " + ("cuda" if gpu else "the cpu"))

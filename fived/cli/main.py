@@ -2,9 +2,9 @@
 checkpoint | export | import | generate.
 
 One module per command (``fived.cli.train``, ``grid``, ``plan``, ``ledger``), one flag set
-shared by all (``fived.cli.flags``), one ``fived.config.validate``. ``fived bench NAME`` and
+shared by all (``fived.ui.flags``), one ``fived.config.validate``. ``fived bench NAME`` and
 ``fived figures NAME`` run ``fived.bench.NAME`` / ``fived.viz.NAME``; ``fived report`` runs
-``fived.viz._page`` (the HTML page of the figures; ``fived.cli.report`` is the table formatter).
+``fived.viz._page`` (the HTML page of the figures; ``fived.ui.report`` is the table formatter).
 
 The error rule: bad input is one ``ConfigError`` naming the flag, printed without a traceback,
 exit code 2, before any rank starts or any file is written.

@@ -22,9 +22,9 @@ from ..config import (
     resolve_precision,
     validate,
 )
-from . import flags, report
+from ..ui import flags, report
+from ..ui.report import fmt_b, fmt_n, fmt_s
 from .ledger import check_cluster, clock_options, cluster_flags, global_batch, hardware
-from .report import fmt_b, fmt_n, fmt_s
 
 PLAN_EXAMPLES = """examples:
   fived plan --model llama3-70b --gpus 64 --gpus-per-node 8 --gpu h100-sxm --precision bf16 \\

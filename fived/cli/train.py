@@ -22,8 +22,8 @@ from ..config import (
     validate,
 )
 from ..data.meta import check_data_run, model_for_data
-from ..dist.launch import torchrun_env
-from . import flags
+from ..ranks.launch import torchrun_env
+from ..ui import flags
 from .main import EXAMPLES
 
 
@@ -164,14 +164,14 @@ def main(argv: list[str]) -> int:
 
         warn_if_too_big(model, par, train,
                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env else world)
-    from ..dist.launch import RankFailure, run_local
+    from ..ranks.launch import RankFailure, run_local
     from ..train.trainer import MEASURE_PEAK, train_rank
 
     # the MFU denominator: every rank measures its matmul peak at once, the peak is the sum
     # (fived.train.trainer.measure_world_peak)
     peak = MEASURE_PEAK
     if env:
-        from ..dist.launch import run_torchrun
+        from ..ranks.launch import run_torchrun
 
         out = run_torchrun(train_rank, (model, par, train, True, peak), args.timeout)
         return end_status(out)
@@ -199,7 +199,7 @@ def train_precision(par):
 
     if par.precision != AUTO:
         return resolve_precision(par, False, "")
-    from ..dist.launch import cuda_expected
+    from ..ranks.launch import cuda_expected
 
     gpu = cuda_expected()
     return resolve_precision(par, gpu, "cuda" if gpu else "cpu")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import report
+from ..ui import report
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """Accounted collectives: every call records (op, dimension, bytes sent, seconds) in ``Traffic``.
 
-Each function takes a ``fived.dist.grid.DimGroup``; the group names the dimension the bytes are
+Each function takes a ``fived.ranks.grid.DimGroup``; the group names the dimension the bytes are
 charged to and carries the rank's ``Traffic``. Bytes follow ``fived.comm.volume.bytes_sent``
 (the ring-algorithm bytes this rank sends), so the ledger can predict them exactly.
 A group of one rank is a no-op and records nothing.

@@ -157,9 +157,9 @@ def rank_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | Non
     from ..comm.ops import Traffic
     from ..config import ModelConfig, ParallelConfig
     from ..data.tokenizer import from_spec
-    from ..dist.grid import Grid
-    from ..dist.launch import device_and_backend, rank_device
     from ..parallel.parallelize import dtype_of
+    from ..ranks.grid import Grid
+    from ..ranks.launch import device_and_backend, rank_device
     from .model import inference_model, param_bytes
 
     cfg = ModelConfig(**job["cfg"])

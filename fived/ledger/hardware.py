@@ -53,13 +53,13 @@ class Hardware:
     # found here takes its measured time (overhead included) instead of the curve's
     gemm_table: tuple[tuple[float, float, float, float], ...] = ()
     # this-machine: the eager runtime's own cost beyond its kernels, measured on a tiny model
-    # (fived.cli.machine): seconds per block per micro-batch (forward + backward), and per
+    # (fived.probe.machine): seconds per block per micro-batch (forward + backward), and per
     # micro-batch for the embedding, head and loss; the per-op ``overhead`` is then 0
     block_overhead: float = 0.0
     stage_overhead: float = 0.0
     step_overhead: float = 0.0  # this-machine: the trainer's per-step cost outside the model
     # this-machine: the eager runtime's non-GEMM kernels traced and timed at the layout's
-    # shapes (fived.cli.kernels), seconds per micro-batch: block attention fwd, bwd,
+    # shapes (fived.probe.kernels), seconds per micro-batch: block attention fwd, bwd,
     # block element-wise fwd, bwd, first-stage extras fwd, bwd, last-stage extras fwd, bwd.
     # When set, they replace the roofline's attention and memory-bound ops.
     eager: tuple[float, ...] = ()

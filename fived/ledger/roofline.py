@@ -307,7 +307,7 @@ def _eager_times(blk: dict, ext: dict, hw: Hardware, p: str, par: ParallelConfig
                  first: bool, last: bool) -> dict[str, float]:
     """this-machine with ``hw.eager``: the GEMMs from the table (the attention's materialised
     GEMMs excluded: the runtime's attention is one measured kernel), everything else as
-    measured (``fived.cli.kernels``), plus the runtime's dispatch per block and stage."""
+    measured (``fived.probe.kernels``), plus the runtime's dispatch per block and stage."""
     a_f, a_b, e_f, e_b, first_f, first_b, last_f, last_b = hw.eager
 
     def gemms(ops):

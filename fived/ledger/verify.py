@@ -3,7 +3,7 @@
 
 Every step record the trainer writes holds ``memory_per_rank`` (the engine's model-state bytes)
 and ``traffic_per_rank`` (bytes sent per group name). ``compare_record`` predicts both for every
-rank from its grid coordinates (``fived.dist.grid``) and returns one line per mismatch; an empty list
+rank from its grid coordinates (``fived.ranks.grid``) and returns one line per mismatch; an empty list
 means the ledger and the runtime agree to the byte. The ep all-to-all bytes follow the router:
 where the record carries the routing (``moe.counts``, as the trainer writes for MoE models) they
 are predicted exactly from it (``traffic.ep_routed_bytes``), otherwise from uniform routing.
@@ -28,13 +28,13 @@ from __future__ import annotations
 import json
 
 from ..config import ModelConfig, ParallelConfig, _coerce
-from ..dist.grid import Grid
+from ..ranks.grid import Grid
 from .memory import act_bytes, activations, comm_buffers, model_states
 from .traffic import ep_routed_bytes, micro_batch_size, step_bytes, step_traffic
 
 
 def coords(par: ParallelConfig, rank: int) -> dict[str, int]:
-    """The rank's coordinate in each dimension, as ``fived.dist.grid`` numbers ranks."""
+    """The rank's coordinate in each dimension, as ``fived.ranks.grid`` numbers ranks."""
     return Grid.from_config(par).coords(rank)
 
 

@@ -1,7 +1,7 @@
 """One way in: ``parallelize(model, grid, par, train)`` lays a plain model out on the grid.
 
 The dimensions apply in one fixed order, each from its own file, each with the explicit group
-it talks on (``grid[name]`` of a connected ``fived.dist.grid.Grid``):
+it talks on (``grid[name]`` of a connected ``fived.ranks.grid.Grid``):
 
 1. pipeline split (``pipeline/stage.py: split``) — this rank's chunks of the layer stack;
    then, on every chunk:
@@ -98,7 +98,7 @@ def dtype_of(precision: str) -> torch.dtype:
     """The compute dtype; ``auto`` (a layout no command resolved: the Python API) by the device
     the ranks get (``fived.config.auto_precision``: bf16 on cuda, fp32 on the cpu)."""
     if precision == AUTO:
-        from ..dist.launch import cuda_expected
+        from ..ranks.launch import cuda_expected
 
         precision = auto_precision(cuda_expected())
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]

@@ -60,10 +60,10 @@ import torch.nn.functional as F
 
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from ..dist.grid import GROUP_NAMES, DimGroup, Grid
 from ..model.moe import set_aux_grad_scale
 from ..optim import lr_at
 from ..parallel.context import shard_positions
+from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
 from .trainer import Trainer
 
 BACKEND = "cpu:fake,meta:fake"

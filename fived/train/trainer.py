@@ -13,7 +13,7 @@ loader of ``fived.data.loader`` (rows of the batch group only; the padded vocabu
 ``evaluate`` gives the validation loss (forward only, docs/eval.md), ``data_state`` /
 ``load_data_state`` the data position a checkpoint stores (docs/data.md).
 
-``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.dist.launch``);
+``train_rank`` is what each rank runs (under ``torchrun`` or spawned by ``fived.ranks.launch``);
 ``eval_rank`` what each rank of ``fived eval`` runs.
 """
 
@@ -31,8 +31,6 @@ import torch.distributed as dist
 from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from ..dist.grid import GROUP_NAMES, DimGroup, Grid
-from ..dist.launch import rank_device
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
 from ..model.init import InitSource
@@ -41,6 +39,8 @@ from ..optim import lr_at
 from ..parallel.context import shard_batch
 from ..parallel.expert import collect_stats
 from ..parallel.parallelize import dtype_of, parallelize
+from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
+from ..ranks.launch import rank_device
 from . import data as D
 from .metrics import MFU_BOUND, mfu_text  # noqa: F401 - mfu_text re-exported (tests)
 from .resilience import non_finite

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from ..cli import flags
+from ..ui import flags
 from ._fig import PARTS, Figure, save
 
 PART_TITLES = {
@@ -133,7 +133,7 @@ def layout_figures(res: Any, hw: str, gpn: int | None, global_batch: int) -> lis
     iron["memory_rank0"] = mem
     return [
         Figure("layout-grid", f"The grid of {par.describe()}", "layout", "ledger",
-               "fived.dist.grid.Grid.partition per dimension (what `fived grid` prints)", grid,
+               "fived.ranks.grid.Grid.partition per dimension (what `fived grid` prints)", grid,
                O.draw_grid, size=(9.0, 2.8)),
         Figure("layout-iron", f"{res.model.name} {par.describe()} on {hw}: bytes and link time "
                "per dimension", "layout", "ledger", "fived.ledger.planner.predict; memory from "

@@ -30,7 +30,7 @@ def diagram_rank(rank: int, world: int) -> dict[str, Any]:
     from ..comm import ops
     from ..comm.ops import Traffic
     from ..config import ParallelConfig
-    from ..dist.grid import Grid
+    from ..ranks.grid import Grid
 
     traffic = Traffic()
     g = Grid.from_config(ParallelConfig(dp=world), rank).connect(traffic)["dp"]
@@ -110,7 +110,7 @@ def _rect(x: float, y: float, color: str):
 def sweep(n: int, quick: bool) -> dict[str, Any]:
     from ..bench.comm import Settings, rank_main
     from ..comm.bench import BENCH_OPS, IMPLS, plan, size_sweep
-    from ..dist.launch import run_local
+    from ..ranks.launch import run_local
 
     sizes = size_sweep(1024, 64 * 1024 if quick else 4 * 1024 ** 2, 4.0)
     cfg = Settings(sizes, plan(list(BENCH_OPS), list(IMPLS)), "float32", 3 if quick else 10,

@@ -37,10 +37,10 @@ def act_rank(rank: int, world: int, seqs: list[int]) -> dict[str, dict[str, int]
     import torch
 
     from ..comm.ops import Traffic
-    from ..dist.grid import Grid
     from ..model import build_model
     from ..parallel.context import shard_batch
     from ..parallel.parallelize import parallelize_parts
+    from ..ranks.grid import Grid
     from ..train.activations import SavedTensors
 
     out: dict[str, dict[str, int]] = {}

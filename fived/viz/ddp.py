@@ -81,9 +81,9 @@ def rank_fn(rank: int, world: int, bucket_mb: float, sweep: list[float], steps: 
     import torch.distributed as dist
 
     from ..comm.ops import Traffic
-    from ..dist.grid import Grid
     from ..model import build_model
     from ..parallel.parallelize import parallelize
+    from ..ranks.grid import Grid
     from ..train import data as D
 
     pos = torch.arange(MODEL.seq_len)

@@ -27,7 +27,7 @@ def bench_args(quick: bool):
     import argparse
 
     from ..bench.harness import common_args
-    from ..cli import flags
+    from ..ui import flags
 
     ap = argparse.ArgumentParser()
     common_args(ap)
@@ -50,9 +50,9 @@ def prefetch_timeline(rank: int, world: int, args: Any) -> dict[str, Any]:
     from ..bench.harness import bench_model
     from ..comm.ops import Traffic
     from ..config import ParallelConfig, TrainConfig
-    from ..dist.grid import Grid
     from ..model import build_model
     from ..parallel.parallelize import parallelize
+    from ..ranks.grid import Grid
     from ..train import data as D
 
     cfg = bench_model(args)

@@ -1,4 +1,4 @@
-"""Overview figures, all from the ledger (``fived.ledger``) and the grid (``fived.dist.grid``).
+"""Overview figures, all from the ledger (``fived.ledger``) and the grid (``fived.ranks.grid``).
 
 * ``overview-16psi``  model-state bytes per parameter, 2 (bf16 params) + 2 (bf16 grads) + 4 (fp32
   master) + 8 (Adam m, v) = 16Ψ, and 18Ψ with an fp32 gradient buffer, for Llama 7B / 70B / 405B,
@@ -167,7 +167,7 @@ def draw_map(d: dict[str, Any], f: Any) -> None:
 
 
 def grid_data(par: ParallelConfig = GRID_LAYOUT, gpn: int = GRID_GPN) -> dict[str, Any]:
-    from ..dist.grid import Grid
+    from ..ranks.grid import Grid
 
     g = Grid.from_config(par)
     dims = [d for d in par.order if par.degree(d) > 1]
@@ -266,7 +266,7 @@ def figures(quick: bool, tick) -> list[Figure]:
                size=(9.0, 2.6)),
         Figure("overview-grid", f"The grid of {GRID_LAYOUT.describe()}: ranks by group, "
                f"{GRID_GPN} GPUs per node", "overview", "ledger",
-               "fived.dist.grid.Grid.partition per dimension (what `fived grid` prints)",
+               "fived.ranks.grid.Grid.partition per dimension (what `fived grid` prints)",
                grid_data(), draw_grid, size=(9.0, 2.8)),
         Figure("overview-iron", f"The iron rule: {iron['model']} {iron['layout']} on "
                f"{iron['world']}× {iron['hardware']}", "overview", "ledger",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import flags
 from ..config import ModelConfig, ParallelConfig, validate
 from ..parallel.pipeline import schedules as S
+from ..ui import flags
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 

@@ -30,9 +30,9 @@ WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def shapes_rank(rank: int, world: int) -> dict[str, Any]:
     from ..comm.ops import Traffic
-    from ..dist.grid import Grid
     from ..model import build_model
     from ..parallel.parallelize import parallelize_parts
+    from ..ranks.grid import Grid
 
     par = ParallelConfig(tp=world)
     grid = Grid.from_config(par, rank).connect(Traffic())

@@ -18,7 +18,7 @@ far below the matmul rate at small head dimensions. So instead of counting bytes
 3. sums the views-free ops per phase: (attention, element-wise) × (forward, backward) for a
    block, and forward/backward of the first and the last stage.
 
-GEMMs (``mm``, ``addmm``, ``bmm``) are left to the roofline's GEMM table (``fived.cli.machine``),
+GEMMs (``mm``, ``addmm``, ``bmm``) are left to the roofline's GEMM table (``fived.probe.machine``),
 timed the same way. A tp rank's block is traced as a whole block with its heads and MLP cut
 tp ways (``local_model``); context and expert cuts are not traced (they fall back to the
 roofline's byte count).

@@ -16,7 +16,7 @@ each with the runtime's threads per rank), each process times
   width-8 model in that layout, less its block and stage: the trainer's per-step cost
   outside the model (data slicing, gradient reduction and clipping, the optimizer's Python);
 * with a model too: the layout's GEMMs, and every other kernel of the runtime's forward and
-  backward (``fived.cli.kernels``), each at its shape, as the midpoint of a hot and a cold
+  backward (``fived.probe.kernels``), each at its shape, as the midpoint of a hot and a cold
   (caches flushed) timing; the dispatch those carry is taken off the per-block cost.
 
 With more ranks × threads than cores the probes run on as many processes as the cores hold
@@ -59,7 +59,7 @@ def sweep(seconds: float = 0.03, shapes: list | None = None, sync=None) -> dict:
         b = torch.randn(k, n, generator=g)
         sync()
         t = time_hot(lambda a=a, b=b: a @ b, seconds)
-        if shapes:  # a layout's GEMM inside a step: between hot and cold (fived.cli.kernels)
+        if shapes:  # a layout's GEMM inside a step: between hot and cold (fived.probe.kernels)
             sync()
             t = (t + time_cold(lambda a=a, b=b: a @ b, flush)) / 2
         rows.append((m, n, k, t))
@@ -139,7 +139,7 @@ def step_overhead(par, steps: int = 5) -> float | None:
     from dataclasses import replace as dc_replace
 
     from ..config import ConfigError, TrainConfig, validate
-    from ..dist.launch import run_local
+    from ..ranks.launch import run_local
     from ..train.trainer import train_rank
 
     m = _probe_model()
@@ -174,9 +174,9 @@ def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float =
     other kernels traced and timed (``kernels.measure``) where the block can be traced."""
     import os
 
-    from ..dist.launch import run_local, threads_per_rank
     from ..ledger import hardware as H
     from ..ledger.roofline import gemm_shapes
+    from ..ranks.launch import run_local, threads_per_rank
 
     base = H.this_machine(bench_json)
     shapes, layout = None, None
