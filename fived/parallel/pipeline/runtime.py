@@ -86,13 +86,18 @@ class _SplitLinear(TorchFunctionMode):
 
 
 def _weight_grads(records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-    """The deferred W: dW = dyᵀ·x per recorded linear, accumulated as autograd's AccumulateGrad
-    does (``W.grad = dW``, or ``W.grad += dW``), then W's post-accumulate hooks."""
+    """The deferred W: dW = dyᵀ·x per recorded linear (summed in record order over the uses of
+    one weight, as autograd sums a leaf's incoming gradients), accumulated as AccumulateGrad
+    does (``W.grad = dW``, or ``W.grad += dW``), then W's post-accumulate hooks, once."""
+    dws: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.no_grad():
         for x, y, w in records:
             if y.grad is None:
                 continue
             dw = y.grad.reshape(-1, y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(y.dtype)
+            prev = dws.get(id(w))
+            dws[id(w)] = (w, dw if prev is None else prev[1] + dw)
+        for w, dw in dws.values():
             if w.grad is None:
                 w.grad = dw
             else:
