@@ -5,7 +5,8 @@ each equal to the one-rank run to 1e-5 relative over 5 steps (losses) and in eve
 parameter's gathered first-step gradient;
 pp bytes = activation + gradient bytes per boundary per micro-batch; one step's gradients
 outside the training loop equal the one-rank gradients; the measured bubble of a
-sleep-dominated stage cost is within 15% of the formula. ``-m slow``: the full matrix
+sleep-dominated stage cost is within 15% of the formula; the split schedules' deferred W gives
+the bits one ordinary backward gives. ``-m slow``: the full matrix
 pp ∈ {2, 4} × every schedule × m ∈ {pp, 2pp}, alone, with dp=2 and with tp=2.
 
 Several layouts of one world size run in one spawn (``train_many``) to save process start-ups.
