@@ -102,6 +102,7 @@ def _weight_grads(records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
                 w.grad = dw
             else:
                 w.grad += dw
+            # the hooks register_post_accumulate_grad_hook keeps on the tensor (torch's own dict)
             for hook in (w._post_accumulate_grad_hooks or {}).values():
                 hook(w)
 
