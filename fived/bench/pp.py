@@ -2,9 +2,10 @@
 
 ``fived bench pp [--pp 4] [--micro-batches 8] [--layers 8] [--reps 5] [--schedules zb-v,...]``
 (``--schedules``: only those pairs): one spawn of pp gloo ranks; for GPipe, 1F1B, interleaved
-1F1B (v=2 virtual stages per rank), ZB-V and DualPipe-V (two stages per rank in a V; torch's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``) both implementations run
-forward+backward of the same stage modules on the same micro-batches, alternating fived and
-torch repetition by repetition so that machine noise hits both alike; the step time is the
+1F1B (v=2 virtual stages per rank), ZB-V and DualPipe-V (two stages per rank in a V; torch's
+``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``) both implementations run forward+backward
+of the same stage modules on the same micro-batches, alternating fived and torch repetition by
+repetition so that machine noise hits both alike; the step time is the
 slowest rank's, the median over repetitions (after one warm-up each). Prints a header at once,
 one progress line per schedule, and a closing ratio table (fived / torch; ≤ 1.0 is the target)
 with the relative gap between the two implementations' gradients (the same work, checked) and
