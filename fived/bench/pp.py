@@ -1,10 +1,11 @@
 """fived's pipeline schedules against ``torch.distributed.pipelining`` on the same stages.
 
-``fived bench pp [--pp 4] [--micro-batches 8] [--layers 8] [--reps 5]``: one spawn of pp gloo ranks; for
-GPipe, 1F1B, interleaved 1F1B (v=2 virtual stages per rank), ZB-V and DualPipe-V (two stages
-per rank in a V; torch's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``) both implementations run
-forward+backward of the same stage modules on the same micro-batches, alternating fived and
-torch repetition by repetition so that machine noise hits both alike; the step time is the
+``fived bench pp [--pp 4] [--micro-batches 8] [--layers 8] [--reps 5] [--schedules zb-v,...]``
+(``--schedules``: only those pairs): one spawn of pp gloo ranks; for GPipe, 1F1B, interleaved
+1F1B (v=2 virtual stages per rank), ZB-V and DualPipe-V (two stages per rank in a V; torch's
+``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``) both implementations run forward+backward
+of the same stage modules on the same micro-batches, alternating fived and torch repetition by
+repetition so that machine noise hits both alike; the step time is the
 slowest rank's, the median over repetitions (after one warm-up each). Prints a header at once,
 one progress line per schedule, and a closing ratio table (fived / torch; ≤ 1.0 is the target)
 with the relative gap between the two implementations' gradients (the same work, checked) and
@@ -51,7 +52,7 @@ def _wrap(m: Any, positions: Any) -> Any:
 
 
 def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: int,
-          reps: int) -> list:
+          reps: int, only: tuple[str, ...] = ()) -> list:
     import torch
     import torch.distributed as dist
     from torch.distributed import pipelining as tp
@@ -71,7 +72,8 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
     scale = 1.0 / (batch * cfg.seq_len)
     rows = []
     for ours, theirs, v in PAIRS:
-        if cfg.layers % (world * v) or (ours == "dualpipe-v" and m < 2 * world):
+        if (cfg.layers % (world * v) or (ours == "dualpipe-v" and m < 2 * world)
+                or (only and ours not in only)):
             continue
         par = ParallelConfig(pp=world, micro_batches=m, schedule=ours, virtual_stages=v)
         grid = Grid.from_config(par, rank).connect(Traffic())
@@ -145,17 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5,
                     help="timed repetitions per implementation and schedule, after one warm-up; "
                     "the median is reported (default 5)")
+    ap.add_argument("--schedules", default="", help="comma-separated subset of "
+                    f"{', '.join(p[0] for p in PAIRS)} (default: all)")
     ap.add_argument("--json", action="store_true", help="also print the fived.bench JSON "
                     "document (docs/benchmarks.md) as the last line")
     argv = sys.argv[1:] if argv is None else argv
     a = flags.parse(ap, argv)
+    only = tuple(x for x in a.schedules.split(",") if x)
+    unknown = set(only) - {p[0] for p in PAIRS}
+    if unknown:
+        ap.error(f"--schedules: no torch peer for {', '.join(sorted(unknown))}")
     from ..ranks.launch import run_local
 
     print(f"fived bench pp: {a.model} with {a.layers} layers, pp={a.pp}, m={a.micro_batches}, "
           f"batch {a.global_batch}; "
           f"fived vs torch.distributed.pipelining, median of {a.reps} reps", flush=True)
-    rows: Any = run_local(_rank, a.pp, (a.model, a.layers, a.micro_batches, a.global_batch, a.reps),
-                          timeout=600, collective_timeout=120)[0]
+    args = (a.model, a.layers, a.micro_batches, a.global_batch, a.reps, only)
+    rows: Any = run_local(_rank, a.pp, args, timeout=600, collective_timeout=120)[0]
     from rich.console import Console
     from rich.table import Table
 

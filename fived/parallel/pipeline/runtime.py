@@ -9,8 +9,9 @@
   next message is prefetched while it computes). ``schedules.check`` proves the lists are
   deadlock-free under exactly this model (sends never block, receives wait for their send).
 * **Freeing.** A stage output's storage is released (``untyped_storage().resize_(0)``; the
-  autograd graph keeps its metadata) as soon as its send has completed: the last op of a
-  stage is a residual add, which saves nothing for backward. Input gradients likewise.
+  autograd graph keeps its metadata) once its send has completed (checked after every action,
+  oldest send first per peer): the last op of a stage is a residual add, which saves nothing
+  for backward. Input gradients likewise.
 * **Loss.** The last stage computes Σ CE over the micro-batch's local tokens and backpropagates
   ``loss · scale`` (scale = 1/global_tokens): the summed gradients equal the one-rank gradient
   for any number of micro-batches and any schedule.
@@ -27,7 +28,9 @@
   every parameter])``: it computes the input gradient, dL/dy of each linear and the gradients
   of the parameters that are not linear weights (norms, embedding), but no weight gradient
   (the weights are detached from the graph). W computes dW = dyᵀ·x for each recorded linear
-  and accumulates it with ``torch.autograd.backward(W, dW)`` so post-accumulate hooks fire.
+  (the kernel autograd's mm backward runs, so the same bits) and accumulates it as autograd's
+  AccumulateGrad would (``W.grad = dW``, or ``W.grad += dW``), then runs W's post-accumulate
+  hooks (the engines' bucket hooks): no autograd pass for the weights.
   Under full recompute the forward is not split (a checkpointed block must save the same
   tensors when it reruns): every B is the whole backward and W has nothing to do.
   A B directly followed by its own W in the list (DualPipe-V's full backwards, written
@@ -82,6 +85,28 @@ class _SplitLinear(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _weight_grads(records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """The deferred W: dW = dyᵀ·x per recorded linear (summed in record order over the uses of
+    one weight, as autograd sums a leaf's incoming gradients), accumulated as AccumulateGrad
+    does (``W.grad = dW``, or ``W.grad += dW``), then W's post-accumulate hooks, once."""
+    dws: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad():
+        for x, y, w in records:
+            if y.grad is None:
+                continue
+            dw = y.grad.reshape(-1, y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(y.dtype)
+            prev = dws.get(id(w))
+            dws[id(w)] = (w, dw if prev is None else prev[1] + dw)
+        for w, dw in dws.values():
+            if w.grad is None:
+                w.grad = dw
+            else:
+                w.grad += dw
+            # the hooks register_post_accumulate_grad_hook keeps on the tensor (torch's own dict)
+            for hook in (w._post_accumulate_grad_hooks or {}).values():
+                hook(w)
+
+
 class _P2P:
     """Activation/gradient messages on the pp group; FIFO per peer, one receive in flight."""
 
@@ -100,7 +125,7 @@ class _P2P:
         self.next = defaultdict(int)  # next message index to post, per peer
         self.posted: dict[int, deque] = defaultdict(deque)
         self.arrived: dict[tuple, torch.Tensor] = {}
-        self.sends: list[tuple[Any, list[torch.Tensor]]] = []
+        self.sends: dict[int, deque] = defaultdict(deque)  # (handle, tensors to free), per peer
         self.send_times: list[float] = []
         self.waits: list[tuple[tuple, float, float]] = []  # (message, start, end)
 
@@ -130,27 +155,30 @@ class _P2P:
     def send(self, t: torch.Tensor, dst: int, free: list[torch.Tensor]) -> None:
         self.send_times.append(time.time())
         h = ops.exchange(self.group, [(t, dst)], [], async_op=True)
-        self.sends.append((h, free))
+        self.sends[dst].append((h, free))
         self.poll()
 
     def poll(self) -> None:
-        """Free the storage of every tensor whose send has completed."""
-        keep = []
-        for h, free in self.sends:
-            if h.work is None or all(w.is_completed() for w in h.work):
-                h.wait()
-                for t in free:
-                    t.untyped_storage().resize_(0)
-            else:
-                keep.append((h, free))
-        self.sends = keep
+        """Free the storage of the sends that have completed, oldest first per peer (the wire
+        is FIFO per peer: the first one still in flight ends the check for that peer)."""
+        for pending in self.sends.values():
+            while pending and _done(pending[0][0]):
+                _free(*pending.popleft())
 
     def drain(self) -> None:
-        for h, free in self.sends:
-            h.wait()
-            for t in free:
-                t.untyped_storage().resize_(0)
-        self.sends = []
+        for pending in self.sends.values():
+            while pending:
+                _free(*pending.popleft())
+
+
+def _done(h: Any) -> bool:
+    return h.work is None or all(w.is_completed() for w in h.work)
+
+
+def _free(h: Any, tensors: list[torch.Tensor]) -> None:
+    h.wait()
+    for t in tensors:
+        t.untyped_storage().resize_(0)
 
 
 class PipelineExecutor:
@@ -304,17 +332,7 @@ class PipelineExecutor:
                     live[a.stage] -= 1  # its B was the whole backward
                 elif a.kind == "W":
                     engine.set_last_micro(i in self.final)
-                    rec = records.pop(key)
-                    ws, dws = [], []
-                    for xin, yout, w in rec:
-                        if yout.grad is None:
-                            continue
-                        dws.append(yout.grad.reshape(-1, yout.shape[-1]).t()
-                                   @ xin.reshape(-1, xin.shape[-1]).to(yout.dtype))
-                        ws.append(w)
-                    if ws:
-                        torch.autograd.backward(ws, dws)
-                    del rec, ws, dws
+                    _weight_grads(records.pop(key))
                     live[a.stage] -= 1
                 end_(c, a.kind, self.next_chunk[i])
                 if self.delay.get(a.kind):
