@@ -632,14 +632,24 @@ def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
                  ) -> dict[str, float]:
     """Transient buffers, by dimension (the engine reports the ZeRO ones as ``buffers``).
 
-    ZeRO-2/3 hold a bucket's full-size gradient buffer from its first gradient until its
-    reduce-scatter; the reduce-scatter runs on the last micro-batch, so with m > 1 every bucket's
-    full buffer lives through the accumulation (as large as ZeRO-1's grads), with m = 1 about
-    three buckets are in flight. ZeRO-3 also holds the gathered unit in use and the prefetched
-    next one; without pp, the root unit (embedding, norm, head) stays gathered for the whole
-    step and its gradient bucket lives through the whole backward, on top of both. ZeRO-2/3
-    without pp or ep agree with the engine's measured ``buffers`` to the byte in the dry run
-    (``fived.ledger.verify.compare_dry_extras``)."""
+    ZeRO-2/3 (``zero_full_grads``, ``zero3_gather``): the full-gradient bytes and the gathered
+    parameter bytes at the step's peak of the two together, from ``zero_buffer_peak``'s
+    replay of the engine's lifecycle, not a formula: a bucket's full gradient buffer lives
+    from its first gradient to its reduce-scatter's wait; the two reduction groups (dense,
+    expert) each launch in their own order and keep at most two in flight (the third launch
+    waits for the first); the reduce-scatters run on the last micro-batch, so with m > 1
+    every buffer lives through the accumulation. ZeRO-3 without pp adds the unit in use, the
+    prefetched next one and the root (embedding, norm, head: gathered at the start of forward
+    and of backward, its gradient bucket, holding the head's gradient first and the
+    embedding's last, alive through the whole backward); with pp the rank's chunk is whole
+    whenever a gradient arrives. The dry run (``fived.ledger.verify.compare_dry_extras``)
+    finds the replay exact to the byte on every distinct rank: tiny, tiny-moe and small;
+    dp2, dp2·ep2, dp4·ep2, pp2·dp2, pp2·dp2·ep2; zero 2 and 3; m = 1, 2; --no-overlap;
+    --recompute full; --zero3-pp-gather step and micro. With several pipeline chunks per rank
+    (interleaved, zb-v, dualpipe-v) it is estimated: every gradient buffer with m > 1 (else
+    the three largest) and every chunk gathered (per step) or the largest (per micro-batch);
+    exact in the dry run except ZeRO-3 per micro-batch, where it bounds from above
+    (``verify.buffers_check_skipped``)."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
