@@ -71,6 +71,58 @@ def test_zero_buffers_are_compared_with_the_ledger(monkeypatch, zero):
     assert bad and all("buffers" in line for line in bad), bad
 
 
+# every case the ledger's replay (``memory.zero_buffer_peak``) must match to the byte: two
+# reduction groups in flight at once (experts over ep), micro-batches, pp with one chunk
+BUFFER_CASES = [
+    ("tiny-moe", dict(dp=2, ep=2, zero=3), 4),
+    ("tiny-moe", dict(dp=2, ep=2, zero=2), 4),
+    ("tiny-moe", dict(dp=2, zero=3), 4),
+    ("tiny-moe", dict(dp=2, ep=2, zero=3, micro_batches=2), 8),
+    ("tiny-moe", dict(pp=2, dp=2, ep=2, zero=3, micro_batches=2, zero3_pp_gather="micro"), 8),
+    ("tiny", dict(pp=2, dp=2, zero=3), 4),
+    ("tiny", dict(pp=2, dp=2, zero=3, virtual_stages=2, schedule="interleaved",
+                  micro_batches=2), 4),
+]
+
+
+@pytest.mark.parametrize("model,kw,gb", BUFFER_CASES)
+def test_zero_buffers_exact_with_ep_and_pp(model, kw, gb):
+    """The unbroken runtime's ``buffers`` peak equals the ledger's on every distinct rank
+    (nothing skipped: the check runs)."""
+    from fived.ledger import verify
+
+    par = ParallelConfig(**kw)
+    assert verify.buffers_check_skipped(preset(model), par) is None
+    assert _bad(model, par, TrainConfig(global_batch=gb)) == []
+
+
+def test_zero3_buffers_leak_with_experts_over_ep_is_caught(monkeypatch):
+    """ZeRO-3 with experts over ep: an expert bucket's buffer held twice is caught."""
+    from fived.parallel.data import zero12
+
+    par = ParallelConfig(dp=2, ep=2, zero=3)
+    orig = zero12.Zero2.ensure_grad
+
+    def held_twice(self, b):
+        fresh = b.grad is None
+        g = orig(self, b)
+        if fresh and b.group_name == "expert":
+            self.hold(g.numel() * g.element_size())
+        return g
+
+    monkeypatch.setattr(zero12.Zero2, "ensure_grad", held_twice)
+    bad = _bad("tiny-moe", par)
+    assert bad and all("buffers" in line for line in bad), bad
+
+
+def test_zero3_micro_gathers_with_several_chunks_stay_skipped():
+    from fived.ledger import verify
+
+    par = ParallelConfig(pp=2, dp=2, zero=3, virtual_stages=2, schedule="interleaved",
+                         micro_batches=2, zero3_pp_gather="micro")
+    assert "schedule" in verify.buffers_check_skipped(preset("tiny"), par)
+
+
 # ------------------------------------------------------------------------ traffic
 def test_an_extra_collective_of_another_op_is_caught(monkeypatch):
     """DDP's gradient all-reduce replaced, where the bucket divides, by a reduce-scatter and an

@@ -468,47 +468,200 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
 
 # ------------------------------------------------------------------------ buffers
+@lru_cache(maxsize=4096)
+def zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
+                     ) -> tuple[int, int] | None:
+    """(full-gradient bytes, gathered-parameter bytes) at the peak of ZeRO-2/3's transient
+    buffers, from a replay of the engine's lifecycle (``fived.parallel.data``: ``Zero2``,
+    ``Zero3``) on the ledger's buckets; None where it is not replayed (ZeRO-2/3 with more than
+    one pipeline chunk per rank: the schedule's order of the chunks' backwards decides).
+
+    The replay, per micro-batch (gradients arrive in reverse registration order, the order the
+    engine lays its buckets out in):
+
+    * ZeRO-3 forward (pp = 1): gather the root, prefetch block 0; before block i gather it and
+      prefetch block i+1, free it after; free the root. Backward: gather the root, prefetch
+      the last block; at a block's first gradient gather it and prefetch the one before; a
+      unit is freed when its last gradient is in (the root at the embedding's, the last).
+      With pp the rank's one chunk is gathered around every F and B (per step: all step),
+      so it is whole whenever a gradient arrives.
+    * a bucket's full gradient buffer is allocated at its first gradient (any micro-batch);
+      on the last micro-batch a bucket launches when it and every earlier bucket of its group
+      (dense, expert: each its own launch sequence) are complete, and the k-th launch of a
+      group waits for the (k−2)-th, releasing its buffer (at most two in flight per group);
+      the rest are released after the backward.
+    * ``--no-overlap``: no launch during backward, no prefetch ahead."""
+    if par.zero < 2 or max(group_sizes(par).values()) <= 1:
+        return (0, 0)
+    if par.pp > 1 and len(rank_stages(par, pp_rank)) > 1:
+        return None
+    from .params import param_list
+
+    bks = buckets(m, par, pp_rank)
+    gb, pb = grad_bytes(par), param_bytes(par)
+    plist = list(reversed(param_list(m, par, pp_rank)))  # the gradients' arrival order
+    where: list[int] = []  # the bucket of each gradient, in arrival order
+    if par.zero == 3:
+        unit = _zero3_unit(m, par)
+        index = {(b.unit, b.group): i for i, b in enumerate(bks)}
+        where = [index[(unit(n), "expert" if ex else "dense")] for n, _, ex in plist]
+    else:
+        cap = max(1, int(par.bucket_mb * 2**20 / gb))
+        groups: dict[str, list[int]] = {}
+        for k, (_, _, ex) in enumerate(plist):
+            groups.setdefault("expert" if ex else "dense", []).append(k)
+        where = [0] * len(plist)
+        i = 0
+        for ks in groups.values():
+            start = 0
+            for piece in split_sizes([plist[k][1] for k in ks], cap):
+                for k in ks[start:start + len(piece)]:
+                    where[k] = i
+                start += len(piece)
+                i += 1
+    nparams = [where.count(i) for i in range(len(bks))]
+    seqs: dict[str, list[int]] = {}
+    for i, b in enumerate(bks):
+        seqs.setdefault(b.group, []).append(i)
+    # ZeRO-3 gather units: blocks (pp = 1) or the one chunk, and the root (-1)
+    ubytes: dict[int, int] = {}
+    for b in bks:
+        ubytes[b.unit] = ubytes.get(b.unit, 0) + b.padded * pb
+    nblocks = sorted(u for u in ubytes if u >= 0) if par.pp == 1 else []
+    uparams: dict[int, int] = {}
+    for i, b in enumerate(bks):
+        uparams[b.unit] = uparams.get(b.unit, 0) + nparams[i]
+    grads: set[int] = set()  # buckets whose full gradient buffer is held
+    gathered: set[int] = set()  # gathered units
+    live = [0, 0]  # bytes held: gradients, parameters
+    peak = [0, 0]
+
+    def hold(kind: int, n: int) -> None:
+        live[kind] += n
+        if sum(live) > sum(peak):
+            peak[:] = live
+
+    def gather(u: int | None) -> None:
+        if u is not None and u in ubytes and u not in gathered:
+            gathered.add(u)
+            hold(1, ubytes[u])
+
+    def free(u: int) -> None:
+        if u in gathered:
+            gathered.discard(u)
+            live[1] -= ubytes[u]
+
+    def drop(i: int) -> None:
+        if i in grads:
+            grads.discard(i)
+            live[0] -= bks[i].padded * gb
+
+    def prefetch(u: int | None) -> None:
+        if par.overlap:
+            gather(u)
+
+    def nxt(u: int, step: int) -> int | None:
+        k = nblocks.index(u) + step
+        return nblocks[k] if 0 <= k < len(nblocks) else None
+
+    zero3_flat = par.zero == 3 and par.pp == 1
+    for micro in range(par.micro_batches):
+        last = micro == par.micro_batches - 1
+        if par.zero == 3 and par.pp > 1:
+            gather(next(iter(ubytes)))  # the chunk, whole through its F and B
+        if zero3_flat:  # forward
+            gather(-1)
+            prefetch(nblocks[0] if nblocks else None)
+            for u in nblocks:
+                gather(u)
+                prefetch(nxt(u, 1))
+                free(u)
+            free(-1)
+            gather(-1)  # backward
+            prefetch(nblocks[-1] if nblocks else None)
+        done = [0] * len(bks)
+        udone: dict[int, int] = {}
+        launched = {g: 0 for g in seqs}
+        block = None
+        for i in where:
+            u = bks[i].unit
+            if zero3_flat and u >= 0 and u != block:  # the block's pre-backward hook
+                block = u
+                gather(u)
+                prefetch(nxt(u, -1))
+            if i not in grads:
+                grads.add(i)
+                hold(0, bks[i].padded * gb)
+            if zero3_flat:
+                udone[u] = udone.get(u, 0) + 1
+                if udone[u] == uparams[u]:
+                    free(u)
+            done[i] += 1
+            if not (last and par.overlap) or done[i] < nparams[i]:
+                continue
+            seq = seqs[bks[i].group]
+            while launched[bks[i].group] < len(seq) and done[seq[launched[bks[i].group]]] == \
+                    nparams[seq[launched[bks[i].group]]]:
+                launched[bks[i].group] += 1
+                k = launched[bks[i].group]
+                if k > 2:
+                    drop(seq[k - 3])
+    return peak[0], peak[1]
+
+
+def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int
+                           ) -> dict[str, float]:
+    """ZeRO-2/3 with several pipeline chunks per rank (not replayed): every bucket's buffer
+    with m > 1 (else the three largest) and, ZeRO-3, every chunk gathered (per step) or one."""
+    bks = buckets(m, par, pp_rank)
+    gb = grad_bytes(par)
+    sizes = [b.padded for b in bks]
+    out = {"zero_full_grads": float((sum(sizes) if par.micro_batches > 1 else
+                                     sum(sorted(sizes, reverse=True)[:3])) * gb)}
+    if par.zero == 3:
+        units: dict[int, int] = {}
+        for b in bks:
+            units[b.unit] = units.get(b.unit, 0) + b.padded
+        whole = len(units) if par.zero3_pp_gather == "step" else 1
+        out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole])
+                                    * param_bytes(par))
+    return out
+
+
 def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0
                  ) -> dict[str, float]:
     """Transient buffers, by dimension (the engine reports the ZeRO ones as ``buffers``).
 
-    ZeRO-2/3 hold a bucket's full-size gradient buffer from its first gradient until its
-    reduce-scatter; the reduce-scatter runs on the last micro-batch, so with m > 1 every bucket's
-    full buffer lives through the accumulation (as large as ZeRO-1's grads), with m = 1 about
-    three buckets are in flight. ZeRO-3 also holds the gathered unit in use and the prefetched
-    next one; without pp, the root unit (embedding, norm, head) stays gathered for the whole
-    step and its gradient bucket lives through the whole backward, on top of both. ZeRO-2/3
-    without pp or ep agree with the engine's measured ``buffers`` to the byte in the dry run
-    (``fived.ledger.verify.compare_dry_extras``)."""
+    ZeRO-2/3 (``zero_full_grads``, ``zero3_gather``): the full-gradient bytes and the gathered
+    parameter bytes at the step's peak of the two together, from ``zero_buffer_peak``'s
+    replay of the engine's lifecycle, not a formula: a bucket's full gradient buffer lives
+    from its first gradient to its reduce-scatter's wait; the two reduction groups (dense,
+    expert) each launch in their own order and keep at most two in flight (the third launch
+    waits for the first); the reduce-scatters run on the last micro-batch, so with m > 1
+    every buffer lives through the accumulation. ZeRO-3 without pp adds the unit in use, the
+    prefetched next one and the root (embedding, norm, head: gathered at the start of forward
+    and of backward, its gradient bucket, holding the head's gradient first and the
+    embedding's last, alive through the whole backward); with pp the rank's chunk is whole
+    whenever a gradient arrives. The dry run (``fived.ledger.verify.compare_dry_extras``)
+    finds the replay exact to the byte on every distinct rank: tiny, tiny-moe and small;
+    dp2, dp2·ep2, dp4·ep2, pp2·dp2, pp2·dp2·ep2; zero 2 and 3; m = 1, 2; --no-overlap;
+    --recompute full; --zero3-pp-gather step and micro. With several pipeline chunks per rank
+    (interleaved, zb-v, dualpipe-v) it is estimated: every gradient buffer with m > 1 (else
+    the three largest) and every chunk gathered (per step) or the largest (per micro-batch);
+    exact in the dry run except ZeRO-3 per micro-batch, where it bounds from above
+    (``verify.buffers_check_skipped``)."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
     out: dict[str, float] = {}
     if par.zero >= 2 and max(group_sizes(par).values()) > 1:
-        bks = buckets(m, par, pp_rank)
-        gb = grad_bytes(par)
-        # ZeRO-3 without pp: the root (embedding, norm, head) is gathered for the whole
-        # forward and backward, and its gradient bucket (the head's gradient comes first, the
-        # embedding's last) lives through the whole backward — both on top of the blocks'
-        # (measured exactly by the dry run at tiny and small, dp2, one group)
-        root_stays = par.zero == 3 and par.pp == 1
-        root = sum(b.padded for b in bks if b.unit == -1) if root_stays else 0
-        rest = [b.padded for b in bks if not (root_stays and b.unit == -1)]
-        if par.micro_batches > 1:
-            out["zero_full_grads"] = float(sum(b.padded for b in bks) * gb)
+        sim = zero_buffer_peak(m, par, pp_rank)
+        if sim is not None:
+            out["zero_full_grads"] = float(sim[0])
+            if par.zero == 3:
+                out["zero3_gather"] = float(sim[1])
         else:
-            out["zero_full_grads"] = float((root + sum(sorted(rest, reverse=True)[:3])) * gb)
-        if par.zero == 3:
-            units: dict[int, int] = {}
-            for b in bks:
-                if not (root_stays and b.unit == -1):
-                    units[b.unit] = units.get(b.unit, 0) + b.padded
-            # the unit in use and the prefetched next (+ the root); pp: every chunk (per
-            # step) or one
-            whole = (len(units) if par.pp > 1 and par.zero3_pp_gather == "step" else
-                     1 if par.pp > 1 else 2)
-            out["zero3_gather"] = float((root + sum(sorted(units.values(), reverse=True)[:whole]))
-                                        * param_bytes(par))
+            out.update(_zero_buffers_estimate(m, par, pp_rank))
     if par.pp > 1:
         out["pp_p2p"] = 2 * tokens * m.hidden * e / (par.tp if sp else 1)
     if sp:
