@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -300,6 +301,8 @@ def test_bench_cp_runs(capsys):
 
     assert bench.main(["--cp", "2", "--seq", "128", "--heads", "4", "--kv-heads", "2",
                        "--head-dim", "8", "--iters", "1", "--warmup", "0", "--json"]) == 0
-    text = capsys.readouterr().out
-    assert "fived bench cp" in text and "ring-contiguous" in text and "= formula" in text
+    cap = capsys.readouterr()
+    text = cap.out + cap.err  # with --json the table goes to stderr, the document to stdout
+    assert "fived bench cp" in cap.err and "ring-contiguous" in text and "= formula" in text
+    assert json.loads(cap.out.strip().splitlines()[-1])["bench"] == "cp"
     assert bench.main(["--cp", "3", "--seq", "64"]) == 2  # 64 is not divisible by 2·3
