@@ -153,3 +153,34 @@ def test_bad_routing_config_exits_2(tmp_path, body, field):
 def test_validate_names_first_dense_layers():
     with pytest.raises(ConfigError, match="first_dense_layers"):
         validate(replace(BASE, first_dense_layers=BASE.layers), ParallelConfig())
+
+
+# ------------------------------------------------------------------------ ledger exactness
+
+@pytest.mark.parametrize("par", [ParallelConfig(ep=2, tp=2),
+                                 ParallelConfig(ep=2, pp=2, micro_batches=2),
+                                 ParallelConfig(ep=2, dp=2, zero=3)],
+                         ids=["ep2-tp2", "ep2-pp2", "ep2-dp2-zero3"])
+def test_first_dense_layers_dry_run_matches_ledger(par):
+    """States, activations and traffic of every distinct rank equal the ledger's exactly."""
+    from fived.config import TrainConfig
+    from fived.ledger import verify
+    from fived.train.dryrun import distinct_ranks, dry_run
+
+    m = replace(BASE, first_dense_layers=1, router="sigmoid", norm_topk_prob=False)
+    out = dry_run(m, par, TrainConfig(global_batch=4), distinct_ranks(par), show=False)
+    assert verify.compare_record(m, par, 4, out) == []
+
+
+def test_first_dense_layers_ledger_counts():
+    from fived.ledger.params import active_params, param_counts, param_list
+
+    m = replace(BASE, first_dense_layers=1)
+    net = build_model(m, 7)
+    c = param_counts(m)
+    assert c["total"] == sum(p.numel() for p in net.parameters())
+    assert c["expert"] == sum(p.numel() for n, p in net.named_parameters() if ".experts." in n)
+    names = [n for n, _, _ in param_list(m, ParallelConfig())]
+    assert names == [n for n, _ in net.named_parameters()]
+    dense = sum(p.numel() for n, p in net.named_parameters() if ".experts." not in n)
+    assert active_params(m) == dense + (m.layers - 1) * m.top_k * 3 * m.hidden * m.expert_ffn
