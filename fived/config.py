@@ -535,6 +535,9 @@ def _check_experts(p: list[str], model: ModelConfig, par: ParallelConfig, world:
         _divides(p, par.ep, model.experts, "experts over ep", "pick an ep dividing the experts")
         if not 1 <= model.top_k <= model.experts:
             p.append(f"top_k {model.top_k} must be in [1, experts={model.experts}]")
+        if model.balance == "bias":  # the selection bias is built, its per-step update not yet
+            p.append("balance = \"bias\" (loss-free balancing): the per-step bias update is not "
+                     "built yet; use balance = \"aux_loss\"")
         if model.first_dense_layers >= model.layers:
             p.append(f"first_dense_layers {model.first_dense_layers} must be < layers "
                      f"{model.layers} (a MoE model needs at least one MoE block; use "
