@@ -51,6 +51,8 @@ MASTER_WEIGHTS = ("fp32", "none", "sr", "kahan")
 MLPS = ("swiglu", "gelu")  # Llama's gated MLP (3 matrices) | GPT's (2 matrices)
 POSITIONS = ("rope", "learned")  # rotary | a learned position table (GPT)
 NORMS = ("rmsnorm", "layernorm")  # gain only | gain and bias (GPT)
+ROUTERS = ("softmax", "sigmoid")  # MoE routing scores
+BALANCES = ("aux_loss", "bias")  # MoE load balancing: the balance loss | loss-free bias
 DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
 DEFAULT_WORLD = 4  # ranks `fived train` starts when nothing says otherwise
 
@@ -89,6 +91,17 @@ class ModelConfig:
     capacity_factor: float = spec(0.0, "expert capacity factor (0: dropless)", flag="", ge=0)
     aux_loss_coef: float = spec(0.01, "load-balancing loss weight", flag="", ge=0)
     z_loss_coef: float = spec(0.001, "router z-loss weight", flag="", ge=0)
+    norm_topk_prob: bool = spec(True, "renormalise the top-k routing weights to sum to 1 "
+                                      "(false: use the scores as they are, Qwen2-MoE)", flag="")
+    router: str = spec("softmax", "routing scores: softmax (Mixtral, Qwen) or sigmoid "
+                                  "(DeepSeek-V3)", flag="", choices=ROUTERS)
+    first_dense_layers: int = spec(0, "the first N blocks use a dense MLP (width ffn) instead "
+                                      "of the MoE (DeepSeek-MoE)", flag="", ge=0)
+    balance: str = spec("aux_loss", "load balancing: aux_loss (the balance loss) or bias "
+                                    "(loss-free, DeepSeek-V3: a per-expert selection bias)",
+                        flag="", choices=BALANCES)
+    bias_update_rate: float = spec(0.001, "balance = bias: the bias step per optimizer step",
+                                   flag="", ge=0)
     # GPT-style shapes: the ledger describes them (exact parameter counts, FLOPs, time); the
     # runtime trains the Llama-style defaults only (``check_runtime_model``). Multi-head vs
     # grouped-query attention is kv_heads == heads vs fewer.
@@ -112,10 +125,21 @@ class ModelConfig:
     def expert_ffn(self) -> int:
         return self.moe_ffn or self.ffn
 
+    @property
+    def moe_layers(self) -> int:
+        """Blocks with a MoE feed-forward (the first ``first_dense_layers`` are dense)."""
+        return max(self.layers - self.first_dense_layers, 0) if self.is_moe else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.first_dense_layers
+
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     "tiny-moe": ModelConfig(name="tiny-moe", ffn=96, experts=4, top_k=2),
+    # Qwen3-MoE's routing (softmax, top-k renormalised) on tiny shapes, for tests
+    "qwen3-moe-tiny": ModelConfig(name="qwen3-moe-tiny", ffn=96, moe_ffn=32, experts=8,
+                                  top_k=4, norm_topk_prob=True, router="softmax"),
     "small": ModelConfig(
         name="small", vocab=256, hidden=128, layers=8, heads=8, kv_heads=4, ffn=352, seq_len=128
     ),
@@ -511,6 +535,13 @@ def _check_experts(p: list[str], model: ModelConfig, par: ParallelConfig, world:
         _divides(p, par.ep, model.experts, "experts over ep", "pick an ep dividing the experts")
         if not 1 <= model.top_k <= model.experts:
             p.append(f"top_k {model.top_k} must be in [1, experts={model.experts}]")
+        if model.balance == "bias":  # the selection bias is built, its per-step update not yet
+            p.append("balance = \"bias\" (loss-free balancing): the per-step bias update is not "
+                     "built yet; use balance = \"aux_loss\"")
+        if model.first_dense_layers >= model.layers:
+            p.append(f"first_dense_layers {model.first_dense_layers} must be < layers "
+                     f"{model.layers} (a MoE model needs at least one MoE block; use "
+                     "experts = 0 for a dense model)")
 
 
 def _check_batch(p: list[str], par: ParallelConfig, train: TrainConfig) -> None:

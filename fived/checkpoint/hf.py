@@ -101,6 +101,12 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     if cfg.is_moe and cfg.shared_expert:
         problems.append("export: this MoE has a shared expert; transformers' Mixtral has none "
                         "(no MixtralForCausalLM can hold it)")
+    if cfg.is_moe:  # Mixtral routes softmax, top-k renormalised, every block MoE, no bias
+        for f, want in (("norm_topk_prob", True), ("router", "softmax"),
+                        ("first_dense_layers", 0), ("balance", "aux_loss")):
+            if getattr(cfg, f) != want:
+                problems.append(f"export: {f} = {getattr(cfg, f)!r}; transformers' Mixtral "
+                                f"has only {f} = {want!r}")
     if problems:
         raise ConfigError(problems)
     out: dict[str, Any] = {

@@ -22,12 +22,12 @@ FLOPs; a 7B model on 1T tokens is 6·7e9·1e12 = 4.2e22 FLOPs — at 400 TFLOP/s
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .params import block_matmul_params
+from .params import block_matmul_params, layers_matmul_params
 
 
 def matmul_params(m: ModelConfig) -> int:
     """Parameters touched by one token's matrix multiplies (active experts only)."""
-    return m.layers * block_matmul_params(m) + m.hidden * m.vocab
+    return layers_matmul_params(m, range(m.layers)) + m.hidden * m.vocab
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int | None = None, causal: bool = False,
@@ -75,11 +75,16 @@ def training_seconds(flops: float, gpus: int, peak_flops: float, mfu: float = 1.
     return flops / (gpus * peak_flops * mfu)
 
 
-def stage_forward_flops_per_token(m: ModelConfig, layers: int, last: bool,
+def stage_forward_flops_per_token(m: ModelConfig, layers, last: bool,
                                   seq_len: int | None = None, causal: bool = False) -> float:
-    """Forward FLOPs per token for a pipeline piece of ``layers`` blocks (+ head when last)."""
-    f = 2.0 * block_matmul_params(m) * layers + attention_flops_per_token(m, seq_len, causal,
-                                                                         layers)
+    """Forward FLOPs per token for a pipeline piece of ``layers`` blocks (+ head when last):
+    their global ids (a model with ``first_dense_layers``), or a count of MoE-shaped blocks."""
+    if isinstance(layers, int):
+        mm, n = block_matmul_params(m) * layers, layers
+    else:
+        ids = list(layers)
+        mm, n = layers_matmul_params(m, ids), len(ids)
+    f = 2.0 * mm + attention_flops_per_token(m, seq_len, causal, n)
     if last:
         f += 2.0 * m.hidden * m.vocab
     return f

@@ -59,7 +59,7 @@ from functools import lru_cache
 from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, precision_of
 from .optimizers import opt_buckets
 from .optimizers import state_bytes as optimizer_state_bytes
-from .params import rank_stages, stage_layers
+from .params import layer_kinds, rank_stages, stage_layers
 
 GB = 1e9
 GIB = 2**30
@@ -442,21 +442,28 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     first, last = 0 in stages, n_stages - 1 in stages
     k = inflight_microbatches(par, pp_rank)
     k_first = k_last = k
-    layer_mbs = k * layers  # micro-batch × layers held
+    weights = [k] * len(stages)  # micro-batches in flight per chunk
     if par.pp > 1 and n_stages > par.pp:  # interleaved: each chunk its own count and layers
-        per_chunk = inflight_by_chunk(par, pp_rank)
-        layer_mbs = sum(c * len(split[s]) for c, s in zip(per_chunk, stages))
-        k_first, k_last = per_chunk[0], per_chunk[-1]
+        weights = inflight_by_chunk(par, pp_rank)
+        k_first, k_last = weights[0], weights[-1]
+    # micro-batch × layers held, by block shape (first_dense_layers: dense and MoE blocks)
+    kinds: dict[ModelConfig, int] = {}
+    for w, st in zip(weights, stages):
+        for c, n in layer_kinds(m, split[st]):
+            kinds[c] = kinds.get(c, 0) + w * n
+    kinds = kinds or {m: 0}
+    layer_mbs = sum(kinds.values())
     out: dict[str, float] = {}
     if par.recompute == "full":
         out["block_inputs"] = layer_mbs * block_input_bytes(m, par, micro_batch)
-        one = layer_activations(m, par, micro_batch, opts)
-        out["recompute_layer"] = sum(one.values()) if layers else 0.0
+        out["recompute_layer"] = max(
+            (sum(layer_activations(c, par, micro_batch, opts).values())
+             for c, n in kinds.items() if n), default=0.0) if layers else 0.0
     else:
-        per = (selective_layer if par.recompute == "selective" else layer_activations)(
-            m, par, micro_batch, opts)
-        for name, v in per.items():
-            out[name] = layer_mbs * v
+        fn = selective_layer if par.recompute == "selective" else layer_activations
+        for c, mbs in kinds.items():
+            for name, v in fn(c, par, micro_batch, opts).items():
+                out[name] = out.get(name, 0.0) + mbs * v
     for name, v in stage_extra_activations(m, par, micro_batch, first, last, opts).items():
         if name in ("final_norm", "logits", "targets"):
             out[name] = k_last * v  # held by the last (virtual) stage

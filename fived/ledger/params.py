@@ -34,13 +34,35 @@ out from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..config import V_SCHEDULES, ModelConfig, ParallelConfig
 
 
 # ------------------------------------------------------------------------ whole model
+def dense_block_cfg(m: ModelConfig) -> ModelConfig:
+    """The shape of a MoE model's first ``first_dense_layers`` blocks: a dense MLP of width
+    ``ffn`` (DeepSeek-MoE), i.e. the same model without experts."""
+    return replace(m, experts=0, first_dense_layers=0)
+
+
+def layer_cfg(m: ModelConfig, layer: int) -> ModelConfig:
+    """The shape block ``layer`` is built with (``m``, or ``dense_block_cfg`` for a leading
+    dense block of a MoE model)."""
+    return dense_block_cfg(m) if m.is_moe and layer < m.first_dense_layers else m
+
+
+def layer_kinds(m: ModelConfig, layers) -> list[tuple[ModelConfig, int]]:
+    """[(block shape, how many of ``layers`` (global ids) have it)] — one entry for a uniform
+    model, the dense and the MoE shape when ``first_dense_layers`` > 0."""
+    ids = list(layers)
+    dense = sum(1 for i in ids if m.is_moe and i < m.first_dense_layers)
+    if not dense:
+        return [(m, len(ids))]
+    return [(dense_block_cfg(m), dense), (m, len(ids) - dense)]
+
+
 def block_params(m: ModelConfig) -> dict[str, int]:
     """Parameters of one transformer block, by weight name (unsharded). GPT-style shapes
     (``mlp="gelu"``: up and down only; ``norm="layernorm"``: a bias per norm; ``bias``: a bias
@@ -74,7 +96,7 @@ def block_params(m: ModelConfig) -> dict[str, int]:
 
 def param_counts(m: ModelConfig) -> dict[str, int]:
     """Whole-model parameters by kind: embed, blocks (all layers), norm, head, and total."""
-    blocks = sum(block_params(m).values()) * m.layers
+    blocks = sum(sum(block_params(c).values()) * n for c, n in layer_kinds(m, range(m.layers)))
     embed = m.vocab * m.hidden
     head = 0 if m.tied_embeddings else m.hidden * m.vocab
     norm = m.hidden * (2 if m.norm == "layernorm" else 1)
@@ -83,7 +105,7 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
         out["positions"] = m.seq_len * m.hidden
     out["total"] = embed + blocks + norm + head + out.get("positions", 0)
     b = block_params(m)
-    out["expert"] = b.get("experts", 0) * m.layers
+    out["expert"] = b.get("experts", 0) * m.moe_layers
     out["dense"] = out["total"] - out["expert"]
     return out
 
@@ -97,7 +119,7 @@ def active_params(m: ModelConfig) -> int:
     c = param_counts(m)
     if not m.is_moe:
         return c["total"]
-    return c["total"] - c["expert"] + m.layers * m.top_k * 3 * m.hidden * m.expert_ffn
+    return c["total"] - c["expert"] + m.moe_layers * m.top_k * 3 * m.hidden * m.expert_ffn
 
 
 # ------------------------------------------------------------------------ pipeline split
@@ -114,6 +136,11 @@ def block_matmul_params(m: ModelConfig) -> int:
     return attn + mlp
 
 
+def layers_matmul_params(m: ModelConfig, layers) -> int:
+    """``block_matmul_params`` summed over the blocks ``layers`` (global ids)."""
+    return sum(block_matmul_params(c) * n for c, n in layer_kinds(m, layers))
+
+
 def _layer_cost(m: ModelConfig) -> float:
     return 2.0 * block_matmul_params(m) + 4.0 * m.seq_len * m.hidden
 
@@ -124,13 +151,18 @@ def balanced_split(m: ModelConfig, stages: int) -> tuple[int, ...]:
     the most even split — the pipeline's own rule (``fived.parallel.pipeline.stage``): a layer
     costs 2·(matmul params) + 4·s·h, the last stage adds the head 2·h·V + 5·V, the first the
     embedding h."""
-    L, lc = m.layers, _layer_cost(m)
+    L = m.layers
+    costs = [_layer_cost(layer_cfg(m, i)) for i in range(L)]  # dense leading blocks cost less
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
     hc, ec = 2.0 * m.hidden * m.vocab + 5.0 * m.vocab, float(m.hidden)
     if stages > L:
         raise ValueError(f"{stages} pipeline stages for {L} layers")
 
-    def cost(s: int, n: int) -> float:
-        return n * lc + (ec if s == 0 else 0.0) + (hc if s == stages - 1 else 0.0)
+    def cost(s: int, start: int, n: int) -> float:
+        return (pre[start + n] - pre[start] + (ec if s == 0 else 0.0)
+                + (hc if s == stages - 1 else 0.0))
 
     memo: dict[tuple[int, int], tuple[float, float, tuple[int, ...]]] = {}
 
@@ -139,12 +171,12 @@ def balanced_split(m: ModelConfig, stages: int) -> tuple[int, ...]:
         if key in memo:
             return memo[key]
         if s == stages - 1:
-            out = (cost(s, left), float(left * left), (left,))
+            out = (cost(s, L - left, left), float(left * left), (left,))
         else:
             out = None
             for n in range(1, left - (stages - s - 1) + 1):
                 mx, sq, rest = best(s + 1, left - n)
-                cand = (max(mx, cost(s, n)), sq + n * n, (n,) + rest)
+                cand = (max(mx, cost(s, L - left, n)), sq + n * n, (n,) + rest)
                 if out is None or cand[:2] < out[:2]:
                     out = cand
         memo[key] = out
@@ -188,6 +220,17 @@ def rank_stages(par: ParallelConfig, pp_rank: int) -> list[int]:
 def rank_layers(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> int:
     st = stage_layers(m, par)
     return sum(len(st[k]) for k in rank_stages(par, pp_rank))
+
+
+def rank_layer_ids(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> list[int]:
+    """Global ids of the blocks pipeline rank ``pp_rank`` holds, its stages in order."""
+    st = stage_layers(m, par)
+    return [i for k in rank_stages(par, pp_rank) for i in st[k]]
+
+
+def rank_moe_layers(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> int:
+    """MoE blocks on pipeline rank ``pp_rank`` (its blocks less the leading dense ones)."""
+    return sum(1 for i in rank_layer_ids(m, par, pp_rank) if m.is_moe_layer(i))
 
 
 # ------------------------------------------------------------------------ one rank's share
@@ -240,7 +283,7 @@ def block_params_local(m: ModelConfig, tp: int, ep: int) -> dict[str, int]:
 def expert_param_bytes(m: ModelConfig, ep: int, layers_on_rank: int | None = None,
                        dtype_bytes: int = 4) -> int:
     """Bytes of routed-expert weights one rank holds: layers · (E/ep) · 3 · h · ffn_e · b."""
-    layers = m.layers if layers_on_rank is None else layers_on_rank
+    layers = m.moe_layers if layers_on_rank is None else layers_on_rank
     return layers * (m.experts // ep) * 3 * m.hidden * m.expert_ffn * dtype_bytes
 
 
@@ -256,16 +299,18 @@ def rank_params(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> RankPa
     stages = rank_stages(par, pp_rank)
     n_stages = par.pp * max(1, par.virtual_stages)
     layers = rank_layers(m, par, pp_rank)
-    blk = block_params_local(m, tp, ep)
     bd: dict[str, int] = {}
-    for k, v in blk.items():
-        bd[k] = v * layers
-    rep = (blk["attn_norm"] + blk["mlp_norm"] + blk.get("router", 0)
-           + blk.get("experts", 0)) * layers
-    if tp > m.kv_heads:
-        rep += (blk["wk"] + blk["wv"]) * layers
-    if m.bias:  # the row-parallel biases (o_proj, down_proj) are whole on every tp rank
-        rep += 2 * m.hidden * layers if not m.is_moe else m.hidden * layers
+    rep = 0
+    for c, n in layer_kinds(m, rank_layer_ids(m, par, pp_rank)):
+        blk = block_params_local(c, tp, ep)
+        for k, v in blk.items():
+            bd[k] = bd.get(k, 0) + v * n
+        rep += (blk["attn_norm"] + blk["mlp_norm"] + blk.get("router", 0)
+                + blk.get("experts", 0)) * n
+        if tp > c.kv_heads:
+            rep += (blk["wk"] + blk["wv"]) * n
+        if c.bias:  # the row-parallel biases (o_proj, down_proj) are whole on every tp rank
+            rep += 2 * c.hidden * n if not c.is_moe else c.hidden * n
     if 0 in stages:
         bd["embed"] = m.vocab * m.hidden // tp
         if m.positions == "learned":
@@ -290,6 +335,7 @@ def largest_rank_params(m: ModelConfig, par: ParallelConfig) -> RankParams:
 
 
 def _block_list(m: ModelConfig, par: ParallelConfig, i: int) -> list[tuple[str, int, bool]]:
+    m = layer_cfg(m, i)
     tp = par.tp
     h, d = m.hidden, m.head_dim
     kv_shards = min(tp, m.kv_heads)

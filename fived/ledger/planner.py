@@ -58,7 +58,7 @@ from . import compute as C
 from . import roofline as R
 from .hardware import Hardware, collective_seconds
 from .memory import FUSED, ActivationOptions, RankMemory, largest_rank
-from .params import rank_layers, rank_stages
+from .params import rank_layer_ids, rank_layers, rank_moe_layers, rank_stages
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
 GPU_ACTIVATIONS = FUSED
@@ -186,10 +186,11 @@ def _flat_compute(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, r: 
     n_stages = par.pp * max(1, par.virtual_stages)
     layers = rank_layers(m, par, r)
     last = (n_stages - 1) in rank_stages(par, r)
-    f = C.stage_forward_flops_per_token(m, layers, last) * tokens_mb / par.tp
+    f = C.stage_forward_flops_per_token(m, rank_layer_ids(m, par, r), last) * tokens_mb / par.tp
     if m.is_moe:  # experts are replicated over tp: without SP each tp rank runs all tokens
         sp_div = par.tp if par.sequence_parallel else 1
-        ex = 2.0 * 3 * m.hidden * m.expert_ffn * m.top_k * layers * tokens_mb
+        ex = (2.0 * 3 * m.hidden * m.expert_ffn * m.top_k * rank_moe_layers(m, par, r)
+              * tokens_mb)
         f += ex / sp_div - ex / par.tp
     t_f = f / rate
     core = C.attention_flops_per_token(m, layers=layers) * tokens_mb / par.tp / rate

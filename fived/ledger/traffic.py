@@ -58,7 +58,7 @@ from .context import ulysses_kv_heads
 from .memory import _state_key, act_bytes, buckets, grad_bytes, group_sizes, param_bytes
 from .optimizers import opt_buckets
 from .optimizers import traffic as optimizer_traffic_of
-from .params import rank_stages, stage_layers
+from .params import rank_moe_layers, rank_stages, stage_layers
 
 COUNT_BYTES = 8  # the ep routing counts travel as int64
 
@@ -175,10 +175,11 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     x = tokens * m.hidden * e
     sp = par.sequence_parallel
     per = layers * mb
+    moe = rank_moe_layers(m, par, pp_rank)  # the rest (first_dense_layers) are dense blocks
     # tp-cut sublayers per block: attention and the MLP; a MoE block's routed experts are whole
     # on every tp rank (only a shared expert is cut), so it has the attention's pair alone
     cuts = 2 if (not m.is_moe or m.shared_expert) else 1
-    cut = cuts * per
+    cut = (cuts * moe + 2 * (layers - moe)) * mb
     out: list[Collective] = []
     # full recompute reruns each block's forward up to its last saved tensor (torch's
     # checkpoint stops early): the gathers and the attention's reduction again, not the MLP's
@@ -195,7 +196,7 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                 Collective("tp", "all_gather", x, t, cut, "re-gather of SP column inputs",
                            "bwd"),
                 Collective("tp", "reduce_scatter", x, t, cut, "grad of SP gather", "bwd")]
-        out += _moe_balance_counts(m, par, micro_batch, layers, "tp")
+        out += _moe_balance_counts(m, par, micro_batch, moe, "tp")
     else:
         if again:
             out.append(Collective("tp", "all_reduce", x, t, per, "recompute: after wo", "bwd"))
@@ -228,10 +229,10 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                               "replicated norm-gain grads", "step"))
         if m.is_moe:  # router and experts are replicated over tp and see different tokens
             gb = grad_bytes(par)
-            out.append(Collective("tp", "all_reduce", m.hidden * m.experts * gb, t, layers,
+            out.append(Collective("tp", "all_reduce", m.hidden * m.experts * gb, t, moe,
                                   "router grads", "step"))
             out.append(Collective("tp", "all_reduce", m.hidden * m.expert_ffn * gb, t,
-                                  3 * layers * (m.experts // par.ep), "expert grads", "step"))
+                                  3 * moe * (m.experts // par.ep), "expert grads", "step"))
     return out
 
 
@@ -287,7 +288,7 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                Collective("cp", "send", 2 * b, c, hops, "dK/dV ring", "bwd")]
         if par.recompute in ("full", "selective"):  # the attention core's forward runs again
             out.append(Collective("cp", "send", 2 * b, c, hops, "recompute: K/V ring", "bwd"))
-    return out + _moe_balance_counts(m, par, micro_batch, layers, "cp")
+    return out + _moe_balance_counts(m, par, micro_batch, rank_moe_layers(m, par, pp_rank), "cp")
 
 
 def _moe_balance_counts(m: ModelConfig, par: ParallelConfig, micro_batch: int, layers: int,
@@ -309,8 +310,7 @@ def ep_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     if par.ep <= 1 or not m.is_moe:
         return []
     e = dtype_bytes or act_bytes(par)
-    layers, _, _ = _local(m, par, pp_rank)
-    per = layers * par.micro_batches
+    per = rank_moe_layers(m, par, pp_rank) * par.micro_batches
     sp = par.sequence_parallel and par.tp > 1
     tokens = micro_batch * m.seq_len // par.cp // (par.tp if sp else 1)
     size = tokens * m.top_k * m.hidden * e

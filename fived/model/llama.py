@@ -67,7 +67,7 @@ class Block(nn.Module):
         self.input_layernorm = L.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype)
         self.post_attention_layernorm = L.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
-        if cfg.is_moe:
+        if cfg.is_moe_layer(index):  # the first ``first_dense_layers`` blocks stay dense
             self.block_sparse_moe = MoE(cfg, index, dtype)
         else:
             self.mlp = L.MLP(cfg.hidden, cfg.ffn, dtype)

@@ -123,6 +123,17 @@ class _Combine(torch.autograd.Function):
         return dy, dw, None, None
 
 
+def route_scores(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, E) fp32 router logits -> (the scores top-k chooses and weights from, the
+    distribution the balance loss uses): softmax: both p = softmax(logits); sigmoid:
+    σ(logits), and σ normalised over the experts (DeepSeek-V3's sequence-wise balance)."""
+    if cfg.router == "sigmoid":
+        s = torch.sigmoid(logits)
+        return s, s / s.sum(dim=-1, keepdim=True)
+    p = logits.softmax(dim=-1)
+    return p, p
+
+
 def capacity(cfg: ModelConfig, tokens_per_sequence: int) -> int:
     """Per-sequence, per-expert capacity C = ⌈c · s · k / E⌉ (a huge number when dropless)."""
     if cfg.capacity_factor <= 0:
@@ -158,6 +169,8 @@ class MoE(nn.Module):
             {str(e): Expert(cfg.hidden, cfg.expert_ffn, dtype) for e in range(cfg.experts)})
         if cfg.shared_expert:
             self.shared_expert = L.MLP(cfg.hidden, cfg.expert_ffn, dtype)
+        if cfg.balance == "bias":  # loss-free balancing: a buffer, updated after each step
+            self.register_buffer("route_bias", torch.zeros(cfg.experts, dtype=torch.float32))
         self.dispatch: Callable | None = None
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.aux_grad_scale = 0.0
@@ -175,6 +188,13 @@ class MoE(nn.Module):
         self.forwards = 0
 
     # ------------------------------------------------------------------ compute
+    def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """(N, E) routing scores -> (N, k) chosen experts, in descending order of score (with
+        balance = bias, of score + bias: the bias steers the choice, never the weights)."""
+        if self.cfg.balance == "bias":
+            scores = scores + self.route_bias
+        return scores.topk(k, dim=-1).indices
+
     @property
     def local_experts(self) -> list[int]:
         return sorted(int(e) for e in self.experts)
@@ -209,9 +229,10 @@ class MoE(nn.Module):
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
         logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E) fp32
-        probs = logits.softmax(dim=-1)
-        top_p, top_i = probs.topk(k, dim=-1)  # (N, k), descending
-        weights = top_p / top_p.sum(dim=-1, keepdim=True)
+        scores, probs = route_scores(cfg, logits)
+        top_i = self.select(scores, k)  # (N, k)
+        top_p = scores.gather(-1, top_i)  # the unbiased scores of the chosen experts
+        weights = top_p / top_p.sum(dim=-1, keepdim=True) if cfg.norm_topk_prob else top_p
         keep = capacity_keep(top_i.view(b, s, k), E, capacity(cfg, s)).reshape(-1)
 
         # auxiliary losses (local sums; see the module docstring for the normalisation)
@@ -239,7 +260,8 @@ class MoE(nn.Module):
             self.dropped += float(keep.numel() - sel.numel())
             self.balance_sum += float(balance.detach())
             self.z_sum += float(z.detach())
-        aux = cfg.aux_loss_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
+        aux_coef = cfg.aux_loss_coef if cfg.balance == "aux_loss" else 0.0
+        aux = aux_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
         if self.keep_aux:
             self.last_aux = aux
         if torch.is_grad_enabled() and aux.requires_grad:

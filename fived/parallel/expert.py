@@ -157,9 +157,10 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
     return {
         "tokens_per_expert": [[int(round(v)) for v in r] for r in counts.tolist()],
         "dropped": int(round(float(tot[5]))),
-        "aux_loss": cfg.aux_loss_coef * float(tot[3]) / global_seqs,
+        "aux_loss": (cfg.aux_loss_coef if cfg.balance == "aux_loss" else 0.0)
+        * float(tot[3]) / global_seqs,
         "z_loss": cfg.z_loss_coef * float(tot[4]) / global_tokens,
-        "balance": float(tot[3]) / global_seqs / max(Lyr, 1),
+        "balance": float(tot[3]) / global_seqs / max(cfg.moe_layers, 1),
         "a2a_seconds": float(rows[:, 1].max()),
         "a2a_share": float(rows[:, 2].mean()),
         "expert_param_bytes": [int(v) for v in rows[:, 0].tolist()],

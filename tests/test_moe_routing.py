@@ -1,0 +1,187 @@
+"""MoE routing options (issue 29): ``norm_topk_prob``, ``router`` = softmax | sigmoid,
+``first_dense_layers``, ``balance`` = aux_loss | bias.
+
+* parity (dropless, fp32): each option at ep2, ep2·tp2, ep2·pp2, ep2·dp2 with ZeRO-1 and ZeRO-3
+  equals the one-rank reference over 5 steps — every rank's losses, grad norms, aux losses,
+  routing and every parameter's gathered first-step gradient (``check_parity``). The default
+  suite runs one spawn per world size: every option alone at ep2 (world 2), and one model with
+  all of them at once under the four world-4 layouts; ``-m slow`` runs the full matrix;
+* the routing formulas on one token (softmax/sigmoid, renormalised or not);
+* bad input: one clear message naming the field, exit 2, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fived.config import ConfigError, ParallelConfig, preset, validate
+from fived.model import build_model
+from fived.model.moe import moe_layers, route_scores
+from fived.testing import rel_diff, small_train
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import check_parity as _check, one_rank as _one_rank, train_runs  # noqa: E402,I001
+
+BASE = preset("qwen3-moe-tiny")
+MODELS = {
+    "no-renorm": replace(BASE, norm_topk_prob=False),
+    "sigmoid": replace(BASE, router="sigmoid"),
+    "first-dense": replace(BASE, first_dense_layers=1),
+}
+ALL = replace(BASE, router="sigmoid", norm_topk_prob=False, first_dense_layers=1)
+LAYOUTS4 = {
+    "ep2-tp2": ParallelConfig(ep=2, tp=2),
+    "ep2-pp2": ParallelConfig(ep=2, pp=2, micro_batches=2),
+    "ep2-dp2-zero1": ParallelConfig(ep=2, dp=2, zero=1),
+    "ep2-dp2-zero3": ParallelConfig(ep=2, dp=2, zero=3),
+}
+
+_cache: dict = {}
+
+
+def one_rank(model):
+    key = ("one", model)
+    if key not in _cache:
+        _cache[key] = _one_rank(model, small_train())
+    return _cache[key]
+
+
+def runs(pairs):
+    """Train every (model, layout) not yet trained, one spawn per world size."""
+    todo = [(m, p) for m, p in pairs if (m, p) not in _cache]
+    by_world: dict[int, list] = {}
+    for m, p in todo:
+        by_world.setdefault(p.world_size, []).append((m, p))
+    for group in by_world.values():
+        outs = train_runs([(m, p, small_train()) for m, p in group])
+        _cache.update(zip(group, outs))
+    return [_cache[mp] for mp in pairs]
+
+
+def check(model, par, out):
+    ref = one_rank(model)
+    _check(out, ref, (model, par.describe()))
+    for s in out["ranks"]:
+        for h, hr in zip(s["history"], ref["ranks"][0]["history"]):
+            assert rel_diff([h["grad_norm"]], [hr["grad_norm"]]) < 1e-5
+            assert rel_diff([h["moe"]["aux_loss"], h["moe"]["z_loss"]],
+                            [hr["moe"]["aux_loss"], hr["moe"]["z_loss"]]) < 1e-5
+            assert h["moe"]["tokens_per_expert"] == hr["moe"]["tokens_per_expert"]
+    assert ref["losses"][-1] < ref["losses"][0]
+
+
+# ------------------------------------------------------------------------ parity (default)
+
+def test_each_option_ep2_parity():
+    pairs = [(m, ParallelConfig(ep=2)) for m in MODELS.values()]
+    for (m, p), out in zip(pairs, runs(pairs)):
+        check(m, p, out)
+
+
+def test_all_options_world4_parity():
+    pairs = [(ALL, p) for p in LAYOUTS4.values()]
+    for (m, p), out in zip(pairs, runs(pairs)):
+        check(m, p, out)
+
+
+# ------------------------------------------------------------------------ parity (slow matrix)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS4))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_option_parity_matrix(name, layout):
+    m, p = MODELS[name], LAYOUTS4[layout]
+    pairs = [(MODELS[n], LAYOUTS4[q]) for n in MODELS for q in LAYOUTS4]  # one spawn for all
+    runs(pairs)
+    check(m, p, _cache[(m, p)])
+
+
+# ------------------------------------------------------------------------ routing formulas
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_routing_weights_formula(router, norm):
+    cfg = replace(BASE, router=router, norm_topk_prob=norm)
+    torch.manual_seed(0)
+    logits = torch.randn(5, cfg.experts)
+    scores, probs = route_scores(cfg, logits)
+    want = logits.softmax(-1) if router == "softmax" else torch.sigmoid(logits)
+    assert torch.equal(scores, want)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5))
+    moe = moe_layers(build_model(cfg, 7))[0]
+    top_i = moe.select(scores, cfg.top_k)
+    assert torch.equal(top_i, want.topk(cfg.top_k, -1).indices)
+
+
+def test_first_dense_layers_blocks_are_dense():
+    net = build_model(replace(BASE, first_dense_layers=2), 7)
+    names = {n for n, _ in net.named_parameters()}
+    assert "layers.0.mlp.gate_proj.weight" in names and "layers.1.mlp.down_proj.weight" in names
+    assert not any(n.startswith(("layers.0.block_sparse_moe", "layers.1.block_sparse_moe"))
+                   for n in names)
+    assert [m.layer for m in moe_layers(net)] == list(range(2, BASE.layers))
+    assert net.layers["0"].mlp.gate_proj.weight.shape == (BASE.ffn, BASE.hidden)
+
+
+# ------------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("body,field", [
+    ("top_k = 9", "top_k"),
+    ('router = "relu"', "router"),
+    ('balance = "none"', "balance"),
+    ("first_dense_layers = 4", "first_dense_layers"),
+    ("bias_update_rate = -0.1", "bias_update_rate"),
+    ('balance = "bias"', "balance"),
+])
+def test_bad_routing_config_exits_2(tmp_path, body, field):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(f'[model]\nname = "qwen3-moe-tiny"\n{body}\n')
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    r = subprocess.run([sys.executable, "-m", "fived", "train", "--config", str(cfg),
+                        "--nprocs", "2", "--ep", "2"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert field in r.stderr, r.stderr
+    assert "rank" not in r.stdout.lower()
+
+
+def test_validate_names_first_dense_layers():
+    with pytest.raises(ConfigError, match="first_dense_layers"):
+        validate(replace(BASE, first_dense_layers=BASE.layers), ParallelConfig())
+
+
+# ------------------------------------------------------------------------ ledger exactness
+
+@pytest.mark.parametrize("par", [ParallelConfig(ep=2, tp=2),
+                                 ParallelConfig(ep=2, pp=2, micro_batches=2),
+                                 ParallelConfig(ep=2, dp=2, zero=3)],
+                         ids=["ep2-tp2", "ep2-pp2", "ep2-dp2-zero3"])
+def test_first_dense_layers_dry_run_matches_ledger(par):
+    """States, activations and traffic of every distinct rank equal the ledger's exactly."""
+    from fived.config import TrainConfig
+    from fived.ledger import verify
+    from fived.train.dryrun import distinct_ranks, dry_run
+
+    m = replace(BASE, first_dense_layers=1, router="sigmoid", norm_topk_prob=False)
+    out = dry_run(m, par, TrainConfig(global_batch=4), distinct_ranks(par), show=False)
+    assert verify.compare_record(m, par, 4, out) == []
+
+
+def test_first_dense_layers_ledger_counts():
+    from fived.ledger.params import active_params, param_counts, param_list
+
+    m = replace(BASE, first_dense_layers=1)
+    net = build_model(m, 7)
+    c = param_counts(m)
+    assert c["total"] == sum(p.numel() for p in net.parameters())
+    assert c["expert"] == sum(p.numel() for n, p in net.named_parameters() if ".experts." in n)
+    names = [n for n, _, _ in param_list(m, ParallelConfig())]
+    assert names == [n for n, _ in net.named_parameters()]
+    dense = sum(p.numel() for n, p in net.named_parameters() if ".experts." not in n)
+    assert active_params(m) == dense + (m.layers - 1) * m.top_k * 3 * m.hidden * m.expert_ffn
