@@ -50,6 +50,19 @@ def check_parity(out: dict[str, Any], ref: dict[str, Any], what: Any = "") -> No
     assert g < TOL, (what, "gradients", g, worst_params(out["grads"], ref["grads"]))
 
 
+def check_moe_parity(out: dict[str, Any], ref: dict[str, Any], what: Any = "") -> None:
+    """``check_parity``, and every step's grad norm, aux and z losses (1e-5) and tokens per
+    expert (exactly) equal the reference's; the reference's loss fell."""
+    check_parity(out, ref, what)
+    for s in out["ranks"]:
+        for h, hr in zip(s["history"], ref["ranks"][0]["history"]):
+            assert rel_diff([h["grad_norm"]], [hr["grad_norm"]]) < 1e-5
+            assert rel_diff([h["moe"]["aux_loss"], h["moe"]["z_loss"]],
+                            [hr["moe"]["aux_loss"], hr["moe"]["z_loss"]]) < 1e-5
+            assert h["moe"]["tokens_per_expert"] == hr["moe"]["tokens_per_expert"]
+    assert ref["losses"][-1] < ref["losses"][0]
+
+
 def worst_params(a: dict[str, Any], ref: dict[str, Any], n: int = 3) -> list[tuple[str, float]]:
     """The ``n`` parameters whose gradients differ most (relative), for failure messages."""
     d = {k: float((a[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)) for k in ref if k in a}
