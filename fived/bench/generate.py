@@ -168,10 +168,12 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr, flush=True)
     import os
 
+    import torch
+
     from ..ranks.launch import run_local, threads_per_rank
 
-    threads = threads_per_rank(args.tp) * args.tp if args.tp > 1 else (
-        __import__("torch").get_num_threads())
+    # the threads fived's ranks have together: the peer gets as many
+    threads = threads_per_rank(args.tp) * args.tp if args.tp > 1 else torch.get_num_threads()
     with tempfile.TemporaryDirectory() as d:
         save_hf(cfg, d)
         job = dict(path=d, batch=args.batch, prompt_len=args.prompt_len, new=args.new_tokens,

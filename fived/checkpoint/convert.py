@@ -38,11 +38,11 @@ def whole_model(ckpt: Path, man: dict[str, Any], dtype: torch.dtype | None = Non
     names = every if names is None else names
     dest = {}
     for n in names:
-        src = f"master.{n}" if f"master.{n}" in tensors else f"model.{n}"
+        src, comp = value_keys(tensors, n)
         meta = tensors[src]
         dest[src] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
-        if f"comp.{n}" in tensors:  # --master-weights kahan: θ + c is the value it stands for
-            dest[f"comp.{n}"] = torch.empty(meta["shape"], dtype=torch.float32)
+        if comp:  # --master-weights kahan: θ + c is the value it stands for
+            dest[comp] = torch.empty(meta["shape"], dtype=torch.float32)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner(), no_dist=True)
@@ -54,6 +54,13 @@ def whole_model(ckpt: Path, man: dict[str, Any], dtype: torch.dtype | None = Non
             t = t.float() + dest.pop(f"comp.{n}")
         out[n] = t.to(dtype or saved)
     return out
+
+
+def value_keys(tensors: dict[str, Any], name: str) -> tuple[str, str | None]:
+    """The saved tensors that make parameter ``name``'s value: the fp32 master where the
+    checkpoint has one, else the saved parameter; and Kahan's compensation c, if saved."""
+    src = f"master.{name}" if f"master.{name}" in tensors else f"model.{name}"
+    return src, (f"comp.{name}" if f"comp.{name}" in tensors else None)
 
 
 def param_names(man: dict[str, Any]) -> list[str]:
@@ -122,8 +129,8 @@ class CheckpointSource:
 
         box = piece_box(tuple(shape), dim, parts, index)
         offsets, sizes = tuple(a for a, _ in box), tuple(b - a for a, b in box)
-        src = f"master.{name}" if f"master.{name}" in self.tensors else f"model.{name}"
-        keys = [src] + ([f"comp.{name}"] if f"comp.{name}" in self.tensors else [])
+        src, comp = value_keys(self.tensors, name)
+        keys = [src] + ([comp] if comp else [])
         dest, got = {}, []
         for k in keys:
             dtype = getattr(torch, self.tensors[k]["dtype"])

@@ -104,10 +104,14 @@ class _Combine(torch.autograd.Function):
     slots and runs the kernels autograd runs, so the gradients are the same bits."""
 
     @staticmethod
+    def slots(y, sel, n, k):
+        """The (n, k, h) un-permuted slots: row sel[i] of the flat (n·k, h) is y[i]."""
+        return y.new_zeros(n * k, y.shape[-1]).index_copy(0, sel, y).view(n, k, -1)
+
+    @staticmethod
     def forward(ctx, y, weights, sel, k):
-        n, h = weights.shape[0], y.shape[-1]
-        slots = y.new_zeros(n * k, h).index_copy(0, sel, y).view(n, k, h)
         ctx.save_for_backward(y, weights, sel)
+        slots = _Combine.slots(y, sel, weights.shape[0], k)
         return (slots * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
     @staticmethod
@@ -118,8 +122,7 @@ class _Combine(torch.autograd.Function):
         w = weights.unsqueeze(-1).to(y.dtype)
         gs = g.unsqueeze(1).expand(n, k, h)  # the sum's backward
         dy = (gs * w).reshape(n * k, h).index_select(0, sel)
-        slots = y.new_zeros(n * k, h).index_copy(0, sel, y).view(n, k, h)
-        dw = (gs * slots).sum(-1, keepdim=True).squeeze(-1).to(weights.dtype)
+        dw = (gs * _Combine.slots(y, sel, n, k)).sum(-1).to(weights.dtype)
         return dy, dw, None, None
 
 
