@@ -61,8 +61,10 @@ def bench_config(args: argparse.Namespace):
     if args.prompt_len + args.new_tokens > cfg.seq_len:
         bad.append(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceed "
                    f"the model's --seq-len {cfg.seq_len}")
-    if args.new_tokens < 2 or args.batch < 1 or args.reps < 1 or args.prompt_len < 1:
-        bad.append("--new-tokens >= 2, --batch, --prompt-len and --reps >= 1")
+    for flag, value, least in (("--new-tokens", args.new_tokens, 2), ("--batch", args.batch, 1),
+                               ("--prompt-len", args.prompt_len, 1), ("--reps", args.reps, 1)):
+        if value < least:
+            bad.append(f"{flag} {value}: give at least {least}")
     if cfg.heads % args.tp or cfg.vocab % args.tp or cfg.ffn % args.tp or (
             cfg.kv_heads % args.tp and args.tp % cfg.kv_heads):
         bad.append(f"--tp {args.tp} does not divide the model's heads, kv heads, vocab or ffn")
