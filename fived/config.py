@@ -88,6 +88,11 @@ class ModelConfig:
     top_k: int = spec(2, "experts each token is routed to", flag="", ge=1)
     moe_ffn: int = spec(0, "expert MLP width (0: same as ffn)", flag="", ge=0)
     shared_expert: bool = spec(False, "one expert every token also runs", flag="")
+    shared_expert_ffn: int = spec(0, "the shared expert's width (0: the experts' width; "
+                                     "DeepSeek-MoE's 2 shared experts = one of twice the width)",
+                                  flag="", ge=0)
+    shared_expert_gate: bool = spec(False, "scale the shared expert's output by a learned "
+                                           "per-token sigmoid gate σ(w·x) (Qwen2-MoE)", flag="")
     capacity_factor: float = spec(0.0, "expert capacity factor (0: dropless)", flag="", ge=0)
     aux_loss_coef: float = spec(0.01, "load-balancing loss weight", flag="", ge=0)
     z_loss_coef: float = spec(0.001, "router z-loss weight", flag="", ge=0)
@@ -95,6 +100,10 @@ class ModelConfig:
                                       "(false: use the scores as they are, Qwen2-MoE)", flag="")
     router: str = spec("softmax", "routing scores: softmax (Mixtral, Qwen) or sigmoid "
                                   "(DeepSeek-V3)", flag="", choices=ROUTERS)
+    route_groups: int = spec(0, "node-limited routing: the experts form this many contiguous "
+                                "groups (0: no groups)", flag="", ge=0)
+    route_top_groups: int = spec(0, "node-limited routing: each token picks experts from its "
+                                    "best this-many groups only", flag="", ge=0)
     first_dense_layers: int = spec(0, "the first N blocks use a dense MLP (width ffn) instead "
                                       "of the MoE (DeepSeek-MoE)", flag="", ge=0)
     balance: str = spec("aux_loss", "load balancing: aux_loss (the balance loss) or bias "
@@ -124,6 +133,16 @@ class ModelConfig:
     @property
     def expert_ffn(self) -> int:
         return self.moe_ffn or self.ffn
+
+    @property
+    def shared_ffn(self) -> int:
+        """The shared expert's width (0 without one)."""
+        return (self.shared_expert_ffn or self.expert_ffn) if self.shared_expert else 0
+
+    @property
+    def node_limited(self) -> bool:
+        """Routing limited to ``route_top_groups`` of ``route_groups`` expert groups."""
+        return self.route_groups > 1 and 0 < self.route_top_groups < self.route_groups
 
     @property
     def moe_layers(self) -> int:
@@ -422,7 +441,7 @@ def validate(
     if p:
         raise ConfigError(p)
     for check in (_check_world, _check_shapes, _check_tp, _check_pipeline, _check_cp,
-                  _check_experts):
+                  _check_experts, _check_routing):
         check(p, model, par, world_size)
     if train is not None:
         _check_batch(p, par, train)
@@ -476,8 +495,9 @@ def _check_tp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int 
             _divides(p, tp, model.kv_heads, "kv heads over tp", "pick a tp dividing kv_heads")
         _divides(p, tp, model.ffn, "ffn over tp", "pick a tp dividing the ffn width")
         _divides(p, tp, model.vocab, "vocab over tp (vocab-parallel embedding)", "pad the vocab")
-        if model.is_moe:
-            _divides(p, tp, model.expert_ffn, "expert ffn over tp", "pick a tp dividing it")
+        if model.is_moe and model.shared_expert:  # the routed experts are whole on each tp rank
+            _divides(p, tp, model.shared_ffn, "shared expert ffn over tp",
+                     "pick a tp dividing it")
     if par.sequence_parallel and tp == 1:
         p.append("--sequence-parallel needs --tp > 1")
     if par.sequence_parallel:
@@ -542,6 +562,28 @@ def _check_experts(p: list[str], model: ModelConfig, par: ParallelConfig, world:
             p.append(f"first_dense_layers {model.first_dense_layers} must be < layers "
                      f"{model.layers} (a MoE model needs at least one MoE block; use "
                      "experts = 0 for a dense model)")
+
+
+def _check_routing(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
+                   ) -> None:
+    """The shared expert and node-limited routing (issue 29)."""
+    if model.shared_expert_gate and not model.shared_expert:
+        p.append("shared_expert_gate = true needs a shared expert (shared_expert = true): "
+                 "there is nothing to gate")
+    if model.shared_expert_ffn and not model.shared_expert:
+        p.append(f"shared_expert_ffn {model.shared_expert_ffn} needs shared_expert = true")
+    G, M = model.route_groups, model.route_top_groups
+    if not (G or M):
+        return
+    if not model.is_moe:
+        p.append("route_groups / route_top_groups need a MoE model (experts > 0)")
+    elif G < 2 or model.experts % G:
+        p.append(f"route_groups {G} must be ≥ 2 and divide experts {model.experts}")
+    elif not 1 <= M <= G:
+        p.append(f"route_top_groups {M} must be in [1, route_groups={G}]")
+    elif M * (model.experts // G) < model.top_k:
+        p.append(f"route_top_groups {M} × {model.experts // G} experts per group < top_k "
+                 f"{model.top_k}: a token could not find its experts")
 
 
 def _check_batch(p: list[str], par: ParallelConfig, train: TrainConfig) -> None:

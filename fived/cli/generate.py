@@ -154,9 +154,9 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
         if cfg.kv_heads % tp and tp % cfg.kv_heads:
             bad.append(f"--tp {tp}: the model's kv_heads ({cfg.kv_heads}) must divide tp or "
                        "be divisible by it")
-        if cfg.is_moe and cfg.shared_expert and cfg.expert_ffn % tp:
+        if cfg.is_moe and cfg.shared_expert and cfg.shared_ffn % tp:
             bad.append(f"--tp {tp} does not divide the shared expert's width "
-                       f"({cfg.expert_ffn})")
+                       f"({cfg.shared_ffn})")
     if bad:
         raise ConfigError(bad)
 

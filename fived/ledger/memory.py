@@ -328,7 +328,9 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         # experts are whole on every tp rank (replicated), the shared expert is tp-cut
         out["mlp"] = tokens * 3 * e * m.expert_ffn * m.top_k / norm_div
         if m.shared_expert:
-            out["mlp"] += tokens * 3 * e * m.expert_ffn / tp
+            out["mlp"] += tokens * 3 * e * m.shared_ffn / tp
+            if m.shared_expert_gate:  # σ(w·x) (e) and the shared output (e·h) for the product
+                out["mlp"] += tokens * e * (h + 1) / norm_div
         out["router"] = tokens * moe_routing_bytes_per_token(m, par) / norm_div
     else:  # SwiGLU saves gate, up and the product (silu recomputed); GELU its input and output
         out["mlp"] = tokens * (3 if m.mlp == "swiglu" else 2) * e * m.ffn / tp

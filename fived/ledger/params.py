@@ -5,7 +5,7 @@ Every weight of ``fived.model.llama`` is counted by name (no biases anywhere):
     per block    attn_norm h, mlp_norm h                         (RMSNorm gains, replicated)
                  wq h·(heads·d), wk h·(kv·d), wv h·(kv·d), wo (heads·d)·h
                  dense MLP: w_gate h·f, w_up h·f, w_down f·h     (SwiGLU)
-                 MoE MLP:   router h·E + E·3·h·f_e (+ 3·h·f_e shared expert)
+                 MoE MLP:   router h·E + E·3·h·f_e (+ 3·h·f_s shared expert, + h its gate)
     once         embed V·h, final norm h, head h·V (absent when tied_embeddings and pp == 1)
 
 Known totals (tests): Llama-2-7B 6,738,415,616; Llama-3-8B 8,030,261,248; Llama-3-70B
@@ -83,7 +83,7 @@ def block_params(m: ModelConfig) -> dict[str, int]:
         out["router"] = h * m.experts
         out["experts"] = m.experts * 3 * h * m.expert_ffn
         if m.shared_expert:
-            out["shared_expert"] = 3 * h * m.expert_ffn
+            out["shared_expert"] = 3 * h * m.shared_ffn + (h if m.shared_expert_gate else 0)
     else:
         if m.mlp == "swiglu":
             out["w_gate"] = h * m.ffn
@@ -130,7 +130,7 @@ def block_matmul_params(m: ModelConfig) -> int:
     if m.is_moe:
         mlp = 3 * m.hidden * m.expert_ffn * m.top_k + m.hidden * m.experts
         if m.shared_expert:
-            mlp += 3 * m.hidden * m.expert_ffn
+            mlp += 3 * m.hidden * m.shared_ffn + (m.hidden if m.shared_expert_gate else 0)
     else:
         mlp = (3 if m.mlp == "swiglu" else 2) * m.hidden * m.ffn
     return attn + mlp
@@ -268,8 +268,9 @@ def block_params_local(m: ModelConfig, tp: int, ep: int) -> dict[str, int]:
     if m.is_moe:
         out["router"] = h * m.experts
         out["experts"] = (m.experts // ep) * 3 * h * m.expert_ffn  # replicated over tp
-        if m.shared_expert:
-            out["shared_expert"] = 3 * h * m.expert_ffn // tp
+        if m.shared_expert:  # cut tp ways like an MLP; the gate (h) whole on every tp rank
+            out["shared_expert"] = (3 * h * m.shared_ffn // tp
+                                    + (h if m.shared_expert_gate else 0))
     else:
         if m.mlp == "swiglu":
             out["w_gate"] = h * m.ffn // tp
@@ -362,9 +363,12 @@ def _block_list(m: ModelConfig, par: ParallelConfig, i: int) -> list[tuple[str, 
             out += [(q + "w1.weight", h * f, True), (q + "w3.weight", h * f, True),
                     (q + "w2.weight", f * h, True)]
         if m.shared_expert:
-            q = p + "block_sparse_moe.shared_expert."
-            out += [(q + "gate_proj.weight", h * f // tp, False), (q + "up_proj.weight", h * f // tp, False),
-                    (q + "down_proj.weight", f * h // tp, False)]
+            q, fs = p + "block_sparse_moe.shared_expert.", m.shared_ffn
+            out += [(q + "gate_proj.weight", h * fs // tp, False),
+                    (q + "up_proj.weight", h * fs // tp, False),
+                    (q + "down_proj.weight", fs * h // tp, False)]
+            if m.shared_expert_gate:
+                out.append((p + "block_sparse_moe.shared_expert_gate.weight", h, False))
     else:
         for w in (("gate", "up") if m.mlp == "swiglu" else ("up",)):
             out.append((p + f"mlp.{w}_proj.weight", h * m.ffn // tp, False))

@@ -58,7 +58,7 @@ from . import compute as C
 from . import roofline as R
 from .hardware import Hardware, collective_seconds
 from .memory import FUSED, ActivationOptions, RankMemory, largest_rank
-from .params import rank_layer_ids, rank_layers, rank_moe_layers, rank_stages
+from .params import layer_kinds, rank_layer_ids, rank_layers, rank_moe_layers, rank_stages
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
 GPU_ACTIVATIONS = FUSED
@@ -211,8 +211,16 @@ def rank_compute(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, r: i
         return _flat_compute(m, par, hw, b, r, efficiency)
     n_stages = par.pp * max(1, par.virtual_stages)
     stages = rank_stages(par, r)
-    return R.micro_batch_times(m, par, b, hw, rank_layers(m, par, r), 0 in stages,
-                               (n_stages - 1) in stages, clock or R.ClockOptions())
+    first, last = 0 in stages, (n_stages - 1) in stages
+    out: dict[str, float] = {}
+    # each block priced with its own shape (first_dense_layers: the dense ones as dense); the
+    # stage's ends (embedding, head, loss) once, with the first kind
+    for j, (shape, n) in enumerate(layer_kinds(m, rank_layer_ids(m, par, r))):
+        t = R.micro_batch_times(shape, par, b, hw, n, first and j == 0, last and j == 0,
+                                clock or R.ClockOptions())
+        for k, v in t.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int,

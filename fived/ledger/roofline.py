@@ -178,9 +178,10 @@ def block_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions
                   _gemm("expert.down", per, h, f, e, local)]
         act += 3 * e * te * m.top_k * f
         if m.shared_expert:
-            gemms += [_gemm("shared.gate", t, f / tp, h, e), _gemm("shared.up", t, f / tp, h, e),
-                      _gemm("shared.down", t, h, f / tp, e)]
-            act += 3 * e * t * f / tp
+            fs = m.shared_ffn / tp
+            gemms += [_gemm("shared.gate", t, fs, h, e), _gemm("shared.up", t, fs, h, e),
+                      _gemm("shared.down", t, h, fs, e)]
+            act += 3 * e * t * fs
     else:
         f = m.ffn / tp
         if m.mlp == "swiglu" and opts.fused_gemm:

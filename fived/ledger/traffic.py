@@ -28,7 +28,8 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
     all_reduce(X) (SP: forward all_gather, backward all_gather + reduce_scatter), cross-entropy
     all_reduce(b·s_l·4) (max) and all_reduce(2·b·s_l·4) (Σexp, target logit); and under SP the
     replicated norm gains' gradients: all_reduce(grad_bytes·h) per norm on this rank (and the
-    MoE router's and experts' gradients). ``fived.parallel.tensor.tp_traffic_bytes`` sums it.
+    MoE router's, experts' and shared-expert gate's gradients).
+    ``fived.parallel.tensor.tp_traffic_bytes`` sums it.
 * PP (``pp_traffic``), per micro-batch per (virtual) stage boundary, Y = b·s_l·h·e (/tp under
   SP): a stage sends Y forward unless it is the last, and Y backward unless it is the first —
   unless the neighbouring stage is on the same rank (the V of zb-v / dualpipe-v: stage pp−1
@@ -233,6 +234,9 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                                   "router grads", "step"))
             out.append(Collective("tp", "all_reduce", m.hidden * m.expert_ffn * gb, t,
                                   3 * moe * (m.experts // par.ep), "expert grads", "step"))
+            if m.shared_expert_gate:  # σ(w·x) reads the sequence shard too
+                out.append(Collective("tp", "all_reduce", m.hidden * gb, t, moe,
+                                      "shared-expert gate grads", "step"))
     return out
 
 
@@ -356,6 +360,21 @@ def ep_routed_bytes(m: ModelConfig, counts: list[list[list[float]]],
                 recv += sum(counts[q][layer][e] for q in members if q != r for e in mine)
             out[r] = ((1 + again) * forwards[r] * (E - per) * COUNT_BYTES
                       + (2 + again) * (sent + recv) * m.hidden * dtype_bytes)
+    return out
+
+
+def ep_destinations_bound(m: ModelConfig, par: ParallelConfig) -> int:
+    """The most ep ranks one token's rows reach in a MoE layer: min(k, ep) in general; with
+    node-limited routing (M of G contiguous expert groups) M·⌈ep/G⌉ when G and ep divide one
+    another (a rank owns G/ep whole groups, or a group spans ep/G ranks). fived's dispatch
+    sends one row per (token, expert), so this bounds the fan-out, not the bytes: bytes stay
+    ``ep_traffic``'s k rows per token (a per-destination de-duplicated dispatch, DeepSeek-V3's,
+    is what the bound would shrink; it is not built)."""
+    n, k = par.ep, m.top_k
+    out = min(k, n)
+    G = m.route_groups
+    if m.node_limited and (G % n == 0 or n % G == 0):
+        out = min(out, m.route_top_groups * max(1, n // G))
     return out
 
 

@@ -3,7 +3,13 @@
 For a token x (hidden h) and E experts with router W_r (E × h), computed in fp32:
 
     logits = W_r x,   p = softmax(logits),   (v, i) = top-k(p),   w = v / Σ v
-    y = Σ_j w_j · Expert_{i_j}(x)  [+ SharedExpert(x)]
+    y = Σ_j w_j · Expert_{i_j}(x)  [+ g(x) · SharedExpert(x)]
+    g(x) = σ(w_g · x) with ``shared_expert_gate`` (Qwen2-MoE), else 1; the shared expert is a
+    dense SwiGLU of width ``shared_expert_ffn`` (tp-cut like any MLP, never expert-parallel)
+
+Node-limited routing (``route_groups`` G, ``route_top_groups`` M, ``MoE.select``): top-k runs
+over the experts of each token's M best groups only, so with G a multiple of ep (each ep rank
+owns whole groups) a token's rows go to at most M ep ranks.
 
 Capacity (``capacity_factor`` c > 0) is applied **per sequence**: each expert accepts at most
 C = ⌈c · s · k / E⌉ of one sequence's s·k assignments, in priority order (all first choices in
@@ -54,7 +60,7 @@ length (exact only when dropless).
 The module keeps per-step statistics (tokens per expert, dropped assignments, the local aux
 sums) that ``fived.parallel.expert.collect_stats`` reads and resets once per step.
 Names follow Mixtral: ``block_sparse_moe.gate`` (the router), ``experts.{e}.w1/w3/w2`` (gate, up,
-down), and ``shared_expert.{gate,up,down}_proj``.
+down), and ``shared_expert.{gate,up,down}_proj`` with ``shared_expert_gate`` (Qwen2-MoE's names).
 """
 
 from __future__ import annotations
@@ -171,7 +177,9 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict(
             {str(e): Expert(cfg.hidden, cfg.expert_ffn, dtype) for e in range(cfg.experts)})
         if cfg.shared_expert:
-            self.shared_expert = L.MLP(cfg.hidden, cfg.expert_ffn, dtype)
+            self.shared_expert = L.MLP(cfg.hidden, cfg.shared_ffn, dtype)
+            if cfg.shared_expert_gate:  # Qwen2-MoE: σ(w·x) scales the shared expert per token
+                self.shared_expert_gate = nn.Linear(cfg.hidden, 1, bias=False, dtype=dtype)
         if cfg.balance == "bias":  # loss-free balancing: a buffer, updated after each step
             self.register_buffer("route_bias", torch.zeros(cfg.experts, dtype=torch.float32))
         self.dispatch: Callable | None = None
@@ -193,9 +201,22 @@ class MoE(nn.Module):
     # ------------------------------------------------------------------ compute
     def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         """(N, E) routing scores -> (N, k) chosen experts, in descending order of score (with
-        balance = bias, of score + bias: the bias steers the choice, never the weights)."""
-        if self.cfg.balance == "bias":
+        balance = bias, of score + bias: the bias steers the choice, never the weights).
+
+        Node-limited (``route_groups`` G, ``route_top_groups`` M): the E experts form G
+        contiguous groups; a group's score is the sum of its best two selection scores
+        (DeepSeek-V3; its best one when a group has one expert), and a token chooses its k
+        experts among the M best groups' only."""
+        cfg = self.cfg
+        if cfg.balance == "bias":
             scores = scores + self.route_bias
+        if cfg.node_limited:
+            n, G = scores.shape[0], cfg.route_groups
+            grouped = scores.view(n, G, -1)
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # (N, G)
+            top_g = best.topk(cfg.route_top_groups, dim=-1).indices
+            allowed = torch.zeros_like(best, dtype=torch.bool).scatter_(1, top_g, True)
+            scores = grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(n, -1)
         return scores.topk(k, dim=-1).indices
 
     @property
@@ -222,8 +243,14 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(b, s, h) -> (b, s, h); s may be this rank's part of each sequence."""
+        x = x.contiguous()  # a strided SP shard: one copy the router and shared expert share
         out = self.moe(x)
-        return out + self.shared_expert(x) if self.cfg.shared_expert else out
+        if not self.cfg.shared_expert:
+            return out
+        shared = self.shared_expert(x)
+        if self.cfg.shared_expert_gate:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared
 
     def moe(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts."""

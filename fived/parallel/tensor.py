@@ -353,6 +353,8 @@ def apply_tp(model: Transformer, group: Any, placements: dict[str, Placement],
         p = f"layers.{moe.layer}.block_sparse_moe."
         if model.cfg.shared_expert:
             _mlp(moe.shared_expert, p + "shared_expert.", group, columns, sp, placements)
+            if sp and model.cfg.shared_expert_gate:  # the gate reads the sequence shard
+                _sum_over(placements, moe.shared_expert_gate, p + "shared_expert_gate.", "tp")
         if sp:  # each tp rank routes its own sequence shard
             _sum_over(placements, moe.gate, p + "gate.", "tp")
             _sum_over(placements, moe.experts, p + "experts.", "tp")
