@@ -194,8 +194,8 @@ def test_validate_names_each_problem():
 def test_roofline_prices_dense_blocks_as_dense():
     """first_dense_layers: the clock runs each block with its own shape (dense blocks as dense),
     the stage's ends once."""
-    from fived.ledger import roofline as R
     from fived.ledger import hardware
+    from fived.ledger import roofline as R
     from fived.ledger.params import dense_block_cfg
     from fived.ledger.planner import rank_compute
 
