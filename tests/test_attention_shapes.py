@@ -129,8 +129,8 @@ def test_ledger_flops_use_heads_times_head_dim():
 def test_qk_norm_activation_term_is_what_autograd_saves(fp):
     """The ledger's qk_norm term is, to the byte, what turning qk_norm on adds to autograd's
     saves (one block; fp32 and bf16); biases add nothing."""
-    from fived.model.llama import Block
     from fived.model.layers import rope_tables
+    from fived.model.llama import Block
     from fived.train.activations import SavedTensors
 
     dtype = torch.float32 if fp == "fp32" else torch.bfloat16

@@ -31,9 +31,9 @@ One rank's share (``rank_params``) follows the runtime's cuts:
   over the ``expert`` group, everything else over ``dense``.
 
 ``param_list`` lists one rank's parameters in the runtime's registration order (embedding,
-blocks — attn_norm, wq (its bias), wk (bias), wv (bias), wo, q_norm, k_norm, mlp_norm, then w_gate, w_up, w_down or router, experts,
-shared expert — final norm, head), which is what the data-parallel engine lays its flat buckets
-out from.
+blocks — attn_norm, wq (its bias), wk (bias), wv (bias), wo, q_norm, k_norm, mlp_norm, then
+w_gate, w_up, w_down or router, experts, shared expert — final norm, head), which is what the
+data-parallel engine lays its flat buckets out from.
 """
 
 from __future__ import annotations
