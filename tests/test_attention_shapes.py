@@ -188,3 +188,11 @@ def test_bad_shape_from_toml_exits_2_before_any_rank(tmp_path, capsys):
     assert main(["train", "--config", str(cfg), "--nprocs", "1", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "head_size 7 must be even for RoPE" in err
+
+
+def test_the_dtensor_bench_peer_refuses_the_options():
+    from fived.bench.tp import dtensor_model
+
+    for m in (replace(QWEN, qkv_bias=False), replace(QWEN, qk_norm=False)):
+        with pytest.raises(ConfigError, match="not supported there"):
+            dtensor_model(m, 0, 2, False)

@@ -150,3 +150,26 @@ def test_qwen_refusals():
         hf.hf_config(replace(tiny, qk_norm=True, qkv_bias=True))  # Qwen3's bias is on o too
     with pytest.raises(ConfigError, match="mixtral has no q/k norms"):
         hf.hf_config(replace(preset("tiny-moe"), qk_norm=True))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", pytest.param("qwen2", marks=pytest.mark.slow)])
+def test_greedy_equals_transformers_generate_on_one_rank_and_tp2(tmp_path, kind):
+    """The KV cache with the new shapes: 32 greedy tokens from 3 prompts equal transformers'
+    ``generate``, with the cache and without it, on one rank and on tp2."""
+    from test_generate import NEW, PROMPTS, _tp_generate, hf_greedy, no_cache
+    from test_generate import one_rank as inference_one_rank
+
+    ref = make_qwen(tmp_path, kind)
+    ref.generation_config.eos_token_id = None  # 32 tokens whatever comes
+    want = hf_greedy(ref, PROMPTS)
+    cfg = hf.model_config(hf.read_config(tmp_path, "--hf"), "--hf", 128)
+    model = inference_one_rank(cfg, hf.HFSource(tmp_path, cfg, "--hf"))
+    from fived.infer.generate import generate
+
+    got = generate(model, PROMPTS, NEW)
+    assert got.tokens == want
+    assert [no_cache(model, p, NEW) for p in PROMPTS] == want
+    slots = max(map(len, PROMPTS)) + NEW  # 2 · layers · b · slots · kv_heads · head_dim fp32
+    assert got.cache_bytes == 2 * cfg.layers * 3 * slots * cfg.kv_heads * cfg.head_dim * 4
+    for tp_got in run_ranks(_tp_generate, 2, str(tmp_path)):
+        assert tp_got == want
