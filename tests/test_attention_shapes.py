@@ -7,6 +7,7 @@ error. World 4 (tp2·cp2, tp2·pp2, tp4) is under ``-m slow``."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import replace
@@ -27,11 +28,13 @@ QWEN = replace(preset("tiny"), name="attn-shapes", hidden=32, heads=4, kv_heads=
                qk_norm=True, qkv_bias=True, ffn=64, layers=2, seq_len=16)
 KV1 = replace(QWEN, name="attn-shapes-kv1", kv_heads=1)  # tp2 replicates the kv head
 TRAIN = small_train(steps=4)
+ADAFACTOR = replace(TRAIN, optimizer="adafactor")  # row/column statistics of the cut biases
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return {m.name: one_rank(m, TRAIN) for m in (QWEN, KV1)}
+    return {(m.name, t.optimizer): one_rank(m, t)
+            for m, t in ((QWEN, TRAIN), (KV1, TRAIN), (QWEN, ADAFACTOR))}
 
 
 def check_traffic(out: dict, model, par: ParallelConfig) -> None:
@@ -43,26 +46,29 @@ def check_traffic(out: dict, model, par: ParallelConfig) -> None:
 
 
 WORLD2 = [
-    (QWEN, ParallelConfig(tp=2)),
-    (QWEN, ParallelConfig(tp=2, sequence_parallel=True)),
-    (KV1, ParallelConfig(tp=2, sequence_parallel=True)),
-    (QWEN, ParallelConfig(cp=2)),
-    (QWEN, ParallelConfig(cp=2, cp_mode="ulysses")),
-    (QWEN, ParallelConfig(pp=2, micro_batches=2)),
-    (QWEN, ParallelConfig(dp=2, zero=3)),
+    (QWEN, ParallelConfig(tp=2), TRAIN),
+    (QWEN, ParallelConfig(tp=2, sequence_parallel=True), TRAIN),
+    (KV1, ParallelConfig(tp=2, sequence_parallel=True), TRAIN),
+    (QWEN, ParallelConfig(cp=2), TRAIN),
+    (QWEN, ParallelConfig(cp=2, cp_mode="ulysses"), TRAIN),
+    (QWEN, ParallelConfig(pp=2, micro_batches=2), TRAIN),
+    (QWEN, ParallelConfig(dp=2, zero=3), TRAIN),
+    (QWEN, ParallelConfig(tp=2), ADAFACTOR),
 ]
 
 
 def test_world2_layouts_match_one_rank(reference):
     """One spawn of 2 ranks trains every layout; each equals the one-rank run (losses of every
     step on every rank, the gathered first-step gradients — the q/k norm gains' included, whose
-    tp replicas must agree exactly), and its tp bytes are the ledger's."""
-    outs = train_runs([(m, p, TRAIN) for m, p in WORLD2])
-    for (m, par), out in zip(WORLD2, outs):
-        check_parity(out, reference[m.name], (m.name, par.describe()))
-        if par.tp > 1:
+    tp replicas must agree exactly), and its tp bytes are the ledger's; Adafactor at tp2 (its
+    factored statistics of a tp-cut bias, one row cut along its columns, summed over tp)."""
+    outs = train_runs(WORLD2)
+    for (m, par, t), out in zip(WORLD2, outs):
+        check_parity(out, reference[m.name, t.optimizer], (m.name, par.describe(), t.optimizer))
+        if par.tp > 1 and t.optimizer == "adamw":
             check_traffic(out, m, par)
-    assert reference[QWEN.name]["losses"][-1] < reference[QWEN.name]["losses"][0]
+    ref = reference[QWEN.name, "adamw"]
+    assert ref["losses"][-1] < ref["losses"][0]
 
 
 @pytest.mark.slow
@@ -73,7 +79,7 @@ def test_world4_layouts_match_one_rank(reference):
             (QWEN, ParallelConfig(tp=2, dp=2, zero=3, sequence_parallel=True))]
     outs = train_runs([(m, p, TRAIN) for m, p in runs])
     for (m, par), out in zip(runs, outs):
-        check_parity(out, reference[m.name], (m.name, par.describe()))
+        check_parity(out, reference[m.name, "adamw"], (m.name, par.describe()))
         check_traffic(out, m, par)
 
 
@@ -153,18 +159,29 @@ def test_qk_norm_activation_term_is_what_autograd_saves(fp):
     assert memory.layer_activations(QWEN, par, 2)["qk_norm"] > 0
 
 
-def test_dry_run_matches_the_ledger_tp2_cp2(tmp_path):
-    """All three options at tp2·cp2 (SP) and tp2·pp2: the dry run's model states and traffic
-    equal the ledger's to the byte, its activation peak within the stated tolerance."""
+def test_dry_run_matches_the_ledger_tp2_cp2_and_tp2_pp2(tmp_path):
+    """All three options: ``fived train --dry-run`` of a TOML model at tp2·cp2·dp2 (SP, ZeRO-1)
+    then ``fived ledger --check`` on its metrics file, and tp2·pp2 in Python: the dry run's
+    model states and traffic equal the ledger's to the byte, its activation peak within the
+    stated tolerance."""
+    from fived.cli import main
+    from fived.config import dump_toml
     from fived.ledger import verify
     from fived.train.dryrun import distinct_ranks, dry_run
 
     train = small_train(global_batch=4)
-    for par in (ParallelConfig(tp=2, cp=2, sequence_parallel=True, zero=1, dp=2),
-                ParallelConfig(tp=2, pp=2, micro_batches=2)):
-        out = dry_run(QWEN, par, train, distinct_ranks(par), out_path=str(tmp_path / "d.jsonl"),
-                      show=False)
-        assert verify.compare_record(QWEN, par, train.global_batch, out) == [], par.describe()
+    toml, path = tmp_path / "qwen.toml", tmp_path / "qwen.jsonl"
+    toml.write_text(dump_toml(replace(QWEN, name="tiny"), ParallelConfig(), train))  # tiny, reshaped
+    assert main(["train", "--config", str(toml), "--dry-run", "--tp", "2", "--cp", "2",
+                 "--dp", "2", "--sequence-parallel", "--zero", "1",
+                 "--metrics-out", str(path)]) == 0
+    run = json.loads(path.read_text().splitlines()[0])["run"]["model"]
+    assert (run["head_size"], run["qk_norm"], run["qkv_bias"]) == (12, True, True)
+    assert main(["ledger", "--check", str(path)]) == 0
+    par = ParallelConfig(tp=2, pp=2, micro_batches=2)
+    out = dry_run(QWEN, par, train, distinct_ranks(par), out_path=str(tmp_path / "d.jsonl"),
+                  show=False)
+    assert verify.compare_record(QWEN, par, train.global_batch, out) == [], par.describe()
 
 
 @pytest.mark.parametrize("change,par,words", [
