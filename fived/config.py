@@ -83,6 +83,14 @@ class ModelConfig:
     rope_theta: float = spec(10000.0, "RoPE base", flag="", gt=0)
     tied_embeddings: bool = spec(False, "share the embedding and the output head", flag="")
     norm_eps: float = spec(1e-5, "RMSNorm epsilon", flag="", gt=0)
+    # Attention shapes (Qwen): heads·head_dim may differ from hidden (``head_dim``)
+    head_size: int = spec(0, "width of one attention head (0: hidden/heads; Hugging Face's "
+                             "head_dim, e.g. 128 for Qwen3-30B-A3B's hidden 2048, 32 heads)",
+                          flag="", ge=0)
+    qk_norm: bool = spec(False, "an RMSNorm over each head of q and k, after the projections and "
+                                "before RoPE (Qwen3: self_attn.{q,k}_norm)", flag="")
+    qkv_bias: bool = spec(False, "a bias on the q, k and v projections, none on o (Qwen2)",
+                          flag="")
     # Mixture of experts: experts == 0 means a dense model.
     experts: int = spec(0, "experts per MoE layer (0: dense)", flag="", ge=0)
     top_k: int = spec(2, "experts each token is routed to", flag="", ge=1)
@@ -124,7 +132,14 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """One head's width: ``head_size``, or hidden/heads when it is 0."""
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def attn_dim(self) -> int:
+        """heads·head_dim: the width of q and of the attention output (hidden unless
+        ``head_size`` says otherwise)."""
+        return self.heads * self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -474,12 +489,18 @@ def _check_world(p: list[str], model: ModelConfig, par: ParallelConfig, world: i
 
 def _check_shapes(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
                   ) -> None:
-    if model.hidden % model.heads:
-        p.append(f"hidden {model.hidden} is not divisible by heads {model.heads}")
+    if model.hidden % model.heads and not model.head_size:
+        p.append(f"hidden {model.hidden} is not divisible by heads {model.heads}; give "
+                 "head_size (the width of one head) or a hidden that heads divides")
     if model.heads % model.kv_heads:
         p.append(f"heads {model.heads} is not divisible by kv_heads {model.kv_heads}")
     if model.head_dim % 2 and model.positions == "rope":
-        p.append(f"head_dim {model.head_dim} must be even for RoPE")
+        what = (f"head_size {model.head_size}" if model.head_size else
+                f"head_dim {model.head_dim} (hidden/heads)")
+        p.append(f"{what} must be even for RoPE (it rotates pairs); give an even head_size")
+    if model.qkv_bias and model.bias:
+        p.append("qkv_bias with bias = true: bias already puts one on every linear layer (q, "
+                 "k, v included); give one of them")
     if model.is_moe and model.mlp != "swiglu":
         p.append(f"--mlp {model.mlp} with experts: MoE experts are SwiGLU; use --mlp swiglu")
 

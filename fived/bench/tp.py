@@ -54,7 +54,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def dtensor_model(cfg: Any, seed: int, tp: int, sp: bool) -> torch.nn.Module:
-    """The one-rank fived model parallelized by ``torch.distributed.tensor.parallel``."""
+    """The one-rank fived model parallelized by ``torch.distributed.tensor.parallel``. Not for
+    ``qk_norm`` (the plan has no rule for the q/k norm gains, whose gradients each rank computes
+    from its own heads only; fived's ``apply_tp`` sums them over tp) nor ``qkv_bias`` (never
+    compared with the peer): a ConfigError."""
+    from ..config import ConfigError
+
+    bad = [f for f in ("qk_norm", "qkv_bias") if getattr(cfg, f)]
+    if bad:
+        raise ConfigError([f"fived bench tp: the DTensor peer is built for Llama-shaped "
+                           f"attention; {', '.join(bad)} is not supported there"])
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (

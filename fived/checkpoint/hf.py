@@ -1,12 +1,15 @@
 """Hugging Face in and out: ``config.json`` + safetensors <-> fived's model config and tensors.
 
-fived's parameter names *are* Hugging Face's Llama / Mixtral names without the ``model.``
+Families: Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms, a head_dim of its own) dense
+models, Mixtral MoE. fived's parameter names *are* Hugging Face's names without the ``model.``
 prefix, so the tensor mapping is a rename (``lm_head.weight`` has no prefix; a tied model has
 no ``lm_head.weight``):
 
     fived                                         Hugging Face
     embed_tokens.weight                           model.embed_tokens.weight
     layers.i.self_attn.{q,k,v,o}_proj.weight      model.layers.i.self_attn.{q,k,v,o}_proj.weight
+    layers.i.self_attn.{q,k,v}_proj.bias          model.layers.i.self_attn.{q,k,v}_proj.bias
+    layers.i.self_attn.{q,k}_norm.weight          model.layers.i.self_attn.{q,k}_norm.weight
     layers.i.mlp.{gate,up,down}_proj.weight       model.layers.i.mlp.{gate,up,down}_proj.weight
     layers.i.{input,post_attention}_layernorm.w   model.layers.i.{...}_layernorm.weight
     layers.i.block_sparse_moe.gate.weight         model.layers.i.block_sparse_moe.gate.weight
@@ -18,11 +21,16 @@ also reads transformers 5's fused experts (``mlp.experts.gate_up_proj`` = [w1; w
 over experts, ``mlp.experts.down_proj`` = w2 stacked, ``mlp.gate`` = the router).
 
 The config mapping is exact for what both models compute: RMSNorm in fp32 with
-``rms_norm_eps``; RoPE with ``rope_theta``, rotate-half layout, ``head_dim = hidden / heads``;
-GQA with ``num_key_value_heads``; SwiGLU (``hidden_act = silu``), no biases; Mixtral routing =
-softmax in fp32, top-k, renormalised by the top-k sum (fived's ``w = v / Σ v``). What
-transformers' Llama/Mixtral cannot represent is refused with a ConfigError: a shared expert,
-other activations, biases, rope scaling, a ``head_dim`` other than hidden/heads. A fived MoE
+``rms_norm_eps``; RoPE with ``rope_theta``, rotate-half layout; GQA with
+``num_key_value_heads``; SwiGLU (``hidden_act = silu``), no MLP biases; Mixtral routing =
+softmax in fp32, top-k, renormalised by the top-k sum (fived's ``w = v / Σ v``). The attention
+(``attention_fields`` in, ``attention_config`` out, for every family, MoE ones included):
+``head_dim`` -> ``head_size`` (0 when it is hidden/heads); Qwen2's q/k/v biases (always on;
+Qwen2-MoE: ``qkv_bias``) -> ``qkv_bias``; Qwen3's q/k norms -> ``qk_norm``. Export picks the
+family from the fields: a dense model with ``qk_norm`` is Qwen3, with ``qkv_bias`` (no
+``qk_norm``) Qwen2, else Llama. What transformers' classes cannot represent is refused with a
+ConfigError: a shared expert, other activations, rope scaling, sliding windows, a bias on o_proj
+(Llama's and Qwen3's ``attention_bias``, which puts one on all four projections). A fived MoE
 trained with ``capacity_factor > 0`` drops tokens over capacity; transformers' Mixtral is
 dropless, so export says so (the weights are the same, the forward differs when tokens drop).
 """
@@ -56,16 +64,91 @@ def read_config(hf_dir: str | Path, flag: str) -> dict[str, Any]:
         raise ConfigError([f"{flag} {p / 'config.json'}: not valid JSON ({e})"]) from None
 
 
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+QK_NORM = ("qwen3", "qwen3_moe")  # families whose attention normalises q and k per head
+QKV_BIAS = {"qwen2": True, "qwen2_moe": None}  # always a q/k/v bias | config.json's qkv_bias
+
+
+def attention_fields(hf: dict[str, Any], flag: str = "--init-from"
+                     ) -> tuple[dict[str, Any], list[str]]:
+    """fived's attention fields of a Hugging Face config.json (any family: Llama, Mixtral,
+    Qwen2/3 and their MoE versions): ({heads, kv_heads, head_size, qk_norm, qkv_bias}, the
+    problems fived cannot represent).
+
+    ``head_dim`` (absent: hidden/heads) -> ``head_size``, 0 when it is hidden/heads; Qwen3's
+    q/k norms -> ``qk_norm``; Qwen2's q/k/v biases (Qwen2-MoE: ``qkv_bias``) -> ``qkv_bias``.
+    ``attention_bias`` (Llama, Qwen3) puts a bias on o_proj as well, which fived has not; a
+    sliding window is refused (fived's attention is full causal)."""
+    mt = hf.get("model_type")
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    d = hf.get("head_dim") or (h // heads if h % heads == 0 else None)
+    problems = []
+    if d is None:
+        problems.append(f"{flag}: hidden_size {h} is not divisible by num_attention_heads "
+                        f"{heads} and config.json gives no head_dim")
+    if mt in QKV_BIAS:
+        qkv_bias = bool(hf.get("qkv_bias", True)) if QKV_BIAS[mt] is None else True
+    else:
+        qkv_bias = False
+        if hf.get("attention_bias"):
+            problems.append(f"{flag}: attention_bias = true puts a bias on o_proj too (fived "
+                            "has q/k/v biases only: qkv_bias)")
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+        problems.append(f"{flag}: sliding-window attention is not supported (full causal "
+                        "attention only; use_sliding_window = false)")
+    fields = {"heads": heads, "kv_heads": hf.get("num_key_value_heads") or heads,
+              "head_size": 0 if d is None or (h % heads == 0 and d == h // heads) else int(d),
+              "qk_norm": mt in QK_NORM, "qkv_bias": qkv_bias}
+    return fields, problems
+
+
+def attention_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+    """The attention keys of a config.json of family ``model_type`` for ``cfg``
+    (``attention_fields``' inverse; ``check_attention`` says first whether it can hold it)."""
+    out: dict[str, Any] = {"num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+                           "head_dim": cfg.head_dim, "attention_dropout": 0.0}
+    if model_type in QKV_BIAS:
+        if QKV_BIAS[model_type] is None:
+            out["qkv_bias"] = cfg.qkv_bias
+    else:
+        out["attention_bias"] = False
+    if model_type.startswith("qwen"):
+        out.update({"use_sliding_window": False, "sliding_window": None,
+                    "max_window_layers": cfg.layers})
+    return out
+
+
+def check_attention(cfg: ModelConfig, model_type: str) -> list[str]:
+    """What family ``model_type`` cannot hold of ``cfg``'s attention (export's refusals)."""
+    p = []
+    if cfg.qk_norm != (model_type in QK_NORM):
+        p.append(f"export: qk_norm = {str(cfg.qk_norm).lower()}; transformers' {model_type} "
+                 f"{'always has' if model_type in QK_NORM else 'has no'} q/k norms")
+    fixed = QKV_BIAS.get(model_type, False)
+    if fixed is not None and cfg.qkv_bias != fixed:
+        p.append(f"export: qkv_bias = {str(cfg.qkv_bias).lower()}; transformers' {model_type} "
+                 f"{'always has' if fixed else 'has no'} q/k/v biases"
+                 + (" (only with o_proj's: attention_bias)" if not fixed else ""))
+    return p
+
+
+def dense_family(cfg: ModelConfig) -> str:
+    """The transformers family a dense fived model exports as: Qwen3 with q/k norms, Qwen2
+    with q/k/v biases, else Llama."""
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+
+
 def model_config(hf: dict[str, Any], flag: str = "--init-from", seq_len: int | None = None
                  ) -> ModelConfig:
-    """fived's ModelConfig of a Hugging Face Llama / Mixtral config.json (a ConfigError names
-    what fived cannot represent)."""
+    """fived's ModelConfig of a Hugging Face Llama / Qwen2 / Qwen3 / Mixtral config.json (a
+    ConfigError names what fived cannot represent)."""
     mt = hf.get("model_type")
-    if mt not in ("llama", "mixtral"):
+    if mt not in FAMILIES:
         raise ConfigError([f"{flag}: model_type {mt!r} is another model family; fived reads "
-                           "'llama' (LlamaForCausalLM) and 'mixtral' (MixtralForCausalLM)"])
-    h, heads = hf["hidden_size"], hf["num_attention_heads"]
-    problems = []
+                           + ", ".join(f"{k!r} ({v})" for k, v in FAMILIES.items())])
+    h = hf["hidden_size"]
+    attn, problems = attention_fields(hf, flag)
     rope = hf.get("rope_parameters") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     rtype = rope.get("rope_type") or (hf.get("rope_scaling") or {}).get("rope_type") or (
@@ -74,18 +157,15 @@ def model_config(hf: dict[str, Any], flag: str = "--init-from", seq_len: int | N
         problems.append(f"{flag}: rope scaling {rtype!r} is not supported (plain RoPE only)")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"{flag}: hidden_act {hf.get('hidden_act')!r} (fived's MLP is SwiGLU)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        problems.append(f"{flag}: biases in attention/MLP are not supported")
-    if hf.get("head_dim") not in (None, h // heads) or h % heads:
-        problems.append(f"{flag}: head_dim {hf.get('head_dim')} != hidden_size / heads")
+    if hf.get("mlp_bias"):
+        problems.append(f"{flag}: mlp_bias = true: biases in the MLP are not supported")
     if problems:
         raise ConfigError(problems)
     ffn = hf["intermediate_size"]
     cfg = ModelConfig(
         name=f"hf-{mt}", vocab=hf["vocab_size"], hidden=h, layers=hf["num_hidden_layers"],
-        heads=heads, kv_heads=hf.get("num_key_value_heads") or heads, ffn=ffn,
-        rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tied_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        ffn=ffn, rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)), **attn)
     if mt == "mixtral":
         cfg = replace(cfg, experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                       moe_ffn=0, shared_expert=False, capacity_factor=0.0,
@@ -96,8 +176,10 @@ def model_config(hf: dict[str, Any], flag: str = "--init-from", seq_len: int | N
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    """The config.json transformers loads as LlamaForCausalLM / MixtralForCausalLM."""
-    problems = []
+    """The config.json transformers loads as LlamaForCausalLM, Qwen2ForCausalLM,
+    Qwen3ForCausalLM (``dense_family``) or MixtralForCausalLM."""
+    mt = "mixtral" if cfg.is_moe else dense_family(cfg)
+    problems = check_attention(cfg, mt)
     if cfg.is_moe and cfg.shared_expert:
         problems.append("export: this MoE has a shared expert; transformers' Mixtral has none "
                         "(no MixtralForCausalLM can hold it)")
@@ -110,24 +192,22 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     out: dict[str, Any] = {
-        "architectures": ["MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"],
-        "model_type": "mixtral" if cfg.is_moe else "llama",
+        "architectures": [FAMILIES[mt]], "model_type": mt,
         "vocab_size": cfg.vocab, "hidden_size": cfg.hidden,
         "intermediate_size": cfg.expert_ffn if cfg.is_moe else cfg.ffn,
-        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "num_hidden_layers": cfg.layers, **attention_config(cfg, mt), "hidden_act": "silu",
         "max_position_embeddings": max(cfg.seq_len, 2048), "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tied_embeddings, "attention_bias": False,
-        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+        "tie_word_embeddings": cfg.tied_embeddings,
+        "initializer_range": 0.02, "use_cache": True,
         "torch_dtype": dtype, "dtype": dtype,
     }
     if cfg.is_moe:
         out.update({"num_local_experts": cfg.experts, "num_experts_per_tok": cfg.top_k,
                     "router_aux_loss_coef": cfg.aux_loss_coef, "output_router_logits": False,
                     "router_jitter_noise": 0.0, "sliding_window": None})
-    else:
+    elif mt == "llama":
         out["mlp_bias"] = False
     return out
 

@@ -1,6 +1,7 @@
 """``fived export DIR --hf OUT``: a fived checkpoint as a Hugging Face model directory.
 
-Writes ``config.json`` (``LlamaForCausalLM`` or ``MixtralForCausalLM``), safetensors shards and
+Writes ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM`` with q/k/v biases,
+``Qwen3ForCausalLM`` with q/k norms, or ``MixtralForCausalLM``), safetensors shards and
 ``model.safetensors.index.json``; ``transformers`` loads it with ``from_pretrained(OUT)``. The
 weights are the fp32 masters where the checkpoint has them; ``--dtype`` casts. OUT must be
 new or empty: nothing is overwritten.

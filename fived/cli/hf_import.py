@@ -1,5 +1,5 @@
-"""``fived import HF_DIR --save-dir DIR``: a local Hugging Face Llama / Mixtral directory
-(config.json + safetensors) as a fived checkpoint ``DIR/step-000000`` (parameters only), which
+"""``fived import HF_DIR --save-dir DIR``: a local Hugging Face Llama / Qwen2 / Qwen3 / Mixtral
+directory (config.json + safetensors) as a fived checkpoint ``DIR/step-000000`` (parameters only), which
 ``fived train --resume DIR`` then loads into any layout (the optimizer starts fresh).
 ``fived train --init-from HF_DIR`` does the same without writing a checkpoint. Only
 safetensors are read (no pickles); nothing is downloaded.
@@ -16,7 +16,7 @@ from ..ui import report
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="fived import", description="Import a local Hugging Face Llama/Mixtral directory "
+        prog="fived import", description="Import a local Hugging Face Llama/Qwen2/Qwen3/Mixtral directory "
         "into a fived checkpoint.", epilog="example:\n  fived import runs/hf --save-dir runs/ck"
         "\n  fived train --resume runs/ck --tp 2 --pp 2 --steps 10",
         formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -21,13 +21,17 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Larg
 Models", redone for the Llama block: RMSNorm, RoPE, GQA, SwiGLU, no dropout, no biases)
 ------------------------------------------------------------------------------------------
 Per layer and per token of a micro-batch (e = activation bytes, h hidden, hq = heads·d,
-hkv = kv_heads·d, f ffn, a heads), what autograd saves in the fived runtime:
+hkv = kv_heads·d with d = head_dim, f ffn, a heads), what autograd saves in the fived runtime
+(q/k/v biases save nothing: a bias's gradient is the sum of the output's):
 
     2 RMSNorms      2·(2e·h + 4)            input, output (saved by the next matmul), fp32
                                             1/rms (``fived.model.layers._RMSNorm``; eager fp32
                                             math, ``fused_norm=False``: 2·(8h + e·h + 4))
     q, k, v         e·(hq + 2·hkv)          after RoPE, kv heads not repeated (flash with GQA,
                                             ``layers.flash_attention``; ``kv_repeat``: hkv = hq)
+    q/k norms       e·(hq + hkv) + 4·(a + g)  ``qk_norm`` only: each head's input and its fp32
+                                            1/rms (g kv heads; eager fp32 math: 8·(hq + hkv) +
+                                            4·(a + g)); RoPE saves none of their outputs
     softmax         flash: 4·a (fp32 log-sum-exp)   materialised: e·a·s_kv (probabilities)
     attention out   e·hq                    (also the input of wo)
     SwiGLU          3·e·f                   gate out, up out (``layers._SwiGLU``, silu
@@ -324,6 +328,8 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         # repeated) as fp32 copies and its fp32 log-sum-exp (``fived.ledger.context``)
         out["qkv"] = tokens * (4 * hq + 8 * m.kv_heads * d / min(tp, m.kv_heads))
     out["attn_out"] = tokens * e * hq
+    if m.qk_norm:
+        out["qk_norm"] = tokens * qk_norm_bytes_per_token(m, par, e, opts.fused_norm)
     if m.is_moe:
         # experts are whole on every tp rank (replicated), the shared expert is tp-cut
         out["mlp"] = tokens * 3 * e * m.expert_ffn * m.top_k / norm_div
@@ -335,6 +341,14 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     else:  # SwiGLU saves gate, up and the product (silu recomputed); GELU its input and output
         out["mlp"] = tokens * (3 if m.mlp == "swiglu" else 2) * e * m.ffn / tp
     return out
+
+
+def qk_norm_bytes_per_token(m: ModelConfig, par: ParallelConfig, e: int, fused: bool) -> float:
+    """What the q and k norms (``qk_norm``) of one layer save per token on one tp rank: each
+    head's input (e·d; eager fp32 math: its fp32 copy and the normalised tensor, 8·d) and its
+    fp32 1/rms (4), for the rank's heads/tp query and kv_heads/min(tp, kv_heads) kv heads."""
+    heads = m.heads / par.tp + m.kv_heads / min(par.tp, m.kv_heads)
+    return heads * ((e if fused else 8) * m.head_dim + 4)
 
 
 def moe_routing_bytes_per_token(m: ModelConfig, par: ParallelConfig) -> float:

@@ -86,6 +86,10 @@ def param_shape(m: ModelConfig, par: ParallelConfig, name: str, numel: int, expe
     if name.endswith("norm.weight"):
         return Param(name, 1, numel, 0, 1, 1, expert)
     kvs = min(tp, m.kv_heads)
+    if name.endswith(".bias"):  # one row, cut along its columns as its layer's output is
+        parts = kvs if last in ("k_proj", "v_proj") else tp if last in (
+            "q_proj", "gate_proj", "up_proj") else 1
+        return Param(name, 1, numel, 1, parts, 1, expert)
     if name.startswith(("embed_tokens", "lm_head")) or last in ("q_proj", "gate_proj",
                                                                 "up_proj"):
         p = Param(name, numel // h, h, 0, tp, 2, expert)

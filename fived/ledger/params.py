@@ -4,6 +4,9 @@ Every weight of ``fived.model.llama`` is counted by name (no biases anywhere):
 
     per block    attn_norm h, mlp_norm h                         (RMSNorm gains, replicated)
                  wq h·(heads·d), wk h·(kv·d), wv h·(kv·d), wo (heads·d)·h
+                 (d = head_dim: ``head_size``, or h / heads)
+                 qkv_bias (heads + 2·kv)·d                       (``qkv_bias``: q, k, v biases)
+                 qk_norm 2·d                                     (``qk_norm``: q, k norm gains)
                  dense MLP: w_gate h·f, w_up h·f, w_down f·h     (SwiGLU)
                  MoE MLP:   router h·E + E·3·h·f_e (+ 3·h·f_s shared expert, + h its gate)
     once         embed V·h, final norm h, head h·V (absent when tied_embeddings and pp == 1)
@@ -14,8 +17,9 @@ Known totals (tests): Llama-2-7B 6,738,415,616; Llama-3-8B 8,030,261,248; Llama-
 One rank's share (``rank_params``) follows the runtime's cuts:
 
 * tp: wq, wo, w_gate, w_up, w_down, embed and head are cut tp ways; wk, wv are cut
-  ``min(tp, kv_heads)`` ways (replicated beyond that); norms, the MoE router and the routed
-  experts are replicated (a shared expert is cut tp ways along the expert ffn).
+  ``min(tp, kv_heads)`` ways (replicated beyond that), and the q/k/v biases with them; norms
+  (the q/k norms too), the MoE router and the routed experts are replicated (a shared expert
+  is cut tp ways along the expert ffn).
 * pp: (virtual) stage k holds its layers (``pp_layers``, or ``balanced_split``: the split that
   minimises the costliest stage, head and embedding included, as the pipeline partitions);
   pipeline rank r holds virtual stages r, r+pp, r+2·pp, ... (V-shaped schedules: r and
@@ -27,9 +31,9 @@ One rank's share (``rank_params``) follows the runtime's cuts:
   over the ``expert`` group, everything else over ``dense``.
 
 ``param_list`` lists one rank's parameters in the runtime's registration order (embedding,
-blocks — attn_norm, wq, wk, wv, wo, mlp_norm, then w_gate, w_up, w_down or router, experts,
-shared expert — final norm, head), which is what the data-parallel engine lays its flat buckets
-out from.
+blocks — attn_norm, wq (its bias), wk (bias), wv (bias), wo, q_norm, k_norm, mlp_norm, then
+w_gate, w_up, w_down or router, experts, shared expert — final norm, head), which is what the
+data-parallel engine lays its flat buckets out from.
 """
 
 from __future__ import annotations
@@ -79,6 +83,10 @@ def block_params(m: ModelConfig) -> dict[str, int]:
     }
     if m.bias:
         out["attn_bias"] = (m.heads + 2 * m.kv_heads) * d + h
+    if m.qkv_bias:
+        out["qkv_bias"] = (m.heads + 2 * m.kv_heads) * d
+    if m.qk_norm:
+        out["qk_norm"] = 2 * d
     if m.is_moe:
         out["router"] = h * m.experts
         out["experts"] = m.experts * 3 * h * m.expert_ffn
@@ -265,6 +273,10 @@ def block_params_local(m: ModelConfig, tp: int, ep: int) -> dict[str, int]:
     }
     if m.bias:  # q/k/v biases cut with their columns, the o_proj bias whole
         out["attn_bias"] = (m.heads * d // tp + 2 * m.kv_heads * d // kv_shards) + h
+    if m.qkv_bias:  # cut with their columns
+        out["qkv_bias"] = m.heads * d // tp + 2 * m.kv_heads * d // kv_shards
+    if m.qk_norm:  # whole on every tp rank
+        out["qk_norm"] = 2 * d
     if m.is_moe:
         out["router"] = h * m.experts
         out["experts"] = (m.experts // ep) * 3 * h * m.expert_ffn  # replicated over tp
@@ -307,9 +319,11 @@ def rank_params(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> RankPa
         for k, v in blk.items():
             bd[k] = bd.get(k, 0) + v * n
         rep += (blk["attn_norm"] + blk["mlp_norm"] + blk.get("router", 0)
-                + blk.get("experts", 0)) * n
+                + blk.get("experts", 0) + blk.get("qk_norm", 0)) * n
         if tp > c.kv_heads:
             rep += (blk["wk"] + blk["wv"]) * n
+            if c.qkv_bias:  # the k, v biases of a replicated kv chunk
+                rep += 2 * c.kv_heads * c.head_dim // min(tp, c.kv_heads) * n
         if c.bias:  # the row-parallel biases (o_proj, down_proj) are whole on every tp rank
             rep += 2 * c.hidden * n if not c.is_moe else c.hidden * n
     if 0 in stages:
@@ -347,11 +361,14 @@ def _block_list(m: ModelConfig, par: ParallelConfig, i: int) -> list[tuple[str, 
     for w, n, cut in (("q", m.heads, tp), ("k", m.kv_heads, kv_shards), ("v", m.kv_heads,
                                                                           kv_shards)):
         out.append((p + f"self_attn.{w}_proj.weight", h * n * d // cut, False))
-        if m.bias:  # column-parallel: the bias is cut with the output
+        if m.bias or m.qkv_bias:  # column-parallel: the bias is cut with the output
             out.append((p + f"self_attn.{w}_proj.bias", n * d // cut, False))
     out.append((p + "self_attn.o_proj.weight", m.heads * d * h // tp, False))
     if m.bias:  # row-parallel: the bias is whole on every tp rank
         out.append((p + "self_attn.o_proj.bias", h, False))
+    if m.qk_norm:  # whole on every tp rank
+        out += [(p + "self_attn.q_norm.weight", d, False), (p + "self_attn.k_norm.weight", d,
+                                                            False)]
     out.append((p + "post_attention_layernorm.weight", h, False))
     out += [(p + "post_attention_layernorm.bias", h, False)] if ln else []
     if m.is_moe:

@@ -23,7 +23,9 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
             plus 2 all_gather(X): the column inputs, saved as sequence shards, re-gathered
     full recompute: + 1 all_reduce(X) per layer (SP: + 2 all_gather + 1 reduce_scatter), the
     rerun forward stopping at the block's last saved tensor; tp > kv_heads: + 2 all_reduce of
-    the (kv_heads·d, h) weight gradient per layer; plus the vocab-parallel ends: embedding
+    the (kv_heads·d, h) weight gradient per layer (qkv_bias: + 2 of the kv_heads·d bias
+    gradient); ``qk_norm``: all_reduce(grad_bytes·d) per q/k norm per step, with or without SP
+    (each rank normalises its own heads); plus the vocab-parallel ends: embedding
     forward all_reduce(X) (SP: reduce_scatter, backward all_gather), head input backward
     all_reduce(X) (SP: forward all_gather, backward all_gather + reduce_scatter), cross-entropy
     all_reduce(b·s_l·4) (max) and all_reduce(2·b·s_l·4) (Σexp, target logit); and under SP the
@@ -207,6 +209,12 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
         kv_weight = m.kv_heads * m.head_dim * m.hidden * e
         out.append(Collective("tp", "all_reduce", kv_weight, t, 2 * per,
                               "replicated kv-head weight grads", "bwd"))
+        if m.qkv_bias:  # and the bk, bv gradients
+            out.append(Collective("tp", "all_reduce", m.kv_heads * m.head_dim * e, t, 2 * per,
+                                  "replicated kv-head bias grads", "bwd"))
+    if m.qk_norm:  # the q/k norm gains see this rank's heads only, with or without SP
+        out.append(Collective("tp", "all_reduce", m.head_dim * grad_bytes(par), t, 2 * layers,
+                              "q/k norm-gain grads", "step"))
     if first:
         if sp:
             out += [Collective("tp", "reduce_scatter", x, t, mb, "vocab embedding", "fwd"),

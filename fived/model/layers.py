@@ -1,9 +1,10 @@
 """The building blocks every layout shares: RMSNorm, RoPE, the attention core and the loss.
 
-Linear layers are plain ``torch.nn.Linear`` (no bias) and the embedding is ``torch.nn.Embedding``;
-parallel dimensions replace modules of the built model (``fived.parallel``), the model itself
-never asks how it is laid out. The attention core and the loss are modules of their own so that
-context parallelism can swap the core and tensor parallelism the loss.
+Linear layers are plain ``torch.nn.Linear`` (no bias, but on q/k/v with ``qkv_bias``) and the
+embedding is ``torch.nn.Embedding``; parallel dimensions replace modules of the built model
+(``fived.parallel``), the model itself never asks how it is laid out. The attention core and
+the loss are modules of their own so that context parallelism can swap the core and tensor
+parallelism the loss.
 """
 
 from __future__ import annotations

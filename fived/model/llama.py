@@ -2,12 +2,20 @@
 
     h₀ = E[tokens]
     hᵢ₊₁ = hᵢ' + W_down( silu(W_gate n) ⊙ W_up n ),   n = RMSNorm(hᵢ'),
-    hᵢ'  = hᵢ + W_o · Attn(RoPE(W_q m), RoPE(W_k m), W_v m),   m = RMSNorm(hᵢ)
+    hᵢ'  = hᵢ + W_o · Attn(RoPE(N_q(W_q m + b_q)), RoPE(N_k(W_k m + b_k)), W_v m + b_v),
+    m = RMSNorm(hᵢ)
     loss = Σ_tokens CE(W_head · RMSNorm(h_L), targets)
+
+Attention shapes (``ModelConfig``): q and the attention output are heads·head_dim wide, k and v
+kv_heads·head_dim, where head_dim is ``head_size`` or hidden/heads; the biases b_q, b_k, b_v
+exist with ``qkv_bias`` (Qwen2; otherwise 0), and N_q, N_k — an RMSNorm over head_dim applied to
+every head alone, one gain vector (head_dim) for all heads — with ``qk_norm`` (Qwen3; otherwise
+the identity).
 
 A plain ``nn.Module``: it knows nothing of any layout. Parameter names follow Hugging Face's
 Llama (and Mixtral, ``fived.model.moe``) without the ``model.`` prefix — ``embed_tokens``,
-``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.mlp.{gate,up,down}_proj``,
+``layers.{i}.self_attn.{q,k,v,o}_proj`` (``.bias`` on q, k, v with ``qkv_bias``),
+``layers.{i}.self_attn.{q,k}_norm`` (``qk_norm``), ``layers.{i}.mlp.{gate,up,down}_proj``,
 ``layers.{i}.{input,post_attention}_layernorm``, ``norm``, ``lm_head`` — so a Hugging Face
 state dict maps onto it by renaming alone. Head counts come from the tensors (``view(b, s, -1, d)``), so a
 column-cut projection simply yields fewer heads.
@@ -38,12 +46,15 @@ OUT_PROJECTIONS = ("o_proj", "down_proj", "w2")  # residual outputs: std / √(2
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        d, h = cfg.head_dim, cfg.hidden
+        d, h, bias = cfg.head_dim, cfg.hidden, cfg.qkv_bias
         self.head_dim = d
-        self.q_proj = nn.Linear(h, cfg.heads * d, bias=False, dtype=dtype)
-        self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=False, dtype=dtype)
+        self.q_proj = nn.Linear(h, cfg.heads * d, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(cfg.heads * d, h, bias=False, dtype=dtype)
+        if cfg.qk_norm:  # one gain over head_dim, shared by every head (Qwen3)
+            self.q_norm = L.RMSNorm(d, cfg.norm_eps, dtype)
+            self.k_norm = L.RMSNorm(d, cfg.norm_eps, dtype)
         self.core = L.CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -51,8 +62,10 @@ class Attention(nn.Module):
         cos, sin = rope
         q = self.q_proj(x)
         b, s, d = q.shape[0], q.shape[1], self.head_dim
-        q = L.apply_rope(q.view(b, s, -1, d), cos, sin)
-        k = L.apply_rope(self.k_proj(x).view(b, s, -1, d), cos, sin)
+        q, k = q.view(b, s, -1, d), self.k_proj(x).view(b, s, -1, d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
         v = self.v_proj(x).view(b, s, -1, d)
         if cache is None:
             o = self.core(q, k, v)
@@ -107,7 +120,8 @@ class Transformer(nn.Module):
         return [int(k) for k in self.layers]
 
     def param_std(self, name: str) -> float:
-        """The init std of parameter ``name``: 0 (ones) for norms, smaller for residual outputs."""
+        """The init std of parameter ``name``: 0 (ones) for norms (q/k norms too), smaller for
+        residual outputs; the q/k/v biases are drawn like their weights."""
         if name.endswith("norm.weight"):
             return 0.0
         if name.split(".")[-2] in OUT_PROJECTIONS:

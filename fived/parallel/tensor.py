@@ -17,6 +17,12 @@ their input's shard, not the gathered sequence, and all-gather it again in backw
 weight gradients (overlapped with the input-gradient matmul), as Megatron-Core does: one more
 all-gather of A per column region (attention, MLP, head) per micro-batch.
 
+Attention shapes (``ModelConfig``): q/k/v biases (``qkv_bias``) are cut with their column-cut
+projections; the q/k norm gains (``qk_norm``) are whole on every rank, but each rank applies
+them to its own heads, so their gradients are partial over tp and summed there (``grad_sum``),
+with or without sequence parallelism (q and k cover the whole sequence after the column
+matmul).
+
 Grouped-query attention: kv heads are cut when tp divides them; when tp > kv_heads each kv
 chunk is held by tp/kv_heads ranks, and each replica sees only the gradient of its own query
 heads, so the replicas' weight gradients are summed in backward — through the tp group itself:
@@ -174,10 +180,12 @@ def _piece(weight: torch.Tensor, dim: int, parts: int, index: int) -> nn.Paramet
 
 
 class ColumnLinear(nn.Module):
-    """y_i = x W_iᵀ with W's output features cut in ``shards`` chunks (tp, or kv_heads when the
-    kv heads are replicated); the output stays cut (b, s, out/shards)."""
+    """y_i = x W_iᵀ (+ b_i) with W's output features — and the bias, when there is one (q/k/v
+    with ``qkv_bias``) — cut in ``shards`` chunks (tp, or kv_heads when the kv heads are
+    replicated); the output stays cut (b, s, out/shards)."""
 
-    def __init__(self, full: torch.Tensor, group: Any, columns: Columns, shards: int):
+    def __init__(self, full: torch.Tensor, group: Any, columns: Columns, shards: int,
+                 bias: torch.Tensor | None = None):
         super().__init__()
         tp = group.size
         if shards > tp or tp % shards:
@@ -185,12 +193,17 @@ class ColumnLinear(nn.Module):
         self.group, self.columns, self.shards = group, columns, shards
         self.index = group.rank * shards // tp
         self.weight = _piece(full, 0, shards, self.index)
+        self.bias = None if bias is None else _piece(bias, 0, shards, self.index)
+
+    def _replica(self, w: torch.Tensor) -> torch.Tensor:
+        """w, its gradient summed over the ranks holding the same chunk (replicated kv)."""
+        if self.shards < self.group.size:
+            return _ReplicaGradSum.apply(w, self.group, self.shards, self.index)
+        return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if self.shards < self.group.size:
-            w = _ReplicaGradSum.apply(w, self.group, self.shards, self.index)
-        return self.columns.matmul(x, w)
+        y = self.columns.matmul(x, self._replica(self.weight))
+        return y if self.bias is None else y + self._replica(self.bias)
 
 
 class RowLinear(nn.Module):
@@ -301,9 +314,11 @@ def _cut(placements: dict[str, Placement], name: str, dim: int, parts: int, inde
 def _columns(parent: nn.Module, prefix: str, attrs: tuple[str, ...], group: Any,
              columns: Columns, placements: dict[str, Placement], shards: int) -> None:
     for a in attrs:
-        lin = ColumnLinear(getattr(parent, a).weight, group, columns, shards)
+        old = getattr(parent, a)
+        lin = ColumnLinear(old.weight, group, columns, shards, old.bias)
         setattr(parent, a, lin)
-        _cut(placements, f"{prefix}{a}.weight", 0, shards, lin.index)
+        for kind in ("weight",) + (("bias",) if lin.bias is not None else ()):
+            _cut(placements, f"{prefix}{a}.{kind}", 0, shards, lin.index)
 
 
 def _row(parent: nn.Module, prefix: str, attr: str, group: Any, sp: bool,
@@ -343,6 +358,10 @@ def apply_tp(model: Transformer, group: Any, placements: dict[str, Placement],
         _columns(attn, p + "self_attn.", ("k_proj", "v_proj"), group, columns, placements,
                  kv_shards)
         _row(attn, p + "self_attn.", "o_proj", group, sp, placements)
+        if hasattr(attn, "q_norm"):  # whole on every rank, each applied to its own heads only:
+            # the gradients are partial over tp with or without SP (q and k are whole-sequence)
+            _sum_over(placements, attn.q_norm, p + "self_attn.q_norm.", "tp")
+            _sum_over(placements, attn.k_norm, p + "self_attn.k_norm.", "tp")
         if hasattr(block, "mlp"):
             _mlp(block.mlp, p + "mlp.", group, columns, sp, placements)
         if sp:  # norms run on the sequence shard: their weights' gradients are partial
@@ -386,13 +405,14 @@ def tp_traffic_bytes(model: Any, par: Any, micro_batch: int, pp_rank: int = 0
       gathered again for the weight gradients); full recompute reruns the forward up to its
       last saved tensor: +1 all-reduce (SP: +2 all-gathers, +1 reduce-scatter);
     * replicated kv heads (tp > kv_heads): per block 2 all-reduces of the full (kv_heads·d, h)
-      weight gradient (wk, wv);
+      weight gradient (wk, wv), and with ``qkv_bias`` 2 of the (kv_heads·d) bias gradient;
     * embedding: 1 forward all-reduce of A (SP: reduce-scatter forward, all-gather backward);
     * head (or tied head): 1 backward all-reduce of A (SP: all-gather forward, all-gather and
       reduce-scatter backward);
     * loss: all-reduce of micro_batch·s fp32 maxima and of 2·micro_batch·s fp32 (sum-exp, target).
 
-    Per step: with SP, one all-reduce of each norm weight's gradient (2 per block + final norm).
+    Per step: with SP, one all-reduce of each norm weight's gradient (2 per block + final norm);
+    with ``qk_norm``, with or without SP, one of each q/k norm gain's (head_dim, 2 per block).
     A MoE block without a shared expert has only the attention's cut (its routed experts are
     whole on every tp rank). The ledger (``fived.ledger.traffic.tp_traffic``) holds the formula;
     this sums its collectives by op for the rank at pipeline coordinate ``pp_rank``.

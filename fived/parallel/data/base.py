@@ -138,8 +138,11 @@ class DataParallel:
                     off_a, off_e = 0, 0
                 else:
                     off_a, off_e = a - off, e - off
+                # the matrix's cut dimension: a 1-D parameter (a cut q/k/v bias) is one row,
+                # cut along its columns
+                mdim = pl.dim if len(pl.shape) > 1 else 1
                 pieces.append(Piece(name, matrix_shape(tuple(p.shape)), matrix_shape(pl.shape),
-                                    pl.dim, pl.parts, pl.index, off, off_a, off_e, a - b.lo,
+                                    mdim, pl.parts, pl.index, off, off_a, off_e, a - b.lo,
                                     e - b.lo, ndim=len(pl.shape)))
             out.append(BucketPieces(b.index, b.group_name, b.group, b.shards > 1,
                                     b.shard_numel, b.padded, pieces))
