@@ -197,6 +197,28 @@ PRESETS: dict[str, ModelConfig] = {
         name="mixtral-8x7b", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
         ffn=14336, seq_len=4096, rope_theta=1e6, experts=8, top_k=2,
     ),
+    # Qwen3-MoE (config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B; Qwen3 technical
+    # report, 2025): q/k norms, head_dim 128, 128 experts top-8 renormalised, every block MoE;
+    # `ffn` is the config's intermediate_size (no dense block uses it)
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4,
+        head_size=128, qk_norm=True, ffn=6144, seq_len=4096, rope_theta=1e6, norm_eps=1e-6,
+        experts=128, top_k=8, moe_ffn=768, norm_topk_prob=True,
+    ),
+    "qwen3-235b-a22b": ModelConfig(
+        name="qwen3-235b-a22b", vocab=151936, hidden=4096, layers=94, heads=64, kv_heads=4,
+        head_size=128, qk_norm=True, ffn=12288, seq_len=4096, rope_theta=1e6, norm_eps=1e-6,
+        experts=128, top_k=8, moe_ffn=1536, norm_topk_prob=True,
+    ),
+    # DeepSeek-MoE 16B (config.json of deepseek-ai/deepseek-moe-16b-base; Dai et al. 2024):
+    # 64 routed experts of 1408 top-6 not renormalised, 2 shared experts of 1408 = one of 2816,
+    # the first block dense (first_k_dense_replace = 1, width 10944), multi-head attention
+    "deepseek-moe-16b": ModelConfig(
+        name="deepseek-moe-16b", vocab=102400, hidden=2048, layers=28, heads=16, kv_heads=16,
+        ffn=10944, seq_len=4096, norm_eps=1e-6, experts=64, top_k=6, moe_ffn=1408,
+        norm_topk_prob=False, shared_expert=True, shared_expert_ffn=2816, first_dense_layers=1,
+        aux_loss_coef=0.001,
+    ),
 }
 
 

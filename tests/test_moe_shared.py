@@ -208,3 +208,22 @@ def test_roofline_prices_dense_blocks_as_dense():
         assert got[k] == pytest.approx(dense[k] + moe[k], rel=1e-12), k
     all_moe = R.micro_batch_times(m, par, 1, hw, m.layers, True, True, clock)
     assert got["fwd"] != pytest.approx(all_moe["fwd"], rel=1e-3)
+
+
+@pytest.mark.parametrize("name,total,active", [("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                                               ("qwen3-235b-a22b", 235e9, 22e9),
+                                               ("deepseek-moe-16b", 16.4e9, 2.8e9)])
+def test_published_moe_presets(name, total, active):
+    """The presets' parameter counts: the ledger's equal the model built on meta, and both are
+    what the publishers state (Qwen3 report: 30.5B/3.3B, 235B/22B; DeepSeekMoE: 16.4B/2.8B) to
+    their rounding: the total within 0.5 %, the active within 2 % (3.35B is "3.3B")."""
+    from fived.ledger.params import active_params, param_counts
+
+    m = preset(name)
+    with torch.device("meta"):
+        from fived.model.llama import Transformer
+
+        built = sum(p.numel() for p in Transformer(m).parameters())
+    assert param_counts(m)["total"] == built
+    assert abs(built / total - 1) < 0.005
+    assert abs(active_params(m) / active - 1) < 0.02

@@ -80,7 +80,7 @@ def export_hf(ckpt: Path, man: dict[str, Any], out: Path, dtype: torch.dtype | N
     shards = hf.plan_shards(sizes, max_shard_bytes)
     cfg = model_of(man)
     for i, names in enumerate(shards):
-        hf.write_shard(whole_model(ckpt, man, dtype, names), out, i, len(shards))
+        hf.write_shard(whole_model(ckpt, man, dtype, names), out, i, len(shards), cfg)
         if progress:
             progress(i + 1, len(shards))
     return hf.write_index(shards, sizes, cfg, out, str(dtype or saved).replace("torch.", ""))

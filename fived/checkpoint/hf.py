@@ -65,7 +65,9 @@ def read_config(hf_dir: str | Path, flag: str) -> dict[str, Any]:
 
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 QK_NORM = ("qwen3", "qwen3_moe")  # families whose attention normalises q and k per head
 QKV_BIAS = {"qwen2": True, "qwen2_moe": None}  # always a q/k/v bias | config.json's qkv_bias
 
@@ -170,31 +172,74 @@ def model_config(hf: dict[str, Any], flag: str = "--init-from", seq_len: int | N
         cfg = replace(cfg, experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                       moe_ffn=0, shared_expert=False, capacity_factor=0.0,
                       aux_loss_coef=float(hf.get("router_aux_loss_coef", cfg.aux_loss_coef)))
+    elif mt in QWEN_MOE:
+        cfg = replace(cfg, **qwen_moe_fields(hf, flag))
     if seq_len is not None:
         cfg = replace(cfg, seq_len=seq_len)
     return cfg
 
 
+def qwen_moe_fields(hf: dict[str, Any], flag: str) -> dict[str, Any]:
+    """The MoE fields of a Qwen2-MoE / Qwen3-MoE config.json: ``num_experts`` experts of width
+    ``moe_intermediate_size``, top ``num_experts_per_tok``, softmax, ``norm_topk_prob``; the
+    dense blocks (``mlp_only_layers``, width ``intermediate_size``) must be the first ones
+    (fived's ``first_dense_layers``) and ``decoder_sparse_step`` 1; Qwen2-MoE's shared expert
+    (``shared_expert_intermediate_size``) is always sigmoid-gated."""
+    mt = hf["model_type"]
+    dense = sorted(hf.get("mlp_only_layers") or [])
+    problems = []
+    if hf.get("decoder_sparse_step", 1) != 1:
+        problems.append(f"{flag}: decoder_sparse_step {hf['decoder_sparse_step']}: fived's MoE "
+                        "blocks are every block after the first_dense_layers (step 1 only)")
+    if dense != list(range(len(dense))):
+        problems.append(f"{flag}: mlp_only_layers {dense}: fived's dense blocks must be the "
+                        "first ones (first_dense_layers)")
+    shared = int(hf.get("shared_expert_intermediate_size", 0)) if mt == "qwen2_moe" else 0
+    if mt == "qwen2_moe" and shared <= 0:
+        problems.append(f"{flag}: shared_expert_intermediate_size {shared}: a Qwen2-MoE "
+                        "without a shared expert still has its gate; fived needs width > 0")
+    if problems:
+        raise ConfigError(problems)
+    return dict(experts=hf.get("num_experts", hf.get("num_local_experts")),
+                top_k=hf["num_experts_per_tok"],
+                moe_ffn=hf["moe_intermediate_size"], router="softmax",
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), capacity_factor=0.0,
+                first_dense_layers=len(dense), shared_expert=shared > 0,
+                shared_expert_ffn=shared, shared_expert_gate=shared > 0,
+                aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+
+
+def moe_family(cfg: ModelConfig) -> str:
+    """The transformers family a fived MoE exports as: Qwen3-MoE with q/k norms, Qwen2-MoE with
+    a shared expert, else Mixtral."""
+    return "qwen3_moe" if cfg.qk_norm else "qwen2_moe" if cfg.shared_expert else "mixtral"
+
+
+def _check_moe(cfg: ModelConfig, mt: str) -> list[str]:
+    """What family ``mt`` cannot hold of ``cfg``'s MoE (export's refusals)."""
+    have = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}[mt]
+    want = [("router", "softmax"), ("balance", "aux_loss"), ("route_groups", 0)]
+    if mt == "mixtral":
+        want += [("norm_topk_prob", True), ("first_dense_layers", 0), ("shared_expert", False)]
+    elif mt == "qwen3_moe":
+        want += [("shared_expert", False)]
+    else:
+        want += [("shared_expert_gate", True)]
+    return [f"export: {f} = {getattr(cfg, f)!r}; transformers' {have} has only {f} = {w!r}"
+            for f, w in want if getattr(cfg, f) != w]
+
+
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """The config.json transformers loads as LlamaForCausalLM, Qwen2ForCausalLM,
     Qwen3ForCausalLM (``dense_family``) or MixtralForCausalLM."""
-    mt = "mixtral" if cfg.is_moe else dense_family(cfg)
-    problems = check_attention(cfg, mt)
-    if cfg.is_moe and cfg.shared_expert:
-        problems.append("export: this MoE has a shared expert; transformers' Mixtral has none "
-                        "(no MixtralForCausalLM can hold it)")
-    if cfg.is_moe:  # Mixtral routes softmax, top-k renormalised, every block MoE, no bias
-        for f, want in (("norm_topk_prob", True), ("router", "softmax"),
-                        ("first_dense_layers", 0), ("balance", "aux_loss")):
-            if getattr(cfg, f) != want:
-                problems.append(f"export: {f} = {getattr(cfg, f)!r}; transformers' Mixtral "
-                                f"has only {f} = {want!r}")
+    mt = moe_family(cfg) if cfg.is_moe else dense_family(cfg)
+    problems = check_attention(cfg, mt) + (_check_moe(cfg, mt) if cfg.is_moe else [])
     if problems:
         raise ConfigError(problems)
     out: dict[str, Any] = {
         "architectures": [FAMILIES[mt]], "model_type": mt,
         "vocab_size": cfg.vocab, "hidden_size": cfg.hidden,
-        "intermediate_size": cfg.expert_ffn if cfg.is_moe else cfg.ffn,
+        "intermediate_size": cfg.expert_ffn if mt == "mixtral" else cfg.ffn,
         "num_hidden_layers": cfg.layers, **attention_config(cfg, mt), "hidden_act": "silu",
         "max_position_embeddings": max(cfg.seq_len, 2048), "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -203,18 +248,48 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "initializer_range": 0.02, "use_cache": True,
         "torch_dtype": dtype, "dtype": dtype,
     }
-    if cfg.is_moe:
+    if mt == "mixtral":
         out.update({"num_local_experts": cfg.experts, "num_experts_per_tok": cfg.top_k,
                     "router_aux_loss_coef": cfg.aux_loss_coef, "output_router_logits": False,
                     "router_jitter_noise": 0.0, "sliding_window": None})
+    elif mt in QWEN_MOE:
+        out.update({"num_experts": cfg.experts, "num_experts_per_tok": cfg.top_k,
+                    "moe_intermediate_size": cfg.expert_ffn, "norm_topk_prob": cfg.norm_topk_prob,
+                    "decoder_sparse_step": 1, "mlp_only_layers": list(range(cfg.first_dense_layers)),
+                    "router_aux_loss_coef": cfg.aux_loss_coef, "output_router_logits": False})
+        if mt == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = cfg.shared_ffn
     elif mt == "llama":
         out["mlp_bias"] = False
     return out
 
 
 # ------------------------------------------------------------------ tensors
-def to_hf_name(name: str) -> str:
+# fived's MoE names -> Qwen-MoE's (Hugging Face's per-expert checkpoint names)
+QWEN_NAMES = ((".block_sparse_moe.experts.", ".mlp.experts."), (".w1.weight", ".gate_proj.weight"),
+              (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"),
+              (".block_sparse_moe.", ".mlp."))
+
+
+def to_hf_name(name: str, family: str = "llama") -> str:
+    """fived's name -> the HF key (``model.`` prefix; Qwen-MoE's ``mlp.`` names for ``family``
+    qwen2_moe / qwen3_moe: ``mlp.gate``, ``mlp.experts.e.{gate,up,down}_proj``,
+    ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``)."""
+    if family in QWEN_MOE and ".block_sparse_moe." in name:
+        for a, b in QWEN_NAMES if ".experts." in name else QWEN_NAMES[-1:]:
+            name = name.replace(a, b)
     return name if name == "lm_head.weight" else f"model.{name}"
+
+
+def from_qwen_moe_name(k: str) -> str:
+    """A Qwen-MoE key (``model.`` removed) -> fived's name (``to_hf_name``'s inverse); other
+    keys unchanged. A dense block's ``mlp.{gate,up,down}_proj`` stays."""
+    if ".mlp.experts." in k:
+        for b, a in QWEN_NAMES:
+            k = k.replace(a, b)
+    elif ".mlp.shared_expert" in k or k.endswith(".mlp.gate.weight"):
+        k = k.replace(".mlp.", ".block_sparse_moe.")
+    return k
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -289,9 +364,9 @@ class HFSource:
             pre = k[:-len(FUSED[1])] + ".block_sparse_moe.experts."
             for e in range(shape[0]):
                 self.tensors[f"{pre}{e}.w2.weight"] = (f, key, (e, 0), tuple(shape[1:]))
-        elif k.endswith(".mlp.gate.weight"):  # transformers 5's router name
-            name = k.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
-            self.tensors[name] = (f, key, (), shape)
+        elif ".mlp.experts." in k or ".mlp.shared_expert" in k or k.endswith(".mlp.gate.weight"):
+            # Qwen-MoE's per-expert names (and transformers 5's router name, Mixtral's too)
+            self.tensors[from_qwen_moe_name(k)] = (f, key, (), shape)
         else:
             self.tensors[k] = (f, key, (), shape)
 
@@ -376,11 +451,17 @@ def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def write_shard(tensors: dict[str, torch.Tensor], out: Path, i: int, n: int) -> None:
+def family(cfg: ModelConfig) -> str:
+    """The transformers ``model_type`` ``cfg`` exports as."""
+    return moe_family(cfg) if cfg.is_moe else dense_family(cfg)
+
+
+def write_shard(tensors: dict[str, torch.Tensor], out: Path, i: int, n: int,
+                cfg: ModelConfig) -> None:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({to_hf_name(k): t.contiguous() for k, t in tensors.items()},
+    save_file({to_hf_name(k, family(cfg)): t.contiguous() for k, t in tensors.items()},
               str(out / shard_name(i, n)), metadata={"format": "pt"})
 
 
@@ -391,7 +472,7 @@ def write_index(shards: list[list[str]], sizes: dict[str, int], cfg: ModelConfig
     for i, names in enumerate(shards):
         fname = shard_name(i, len(shards))
         rows.append((fname, len(names), sum(sizes[k] for k in names)))
-        weight_map.update({to_hf_name(k): fname for k in names})
+        weight_map.update({to_hf_name(k, family(cfg)): fname for k in names})
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": sum(sizes.values())},
          "weight_map": dict(sorted(weight_map.items()))}, indent=1))
@@ -407,6 +488,6 @@ def write_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path
     sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     shards = plan_shards(sizes, shard_bytes)
     for i, names in enumerate(shards):
-        write_shard({k: tensors[k] for k in names}, out, i, len(shards))
+        write_shard({k: tensors[k] for k in names}, out, i, len(shards), cfg)
     dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
     return write_index(shards, sizes, cfg, out, dtype)
