@@ -1,16 +1,18 @@
 """Loss-free load balancing (issue 29, ``balance = "bias"``; docs/expert-parallel.md).
 
 * the update b_e ← b_e + γ · sign(c̄ − c_e) on a hand example;
-* parity (fp32, dropless, 5 steps, γ = 0.05 so the bias really moves the routing): the bias of
-  every layer after every step, bit for bit, and the global routed counts, equal the one-rank
-  run's on every rank, with the losses, grad norms, aux losses, tokens per expert and first-step
-  gradients (``check_moe_parity``); the routing differs from the same model without the bias
-  from step 1 on (step 0 routes with a zero bias: the same); the measured traffic — the counts'
-  all-reduce over ``batch`` included — equals the ledger's to the byte. Default: ep2; ``-m slow``:
-  ep2·tp2, ep2·tp2·SP, ep2·pp2, ep2·dp2 ZeRO-1 and ZeRO-3;
+* parity (fp32, dropless, 5 steps, γ = 0.05 so the bias really moves the routing), against the
+  one-rank run on every rank: the bias of every layer after every step bit for bit; losses,
+  grad norms, z losses and first-step gradients (1e-5); the routing (tokens per expert, the
+  global routed counts) equal but for a score within rounding of a tie (ep2·dp2 ZeRO-3 moves
+  one of 8,192 assignments at step 2: the layouts' sums differ in the last bit), and unlike the
+  unbiased model's after step 0 (which routes with a zero bias); the measured traffic — the
+  counts' all-reduce over ``batch`` included — equal to the ledger's to the byte. Default: ep2;
+  ``-m slow``: ep2·tp2, ep2·tp2·SP, ep2·pp2, ep2·dp2 ZeRO-1 and ZeRO-3;
 * the load gets more even than without balancing (max/mean tokens per expert);
 * a skipped step (a NaN gradient) leaves the bias as it was;
-* checkpoints keep the bias: resume on another layout continues bit for bit, ``fived generate``'s
+* checkpoints keep the bias: resume on the same layout continues bit for bit, on another
+  with the same bias, ``fived generate``'s
   model routes with the trained bias; export to Mixtral refuses it;
 * the dry run (fake tensors) with the all-reduce stays exact against the ledger;
 * bad input: one message naming the field, exit 2, before any rank starts.
@@ -32,7 +34,7 @@ from fived.model.moe import bias_layers, update_route_bias
 from fived.testing import rel_diff, run_ranks, small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parity_helpers import check_moe_parity, one_rank as _one_rank, train_runs  # noqa: E402,I001
+from parity_helpers import check_parity, one_rank as _one_rank, train_runs  # noqa: E402,I001
 
 BASE = preset("qwen3-moe-tiny")
 # the pure loss-free setting (no balance loss), a step large enough to move the routing at once
@@ -87,27 +89,44 @@ def test_bias_steers_the_choice_not_the_weights():
 
 # ------------------------------------------------------------------------ parity
 
+TIE_SLACK = 2  # per step and layer: one assignment moved from one expert to another
+
+
+def routing_moved(a, b) -> int:
+    """Σ |Δ tokens per expert| of one step (layers × experts), 2 per moved assignment."""
+    return max(sum(abs(x - y) for x, y in zip(ra, rb)) for ra, rb in zip(a, b))
+
+
 def check_bias(out, par, what):
-    """``check_moe_parity``; every rank's bias (bit for bit) and global routed counts of each
-    of its layers after every step equal the one-rank run's; the routing moved away from the
-    unbiased model's; the traffic of the last step equals the ledger's to the byte."""
+    """Against the one-rank run: every rank's bias of each of its layers after every step, bit
+    for bit; losses and first-step gradients (``check_parity``), grad norms, aux and z losses
+    (1e-5); the routing (tokens per expert, the bias's global counts) equal but for a score
+    within rounding of a tie (``TIE_SLACK``: the layouts' sums differ in the last bit, and the
+    bias pulls the contested experts' biased scores together); the routing moved away from the
+    unbiased model's; the last step's traffic equals the ledger's to the byte."""
     from fived.ledger import verify
 
     ref, plain = one_rank(BIAS), one_rank(NO_BALANCE)
-    check_moe_parity(out, ref, what)
+    check_parity(out, ref, what)
     hist, plain_hist = ref["ranks"][0]["history"], plain["ranks"][0]["history"]
     for s in out["ranks"]:
         for h, hr in zip(s["history"], hist):
             mine = h["moe"]["route_bias"]
             assert mine, what
             assert mine == {k: hr["moe"]["route_bias"][k] for k in mine}, (what, h["step"])
-            assert h["moe"]["routed"] == {k: hr["moe"]["routed"][k] for k in mine}, what
+            assert rel_diff([h["grad_norm"], h["moe"]["z_loss"]],
+                            [hr["grad_norm"], hr["moe"]["z_loss"]]) < 1e-5, what
+            moved = routing_moved(h["moe"]["tokens_per_expert"], hr["moe"]["tokens_per_expert"])
+            assert moved <= TIE_SLACK, (what, h["step"], moved)
+            assert routing_moved([h["moe"]["routed"][k] for k in mine],
+                                 [hr["moe"]["routed"][k] for k in mine]) <= TIE_SLACK, what
         assert verify.compare_record(BIAS, par, TRAIN.global_batch, s["history"][-1]) == [], what
     # the bias acts: the same routing at step 0 (zero bias), another one after it moved
     assert hist[0]["moe"]["tokens_per_expert"] == plain_hist[0]["moe"]["tokens_per_expert"]
-    assert any(h["moe"]["tokens_per_expert"] != p["moe"]["tokens_per_expert"]
+    assert any(routing_moved(h["moe"]["tokens_per_expert"], p["moe"]["tokens_per_expert"]) > 100
                for h, p in zip(hist[1:], plain_hist[1:]))
     assert any(v != 0.0 for b in hist[0]["moe"]["route_bias"].values() for v in b)
+    assert ref["losses"][-1] < ref["losses"][0]
 
 
 def test_bias_ep2_parity():
