@@ -11,7 +11,7 @@ What a checkpoint holds (``G`` = a parameter's global name, e.g. ``layers.3.mlp.
                      and column statistics (Adafactor R, C): ``fived.checkpoint.optimizer``
     buffer.B         a model buffer by its global name: each MoE layer's loss-free balancing
                      bias ``layers.L.block_sparse_moe.route_bias`` (balance = bias; E fp32,
-                     the same on every rank holding layer L, written once)
+                     the same on every rank holding layer L)
     rng.torch.rankR  rank R's torch RNG state (restored when rank R exists on resume), and
     rng.sr.rankR     its stochastic-rounding generator (--master-weights sr)
     manifest.json    step (= steps done = the learning-rate position and, since a batch is a
@@ -112,8 +112,8 @@ def rank_state(engine: Any, placements: dict[str, Any]) -> dict[str, Pieces]:
 def buffer_state(model: Any) -> dict[str, torch.Tensor]:
     """The model buffers a checkpoint holds, by key ``buffer.<global name>`` (the tensors
     themselves: a load writes into them): the MoE layers' selection bias (balance = bias). Every
-    rank holding a layer has the same bias (``fived.model.moe.update_route_bias``), so DCP
-    writes one copy and any layout reads it."""
+    rank holding a layer has the same bias (``fived.model.moe.update_route_bias``): a whole,
+    replicated tensor, which any layout reads."""
     from ..model.moe import bias_layers, route_bias_name
 
     return {f"buffer.{route_bias_name(m)}": m.route_bias for m in bias_layers(model)}

@@ -51,8 +51,16 @@ forward, charged to cp / tp) and P is normalised by the full sequence length, so
 E·Σ_e f·P_local add up to B_q. Capacity is then applied per local shard, with C from the local
 length (exact only when dropless).
 
-The module keeps per-step statistics (tokens per expert, dropped assignments, the local aux
-sums) that ``fived.parallel.expert.collect_stats`` reads and resets once per step.
+Loss-free balancing (``balance = "bias"``, DeepSeek-V3): a per-expert buffer ``route_bias`` b
+is added to the scores for the choice only, top-k(s + b), the weights staying those of s; after
+each optimizer step ``update_route_bias`` moves it by the step's global load,
+b_e ← b_e + γ · sign(c̄ − c_e) (the counts: ``routed_per_expert``, assignments before dropping,
+summed over the world by ``fived.parallel.expert.global_routed_counts``). ``aux_loss_coef``
+then weighs the (per-sequence) balance loss as DeepSeek-V3's complementary one; 0 for none.
+
+The module keeps per-step statistics (tokens per expert, routed assignments, dropped
+assignments, the local aux sums) that ``fived.parallel.expert.collect_stats`` and the bias update
+read; ``collect_stats`` resets them once per step.
 Names follow Mixtral: ``block_sparse_moe.gate`` (the router), ``experts.{e}.w1/w3/w2`` (gate, up,
 down), and ``shared_expert.{gate,up,down}_proj``.
 """
