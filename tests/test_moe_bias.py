@@ -8,7 +8,7 @@
   one of 8,192 assignments at step 2: the layouts' sums differ in the last bit), and unlike the
   unbiased model's after step 0 (which routes with a zero bias); the measured traffic — the
   counts' all-reduce over ``batch`` included — equal to the ledger's to the byte. Default: ep2;
-  ``-m slow``: ep2·tp2, ep2·tp2·SP, ep2·pp2, ep2·dp2 ZeRO-1 and ZeRO-3;
+  ``-m slow``: ep2·tp2, ep2·tp2·SP, ep2·pp2, ep2·dp2 ZeRO-1 and ZeRO-3, ep2·cp2;
 * the load gets more even than without balancing (max/mean tokens per expert);
 * a skipped step (a NaN gradient) leaves the bias as it was;
 * checkpoints keep the bias: resume on the same layout continues bit for bit, on another
@@ -47,6 +47,7 @@ LAYOUTS4 = {
     "ep2-pp2": ParallelConfig(ep=2, pp=2, micro_batches=2),
     "ep2-dp2-zero1": ParallelConfig(ep=2, dp=2, zero=1),
     "ep2-dp2-zero3": ParallelConfig(ep=2, dp=2, zero=3),
+    "ep2-cp2": ParallelConfig(ep=2, cp=2),  # each cp rank routes half of every sequence
 }
 
 _cache: dict = {}
@@ -265,6 +266,15 @@ def test_dry_run_with_the_bias_matches_the_ledger():
     for tr in out["traffic_per_rank"]:
         assert tr["ops"]["batch/all_reduce"] == 2 * 3 / 4 * 2 * BIAS.experts * 8
     assert traffic.bias_traffic(BASE, par) == []
+
+
+def test_bias_validates_with_and_without_the_sequence_wise_loss():
+    from fived.config import validate
+
+    for m in (BIAS, replace(BIAS, aux_loss_coef=1e-4), replace(BIAS, router="sigmoid")):
+        validate(m, ParallelConfig(ep=2))
+    with pytest.raises(ConfigError, match="bias_update_rate"):
+        validate(replace(BIAS, bias_update_rate=-0.1), ParallelConfig(ep=2))
 
 
 @pytest.mark.parametrize("body,field", [
