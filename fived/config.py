@@ -102,7 +102,9 @@ class ModelConfig:
     shared_expert_gate: bool = spec(False, "scale the shared expert's output by a learned "
                                            "per-token sigmoid gate σ(w·x) (Qwen2-MoE)", flag="")
     capacity_factor: float = spec(0.0, "expert capacity factor (0: dropless)", flag="", ge=0)
-    aux_loss_coef: float = spec(0.01, "load-balancing loss weight", flag="", ge=0)
+    aux_loss_coef: float = spec(0.01, "load-balancing loss weight (with balance = bias: the "
+                                      "complementary sequence-wise loss, 0 for none)", flag="",
+                                ge=0)
     z_loss_coef: float = spec(0.001, "router z-loss weight", flag="", ge=0)
     norm_topk_prob: bool = spec(True, "renormalise the top-k routing weights to sum to 1 "
                                       "(false: use the scores as they are, Qwen2-MoE)", flag="")
@@ -117,8 +119,8 @@ class ModelConfig:
     balance: str = spec("aux_loss", "load balancing: aux_loss (the balance loss) or bias "
                                     "(loss-free, DeepSeek-V3: a per-expert selection bias)",
                         flag="", choices=BALANCES)
-    bias_update_rate: float = spec(0.001, "balance = bias: the bias step per optimizer step",
-                                   flag="", ge=0)
+    bias_update_rate: float = spec(0.001, "balance = bias: the bias step γ per optimizer step "
+                                          "(b_e += γ·sign(mean load − load_e))", flag="", ge=0)
     # GPT-style shapes: the ledger describes them (exact parameter counts, FLOPs, time); the
     # runtime trains the Llama-style defaults only (``check_runtime_model``). Multi-head vs
     # grouped-query attention is kv_heads == heads vs fewer.
@@ -598,9 +600,6 @@ def _check_experts(p: list[str], model: ModelConfig, par: ParallelConfig, world:
         _divides(p, par.ep, model.experts, "experts over ep", "pick an ep dividing the experts")
         if not 1 <= model.top_k <= model.experts:
             p.append(f"top_k {model.top_k} must be in [1, experts={model.experts}]")
-        if model.balance == "bias":  # the selection bias is built, its per-step update not yet
-            p.append("balance = \"bias\" (loss-free balancing): the per-step bias update is not "
-                     "built yet; use balance = \"aux_loss\"")
         if model.first_dense_layers >= model.layers:
             p.append(f"first_dense_layers {model.first_dense_layers} must be < layers "
                      f"{model.layers} (a MoE model needs at least one MoE block; use "

@@ -129,7 +129,6 @@ def test_first_dense_layers_blocks_are_dense():
     ('balance = "none"', "balance"),
     ("first_dense_layers = 4", "first_dense_layers"),
     ("bias_update_rate = -0.1", "bias_update_rate"),
-    ('balance = "bias"', "balance"),
 ])
 def test_bad_routing_config_exits_2(tmp_path, body, field):
     cfg = tmp_path / "bad.toml"

@@ -144,3 +144,17 @@ class CheckpointSource:
         value = got[0].float() + got[1] if len(got) > 1 else got[0]
         with torch.no_grad():
             return out.copy_(value.view(out.shape))
+
+    def buffer(self, name: str) -> torch.Tensor | None:
+        """Buffer ``name`` (e.g. a MoE layer's ``route_bias``) whole, as saved; None when the
+        checkpoint has none (an aux_loss run, an import)."""
+        key = f"buffer.{name}"
+        if key not in self.tensors:
+            return None
+        meta = self.tensors[key]
+        dest = {key: torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(dest, storage_reader=S.safe_reader(self.ckpt), planner=LoadPlanner(),
+                     no_dist=True)
+        return dest[key]

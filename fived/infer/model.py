@@ -9,6 +9,10 @@ rank holds its parameters' pieces and nothing else. ``source`` is anything with
 (a fived checkpoint, read with DCP box by box), ``fived.checkpoint.hf.HFSource`` (safetensors
 slices) or ``fived.model.init.InitSource`` (a fresh draw).
 
+With ``balance = bias`` each MoE layer's selection bias ``route_bias`` (a buffer, not a
+parameter) is the trained one: read whole with ``source.buffer(name)`` where the source has it
+(a fived checkpoint), else zero (a fresh draw; Hugging Face models have none).
+
 MoE layers run dropless here (``capacity_factor = 0``): capacity is per sequence, and a decode
 step's "sequence" is one token, so a capacity would drop what training kept.
 """
@@ -24,7 +28,7 @@ from torch import nn
 from ..config import ModelConfig, ParallelConfig
 from ..model import build_model
 from ..model.llama import Transformer
-from ..model.moe import moe_layers
+from ..model.moe import bias_layers, materialize_route_bias, moe_layers, route_bias_name
 from ..parallel.parallelize import parallelize_parts
 
 
@@ -46,6 +50,12 @@ def inference_model(cfg: ModelConfig, grid: Any, source: Any, device: torch.devi
             torch.utils.swap_tensors(p, nn.Parameter(t, requires_grad=False))
     for moe in moe_layers(model):  # its statistics were made on meta
         moe.reset_stats()
+    materialize_route_bias(model, device)
+    read = getattr(source, "buffer", None)
+    for moe in bias_layers(model):
+        saved = read(route_bias_name(moe)) if read is not None else None
+        if saved is not None:
+            moe.route_bias.copy_(saved)
     return model.eval()
 
 

@@ -48,6 +48,9 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
 * MoE under cp (and tp with SP): each MoE layer forward all_reduces its (b, E) fp32 routed
   counts over the groups that cut its sequence (the balance loss needs whole-sequence counts);
   a MoE block without a shared expert has only the attention's tp cut, so half the tp pairs.
+* Loss-free balancing (``balance = "bias"``, ``bias_traffic``): once per step, after the
+  optimizer step, all_reduce over ``batch`` (dp·ep) of the (ℓ_moe, E) int64 routed counts of
+  the rank's MoE layers: 2·(n−1)/n · ℓ_moe·E·8 bytes, n = dp·ep.
 """
 
 from __future__ import annotations
@@ -386,6 +389,17 @@ def ep_destinations_bound(m: ModelConfig, par: ParallelConfig) -> int:
     return out
 
 
+def bias_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Collective]:
+    """balance = bias: the step's routed counts of the rank's MoE layers, (ℓ_moe, E) int64,
+    summed over ``batch`` (dp·ep) once per step for the bias update
+    (``fived.parallel.expert.global_routed_counts``)."""
+    layers = rank_moe_layers(m, par, pp_rank) if m.is_moe and m.balance == "bias" else 0
+    if not layers:
+        return []
+    return [Collective("batch", "all_reduce", layers * m.experts * COUNT_BYTES, par.dp * par.ep,
+                       1, "loss-free balance: routed counts (int64)", "step")]
+
+
 # ------------------------------------------------------------------------ everything
 def optimizer_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0,
                       optimizer: str = "adamw") -> list[Collective]:
@@ -403,7 +417,7 @@ def step_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
     """Every collective one rank at pipeline coordinate ``pp_rank`` runs in one step."""
     return (dp_traffic(m, par, pp_rank) + tp_traffic(m, par, micro_batch, pp_rank)
             + pp_traffic(m, par, micro_batch, pp_rank) + cp_traffic(m, par, micro_batch, pp_rank)
-            + ep_traffic(m, par, micro_batch, pp_rank)
+            + ep_traffic(m, par, micro_batch, pp_rank) + bias_traffic(m, par, pp_rank)
             + optimizer_traffic(m, par, pp_rank, optimizer))
 
 

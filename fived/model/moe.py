@@ -57,8 +57,16 @@ forward, charged to cp / tp) and P is normalised by the full sequence length, so
 E·Σ_e f·P_local add up to B_q. Capacity is then applied per local shard, with C from the local
 length (exact only when dropless).
 
-The module keeps per-step statistics (tokens per expert, dropped assignments, the local aux
-sums) that ``fived.parallel.expert.collect_stats`` reads and resets once per step.
+Loss-free balancing (``balance = "bias"``, DeepSeek-V3): a per-expert buffer ``route_bias`` b
+is added to the scores for the choice only, top-k(s + b), the weights staying those of s; after
+each optimizer step ``update_route_bias`` moves it by the step's global load,
+b_e ← b_e + γ · sign(c̄ − c_e) (the counts: ``routed_per_expert``, assignments before dropping,
+summed over the world by ``fived.parallel.expert.global_routed_counts``). ``aux_loss_coef``
+then weighs the (per-sequence) balance loss as DeepSeek-V3's complementary one; 0 for none.
+
+The module keeps per-step statistics (tokens per expert, routed assignments, dropped
+assignments, the local aux sums) that ``fived.parallel.expert.collect_stats`` and the bias update
+read; ``collect_stats`` resets them once per step.
 Names follow Mixtral: ``block_sparse_moe.gate`` (the router), ``experts.{e}.w1/w3/w2`` (gate, up,
 down), and ``shared_expert.{gate,up,down}_proj`` with ``shared_expert_gate`` (Qwen2-MoE's names).
 """
@@ -193,6 +201,8 @@ class MoE(nn.Module):
     # ------------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
         self.tokens_per_expert = torch.zeros(self.cfg.experts, dtype=torch.float64)
+        # assignments before dropping, of this rank's whole sequences (loss-free balancing)
+        self.routed_per_expert = torch.zeros(self.cfg.experts, dtype=torch.int64)
         self.dropped = 0.0  # dropped token-assignments
         self.balance_sum = 0.0  # Σ_q B_q over this rank's sequences
         self.z_sum = 0.0  # Σ_t logsumexp² over this rank's tokens
@@ -287,11 +297,11 @@ class MoE(nn.Module):
         if self.count_stats and not _in_backward():
             self.forwards += 1
             self.tokens_per_expert += counts.double().cpu()
+            self.routed_per_expert += routed.detach().long().sum(0).cpu()
             self.dropped += float(keep.numel() - sel.numel())
             self.balance_sum += float(balance.detach())
             self.z_sum += float(z.detach())
-        aux_coef = cfg.aux_loss_coef if cfg.balance == "aux_loss" else 0.0
-        aux = aux_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
+        aux = cfg.aux_loss_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
         if self.keep_aux:
             self.last_aux = aux
         if torch.is_grad_enabled() and aux.requires_grad:
@@ -307,3 +317,54 @@ def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
     """d(step loss)/d(local aux sum) for every MoE layer: 1/global_tokens (× the fp16 scale)."""
     for m in moe_layers(model):
         m.aux_grad_scale = float(scale)
+
+
+# ---------------------------------------------------------------------------- loss-free balancing
+
+def bias_layers(model: nn.Module) -> list[MoE]:
+    """The MoE layers of ``model`` that carry a selection bias (balance = bias), by layer."""
+    return sorted((m for m in moe_layers(model) if m.cfg.balance == "bias"),
+                  key=lambda m: m.layer)
+
+
+def local_routed_counts(model: nn.Module, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(bias layers, E) int64: this step's assignments before dropping, per expert, of this
+    rank's whole sequences (``routed_per_expert``, summed over micro-batches); rows in
+    ``bias_layers`` order."""
+    layers = bias_layers(model)
+    E = layers[0].cfg.experts if layers else 0
+    out = torch.zeros(len(layers), E, dtype=torch.int64, device=device)
+    for i, m in enumerate(layers):
+        out[i] = m.routed_per_expert.to(device)
+    return out
+
+
+def update_route_bias(model: nn.Module, counts: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free update of every bias layer ℓ (row ℓ of ``counts``, the
+    global assignments c_{ℓ,e} of this step, in ``bias_layers`` order):
+
+        b_{ℓ,e} ← b_{ℓ,e} + γ · sign(c̄_ℓ − c_{ℓ,e}),    c̄_ℓ = (1/E) Σ_e c_{ℓ,e},   γ = ``rate``
+
+    An underloaded expert's bias rises (it is chosen more), an overloaded one's falls. The sign
+    is taken in integers, sign(Σ_e c_{ℓ,e} − E · c_{ℓ,e}), and the step is one fp32 add of ±γ,
+    so equal counts give the same bits on every rank and every layout."""
+    layers = bias_layers(model)
+    assert counts.shape[0] == len(layers), (tuple(counts.shape), len(layers))
+    with torch.no_grad():
+        for m, c in zip(layers, counts):
+            c = c.to(m.route_bias.device)
+            step = torch.sign(c.sum() - m.cfg.experts * c).to(torch.float32)
+            m.route_bias.add_(step, alpha=float(rate))
+
+
+def materialize_route_bias(model: nn.Module, device: torch.device | str) -> None:
+    """Each bias layer's ``route_bias`` (built on meta with the model) as fp32 zeros on
+    ``device``; a checkpoint's values are loaded into it afterwards."""
+    for m in bias_layers(model):
+        if m.route_bias.is_meta or m.route_bias.device.type != torch.device(device).type:
+            m.route_bias = torch.zeros(m.cfg.experts, dtype=torch.float32, device=device)
+
+
+def route_bias_name(m: MoE) -> str:
+    """The global name of a layer's bias (a checkpoint stores it as ``buffer.<name>``)."""
+    return f"layers.{m.layer}.block_sparse_moe.route_bias"

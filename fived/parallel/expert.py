@@ -50,7 +50,7 @@ from torch import nn
 
 from ..comm import autograd as A
 from ..comm import ops
-from ..model.moe import moe_layers
+from ..model.moe import bias_layers, local_routed_counts, moe_layers, update_route_bias
 from .placement import Placement
 
 
@@ -157,8 +157,7 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
     return {
         "tokens_per_expert": [[int(round(v)) for v in r] for r in counts.tolist()],
         "dropped": int(round(float(tot[5]))),
-        "aux_loss": (cfg.aux_loss_coef if cfg.balance == "aux_loss" else 0.0)
-        * float(tot[3]) / global_seqs,
+        "aux_loss": cfg.aux_loss_coef * float(tot[3]) / global_seqs,
         "z_loss": cfg.z_loss_coef * float(tot[4]) / global_tokens,
         "balance": float(tot[3]) / global_seqs / max(cfg.moe_layers, 1),
         "a2a_seconds": float(rows[:, 1].max()),
@@ -167,3 +166,38 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
         "forwards": [int(v) for v in rows[:, -1].tolist()],
         "counts": [r[head:head + Lyr * E].view(Lyr, E).tolist() for r in rows],
     }
+
+
+# ---------------------------------------------------------------------------- loss-free balancing
+
+def global_routed_counts(model: torch.nn.Module, batch_group: Any, device: Any) -> torch.Tensor:
+    """(bias layers on this rank, E) int64: every layer's assignments before dropping over the
+    whole global batch this step — one all-reduce over ``batch`` (dp·ep), charged to it.
+
+    Why ``batch`` suffices: a rank's counts are of its *whole* sequences. Under cp (and tp with
+    sequence parallelism) the layer has already summed each sequence's routed counts over the
+    ranks that cut it (``reduce_counts``, for the balance loss), and without SP every tp rank
+    routes the same tokens; so each member of a batch group holds the counts of its own
+    sequences, the batch group's members together hold every sequence once, and each pipeline
+    stage's batch groups reduce only the layers that stage holds. Integers: every rank gets the
+    same bits, equal to the one-rank count. Bytes per rank per step (the ring all-reduce):
+
+        2 · (n − 1)/n · ℓ_bias · E · 8        n = dp·ep,  ℓ_bias = MoE layers on the rank"""
+    counts = local_routed_counts(model, device)
+    if counts.numel():
+        ops.all_reduce(counts, batch_group)
+    return counts
+
+
+def balance_bias_step(model: torch.nn.Module, batch_group: Any, device: Any, rate: float,
+                      stepped: bool) -> torch.Tensor | None:
+    """After the optimizer step: the global counts (``global_routed_counts``, every step, so the
+    traffic is the same whether or not the step was taken) and, when the step was taken (not an
+    fp16 overflow or a non-finite loss), the bias update (``fived.model.moe.update_route_bias``).
+    None when the model has no bias layers here."""
+    if not bias_layers(model):
+        return None
+    counts = global_routed_counts(model, batch_group, device)
+    if stepped:
+        update_route_bias(model, counts, rate)
+    return counts

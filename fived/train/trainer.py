@@ -34,10 +34,10 @@ from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..ledger.compute import model_flops_per_token
 from ..model import build_model
 from ..model.init import InitSource
-from ..model.moe import moe_layers, set_aux_grad_scale
+from ..model.moe import bias_layers, materialize_route_bias, moe_layers, set_aux_grad_scale
 from ..optim import lr_at
 from ..parallel.context import shard_batch
-from ..parallel.expert import collect_stats
+from ..parallel.expert import balance_bias_step, collect_stats
 from ..parallel.parallelize import dtype_of, parallelize
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
 from ..ranks.launch import rank_device
@@ -45,7 +45,8 @@ from . import data as D
 from .metrics import MFU_BOUND, mfu_text  # noqa: F401 - mfu_text re-exported (tests)
 from .resilience import non_finite
 
-MOE_STATS = ("tokens_per_expert", "dropped", "balance_sum", "z_sum", "forwards")
+MOE_STATS = ("tokens_per_expert", "routed_per_expert", "dropped", "balance_sum", "z_sum",
+             "forwards")
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "buffers", "padding")
 TRAFFIC_KEYS = GROUP_NAMES
 
@@ -137,6 +138,7 @@ class Trainer:
         self.parallel = parallelize(model, self.grid, par, train, source, self.device)
         for moe in moe_layers(self.parallel.model):  # its statistics were made on meta
             moe.reset_stats()
+        materialize_route_bias(self.parallel.model, self.device)  # zeros; resume loads it
         self.build_rss = rss_peak()  # the build's peak (VmHWM): this rank's pieces, no more
         self.build_seconds = time.perf_counter() - t0
         self.build_cuda = (torch.cuda.max_memory_allocated(self.device)
@@ -263,6 +265,7 @@ class Trainer:
                    or getattr(self.engine, "overflow", False) else False)
         if self.engine.skip_reason and self.rank == 0:
             print(self.engine.skip_reason, flush=True)
+        routed = self.balance_bias(stepped)
         seconds = time.perf_counter() - t0
         rec = {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped, "bad": bad}
@@ -271,7 +274,18 @@ class Trainer:
         if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
             rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.parallel.placements,
                                        self.world_metrics, global_tokens, seconds, self.traffic)
+        if routed is not None:  # this rank's layers: global counts, and the bias after the step
+            layers = bias_layers(self.stage)
+            rec["moe"]["routed"] = {m.layer: r for m, r in zip(layers, routed.tolist())}
+            rec["moe"]["route_bias"] = {m.layer: m.route_bias.tolist() for m in layers}
         return rec
+
+    def balance_bias(self, stepped: bool) -> torch.Tensor | None:
+        """balance = bias, after the optimizer step: the step's global routed counts (one
+        all-reduce over ``batch``) and, if the step was taken, the bias update
+        (``fived.parallel.expert.balance_bias_step``); None without bias layers here."""
+        return balance_bias_step(self.stage, self.grid["batch"], self.device,
+                                 self.cfg.bias_update_rate, stepped)
 
     def forward_only(self, x, y, positions) -> torch.Tensor:
         """All micro-batches forward only (call under ``torch.no_grad``): this rank's summed
