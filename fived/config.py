@@ -53,6 +53,7 @@ POSITIONS = ("rope", "learned")  # rotary | a learned position table (GPT)
 NORMS = ("rmsnorm", "layernorm")  # gain only | gain and bias (GPT)
 ROUTERS = ("softmax", "sigmoid")  # MoE routing scores
 BALANCES = ("aux_loss", "bias")  # MoE load balancing: the balance loss | loss-free bias
+EXPERT_MATMULS = ("auto", "grouped", "loop")  # a rank's experts: fived.model.grouped | a loop
 DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
 DEFAULT_WORLD = 4  # ranks `fived train` starts when nothing says otherwise
 
@@ -89,6 +90,11 @@ class ModelConfig:
     moe_ffn: int = spec(0, "expert MLP width (0: same as ffn)", flag="", ge=0)
     shared_expert: bool = spec(False, "one expert every token also runs", flag="")
     capacity_factor: float = spec(0.0, "expert capacity factor (0: dropless)", flag="", ge=0)
+    expert_matmul: str = spec("auto", "a rank's experts: grouped (three grouped matmuls over the "
+                                      "rows sorted by expert, torch._grouped_mm), loop (one "
+                                      "Expert module per expert) or auto (grouped where "
+                                      "torch._grouped_mm runs for the device, dtype and widths, "
+                                      "else loop)", flag="", choices=EXPERT_MATMULS)
     aux_loss_coef: float = spec(0.01, "load-balancing loss weight", flag="", ge=0)
     z_loss_coef: float = spec(0.001, "router z-loss weight", flag="", ge=0)
     norm_topk_prob: bool = spec(True, "renormalise the top-k routing weights to sum to 1 "
