@@ -112,7 +112,9 @@ def _offsets(counts: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     for n in counts:
         run += int(n)
         ends.append(run)
-    return torch.tensor(ends, dtype=torch.int32, device=like.device)
+    # made on the CPU and moved: under FakeTensorMode a tensor made on ``meta`` directly is a
+    # real meta tensor, not a fake one (the dry run)
+    return torch.tensor(ends, dtype=torch.int32).to(like.device)
 
 
 class GroupedSwiGLU(torch.autograd.Function):
