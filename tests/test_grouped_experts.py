@@ -117,7 +117,7 @@ def test_the_ledgers_bytes_and_the_gradient_order():
     seen = {}
     for grouped in (False, True):
         order: list[int] = []
-        hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i, o=order: o.append(i))
                  for i, p in enumerate(params)]
         x = torch.randn(sum(counts), H, requires_grad=True)
         rows = x * 1.0  # a non-leaf, as the routed rows are
