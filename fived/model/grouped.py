@@ -25,7 +25,8 @@ weight.
 Saved for backward: X, G, U and P — exactly what the loop of ``moe.Expert`` modules saves
 (each linear its input, X once for w1 and w3; ``_SwiGLU`` G and U; w2 its input P), so the
 ledger's activation terms (``fived.ledger.memory``: ``mlp`` 3·e·f per routed row, the rows in
-``router``) hold for both modes; the weights are saved as the parameters themselves (no bytes).
+``router``) hold for both modes. The weights are not saved: ctx keeps the parameters
+themselves (no bytes; ZeRO-3 has refilled them by the time this backward runs).
 
 Memory trade-off. The grouped kernel needs each weight as one (E, ·, ·) tensor while the
 parameters stay one tensor per expert, so forward stacks them: a transient copy of
@@ -35,8 +36,9 @@ parameters stay one tensor per expert, so forward stacks them: a transient copy 
 freed when the forward returns. Backward stacks them again rather than saving the stack from
 forward, which would keep a second copy of every layer's expert weights alive as saved
 activations (L · E_local · 3 · h · f) from each forward to its backward. The price is one more
-copy of the weights per layer and backward (memory traffic, no FLOPs). The ledger counts the
-stack as a transient buffer (``fived.ledger.memory.comm_buffers``: ``expert_stack``).
+copy of the weights per layer and backward (memory traffic, no FLOPs; on a CPU it is what
+makes grouped the slower for wide experts with few rows each). The ledger counts the stack as
+a transient buffer (``fived.ledger.memory.comm_buffers``: ``expert_stack``).
 
 Where ``torch._grouped_mm`` cannot run (``grouped_supported``: the op missing, a dtype or
 device its kernel lacks, h or f not a multiple of 16 bytes, fake tensors other than bf16 — the
