@@ -53,6 +53,7 @@ POSITIONS = ("rope", "learned")  # rotary | a learned position table (GPT)
 NORMS = ("rmsnorm", "layernorm")  # gain only | gain and bias (GPT)
 ROUTERS = ("softmax", "sigmoid")  # MoE routing scores
 BALANCES = ("aux_loss", "bias")  # MoE load balancing: the balance loss | loss-free bias
+EXPERT_MATMULS = ("auto", "grouped", "loop")  # a rank's experts: fived.model.grouped | a loop
 DIMS = ("pp", "dp", "ep", "cp", "tp")  # outermost ... innermost (the default grid order)
 DEFAULT_WORLD = 4  # ranks `fived train` starts when nothing says otherwise
 
@@ -102,6 +103,11 @@ class ModelConfig:
     shared_expert_gate: bool = spec(False, "scale the shared expert's output by a learned "
                                            "per-token sigmoid gate σ(w·x) (Qwen2-MoE)", flag="")
     capacity_factor: float = spec(0.0, "expert capacity factor (0: dropless)", flag="", ge=0)
+    expert_matmul: str = spec("auto", "a rank's experts: grouped (three grouped matmuls over the "
+                                      "rows sorted by expert, torch._grouped_mm), loop (one "
+                                      "Expert module per expert) or auto (grouped where "
+                                      "torch._grouped_mm runs for the device, dtype and widths, "
+                                      "else loop)", flag="", choices=EXPERT_MATMULS)
     aux_loss_coef: float = spec(0.01, "load-balancing loss weight (with balance = bias: the "
                                       "complementary sequence-wise loss, 0 for none)", flag="",
                                 ge=0)

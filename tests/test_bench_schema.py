@@ -135,7 +135,26 @@ def test_bench_cp_schema(capsys):
 def test_bench_ep_schema(capsys):
     from fived.bench.ep import main
 
-    assert main(["--eps", "1,2", "--steps", "2", "--global-batch", "4", "--json"]) == 0
+    assert main(["--eps", "1,2", "--steps", "2", "--global-batch", "4", "--experts-per-rank",
+                 "8", "--matmul-reps", "2", "--matmul-iters", "1", "--json"]) == 0
     doc = _doc(capsys)
     _check_ratios(doc)
-    assert [r["implementation"] for r in doc["rows"]] == ["fived ep1", "fived ep2"]
+    assert [r["implementation"] for r in doc["rows"]] == ["fived ep1", "fived ep2", "loop",
+                                                          "grouped"]
+
+
+def test_bench_ep_grouped_matmul_schema(capsys):
+    """``--matmul-only``: grouped vs loop expert matmuls alone, one (loop, grouped) pair per
+    experts-per-rank, loop the peer; the ratio is the paired median of the repetitions."""
+    from fived.bench.ep import main
+
+    assert main(["--matmul-only", "--experts-per-rank", "8,32", "--matmul-reps", "3",
+                 "--matmul-iters", "1", "--json"]) == 0
+    doc = _doc(capsys)
+    _check_ratios(doc)
+    assert [(r["variant"], r["implementation"], r["peer"]) for r in doc["rows"]] == [
+        ("experts 8", "loop", True), ("experts 8", "grouped", False),
+        ("experts 32", "loop", True), ("experts 32", "grouped", False)]
+    for r in doc["rows"]:
+        assert len(r["extra"]["times_s"]) == 3 and r["extra"]["rows"] == 16 * r["extra"]["experts"]
+    assert main(["--matmul-only", "--matmul-reps", "0"]) == 2

@@ -672,7 +672,8 @@ def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
     (interleaved, zb-v, dualpipe-v) it is estimated: every gradient buffer with m > 1 (else
     the three largest) and every chunk gathered (per step) or the largest (per micro-batch);
     exact in the dry run except ZeRO-3 per micro-batch, where it bounds from above
-    (``verify.buffers_check_skipped``)."""
+    (``verify.buffers_check_skipped``). Grouped expert matmuls add one MoE layer's stacked
+    expert weights (``expert_stack``, ``expert_stack_bytes``)."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
@@ -694,7 +695,19 @@ def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
         out["cp_ring"] = 2 * kv * 2  # K/V in flight + dK/dV in flight, double-buffered
     if par.ep > 1 and m.is_moe:
         out["ep_a2a"] = 2 * tokens * m.top_k * m.hidden * e
+    if m.expert_matmul != "loop" and any(
+            m.is_moe_layer(i) for st in rank_stages(par, pp_rank)
+            for i in stage_layers(m, par)[st]):
+        out["expert_stack"] = expert_stack_bytes(m, par)
     return out
+
+
+def expert_stack_bytes(m: ModelConfig, par: ParallelConfig) -> float:
+    """Grouped expert matmuls (``fived.model.grouped``, ``expert_matmul`` grouped or auto): the
+    transient stack of one MoE layer's local expert weights, made in its forward and again in
+    its backward, never saved — (E/ep) · 3 · h · f_e elements in the compute dtype. Counted
+    for ``auto`` too (grouped wherever ``torch._grouped_mm`` runs; the ledger knows no device)."""
+    return float(m.experts // par.ep * 3 * m.hidden * m.expert_ffn * act_bytes(par))
 
 
 # ------------------------------------------------------------------------ the whole rank

@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from . import grouped as G
 from . import layers as L
 
 
@@ -234,9 +235,14 @@ class MoE(nn.Module):
         return sorted(int(e) for e in self.experts)
 
     def compute_local(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows sorted by local expert (``counts[j]`` rows for local expert j) -> outputs."""
-        outs = [self.experts[str(e)](chunk) for e, chunk in
-                zip(self.local_experts, torch.split(rows, counts))]
+        """Rows sorted by local expert (``counts[j]`` rows for local expert j) -> outputs: one
+        grouped operation (``fived.model.grouped``) or a loop over the experts, as
+        ``cfg.expert_matmul`` says."""
+        experts = [self.experts[str(e)] for e in self.local_experts]
+        cfg = self.cfg
+        if experts and G.use_grouped(cfg.expert_matmul, rows, cfg.hidden, cfg.expert_ffn):
+            return G.grouped_experts(rows, counts, experts)
+        outs = [ex(chunk) for ex, chunk in zip(experts, torch.split(rows, counts))]
         return torch.cat(outs) if outs else rows
 
     def assign(self, top_i: torch.Tensor, keep: torch.Tensor
