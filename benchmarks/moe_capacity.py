@@ -11,7 +11,8 @@ and reads each step's MoE statistics from ``--metrics-out``:
     PYTHONPATH=. python benchmarks/moe_capacity.py [--steps 40] [--experts 32] [--top-k 8]
 
 Settings: dropless (capacity_factor 0), capacity 1.0, 1.25, 2.0 (all with the balance loss),
-and dropless with no balancing at all (aux_loss_coef 0) for contrast.
+dropless with no balancing at all (aux_loss_coef 0) for contrast, and dropless with loss-free
+balancing alone (balance = "bias", γ = 0.003, no balance loss).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ SETTINGS = [
     ("capacity 1.25", dict(capacity_factor=1.25)),
     ("capacity 2.0", dict(capacity_factor=2.0)),
     ("dropless, no balancing", dict(capacity_factor=0.0, aux_loss_coef=0.0)),
+    ("dropless, loss-free bias", dict(capacity_factor=0.0, aux_loss_coef=0.0, balance="bias",
+                                      bias_update_rate=0.003)),
 ]
 
 

@@ -182,8 +182,8 @@ def test_hf_refusals(tmp_path):
         hf.model_config(hf.read_config(tmp_path, "--init-from"))
     from fived.config import PRESETS
 
-    with pytest.raises(ConfigError, match="shared expert"):
-        hf.hf_config(replace(PRESETS["tiny-moe"], shared_expert=True))
+    with pytest.raises(ConfigError, match="Qwen2-MoE has only shared_expert_gate = True"):
+        hf.hf_config(replace(PRESETS["tiny-moe"], shared_expert=True))  # ungated: no family
 
 
 def test_fused_transformers5_experts_are_read(tmp_path):

@@ -148,8 +148,10 @@ def test_qwen_refusals():
     tiny = preset("tiny")
     with pytest.raises(ConfigError, match="qkv_bias = true; transformers' qwen3 has no"):
         hf.hf_config(replace(tiny, qk_norm=True, qkv_bias=True))  # Qwen3's bias is on o too
-    with pytest.raises(ConfigError, match="mixtral has no q/k norms"):
-        hf.hf_config(replace(preset("tiny-moe"), qk_norm=True))
+    assert hf.hf_config(replace(preset("tiny-moe"), qk_norm=True))["model_type"] == "qwen3_moe"
+    with pytest.raises(ConfigError, match="Qwen3-MoE has only shared_expert = False"):
+        hf.hf_config(replace(preset("tiny-moe"), qk_norm=True, shared_expert=True,
+                             shared_expert_gate=True))
 
 
 @pytest.mark.parametrize("kind", ["qwen3", pytest.param("qwen2", marks=pytest.mark.slow)])

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, precision_of
+from .context import ulysses_kv_heads
 from .optimizers import opt_buckets
 from .optimizers import state_bytes as optimizer_state_bytes
 from .params import layer_kinds, rank_stages, stage_layers
@@ -315,6 +316,9 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         hkv = hq
     else:
         hkv = m.kv_heads * d / min(tp, m.kv_heads)
+    if cp > 1 and par.cp_mode == "ulysses":  # k, v enter the all-to-all replicated to
+        # ulysses_kv_heads local heads when cp does not divide the local kv heads
+        hkv = ulysses_kv_heads(m.heads // tp, max(1, m.kv_heads // tp), cp) * d
     norm_div = tp if sp else 1
     out = {  # under SP the column matmuls save the norm output's shard (counted in the norm)
         "norms": tokens * 2 * norm_bytes_per_token(h, e, opts.fused_norm) / norm_div,
@@ -322,12 +326,18 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     }
     if opts.attention == "materialised":
         out["softmax"] = tokens * e * heads_local * m.seq_len
-    else:
-        out["softmax"] = tokens * 4 * heads_local
+    else:  # the fp32 log-sum-exp per head, and the kernel's RNG seed and offset (2 + 1 uint64)
+        out["softmax"] = tokens * 4 * heads_local + FLASH_RNG_BYTES
     if cp > 1 and par.cp_mode == "ring":  # the ring core saves q and K/V (kv heads, not
-        # repeated) as fp32 copies and its fp32 log-sum-exp (``fived.ledger.context``)
+        # repeated) as fp32 copies and its fp32 log-sum-exp (``fived.ledger.context``); its
+        # own kernel keeps no RNG state
+        out["softmax"] = tokens * 4 * heads_local
         out["qkv"] = tokens * (4 * hq + 8 * m.kv_heads * d / min(tp, m.kv_heads))
     out["attn_out"] = tokens * e * hq
+    if cp > 1 and par.cp_mode == "ulysses":  # the kernel keeps its head-sharded output, and
+        # the all-to-alls' reorderings their index (full sequence, int64): q, k, v and out
+        out["attn_out"] += tokens * e * hq
+        out["ulysses_index"] = 4 * m.seq_len * 8.0
     if m.qk_norm:
         out["qk_norm"] = tokens * qk_norm_bytes_per_token(m, par, e, opts.fused_norm)
     if m.is_moe:
@@ -337,7 +347,8 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
             out["mlp"] += tokens * 3 * e * m.shared_ffn / tp
             if m.shared_expert_gate:  # σ(w·x) (e) and the shared output (e·h) for the product
                 out["mlp"] += tokens * e * (h + 1) / norm_div
-        out["router"] = tokens * moe_routing_bytes_per_token(m, par) / norm_div
+        out["router"] = (tokens * moe_routing_bytes_per_token(m, par) / norm_div
+                         + micro_batch * (m.experts + 1) * 4)  # per sequence: f (E), s (1)
     else:  # SwiGLU saves gate, up and the product (silu recomputed); GELU its input and output
         out["mlp"] = tokens * (3 if m.mlp == "swiglu" else 2) * e * m.ffn / tp
     return out
@@ -351,6 +362,9 @@ def qk_norm_bytes_per_token(m: ModelConfig, par: ParallelConfig, e: int, fused: 
     return heads * ((e if fused else 8) * m.head_dim + 4)
 
 
+FLASH_RNG_BYTES = 24  # what torch's flash attention saves besides its outputs: (2,) + () uint64
+
+
 def moe_routing_bytes_per_token(m: ModelConfig, par: ParallelConfig) -> float:
     """What one MoE layer's routing saves per token (``fived.model.moe.MoE.moe``), measured
     tensor by tensor (the dry run's MoE check): router probabilities and logits (4E + 4E, the
@@ -362,8 +376,9 @@ def moe_routing_bytes_per_token(m: ModelConfig, par: ParallelConfig) -> float:
     term); with ep > 1 the dispatch's local order and its inverse 16k."""
     e, h, k, E = act_bytes(par), m.hidden, m.top_k, m.experts
     out = 8 * E + 4 + 8 * k + 4 * k + 4 + 4 * k + 16 * k + 2 * e * h * k
-    if e != 4:  # the router saves an fp32 copy of its input, and nothing saves the input
-        out += 4 * h - e * h  # itself (the norm term counts it as saved by the next matmul)
+    if e != 4:  # the router saves an fp32 copy of its input; without a shared expert nothing
+        out += 4 * h - (0 if m.shared_expert else e * h)  # saves the input itself (the norm
+        # term counts it as saved by the next matmul)
     if par.ep > 1:
         out += 16 * k
     return float(out)
@@ -380,6 +395,9 @@ def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     hkv = m.kv_heads * d / min(par.tp, m.kv_heads)
     out["qkv"] = tokens * e * (hq + 2 * hkv)
     out["softmax"] = 0.0
+    if par.cp > 1 and par.cp_mode == "ulysses":  # the core's all-to-alls are recomputed too
+        out["attn_out"] = tokens * e * hq
+        out["ulysses_index"] = 0.0
     return out
 
 
@@ -542,7 +560,9 @@ def zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                     where[k] = i
                 start += len(piece)
                 i += 1
-    nparams = [where.count(i) for i in range(len(bks))]
+    nparams = [0] * len(bks)  # gradients per bucket (one pass: many experts make many)
+    for i in where:
+        nparams[i] += 1
     seqs: dict[str, list[int]] = {}
     for i, b in enumerate(bks):
         seqs.setdefault(b.group, []).append(i)
@@ -588,7 +608,9 @@ def zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         return nblocks[k] if 0 <= k < len(nblocks) else None
 
     zero3_flat = par.zero == 3 and par.pp == 1
-    for micro in range(par.micro_batches):
+    # every micro-batch between the first and the last starts from the same state (all
+    # gradient buffers held, nothing gathered) and so replays the second's: one stands for all
+    for micro in sorted({0, 1, par.micro_batches - 1} & set(range(par.micro_batches))):
         last = micro == par.micro_batches - 1
         if par.zero == 3 and par.pp > 1:
             gather(next(iter(ubytes)))  # the chunk, whole through its F and B

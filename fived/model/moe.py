@@ -98,6 +98,27 @@ class Expert(nn.Module):
         return self.w2(L.swiglu(self.w1(x), self.w3(x)))
 
 
+class _RouterLogits(torch.autograd.Function):
+    """logits = x W_rᵀ in fp32 (x, W_r in the compute dtype). Saves the fp32 copy of x only —
+    autograd would also keep W_r's fp32 copy (h·E·4 bytes per layer and micro-batch in bf16);
+    backward re-casts the parameter and runs the kernels autograd runs (the same bits)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        x32 = x.float()
+        ctx.save_for_backward(x32)
+        ctx.w, ctx.dtype = w, x.dtype  # the parameter itself (ZeRO-3 refills it in time)
+        return F.linear(x32, w.float())
+
+    @staticmethod
+    def backward(ctx, g):
+        (x32,) = ctx.saved_tensors
+        w = ctx.w
+        dx = g.matmul(w.float()).to(ctx.dtype) if ctx.needs_input_grad[0] else None
+        dw = g.t().matmul(x32).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
 class _AuxGrad(torch.autograd.Function):
     """Identity on ``out``; in backward gives the scalar ``aux`` the gradient ``scale``."""
 
@@ -274,7 +295,7 @@ class MoE(nn.Module):
         E, k = cfg.experts, cfg.top_k
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
-        logits = F.linear(flat.float(), self.gate.weight.float())  # (N, E) fp32
+        logits = _RouterLogits.apply(flat, self.gate.weight)  # (N, E) fp32
         scores, probs = route_scores(cfg, logits)
         top_i = self.select(scores, k)  # (N, k)
         top_p = scores.gather(-1, top_i)  # the unbiased scores of the chosen experts
