@@ -44,6 +44,7 @@ AUTO = "auto"  # --precision auto (the default): resolved once, by ``resolve_pre
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 CP_MODES = ("ring", "ulysses")
+EP_DISPATCHES = ("rows", "tokens")  # one row per (token, expert) | per (token, ep rank)
 COLLECTIVES = ("backend", "ring")
 ZERO_ALIGN = ("none", "rows")
 OPTIMIZERS = ("adamw", "adafactor", "muon", "rownorm")
@@ -260,6 +261,9 @@ class ParallelConfig:
                                        "nearest), sr (stochastic rounding), kahan (bf16 "
                                        "compensation)", choices=MASTER_WEIGHTS)
     cp_mode: str = spec("ring", "context-parallel attention", choices=CP_MODES)
+    ep_dispatch: str = spec("rows", "MoE all-to-all: rows (one row per token and chosen expert) "
+                                    "or tokens (one row per token and ep rank it reaches, "
+                                    "combined there: DeepSeek-V3's)", choices=EP_DISPATCHES)
     order: tuple[str, ...] = spec(DIMS, "grid order, outermost first", metavar="pp,dp,ep,cp,tp")
     bucket_mb: float = spec(25.0, "gradient bucket size in MB", gt=0)
     overlap: bool = spec(True, "reduce gradients during backward (--no-overlap: after it)")

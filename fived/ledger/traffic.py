@@ -343,7 +343,8 @@ def ep_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
 
 def ep_routed_bytes(m: ModelConfig, counts: list[list[list[float]]],
                     ep_groups: list[tuple[int, ...]], forwards: list[int], dtype_bytes: int = 4,
-                    recompute_full: bool = False) -> list[float]:
+                    recompute_full: bool = False,
+                    sent_rows: list[list[list[float]]] | None = None) -> list[float]:
     """Exact ep bytes each rank sends in one step, from the routing the runtime recorded.
 
     ``counts[r][l][e]``: rows rank r routed to expert e in layer l (summed over micro-batches,
@@ -354,7 +355,19 @@ def ep_routed_bytes(m: ModelConfig, counts: list[list[list[float]]],
 
         forwards·(E − E/n)·8  +  2·(S + R)·h·e           (forward dispatch + combine, backward)
 
-    and full recompute runs the forward (counts and both row all-to-alls) once more."""
+    and full recompute runs the forward (counts and both row all-to-alls) once more.
+
+    With the token dispatch (``ep_dispatch = tokens``, ``sent_rows[r][l][j]``: token rows rank r
+    sent to the j-th member of its ep group in layer l) a rank sends, with S_u, R_u the token
+    rows it sends to and receives from the others and S, R the assignments as above,
+
+        forwards·(n−1)·(E/n + 1)·8                      counts and rows per rank
+        + S·(8 + 4)                                     each assignment's place and fp32 weight
+        + 2·(S_u + R_u)·h·e                             tokens out, sums back; their grads
+        + R·4                                           the weights' grads
+
+    (full recompute: the forward's terms, forwards·(n−1)·(E/n+1)·8 + S·12 + (S_u + R_u)·h·e,
+    once more)."""
     again = 1 if recompute_full else 0
     E = m.experts
     out = [0.0] * len(counts)
@@ -369,8 +382,16 @@ def ep_routed_bytes(m: ModelConfig, counts: list[list[list[float]]],
             for layer in range(len(counts[r])):
                 sent += sum(c for e, c in enumerate(counts[r][layer]) if e not in mine)
                 recv += sum(counts[q][layer][e] for q in members if q != r for e in mine)
-            out[r] = ((1 + again) * forwards[r] * (E - per) * COUNT_BYTES
-                      + (2 + again) * (sent + recv) * m.hidden * dtype_bytes)
+            if sent_rows is None:
+                out[r] = ((1 + again) * forwards[r] * (E - per) * COUNT_BYTES
+                          + (2 + again) * (sent + recv) * m.hidden * dtype_bytes)
+                continue
+            su = sum(v for lay in sent_rows[r] for j, v in enumerate(lay) if j != i)
+            ru = sum(sent_rows[q][lay][i] for q in members if q != r
+                     for lay in range(len(sent_rows[q])))
+            out[r] = ((1 + again) * (forwards[r] * (n - 1) * (per + 1) * COUNT_BYTES
+                                     + sent * (COUNT_BYTES + 4))
+                      + (2 + again) * (su + ru) * m.hidden * dtype_bytes + recv * 4)
     return out
 
 

@@ -50,7 +50,7 @@ def routed_ep_bytes(m: ModelConfig, par: ParallelConfig, moe: dict) -> list[floa
         return None
     groups = Grid.from_config(par).partition(("ep",))
     return ep_routed_bytes(m, moe["counts"], groups, moe["forwards"], act_bytes(par),
-                           par.recompute == "full")
+                           par.recompute == "full", moe.get("sent_rows"))
 
 
 def predict_rank(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,

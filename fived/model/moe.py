@@ -42,6 +42,9 @@ parallel dimensions plug in without the layer knowing them (``fived.parallel.exp
 * ``dispatch(rows, counts, compute)``: rows sorted by global expert (``counts`` per expert) ->
   their outputs in the same order; ``None`` = all experts are here. Expert parallelism keeps
   E/ep contiguous experts on a rank and sends rows to their owners by all-to-all;
+* ``dispatch_tokens(x, tok, w, counts, compute)`` instead (``ep_dispatch = tokens``): the
+  tokens, and each kept assignment's token and weight sorted by expert -> the routed output;
+  the owners weight and sum their experts' outputs, so one row per (token, ep rank) travels;
 * ``reduce_counts(routed)``: sums the per-sequence routed counts over the ranks that hold other
   parts of the same sequences (cp, and tp under sequence parallelism); ``None`` = identity.
 
@@ -213,6 +216,7 @@ class MoE(nn.Module):
         if cfg.balance == "bias":  # loss-free balancing: a buffer, updated after each step
             self.register_buffer("route_bias", torch.zeros(cfg.experts, dtype=torch.float32))
         self.dispatch: Callable | None = None
+        self.dispatch_tokens: Callable | None = None
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.aux_grad_scale = 0.0
         self.keep_aux = False  # tests: keep the last aux tensor (with its graph) in last_aux
@@ -229,6 +233,7 @@ class MoE(nn.Module):
         self.balance_sum = 0.0  # Σ_q B_q over this rank's sequences
         self.z_sum = 0.0  # Σ_t logsumexp² over this rank's tokens
         self.forwards = 0
+        self.sent_rows: torch.Tensor | None = None  # ep_dispatch = tokens: rows per ep rank
 
     # ------------------------------------------------------------------ compute
     def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -313,13 +318,19 @@ class MoE(nn.Module):
         z = torch.logsumexp(logits, dim=-1).pow(2).sum()
 
         sel, counts, sizes = self.assign(top_i, keep)
-        rows = flat[sel // k]
-        if self.dispatch is not None:
-            y = self.dispatch(rows, counts, self.compute_local)
+        sent = None
+        if self.dispatch_tokens is not None:  # the owners combine: one row per (token, rank)
+            out, sent = self.dispatch_tokens(flat, sel // k, weights.reshape(-1)[sel], counts,
+                                             self.compute_local)
+            out = out.view(b, s, h).to(x.dtype)
         else:
-            y = self.compute_local(rows, sizes)
-        # un-permute into (N, k, h) slots (dropped ones stay 0) and weight in fixed k order
-        out = _Combine.apply(y, weights, sel, k).view(b, s, h).to(x.dtype)
+            rows = flat[sel // k]
+            if self.dispatch is not None:
+                y = self.dispatch(rows, counts, self.compute_local)
+            else:
+                y = self.compute_local(rows, sizes)
+            # un-permute into (N, k, h) slots (dropped ones stay 0), weight in fixed k order
+            out = _Combine.apply(y, weights, sel, k).view(b, s, h).to(x.dtype)
 
         if self.count_stats and not _in_backward():
             self.forwards += 1
@@ -328,6 +339,9 @@ class MoE(nn.Module):
             self.dropped += float(keep.numel() - sel.numel())
             self.balance_sum += float(balance.detach())
             self.z_sum += float(z.detach())
+            if sent is not None:
+                sent = sent.double().cpu()
+                self.sent_rows = sent if self.sent_rows is None else self.sent_rows + sent
         aux = cfg.aux_loss_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
         if self.keep_aux:
             self.last_aux = aux

@@ -73,6 +73,78 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, compute: Callable, group:
     return A.all_to_all(y, group, out_splits, in_splits)
 
 
+# ---------------------------------------------------------------------------- token dispatch
+
+def token_plan(tok: torch.Tensor, counts: torch.Tensor, n: int, N: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The data-dependent part of ``dispatch_tokens``: for the kept assignments (their tokens
+    ``tok``, sorted by global expert, ``counts`` per expert) the distinct (ep rank, token) pairs
+    sorted by rank then token — their tokens ``u_tok`` and how many go to each rank
+    (``u_splits``, n) — and each assignment's place among its rank's pairs (``pos``)."""
+    dest = torch.repeat_interleave(torch.arange(n, device=tok.device),
+                                   counts.view(n, -1).sum(1))
+    uniq, inv = torch.unique(dest * N + tok, sorted=True, return_inverse=True)
+    u_dest = uniq // N
+    u_splits = torch.bincount(u_dest, minlength=n)
+    start = u_splits.cumsum(0) - u_splits
+    return uniq - u_dest * N, u_splits, inv - start[dest]
+
+
+class _WeightedSum(torch.autograd.Function):
+    """z[r] = Σ_{a: row[a] = r} w_a · y_a (``rows`` output rows): the owner's share of each
+    token's combine. Saves ``y``, ``w`` and ``row`` (autograd would also keep w·y's cast
+    weights); backward runs the kernels autograd runs."""
+
+    @staticmethod
+    def forward(ctx, y, w, row, rows):
+        ctx.save_for_backward(y, w, row)
+        wy = y * w.unsqueeze(-1).to(y.dtype)
+        return y.new_zeros(rows, y.shape[-1]).index_add_(0, row, wy)
+
+    @staticmethod
+    def backward(ctx, g):
+        y, w, row = ctx.saved_tensors
+        gy = g.index_select(0, row)
+        dy = gy * w.unsqueeze(-1).to(y.dtype)
+        dw = (gy * y).sum(-1).to(w.dtype)
+        return dy, dw, None, None
+
+
+def dispatch_tokens(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                    compute: Callable, group: Any, plan: Callable = token_plan
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ep_dispatch = tokens``: the routed output (N, h) of the tokens ``x`` (N, h), and the
+    rows sent to each ep rank (``u_splits``, for the statistics).
+
+    ``tok``, ``w``: the token and fp32 weight of each kept assignment, sorted by global expert
+    (``counts`` per expert). Each token goes once to each ep rank that owns one of its experts
+    (with its assignments' places and weights), the owner runs its experts on the expanded rows
+    and sums each token's weighted outputs there, and one row per (token, rank) comes back,
+    summed into the token. ``plan`` is ``token_plan`` (the dry run passes a static one)."""
+    n, N, h = group.size, x.shape[0], x.shape[1]
+    per = counts.numel() // n
+    u_tok, u_splits, pos = plan(tok, counts, n, N)
+    head = torch.cat([counts.view(n, per), u_splits.view(n, 1)], 1).to(torch.int64)
+    recv = ops.all_to_all(head.reshape(-1).contiguous(), group).view(n, per + 1)
+    rc, ru = recv[:, :per], recv[:, per]
+    a_in, a_out = counts.view(n, per).sum(1).tolist(), rc.sum(1).tolist()
+    u_in, u_out = u_splits.tolist(), ru.tolist()
+    got_x = A.all_to_all(x.index_select(0, u_tok), group, u_in, u_out)  # source-major
+    got_pos = ops.all_to_all(pos.contiguous(), group, a_in, a_out)
+    got_w = A.all_to_all(w, group, a_in, a_out)
+    # each received assignment's row of got_x, regrouped by local expert
+    src = torch.repeat_interleave(torch.arange(n, device=x.device), rc.sum(1))
+    row = (ru.cumsum(0) - ru)[src] + got_pos
+    local_id = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(n),
+                                       rc.reshape(-1))
+    order = torch.argsort(local_id, stable=True)
+    row = row[order]
+    y = compute(got_x.index_select(0, row), rc.sum(0).tolist())
+    z = _WeightedSum.apply(y, got_w[order], row, got_x.shape[0])
+    back = A.all_to_all(z, group, u_out, u_in)
+    return x.new_zeros(N, h).index_add(0, u_tok, back), u_splits
+
+
 class CountReduction:
     """Sums a MoE layer's per-sequence routed counts over the groups that cut its sequences."""
 
@@ -91,8 +163,10 @@ def add_count_reduction(moe: nn.Module, group: Any) -> None:
     moe.reduce_counts = CountReduction(before + [group])
 
 
-def apply_ep(model: nn.Module, group: Any, placements: dict[str, Placement]) -> nn.Module:
-    """Keep this ep rank's E/ep contiguous experts in every MoE layer and dispatch to the owners.
+def apply_ep(model: nn.Module, group: Any, placements: dict[str, Placement],
+             mode: str = "rows") -> nn.Module:
+    """Keep this ep rank's E/ep contiguous experts in every MoE layer and dispatch to the owners
+    (``mode`` = ep_dispatch: ``dispatch``, one row per assignment, or ``dispatch_tokens``).
 
     With any ep (1 included) the routed experts' gradients reduce over ``expert`` (dp·cp)."""
     for moe in moe_layers(model):
@@ -109,7 +183,9 @@ def apply_ep(model: nn.Module, group: Any, placements: dict[str, Placement]) -> 
                 del moe.experts[e]
                 for n in names:
                     del placements[n]
-        if group.size > 1:
+        if group.size > 1 and mode == "tokens":
+            moe.dispatch_tokens = partial(dispatch_tokens, group=group)
+        elif group.size > 1:
             moe.dispatch = partial(dispatch, group=group)
     return model
 
@@ -125,10 +201,14 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
     ``aux_loss`` and ``z_loss`` (with their coefficients, summed over layers), ``balance``
     (mean B_q per layer: 1.0 is perfectly balanced), ``a2a_seconds`` (max over ranks),
     ``a2a_share`` (mean over ranks of all-to-all seconds / step seconds), and per rank:
-    ``expert_param_bytes``, ``forwards`` and ``counts`` (the routing, for the exact ledger)."""
+    ``expert_param_bytes``, ``forwards`` and ``counts`` (the routing, for the exact ledger);
+    with ``ep_dispatch = tokens`` also ``sent_rows`` (rank × layer × ep rank: the token rows
+    the layer sent to each member of its ep group, over the step's micro-batches)."""
     Lyr, E = cfg.layers, cfg.experts
     head = 6
-    row = torch.zeros(head + Lyr * E, dtype=torch.float64)
+    n = par.ep if par.ep > 1 and par.ep_dispatch == "tokens" else 0  # rows per (layer, ep rank)
+    row = torch.zeros(head + Lyr * E + Lyr * n, dtype=torch.float64)
+    tail = head + Lyr * E
     layers = moe_layers(model)
     row[0] = float(sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if placements[n].grad_group == "expert"))
@@ -140,6 +220,8 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
         row[4] += m.z_sum
         row[5] += m.dropped
         row[head + m.layer * E: head + (m.layer + 1) * E] += m.tokens_per_expert
+        if n and m.sent_rows is not None:
+            row[tail + m.layer * n: tail + (m.layer + 1) * n] += m.sent_rows
     fwd = float(sum(m.forwards for m in layers))
     for m in layers:
         m.reset_stats()
@@ -154,7 +236,9 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
     tot = rows.sum(0) / copies
     global_seqs = global_tokens / cfg.seq_len
     counts = tot[head:head + Lyr * E].view(Lyr, E)
-    return {
+    extra = {"sent_rows": [[[int(v) for v in layer] for layer in r[tail:tail + Lyr * n]
+                            .view(Lyr, n).tolist()] for r in rows]} if n else {}
+    return extra | {
         "tokens_per_expert": [[int(round(v)) for v in r] for r in counts.tolist()],
         "dropped": int(round(float(tot[5]))),
         "aux_loss": cfg.aux_loss_coef * float(tot[3]) / global_seqs,

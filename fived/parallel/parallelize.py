@@ -70,7 +70,7 @@ def parallelize_parts(model: Transformer, grid: Any, par: Any
         apply_tp(part, grid["tp"], pl, par.sequence_parallel, par.overlap)
         apply_cp(part, grid["cp"], par.cp_mode)
         if part.cfg.is_moe:
-            apply_ep(part, grid["ep"], pl)
+            apply_ep(part, grid["ep"], pl, par.ep_dispatch)
         apply_recompute(part, par.recompute)
         placements.update(pl)
     return parts, placements

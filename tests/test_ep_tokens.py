@@ -1,0 +1,133 @@
+"""The token dispatch (``ep_dispatch = tokens``, issue 29): one row per (token, ep rank).
+
+* parity (dropless, fp32): node-limited routing with a gated shared expert at ep2 and ep4, and
+  under ep2·tp2 with sequence parallelism, ep2·pp2, ep2·dp2 with ZeRO-1 and ZeRO-3, equal the
+  one-rank reference (losses, grad norms, aux losses, routing, every first-step gradient);
+* the bytes: each rank's measured ep bytes equal ``ep_routed_bytes`` on the recorded routing
+  and rows per rank to the byte, no token reaches more ep ranks than ``ep_destinations_bound``,
+  and the rows sent are fewer than the row dispatch's on the same routing;
+* the plan on one process: the distinct (rank, token) pairs and each assignment's place.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fived.config import ParallelConfig, preset
+from fived.ledger.memory import act_bytes
+from fived.ledger.traffic import ep_destinations_bound, ep_routed_bytes
+from fived.parallel.expert import token_plan
+from fived.ranks.grid import Grid
+from fived.testing import small_train
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import check_moe_parity, one_rank as _one_rank, train_runs  # noqa: E402,I001
+
+BASE = preset("qwen3-moe-tiny")
+BOTH = replace(BASE, shared_expert=True, shared_expert_ffn=48, shared_expert_gate=True,
+               route_groups=4, route_top_groups=2)
+T = dict(ep_dispatch="tokens")
+LAYOUTS4 = {
+    "ep4": ParallelConfig(ep=4, **T),
+    "ep2-tp2-sp": ParallelConfig(ep=2, tp=2, sequence_parallel=True, **T),
+    "ep2-pp2": ParallelConfig(ep=2, pp=2, micro_batches=2, **T),
+    "ep2-dp2-zero1": ParallelConfig(ep=2, dp=2, zero=1, **T),
+    "ep2-dp2-zero3": ParallelConfig(ep=2, dp=2, zero=3, **T),
+}
+_cache: dict = {}
+
+
+def one_rank(model):
+    if ("one", model) not in _cache:
+        _cache[("one", model)] = _one_rank(model, small_train())
+    return _cache[("one", model)]
+
+
+def runs(pairs):
+    todo = [mp for mp in pairs if mp not in _cache]
+    by_world: dict[int, list] = {}
+    for m, p in todo:
+        by_world.setdefault(p.world_size, []).append((m, p))
+    for group in by_world.values():
+        _cache.update(zip(group, train_runs([(m, p, small_train()) for m, p in group])))
+    return [_cache[mp] for mp in pairs]
+
+
+def predicted(m, par, moe):
+    groups = Grid.from_config(par).partition(("ep",))
+    return ep_routed_bytes(m, moe["counts"], groups, moe["forwards"], act_bytes(par),
+                           par.recompute == "full", sent_rows=moe.get("sent_rows"))
+
+
+# ------------------------------------------------------------------------ parity
+
+def test_ep2_parity_and_bytes():
+    """ep2, both dispatches on one routing: equal to the reference, the token dispatch's bytes
+    exact and below the row dispatch's."""
+    tok, rows = ParallelConfig(ep=2, **T), ParallelConfig(ep=2)
+    a, b = runs([(BOTH, tok), (BOTH, rows)])
+    ref = one_rank(BOTH)
+    check_moe_parity(a, ref, "tokens")
+    check_moe_parity(b, ref, "rows")
+    for out, par in ((a, tok), (b, rows)):
+        for step, h in enumerate(out["ranks"][0]["history"]):
+            want = predicted(BOTH, par, h["moe"])
+            got = [r["bytes"].get("ep", 0.0) for r in h["traffic_per_rank"]]
+            assert got == want, (par.ep_dispatch, step, got, want)
+    h_tok, h_rows = a["ranks"][0]["history"][0], b["ranks"][0]["history"][0]
+    sent = sum(r["bytes"]["ep"] for r in h_tok["traffic_per_rank"])
+    assert sent < 0.8 * sum(r["bytes"]["ep"] for r in h_rows["traffic_per_rank"])
+    assert "sent_rows" not in h_rows["moe"]
+
+
+def test_world4_parity():
+    pairs = [(BOTH, p) for p in LAYOUTS4.values()]
+    for (m, p), out in zip(pairs, runs(pairs)):
+        check_moe_parity(out, one_rank(m), p.describe())
+        h = out["ranks"][0]["history"][-1]
+        assert [r["bytes"].get("ep", 0.0) for r in h["traffic_per_rank"]] == predicted(m, p, h["moe"])
+
+
+def test_rows_per_token_within_the_bound():
+    """ep4 with 4 groups, the best 2: each token reaches at most 2 ranks, so per layer a rank
+    sends at most 2 rows per token; the recorded rows say so (first step, 4 MoE layers... of
+    the model), and reach more than one rank per token on average."""
+    par = LAYOUTS4["ep4"]
+    out = runs([(BOTH, par)])[0]
+    bound = ep_destinations_bound(BOTH, par)
+    assert bound == 2
+    h = out["ranks"][0]["history"][0]
+    tokens = small_train().global_batch * BOTH.seq_len // par.ep  # per rank per step
+    for r, sent in enumerate(h["moe"]["sent_rows"]):
+        for layer in sent:
+            assert sum(layer) <= bound * tokens, (r, layer)
+            assert sum(layer) > tokens, (r, layer)
+
+
+# ------------------------------------------------------------------------ the plan
+
+def test_token_plan():
+    # 6 assignments sorted by expert over 4 experts, 2 ranks (experts 0,1 | 2,3), tokens 0..2
+    tok = torch.tensor([0, 2, 0, 1, 2, 2])
+    counts = torch.tensor([2, 1, 2, 1])  # rank 0 gets tokens 0,2,0 ; rank 1 gets 1,2,2
+    u_tok, u_splits, pos = token_plan(tok, counts, 2, 3)
+    assert u_tok.tolist() == [0, 2, 1, 2]
+    assert u_splits.tolist() == [2, 2]
+    assert pos.tolist() == [0, 1, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("bad", [dict(ep_dispatch="token")])
+def test_bad_dispatch_exits_2(bad, tmp_path):
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "fived", "train", "--model", "qwen3-moe-tiny",
+                        "--ep", "2", "--nprocs", "2", "--ep-dispatch", bad["ep_dispatch"],
+                        "--steps", "1"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "--ep-dispatch" in r.stderr and "Traceback" not in r.stderr
+    assert not list(tmp_path.iterdir())
