@@ -115,9 +115,9 @@ def test_token_plan():
     # 6 assignments sorted by expert over 4 experts, 2 ranks (experts 0,1 | 2,3), tokens 0..2
     tok = torch.tensor([0, 2, 0, 1, 2, 2])
     counts = torch.tensor([2, 1, 2, 1])  # rank 0 gets tokens 0,2,0 ; rank 1 gets 1,2,2
-    u_tok, u_splits, pos = token_plan(tok, counts, 2, 3)
+    u_tok, pos, _, a_splits, u_splits = token_plan(tok, counts, 2, 3)
     assert u_tok.tolist() == [0, 2, 1, 2]
-    assert u_splits.tolist() == [2, 2]
+    assert u_splits == [2, 2] and a_splits == [3, 3]
     assert pos.tolist() == [0, 1, 0, 0, 1, 1]
 
 
@@ -131,3 +131,21 @@ def test_bad_dispatch_exits_2(bad, tmp_path):
     assert r.returncode == 2, r.stderr
     assert "--ep-dispatch" in r.stderr and "Traceback" not in r.stderr
     assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------ ledger at the bound
+
+@pytest.mark.parametrize("par", [ParallelConfig(ep=4, **T),
+                                 ParallelConfig(ep=2, tp=2, sequence_parallel=True, **T),
+                                 ParallelConfig(ep=2, pp=2, micro_batches=2, recompute="full",
+                                                **T)],
+                         ids=["ep4", "ep2-tp2-sp", "ep2-pp2-full"])
+def test_dry_run_matches_ledger(par):
+    """At the ledger's bound (uniform routing over ep_destinations_bound ranks per token):
+    states, activations and traffic by op of every distinct rank equal the ledger's."""
+    from fived.config import TrainConfig
+    from fived.ledger import verify
+    from fived.train.dryrun import distinct_ranks, dry_run
+
+    out = dry_run(BOTH, par, TrainConfig(global_batch=4), distinct_ranks(par), show=False)
+    assert verify.compare_record(BOTH, par, 4, out) == []

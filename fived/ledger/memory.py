@@ -64,7 +64,7 @@ from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, precision_of
 from .context import ulysses_kv_heads
 from .optimizers import opt_buckets
 from .optimizers import state_bytes as optimizer_state_bytes
-from .params import layer_kinds, rank_stages, stage_layers
+from .params import ep_destinations_bound, layer_kinds, rank_stages, stage_layers
 
 GB = 1e9
 GIB = 2**30
@@ -373,13 +373,18 @@ def moe_routing_bytes_per_token(m: ModelConfig, par: ParallelConfig) -> float:
     e·h·k (the experts' input, once), the experts' outputs e·h·k (the weighted combine keeps
     them once and rebuilds the un-permuted slots in backward, ``moe._Combine``); in bf16/fp16
     the fp32 copy of the input the router reads (4h) instead of the input (e·h, in the norm
-    term); with ep > 1 the dispatch's local order and its inverse 16k."""
+    term); with ep > 1 the dispatch's local order and its inverse 16k — or, with the token
+    dispatch (``ep_dispatch = tokens``), its local order 8k, the received fp32 weights 4k and
+    the D = ``ep_destinations_bound`` token indices 8D, the combine then keeping no weights
+    (− 4k): 8k + 8D in all."""
     e, h, k, E = act_bytes(par), m.hidden, m.top_k, m.experts
     out = 8 * E + 4 + 8 * k + 4 * k + 4 + 4 * k + 16 * k + 2 * e * h * k
     if e != 4:  # the router saves an fp32 copy of its input; without a shared expert nothing
         out += 4 * h - (0 if m.shared_expert else e * h)  # saves the input itself (the norm
         # term counts it as saved by the next matmul)
-    if par.ep > 1:
+    if par.ep > 1 and par.ep_dispatch == "tokens":
+        out += 8 * k + 8 * ep_destinations_bound(m, par)
+    elif par.ep > 1:
         out += 16 * k
     return float(out)
 

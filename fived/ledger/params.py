@@ -422,3 +422,18 @@ def param_list(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
 def block_of(name: str) -> int | None:
     """The block index of a parameter name, None for the root (embedding, norm, head)."""
     return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
+def ep_destinations_bound(m: ModelConfig, par: ParallelConfig) -> int:
+    """The most ep ranks one token's rows reach in a MoE layer: min(k, ep) in general; with
+    node-limited routing (M of G contiguous expert groups) M·⌈ep/G⌉ when G and ep divide one
+    another (a rank owns G/ep whole groups, or a group spans ep/G ranks). The row dispatch
+    (``ep_dispatch = rows``) still sends k rows per token; the token dispatch sends one per
+    (token, rank reached), so its bytes are at most this many rows per token
+    (``ep_token_traffic``)."""
+    n, k = par.ep, m.top_k
+    out = min(k, n)
+    G = m.route_groups
+    if m.node_limited and (G % n == 0 or n % G == 0):
+        out = min(out, m.route_top_groups * max(1, n // G))
+    return out

@@ -45,6 +45,8 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
   all_to_all(T), backward the same two — (E − E/n)·8 + 4·(n−1)/n·T with uniform routing. The
   runtime's bytes follow the router: ``ep_routed_bytes`` gives them exactly from the recorded
   per-expert counts, (E − E/n)·8 per forward + 2·(S + R)·h·e (S rows sent away, R received).
+  The token dispatch (``ep_dispatch = tokens``) sends D = ``ep_destinations_bound`` rows per
+  token instead of k, plus 12 bytes per assignment (``ep_token_traffic``, ``ep_routed_bytes``).
 * MoE under cp (and tp with SP): each MoE layer forward all_reduces its (b, E) fp32 routed
   counts over the groups that cut its sequence (the balance loss needs whole-sequence counts);
   a MoE block without a shared expert has only the attention's tp cut, so half the tp pairs.
@@ -64,7 +66,7 @@ from .context import ulysses_kv_heads
 from .memory import _state_key, act_bytes, buckets, grad_bytes, group_sizes, param_bytes
 from .optimizers import opt_buckets
 from .optimizers import traffic as optimizer_traffic_of
-from .params import rank_moe_layers, rank_stages, stage_layers
+from .params import ep_destinations_bound, rank_moe_layers, rank_stages, stage_layers
 
 COUNT_BYTES = 8  # the ep routing counts travel as int64
 
@@ -328,6 +330,8 @@ def ep_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     per = rank_moe_layers(m, par, pp_rank) * par.micro_batches
     sp = par.sequence_parallel and par.tp > 1
     tokens = micro_batch * m.seq_len // par.cp // (par.tp if sp else 1)
+    if par.ep_dispatch == "tokens":
+        return ep_token_traffic(m, par, tokens, per, e)
     size = tokens * m.top_k * m.hidden * e
     out = [Collective("ep", "all_to_all", m.experts * COUNT_BYTES, par.ep, per,
                       "routing counts (E int64)", "fwd"),
@@ -338,6 +342,30 @@ def ep_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                            "recompute: routing counts", "bwd"),
                 Collective("ep", "all_to_all", size, par.ep, 2 * per,
                            "recompute: dispatch + combine", "bwd")]
+    return out
+
+
+def ep_token_traffic(m: ModelConfig, par: ParallelConfig, tokens: int, per: int, e: int
+                     ) -> list[Collective]:
+    """The token dispatch (``ep_dispatch = tokens``) at its bound: each of the rank's ``tokens``
+    reaches D = ``ep_destinations_bound`` ep ranks (T = tokens·D·h·e), each of its k
+    assignments carries its place (int64) and fp32 weight; the counts exchange also carries the
+    rows per rank (n·(E/n + 1) int64). Uniform routing over the D ranks gives, per MoE layer
+    and micro-batch, (n−1)·(E/n+1)·8 + (n−1)/n·(4·T + 16·tokens·k)."""
+    n, k = par.ep, m.top_k
+    size = tokens * ep_destinations_bound(m, par) * m.hidden * e
+    head = n * (m.experts // n + 1) * COUNT_BYTES
+    meta = tokens * k * (COUNT_BYTES + 4)
+    out = [Collective("ep", "all_to_all", head, n, per, "routing counts + rows per rank", "fwd"),
+           Collective("ep", "all_to_all", meta, n, per, "assignments: place + weight", "fwd"),
+           Collective("ep", "all_to_all", size, n, 2 * per, "tokens + their sums", "fwd"),
+           Collective("ep", "all_to_all", size, n, 2 * per, "their grads", "bwd"),
+           Collective("ep", "all_to_all", tokens * k * 4, n, per, "weights' grads", "bwd")]
+    if par.recompute == "full":
+        out += [Collective("ep", "all_to_all", head, n, per, "recompute: counts", "bwd"),
+                Collective("ep", "all_to_all", meta, n, per, "recompute: assignments", "bwd"),
+                Collective("ep", "all_to_all", size, n, 2 * per, "recompute: tokens + sums",
+                           "bwd")]
     return out
 
 
@@ -392,21 +420,6 @@ def ep_routed_bytes(m: ModelConfig, counts: list[list[list[float]]],
             out[r] = ((1 + again) * (forwards[r] * (n - 1) * (per + 1) * COUNT_BYTES
                                      + sent * (COUNT_BYTES + 4))
                       + (2 + again) * (su + ru) * m.hidden * dtype_bytes + recv * 4)
-    return out
-
-
-def ep_destinations_bound(m: ModelConfig, par: ParallelConfig) -> int:
-    """The most ep ranks one token's rows reach in a MoE layer: min(k, ep) in general; with
-    node-limited routing (M of G contiguous expert groups) M·⌈ep/G⌉ when G and ep divide one
-    another (a rank owns G/ep whole groups, or a group spans ep/G ranks). fived's dispatch
-    sends one row per (token, expert), so this bounds the fan-out, not the bytes: bytes stay
-    ``ep_traffic``'s k rows per token (a per-destination de-duplicated dispatch, DeepSeek-V3's,
-    is what the bound would shrink; it is not built)."""
-    n, k = par.ep, m.top_k
-    out = min(k, n)
-    G = m.route_groups
-    if m.node_limited and (G % n == 0 or n % G == 0):
-        out = min(out, m.route_top_groups * max(1, n // G))
     return out
 
 

@@ -340,7 +340,7 @@ class MoE(nn.Module):
             self.balance_sum += float(balance.detach())
             self.z_sum += float(z.detach())
             if sent is not None:
-                sent = sent.double().cpu()
+                sent = torch.tensor(sent, dtype=torch.float64)
                 self.sent_rows = sent if self.sent_rows is None else self.sent_rows + sent
         aux = cfg.aux_loss_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
         if self.keep_aux:

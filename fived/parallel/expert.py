@@ -76,18 +76,24 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, compute: Callable, group:
 # ---------------------------------------------------------------------------- token dispatch
 
 def token_plan(tok: torch.Tensor, counts: torch.Tensor, n: int, N: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int]]:
     """The data-dependent part of ``dispatch_tokens``: for the kept assignments (their tokens
     ``tok``, sorted by global expert, ``counts`` per expert) the distinct (ep rank, token) pairs
-    sorted by rank then token — their tokens ``u_tok`` and how many go to each rank
-    (``u_splits``, n) — and each assignment's place among its rank's pairs (``pos``)."""
-    dest = torch.repeat_interleave(torch.arange(n, device=tok.device),
-                                   counts.view(n, -1).sum(1))
+    sorted by rank then token — their tokens ``u_tok`` — each assignment's place among its
+    rank's pairs (``pos``), the pairs per rank (a tensor), and the assignments and the pairs
+    that go to each rank (lists)."""
+    a_splits = counts.view(n, -1).sum(1)
+    dest = torch.repeat_interleave(torch.arange(n, device=tok.device), a_splits)
     uniq, inv = torch.unique(dest * N + tok, sorted=True, return_inverse=True)
     u_dest = uniq // N
     u_splits = torch.bincount(u_dest, minlength=n)
     start = u_splits.cumsum(0) - u_splits
-    return uniq - u_dest * N, u_splits, inv - start[dest]
+    return uniq - u_dest * N, inv - start[dest], u_splits, a_splits.tolist(), u_splits.tolist()
+
+
+def _received(recv: torch.Tensor, a_in: list[int], u_in: list[int]) -> list[list[int]]:
+    """The exchanged (n, E/n + 1) counts as ints (the dry run knows them without values)."""
+    return recv.tolist()
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -110,39 +116,59 @@ class _WeightedSum(torch.autograd.Function):
         return dy, dw, None, None
 
 
+class _SumRows(torch.autograd.Function):
+    """out[r] = Σ_{i: index[i] = r} src[i] (``rows`` output rows). Saves ``index`` only —
+    autograd's index_add also keeps ``src``, a (rows sent × h) copy."""
+
+    @staticmethod
+    def forward(ctx, src, index, rows):
+        ctx.save_for_backward(index)
+        return src.new_zeros(rows, src.shape[-1]).index_add_(0, index, src)
+
+    @staticmethod
+    def backward(ctx, g):
+        (index,) = ctx.saved_tensors
+        return g.index_select(0, index), None, None
+
+
 def dispatch_tokens(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
-                    compute: Callable, group: Any, plan: Callable = token_plan
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    compute: Callable, group: Any, plan: Callable = token_plan,
+                    received: Callable = _received) -> tuple[torch.Tensor, list[int]]:
     """``ep_dispatch = tokens``: the routed output (N, h) of the tokens ``x`` (N, h), and the
-    rows sent to each ep rank (``u_splits``, for the statistics).
+    token rows sent to each ep rank (for the statistics).
 
     ``tok``, ``w``: the token and fp32 weight of each kept assignment, sorted by global expert
     (``counts`` per expert). Each token goes once to each ep rank that owns one of its experts
     (with its assignments' places and weights), the owner runs its experts on the expanded rows
     and sums each token's weighted outputs there, and one row per (token, rank) comes back,
-    summed into the token. ``plan`` is ``token_plan`` (the dry run passes a static one)."""
-    n, N, h = group.size, x.shape[0], x.shape[1]
+    summed into the token. ``plan`` and ``received`` are ``token_plan`` and ``_received`` (the
+    dry run passes static ones: fake tensors have no values)."""
+    n, N = group.size, x.shape[0]
     per = counts.numel() // n
-    u_tok, u_splits, pos = plan(tok, counts, n, N)
-    head = torch.cat([counts.view(n, per), u_splits.view(n, 1)], 1).to(torch.int64)
+    dev = x.device
+    u_tok, pos, u_counts, a_in, u_in = plan(tok, counts, n, N)
+    head = torch.cat([counts.view(n, per), u_counts.view(n, 1)], 1).to(torch.int64)
     recv = ops.all_to_all(head.reshape(-1).contiguous(), group).view(n, per + 1)
-    rc, ru = recv[:, :per], recv[:, per]
-    a_in, a_out = counts.view(n, per).sum(1).tolist(), rc.sum(1).tolist()
-    u_in, u_out = u_splits.tolist(), ru.tolist()
+    rc = received(recv, a_in, u_in)
+    u_out = [r[per] for r in rc]
+    a_src = [sum(r[:per]) for r in rc]  # assignments from each source
     got_x = A.all_to_all(x.index_select(0, u_tok), group, u_in, u_out)  # source-major
-    got_pos = ops.all_to_all(pos.contiguous(), group, a_in, a_out)
-    got_w = A.all_to_all(w, group, a_in, a_out)
-    # each received assignment's row of got_x, regrouped by local expert
-    src = torch.repeat_interleave(torch.arange(n, device=x.device), rc.sum(1))
-    row = (ru.cumsum(0) - ru)[src] + got_pos
-    local_id = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(n),
-                                       rc.reshape(-1))
+    got_pos = ops.all_to_all(pos.contiguous(), group, a_in, a_src)
+    got_w = A.all_to_all(w, group, a_in, a_src)
+    # each received assignment's row of got_x (its source's block start + its place), then
+    # the assignments regrouped by local expert
+    total = sum(a_src)
+    ru = recv[:, per]
+    src = torch.repeat_interleave(torch.arange(n, device=dev), recv[:, :per].sum(1),
+                                  output_size=total)
+    local_id = torch.repeat_interleave(torch.arange(per, device=dev).repeat(n),
+                                       recv[:, :per].reshape(-1), output_size=total)
     order = torch.argsort(local_id, stable=True)
-    row = row[order]
-    y = compute(got_x.index_select(0, row), rc.sum(0).tolist())
+    row = ((ru.cumsum(0) - ru)[src] + got_pos)[order]
+    y = compute(got_x.index_select(0, row), [sum(r[j] for r in rc) for j in range(per)])
     z = _WeightedSum.apply(y, got_w[order], row, got_x.shape[0])
     back = A.all_to_all(z, group, u_out, u_in)
-    return x.new_zeros(N, h).index_add(0, u_tok, back), u_splits
+    return _SumRows.apply(back, u_tok, N), u_in
 
 
 class CountReduction:

@@ -183,11 +183,19 @@ def uniform_routing(model: torch.nn.Module) -> None:
     the statistics (drops, aux values) are not recorded."""
     from functools import partial
 
+    from ..ledger.params import ep_destinations_bound
     from ..model.moe import moe_layers
+    from ..parallel.expert import dispatch_tokens
 
     for m in moe_layers(model):
         if m.dispatch is not None:  # expert parallelism: the group the real dispatch talks on
             m.dispatch = partial(_uniform_dispatch, group=m.dispatch.keywords["group"])
+        if m.dispatch_tokens is not None:  # the token dispatch at the ledger's bound
+            group = m.dispatch_tokens.keywords["group"]
+            dests = ep_destinations_bound(m.cfg, ParallelConfig(ep=group.size))
+            plan = partial(_uniform_token_plan, dests=dests, experts=m.cfg.experts)
+            m.dispatch_tokens = partial(dispatch_tokens, group=group, plan=plan,
+                                        received=_uniform_received)
         m.assign = _uniform_assign.__get__(m)
         m.count_stats = False
 
@@ -221,6 +229,29 @@ def _uniform_dispatch(rows: torch.Tensor, counts: torch.Tensor, compute: Any, gr
     y = compute(got[order], [rows.shape[0] // per] * per)
     y = y[torch.argsort(order)]
     return A.all_to_all(y, group, split, split)
+
+
+def _uniform_token_plan(tok: torch.Tensor, counts: torch.Tensor, n: int, N: int, dests: int,
+                        experts: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """``fived.parallel.expert.token_plan`` at uniform routing over ``dests`` ep ranks per
+    token: each rank gets N·dests/n token rows and A/n assignments (static shapes)."""
+    A_ = tok.shape[0]
+    if (N * dests) % n or A_ % experts:
+        raise ConfigError([f"dry run: {N} tokens × {dests} ep ranks do not split evenly over "
+                           f"ep {n} (uniform routing)"])
+    u = N * dests // n
+    u_tok = torch.arange(N * dests, device=tok.device) % N
+    pos = torch.arange(A_, device=tok.device) % u
+    u_counts = torch.full((n,), u, dtype=torch.int64, device=tok.device)
+    return u_tok, pos, u_counts, [A_ // n] * n, [u] * n
+
+
+def _uniform_received(recv: torch.Tensor, a_in: list[int], u_in: list[int]) -> list[list[int]]:
+    """At uniform routing every rank receives from each source what it sends each rank: A/E
+    assignments per expert and N·dests/n tokens."""
+    n, per = recv.shape[0], recv.shape[1] - 1
+    return [[a_in[0] // per] * per + [u_in[0]]] * n
 
 
 # ------------------------------------------------------------------------ model states
