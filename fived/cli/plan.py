@@ -161,7 +161,7 @@ def main(argv: list[str]) -> int:
 SEARCHED = ("tp", "cp", "ep", "dp", "pp", "zero", "schedule", "virtual_stages", "micro_batches",
             "sequence_parallel", "recompute", "pp_layers")
 # ... keeps these as the file gives them, for every layout it tries ...
-FIXED = ("cp_mode", "bucket_mb", "overlap", "order")
+FIXED = ("cp_mode", "ep_dispatch", "bucket_mb", "overlap", "order")
 # ... and refuses the rest (the ledger of one layout, `fived ledger --config`, reads them)
 REFUSED = ("zero3_pp_gather", "master_weights", "collectives", "zero_align")
 
@@ -178,7 +178,8 @@ def check_fixed(res: flags.Resolved) -> None:
 
 
 def fixed_fields(res: flags.Resolved) -> dict:
-    """The [parallel] values every searched layout keeps (cp_mode, bucket_mb, overlap, order)."""
+    """The [parallel] values every searched layout keeps (cp_mode, ep_dispatch, bucket_mb,
+    overlap, order)."""
     return {k: getattr(res.par, k) for k in FIXED if f"parallel.{k}" in res.given}
 
 
@@ -294,6 +295,8 @@ def _flags(p) -> str:
         out.append(f"--recompute {par.recompute}")
     if par.cp_mode != "ring":
         out.append(f"--cp-mode {par.cp_mode}")
+    if par.ep > 1 and par.ep_dispatch != "rows":
+        out.append(f"--ep-dispatch {par.ep_dispatch}")
     if par.bucket_mb != ParallelConfig.bucket_mb:
         out.append(f"--bucket-mb {par.bucket_mb:g}")
     if not par.overlap:
