@@ -94,9 +94,9 @@ def test_world4_parity():
 
 
 def test_rows_per_token_within_the_bound():
-    """ep4 with 4 groups, the best 2: each token reaches at most 2 ranks, so per layer a rank
-    sends at most 2 rows per token; the recorded rows say so (first step, 4 MoE layers... of
-    the model), and reach more than one rank per token on average."""
+    """ep4 with 4 groups, the best 2: each token reaches at most 2 ranks, so in each layer a
+    rank sends at most 2 token rows per token (its own rank's included) — and more than one on
+    average (the recorded ``sent_rows`` of the first step)."""
     par = LAYOUTS4["ep4"]
     out = runs([(BOTH, par)])[0]
     bound = ep_destinations_bound(BOTH, par)

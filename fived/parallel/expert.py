@@ -34,8 +34,17 @@ Gradients: expert parameters are placed with ``grad_group = "expert"`` and reduc
 came back through the all-to-all's backward; the router and every dense parameter reduce over
 ``dense`` (dp·ep·cp).
 
-``apply_ep(model, group, placements)`` removes the experts a rank does not own from each plain
-MoE layer and hands the layer ``dispatch`` over its explicit ep group.
+The token dispatch (``ep_dispatch = tokens``, ``dispatch_tokens``) sends each token once to each
+ep rank it reaches (U rows) with its assignments' places and fp32 weights; the owner sums each
+token's weighted expert outputs and sends one row back per (token, rank). Per rank and layer
+forward, S_u / R_u token rows sent / received, S / R assignments:
+
+    (n − 1)·(E/n + 1)·8 + S·12 + (S_u + R_u)·h·b,   backward (S_u + R_u)·h·b + R·4
+
+(``ep_routed_bytes(..., sent_rows=...)``; ``ep_token_traffic`` at ``ep_destinations_bound``).
+
+``apply_ep(model, group, placements, mode)`` removes the experts a rank does not own from each plain
+MoE layer and hands the layer ``dispatch`` (or ``dispatch_tokens``) over its explicit ep group.
 """
 
 from __future__ import annotations
