@@ -6,7 +6,13 @@
 * the bytes: each rank's measured ep bytes equal ``ep_routed_bytes`` on the recorded routing
   and rows per rank to the byte, no token reaches more ep ranks than ``ep_destinations_bound``,
   and the rows sent are fewer than the row dispatch's on the same routing;
-* the plan on one process: the distinct (rank, token) pairs and each assignment's place.
+* the plan on one process: the distinct (rank, token) pairs and each assignment's place;
+* the dry run at the ledger's bound: states, traffic by op and activations equal the ledger's
+  (activations to the byte at ep4, fp32 and bf16).
+
+Mutations seen to fail here: the weights' gradient cut at the owner (parity), the weights'
+backward bytes doubled in ``ep_routed_bytes`` (bytes), the 8D token indices left out of
+``moe_routing_bytes_per_token`` (activations).
 """
 
 from __future__ import annotations
@@ -149,3 +155,20 @@ def test_dry_run_matches_ledger(par):
 
     out = dry_run(BOTH, par, TrainConfig(global_batch=4), distinct_ranks(par), show=False)
     assert verify.compare_record(BOTH, par, 4, out) == []
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_dry_run_activations_exact_ep4(precision):
+    """The token dispatch's saved tensors (8k + 8D per token, ``moe_routing_bytes_per_token``)
+    to the byte: the activation peak of every distinct rank equals the ledger's."""
+    from fived.config import TrainConfig
+    from fived.ledger.verify import predict_activations
+    from fived.train.dryrun import distinct_ranks, dry_run
+
+    par = ParallelConfig(ep=4, precision=precision, **T)
+    ranks = distinct_ranks(par)
+    out = dry_run(BOTH, par, TrainConfig(global_batch=4), ranks, show=False)
+    peaks = out["activation_peak_per_rank"]
+    for i, r in enumerate(ranks):
+        got = peaks[i] if isinstance(peaks, list) else peaks[str(r)]
+        assert got == predict_activations(BOTH, par, 4, r), (r, got)
