@@ -67,3 +67,48 @@ def worst_params(a: dict[str, Any], ref: dict[str, Any], n: int = 3) -> list[tup
     """The ``n`` parameters whose gradients differ most (relative), for failure messages."""
     d = {k: float((a[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)) for k in ref if k in a}
     return sorted(d.items(), key=lambda kv: -kv[1])[:n]
+
+
+class SessionRuns:
+    """Trains each (model, layout) with ``small_train()`` once per test session, the layouts of
+    one world size in one spawn; ``one_rank(model)`` is the reference, computed once."""
+
+    def __init__(self):
+        self.cache: dict = {}
+
+    def one_rank(self, model: ModelConfig) -> dict[str, Any]:
+        from fived.testing import small_train
+
+        if ("one", model) not in self.cache:
+            self.cache[("one", model)] = one_rank(model, small_train())
+        return self.cache[("one", model)]
+
+    def __call__(self, pairs: list[tuple[ModelConfig, ParallelConfig]]) -> list[dict[str, Any]]:
+        from fived.testing import small_train
+
+        by_world: dict[int, list] = {}
+        for m, p in pairs:
+            if (m, p) not in self.cache and (m, p) not in by_world.get(p.world_size, []):
+                by_world.setdefault(p.world_size, []).append((m, p))
+        for group in by_world.values():
+            self.cache.update(zip(group, train_runs([(m, p, small_train()) for m, p in group])))
+        return [self.cache[mp] for mp in pairs]
+
+
+def bad_moe_config_exits_2(tmp_path: Any, body: str, field: str, *flags: str) -> None:
+    """``fived train`` on a qwen3-moe-tiny --config with ``body`` added under [model] (and
+    ``flags``): exit 2, one message naming ``field``, no traceback, no rank, nothing written."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(f'[model]\nname = "qwen3-moe-tiny"\n{body}\n')
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    r = subprocess.run([sys.executable, "-m", "fived", "train", "--config", str(cfg),
+                        "--nprocs", "2", "--ep", "2", "--metrics-out", str(tmp_path / "m"),
+                        *flags], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert field in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "rank" not in r.stdout.lower()
+    assert not (tmp_path / "m").exists()

@@ -32,7 +32,7 @@ from fived.ranks.grid import Grid
 from fived.testing import small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parity_helpers import check_moe_parity, one_rank as _one_rank, train_runs  # noqa: E402,I001
+from parity_helpers import SessionRuns, bad_moe_config_exits_2, check_moe_parity  # noqa: E402,I001
 
 BASE = preset("qwen3-moe-tiny")
 BOTH = replace(BASE, shared_expert=True, shared_expert_ffn=48, shared_expert_gate=True,
@@ -45,23 +45,8 @@ LAYOUTS4 = {
     "ep2-dp2-zero1": ParallelConfig(ep=2, dp=2, zero=1, **T),
     "ep2-dp2-zero3": ParallelConfig(ep=2, dp=2, zero=3, **T),
 }
-_cache: dict = {}
-
-
-def one_rank(model):
-    if ("one", model) not in _cache:
-        _cache[("one", model)] = _one_rank(model, small_train())
-    return _cache[("one", model)]
-
-
-def runs(pairs):
-    todo = [mp for mp in pairs if mp not in _cache]
-    by_world: dict[int, list] = {}
-    for m, p in todo:
-        by_world.setdefault(p.world_size, []).append((m, p))
-    for group in by_world.values():
-        _cache.update(zip(group, train_runs([(m, p, small_train()) for m, p in group])))
-    return [_cache[mp] for mp in pairs]
+runs = SessionRuns()
+one_rank = runs.one_rank
 
 
 def predicted(m, par, moe):
@@ -127,16 +112,8 @@ def test_token_plan():
     assert pos.tolist() == [0, 1, 0, 0, 1, 1]
 
 
-@pytest.mark.parametrize("bad", [dict(ep_dispatch="token")])
-def test_bad_dispatch_exits_2(bad, tmp_path):
-    import subprocess
-
-    r = subprocess.run([sys.executable, "-m", "fived", "train", "--model", "qwen3-moe-tiny",
-                        "--ep", "2", "--nprocs", "2", "--ep-dispatch", bad["ep_dispatch"],
-                        "--steps", "1"], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 2, r.stderr
-    assert "--ep-dispatch" in r.stderr and "Traceback" not in r.stderr
-    assert not list(tmp_path.iterdir())
+def test_bad_dispatch_exits_2(tmp_path):
+    bad_moe_config_exits_2(tmp_path, "", "--ep-dispatch", "--ep-dispatch", "token")
 
 
 # ------------------------------------------------------------------------ ledger at the bound

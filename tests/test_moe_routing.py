@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -23,10 +22,9 @@ import torch
 from fived.config import ConfigError, ParallelConfig, preset, validate
 from fived.model import build_model
 from fived.model.moe import moe_layers, route_scores
-from fived.testing import small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parity_helpers import check_moe_parity, one_rank as _one_rank, train_runs  # noqa: E402,I001
+from parity_helpers import SessionRuns, bad_moe_config_exits_2, check_moe_parity  # noqa: E402,I001
 
 BASE = preset("qwen3-moe-tiny")
 MODELS = {
@@ -42,26 +40,8 @@ LAYOUTS4 = {
     "ep2-dp2-zero3": ParallelConfig(ep=2, dp=2, zero=3),
 }
 
-_cache: dict = {}
-
-
-def one_rank(model):
-    key = ("one", model)
-    if key not in _cache:
-        _cache[key] = _one_rank(model, small_train())
-    return _cache[key]
-
-
-def runs(pairs):
-    """Train every (model, layout) not yet trained, one spawn per world size."""
-    todo = [(m, p) for m, p in pairs if (m, p) not in _cache]
-    by_world: dict[int, list] = {}
-    for m, p in todo:
-        by_world.setdefault(p.world_size, []).append((m, p))
-    for group in by_world.values():
-        outs = train_runs([(m, p, small_train()) for m, p in group])
-        _cache.update(zip(group, outs))
-    return [_cache[mp] for mp in pairs]
+runs = SessionRuns()
+one_rank = runs.one_rank
 
 
 def check(model, par, out):
@@ -91,7 +71,7 @@ def test_option_parity_matrix(name, layout):
     m, p = MODELS[name], LAYOUTS4[layout]
     pairs = [(MODELS[n], LAYOUTS4[q]) for n in MODELS for q in LAYOUTS4]  # one spawn for all
     runs(pairs)
-    check(m, p, _cache[(m, p)])
+    check(m, p, runs([(m, p)])[0])
 
 
 # ------------------------------------------------------------------------ routing formulas
@@ -131,15 +111,7 @@ def test_first_dense_layers_blocks_are_dense():
     ("bias_update_rate = -0.1", "bias_update_rate"),
 ])
 def test_bad_routing_config_exits_2(tmp_path, body, field):
-    cfg = tmp_path / "bad.toml"
-    cfg.write_text(f'[model]\nname = "qwen3-moe-tiny"\n{body}\n')
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
-    r = subprocess.run([sys.executable, "-m", "fived", "train", "--config", str(cfg),
-                        "--nprocs", "2", "--ep", "2"], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert field in r.stderr, r.stderr
-    assert "rank" not in r.stdout.lower()
+    bad_moe_config_exits_2(tmp_path, body, field)
 
 
 def test_validate_names_first_dense_layers():

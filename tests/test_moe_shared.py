@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -24,10 +23,9 @@ import torch
 from fived.config import ConfigError, ParallelConfig, TrainConfig, preset, validate
 from fived.model import build_model
 from fived.model.moe import moe_layers, route_scores
-from fived.testing import small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parity_helpers import check_moe_parity, one_rank as _one_rank, train_runs  # noqa: E402,I001
+from parity_helpers import SessionRuns, bad_moe_config_exits_2, check_moe_parity  # noqa: E402,I001
 
 BASE = preset("qwen3-moe-tiny")
 SHARED = replace(BASE, shared_expert=True, shared_expert_ffn=48, shared_expert_gate=True)
@@ -41,24 +39,8 @@ LAYOUTS4 = {
     "ep2-dp2-zero3": ParallelConfig(ep=2, dp=2, zero=3),
 }
 
-_cache: dict = {}
-
-
-def one_rank(model):
-    if ("one", model) not in _cache:
-        _cache[("one", model)] = _one_rank(model, small_train())
-    return _cache[("one", model)]
-
-
-def runs(pairs):
-    """Train every (model, layout) not yet trained, one spawn per world size."""
-    by_world: dict[int, list] = {}
-    for m, p in pairs:
-        if (m, p) not in _cache:
-            by_world.setdefault(p.world_size, []).append((m, p))
-    for group in by_world.values():
-        _cache.update(zip(group, train_runs([(m, p, small_train()) for m, p in group])))
-    return [_cache[mp] for mp in pairs]
+runs = SessionRuns()
+one_rank = runs.one_rank
 
 
 # ------------------------------------------------------------------------ parity
@@ -81,7 +63,7 @@ def test_both_options_world4_parity():
 def test_option_parity_matrix(name, layout):
     runs([(MODELS[n], LAYOUTS4[q]) for n in MODELS for q in LAYOUTS4])  # one spawn for all
     m, p = MODELS[name], LAYOUTS4[layout]
-    check_moe_parity(_cache[(m, p)], one_rank(m), (name, layout))
+    check_moe_parity(runs([(m, p)])[0], one_rank(m), (name, layout))
 
 
 # ------------------------------------------------------------------------ formulas
@@ -172,16 +154,7 @@ def test_dry_run_matches_ledger(par):
     ("route_groups = 4\nroute_top_groups = 1\ntop_k = 4", "route_top_groups"),
 ])
 def test_bad_shared_or_group_config_exits_2(tmp_path, body, field):
-    cfg = tmp_path / "bad.toml"
-    cfg.write_text(f'[model]\nname = "qwen3-moe-tiny"\n{body}\n')
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
-    r = subprocess.run([sys.executable, "-m", "fived", "train", "--config", str(cfg),
-                        "--nprocs", "2", "--ep", "2", "--metrics-out", str(tmp_path / "m")],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert field in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert "rank" not in r.stdout.lower()
-    assert not (tmp_path / "m").exists()
+    bad_moe_config_exits_2(tmp_path, body, field)
 
 
 def test_validate_names_each_problem():
