@@ -136,29 +136,24 @@ def _train_and_save(rank, world, m, par, t):
     return train_rank(rank, world, m, par, t, show=False)["losses"]
 
 
-@pytest.mark.parametrize("kind", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
-def test_export_loads_in_transformers_with_fived_logits(tmp_path, kind):
-    """Train 2 steps from an HF model (tp2 or ep2, ZeRO-1), export, load in transformers."""
-    src = tmp_path / "src"
-    make_hf(src, kind)
+def train_and_export(tmp_path, src, par: ParallelConfig, *flags: str):
+    """Train 2 steps from the HF model at ``src`` on 2 ranks of ``par``, save, ``fived export
+    --hf`` (with ``flags``): (its model config, the checkpoint, the export folder)."""
     cfg = hf.model_config(hf.read_config(src, "--init-from"), seq_len=SEQ)
-    par = ParallelConfig(tp=2, zero=1) if kind == "llama" else ParallelConfig(ep=2, zero=1)
     ck = tmp_path / "ck"
     run_ranks(_train_and_save, 2, cfg, par,
               small_train(steps=2, global_batch=4, init_from=str(src), save_dir=str(ck)),
               timeout=600)
     out = tmp_path / "hf"
     r = subprocess.run([sys.executable, "-m", "fived", "export", str(ck), "--hf", str(out),
-                        "--max-shard-size", "40KB"], capture_output=True, text=True, timeout=300)
+                        *flags], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    files = sorted(out.glob("*.safetensors"))  # streamed shards of at most 40 kB (or 1 tensor)
-    assert len(files) >= 3 and all(f.stat().st_size <= 40_000 + 8192 for f in files)  # + header
-    idx = json.loads((out / "model.safetensors.index.json").read_text())
-    assert sorted(set(idx["weight_map"].values())) == [f.name for f in files]
-    conf = json.loads((out / "config.json").read_text())
-    assert conf["architectures"] == ["LlamaForCausalLM" if kind == "llama"
-                                     else "MixtralForCausalLM"]
-    assert (out / "model.safetensors.index.json").is_file()
+    return cfg, ck, out
+
+
+def check_export_is_trained(cfg, ck, out, src) -> None:
+    """transformers' logits of the export equal fived's of the checkpoint, and differ from the
+    source model's (the export holds the trained weights)."""
     from fived.checkpoint.convert import whole_model
     from fived.checkpoint.storage import read_manifest, resolve
     from fived.model import build_model
@@ -170,7 +165,25 @@ def test_export_loads_in_transformers_with_fived_logits(tmp_path, kind):
         mine = model(tokens(), torch.arange(SEQ)).numpy()
     trained = hf_logits(out)
     close(trained, mine)
-    assert np.abs(trained - hf_logits(src)).max() > 1e-4  # the export holds the trained weights
+    assert np.abs(trained - hf_logits(src)).max() > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_export_loads_in_transformers_with_fived_logits(tmp_path, kind):
+    """Train 2 steps from an HF model (tp2 or ep2, ZeRO-1), export, load in transformers."""
+    src = tmp_path / "src"
+    make_hf(src, kind)
+    par = ParallelConfig(tp=2, zero=1) if kind == "llama" else ParallelConfig(ep=2, zero=1)
+    cfg, ck, out = train_and_export(tmp_path, src, par, "--max-shard-size", "40KB")
+    files = sorted(out.glob("*.safetensors"))  # streamed shards of at most 40 kB (or 1 tensor)
+    assert len(files) >= 3 and all(f.stat().st_size <= 40_000 + 8192 for f in files)  # + header
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(idx["weight_map"].values())) == [f.name for f in files]
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLM" if kind == "llama"
+                                     else "MixtralForCausalLM"]
+    assert (out / "model.safetensors.index.json").is_file()
+    check_export_is_trained(cfg, ck, out, src)
 
 
 # ------------------------------------------------------------------ refusals

@@ -9,21 +9,28 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_hf import SEQ, SHAPE, _layout_logits, _train_and_save, close, hf_logits, tokens  # noqa: E402
+from test_hf import (  # noqa: E402
+    SEQ,
+    SHAPE,
+    _layout_logits,
+    check_export_is_trained,
+    close,
+    hf_logits,
+    tokens,
+    train_and_export,
+)
 
 from fived.checkpoint import hf  # noqa: E402
 from fived.config import ConfigError, ParallelConfig  # noqa: E402
-from fived.testing import run_ranks, small_train  # noqa: E402
+from fived.testing import run_ranks  # noqa: E402
 
 MOE = dict(num_experts=8, num_experts_per_tok=4, moe_intermediate_size=16, mlp_only_layers=[0],
            router_aux_loss_coef=0.01)
@@ -92,33 +99,14 @@ def test_export_loads_in_transformers_with_fived_logits(tmp_path, kind):
     family, Qwen's per-expert names, fived's logits, the trained (not the original) weights."""
     src = tmp_path / "src"
     make_qwen_moe(src, kind)
-    cfg = hf.model_config(hf.read_config(src, "--init-from"), seq_len=SEQ)
-    ck = tmp_path / "ck"
-    run_ranks(_train_and_save, 2, cfg, ParallelConfig(ep=2, zero=1),
-              small_train(steps=2, global_batch=4, init_from=str(src), save_dir=str(ck)),
-              timeout=600)
-    out = tmp_path / "hf"
-    r = subprocess.run([sys.executable, "-m", "fived", "export", str(ck), "--hf", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    cfg, ck, out = train_and_export(tmp_path, src, ParallelConfig(ep=2, zero=1))
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == [hf.FAMILIES[kind]] and conf["mlp_only_layers"] == [0]
     keys = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in keys
     assert "model.layers.0.mlp.gate_proj.weight" in keys  # the dense block
     assert not any("block_sparse_moe" in k for k in keys)
-    from fived.checkpoint.convert import whole_model
-    from fived.checkpoint.storage import read_manifest, resolve
-    from fived.model import build_model
-
-    ckpt = resolve(ck)
-    model = build_model(cfg, 0)
-    model.load_state_dict(whole_model(ckpt, read_manifest(ckpt)), strict=False)
-    with torch.no_grad():
-        mine = model(tokens(), torch.arange(SEQ)).numpy()
-    trained = hf_logits(out)
-    close(trained, mine)
-    assert np.abs(trained - hf_logits(src)).max() > 1e-4
+    check_export_is_trained(cfg, ck, out, src)
 
 
 def test_names_both_ways():
