@@ -300,6 +300,48 @@ def test_planner_never_returns_a_layout_that_does_not_fit():
     assert res.reasons and "fits" in res.reasons[0]
 
 
+def _plan_summary(res):
+    return ([(p.name(), p.optimizer, p.step_seconds, p.memory.total) for p in res.ranked],
+            res.counts, res.smallest_unfit and (res.smallest_unfit.name(),
+                                                res.smallest_unfit.memory.total), res.reasons)
+
+
+@pytest.mark.parametrize("model,gpus,gpu", [
+    ("qwen3-30b-a3b", 16, "h100-sxm"),  # some fit, most are dropped by the floor
+    ("llama3-70b", 8, "rtx-pro-6000"),  # none fits: the smallest is found over every layout
+])
+def test_planner_floor_drops_only_what_cannot_fit(monkeypatch, model, gpus, gpu):
+    """The search with the model-states floor returns what the exhaustive one returns: the
+    same ranked layouts, counts, reasons and smallest unfit layout."""
+    m = preset(model)
+    hw = hardware.PRESETS[gpu]
+    space = dict(micro_batch_sizes=(1,), recomputes=("full",), optimizer=("adamw", "muon"))
+    seen: list[tuple[int, int]] = []
+    fast = planner.plan(m, gpus, hw, 32, 8, progress=lambda d, t: seen.append((d, t)), **space)
+    monkeypatch.setattr(planner, "states_floor", lambda *a, **k: 0.0)
+    slow = planner.plan(m, gpus, hw, 32, 8, **space)
+    assert _plan_summary(fast) == _plan_summary(slow)
+    assert bool(fast.ranked) == (model == "qwen3-30b-a3b")
+    n = fast.counts["evaluated"]
+    assert seen[0] == (0, n) and seen[-1] == (n, n) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+@pytest.mark.parametrize("par", [
+    ParallelConfig(tp=2, ep=4, pp=4, dp=2, zero=1, precision="bf16"),
+    ParallelConfig(ep=8, pp=16, dp=2, zero=3, precision="bf16", virtual_stages=2,
+                   schedule="interleaved", micro_batches=16),
+    ParallelConfig(tp=4, pp=2, dp=2, zero=2, precision="bf16", micro_batches=4),
+])
+def test_states_floor_is_below_the_largest_rank(par):
+    from fived.ledger import memory
+
+    m = preset("qwen3-30b-a3b")
+    for opt in ("adamw", "muon"):
+        total = memory.largest_rank(m, par, 1, optimizer=opt).total
+        floor = memory.states_floor(m, par, opt)
+        assert 0 < floor <= total
+
+
 def test_iron_rule_and_links():
     par = ParallelConfig(tp=8, dp=8)
     assert planner.inside_node(par, "tp", 8)

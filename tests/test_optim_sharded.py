@@ -118,6 +118,17 @@ def test_parity_world2_zero_shards_and_tp_cuts():
                          ParallelConfig(tp=2)])
 
 
+def test_zero3_with_pp_lays_chunks_out_as_the_ledger():
+    """ZeRO-3 with pp gathers and shards whole pipeline chunks: the ledger's optimizer state
+    (Muon's AdamW share depends on which shard holds the embedding; row alignment on the
+    order of the rows) equals every rank's, and both equal one rank. The ledger once keyed
+    these buckets by block (a traceback) and a chunk once put its layers before the embedding
+    (Muon's shares swapped between the dp ranks)."""
+    layouts_check(TINY, [ParallelConfig(pp=2, dp=2, zero=3),
+                         ParallelConfig(pp=2, dp=2, zero=3, zero_align="rows")],
+                  opts=("muon", "rownorm"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("par", [
     ParallelConfig(dp=2), ParallelConfig(dp=2, zero=1), ParallelConfig(dp=2, zero=3),

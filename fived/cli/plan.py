@@ -8,6 +8,7 @@ same defaults as ``fived train``; the layouts are the search's, each checked by 
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 
 from ..config import (
     DEFAULT_WORLD,
@@ -135,10 +136,11 @@ def main(argv: list[str]) -> int:
                   f"{par.grad_reduce_dtype} gradients · "
                   f"{', '.join(_optimizers(args, train))}"
                   + "".join(f" · {k} {flags.shown(v)}" for k, v in fixed.items()))
-    res_ = PL.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
-                   clock=clock_options(args), precision=par.precision,
-                   grad_reduce_dtype=par.grad_reduce_dtype,
-                   optimizer=_optimizers(args, train), fixed=fixed, **space)
+    with _search_bar() as bar:
+        res_ = PL.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
+                       clock=clock_options(args), precision=par.precision,
+                       grad_reduce_dtype=par.grad_reduce_dtype,
+                       optimizer=_optimizers(args, train), fixed=fixed, progress=bar, **space)
     top = res_.ranked[:args.top]
     if args.json:
         doc = {"model": m.name, "seq_len": m.seq_len, "gpus": gpus, "gpus_per_node": gpn,
@@ -196,6 +198,30 @@ def _optimizers(args, train) -> tuple[str, ...]:
     """``--optimizers LIST`` (the search), else the one ``--optimizer``."""
     return (_names("--optimizers", args.search_optimizers, OPTIMIZERS)
             if args.search_optimizers else (train.optimizer,))
+
+
+@contextmanager
+def _search_bar():
+    """``progress(done, total)`` for the search: a bar on stderr that vanishes when done,
+    where stderr is a terminal; elsewhere (a pipe, a log, ``--json``) nothing is drawn."""
+    import sys
+
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(TextColumn("searching layouts"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("search", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:

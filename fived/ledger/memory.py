@@ -64,7 +64,13 @@ from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, precision_of
 from .context import ulysses_kv_heads
 from .optimizers import opt_buckets
 from .optimizers import state_bytes as optimizer_state_bytes
-from .params import ep_destinations_bound, layer_kinds, rank_stages, stage_layers
+from .params import (
+    ep_destinations_bound,
+    layer_kinds,
+    rank_stages,
+    stage_layers,
+    zero3_unit,
+)
 
 GB = 1e9
 GIB = 2**30
@@ -195,7 +201,7 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     out: list[Bucket] = []
     if par.zero == 3:
         units: dict[int, list[tuple[str, int, bool]]] = {}
-        unit = _zero3_unit(m, par)
+        unit = zero3_unit(m, par)
         for name, n, ex in plist:
             units.setdefault(unit(name), []).append((name, n, ex))
         order = sorted((u for u in units if u >= 0), reverse=True) + ([-1] if -1 in units else [])
@@ -213,24 +219,6 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     for g, ns in groups.items():
         out += [Bucket(g, sum(piece), shards(g)) for piece in split_sizes(ns, cap)]
     return tuple(out)
-
-
-def _zero3_unit(m: ModelConfig, par: ParallelConfig):
-    """ZeRO-3's gather unit of a parameter name: its block (−1: the root, i.e. embedding, final
-    norm, head); with pp > 1 its (virtual) stage, the pipeline chunk the executor gathers."""
-    from .params import block_of
-
-    if par.pp <= 1:
-        return lambda name: -1 if block_of(name) is None else block_of(name)
-    n = par.pp * max(1, par.virtual_stages)
-    stage_of = {i: k for k, ids in enumerate(stage_layers(m, par)) for i in ids}
-
-    def unit(name: str) -> int:
-        b = block_of(name)
-        if b is not None:
-            return stage_of[b]
-        return 0 if name.startswith("embed_tokens") else n - 1
-    return unit
 
 
 def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_index: int = 0,
@@ -548,7 +536,7 @@ def zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     plist = list(reversed(param_list(m, par, pp_rank)))  # the gradients' arrival order
     where: list[int] = []  # the bucket of each gradient, in arrival order
     if par.zero == 3:
-        unit = _zero3_unit(m, par)
+        unit = zero3_unit(m, par)
         index = {(b.unit, b.group): i for i, b in enumerate(bks)}
         where = [index[(unit(n), "expert" if ex else "dense")] for n, _, ex in plist]
     else:
@@ -778,14 +766,28 @@ def rank_memory(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                       inflight_microbatches(par, pp_rank))
 
 
+def candidate_ranks(par: ParallelConfig) -> list[int]:
+    """The pipeline ranks ``largest_rank`` compares: all of them up to pp 8, else the first
+    two and the last (the first holds the most micro-batches, the last the head)."""
+    if par.pp <= 8:
+        return list(range(par.pp))
+    return sorted({0, 1, par.pp - 1})
+
+
 def largest_rank(m: ModelConfig, par: ParallelConfig, micro_batch: int,
                  opts: ActivationOptions = EAGER, optimizer: str = "adamw") -> RankMemory:
     """The pipeline rank with the most bytes (ties: the lowest rank)."""
-    ranks = sorted({0, par.pp - 1} | ({1} if par.pp > 2 else set()))
-    if par.pp <= 8:
-        ranks = list(range(par.pp))
-    return max((rank_memory(m, par, micro_batch, r, opts, optimizer) for r in ranks),
-               key=lambda r: r.total)
+    return max((rank_memory(m, par, micro_batch, r, opts, optimizer)
+                for r in candidate_ranks(par)), key=lambda r: r.total)
+
+
+def states_floor(m: ModelConfig, par: ParallelConfig, optimizer: str = "adamw") -> float:
+    """A lower bound on ``largest_rank(...).total``: the most model-state bytes of the ranks
+    it compares (activations and buffers are never negative). Cheap: the states are cached
+    per state layout, so the planner drops a layout that cannot fit before its activations,
+    buffer replay, traffic and clock are worked out."""
+    return max(sum(model_states(m, par, r, optimizer=optimizer).values())
+               for r in candidate_ranks(par))
 
 
 def fmt_bytes(n: float) -> str:

@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..config import ModelConfig, ParallelConfig
-from .params import block_of, param_list
+from .params import param_list, zero3_unit
 
 
 def aligned_shard_len(sizes: list[int], rows: list[int], n: int) -> int:
@@ -134,10 +134,10 @@ def opt_buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int, bks: tuple[An
     ``--zero-align rows``)."""
     align = par.zero_align == "rows" and par.zero > 0
     queues: dict[tuple[int, str], list[Param]] = {}
+    unit = zero3_unit(m, par) if par.zero == 3 else (lambda name: 0)
     for n, k, ex in reversed(param_list(m, par, pp_rank)):
         p = param_shape(m, par, n, k, ex)
-        unit = (-1 if block_of(n) is None else block_of(n)) if par.zero == 3 else 0
-        queues.setdefault((unit, "expert" if ex else "dense"), []).append(p)
+        queues.setdefault((unit(n), "expert" if ex else "dense"), []).append(p)
     out = []
     for b in bks:
         q = queues[(b.unit if par.zero == 3 else 0, b.group)]

@@ -424,6 +424,24 @@ def block_of(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
+def zero3_unit(m: ModelConfig, par: ParallelConfig):
+    """ZeRO-3's gather unit of a parameter name: its block (−1: the root, i.e. embedding, final
+    norm, head); with pp > 1 its (virtual) stage, the pipeline chunk the executor gathers. The
+    engine's buckets (``memory._buckets``), its buffer replay and the optimizer's per-bucket
+    parameters (``optimizers.opt_buckets``) all cut by it."""
+    if par.pp <= 1:
+        return lambda name: -1 if block_of(name) is None else block_of(name)
+    n = par.pp * max(1, par.virtual_stages)
+    stage_of = {i: k for k, ids in enumerate(stage_layers(m, par)) for i in ids}
+
+    def unit(name: str) -> int:
+        b = block_of(name)
+        if b is not None:
+            return stage_of[b]
+        return 0 if name.startswith("embed_tokens") else n - 1
+    return unit
+
+
 def ep_destinations_bound(m: ModelConfig, par: ParallelConfig) -> int:
     """The most ep ranks one token's rows reach in a MoE layer: min(k, ep) in general; with
     node-limited routing (M of G contiguous expert groups) M·⌈ep/G⌉ when G and ep divide one

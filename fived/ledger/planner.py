@@ -43,6 +43,7 @@ by predicted step time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import (
@@ -57,7 +58,7 @@ from . import bubble as B
 from . import compute as C
 from . import roofline as R
 from .hardware import Hardware, collective_seconds
-from .memory import FUSED, ActivationOptions, RankMemory, largest_rank
+from .memory import FUSED, ActivationOptions, RankMemory, largest_rank, states_floor
 from .params import layer_kinds, rank_layer_ids, rank_layers, rank_moe_layers, rank_stages
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
@@ -337,7 +338,7 @@ def _divisors(n: int) -> list[int]:
 class PlanResult:
     ranked: list[Prediction]
     counts: dict[str, int]
-    smallest_unfit: Prediction | None = None
+    smallest_unfit: Prediction | None = None  # set only when nothing fits
     reasons: list[str] = field(default_factory=list)
 
 
@@ -409,25 +410,50 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
 def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
          gpus_per_node: int | None = None, efficiency: float | None = None,
          memory_fraction: float = 0.9, top: int = 10, optimizer: str | tuple[str, ...] = "adamw",
-         clock: R.ClockOptions | None = None, **space) -> PlanResult:
+         clock: R.ClockOptions | None = None,
+         progress: Callable[[int, int], None] | None = None, **space) -> PlanResult:
     """Every layout that fits, fastest first (``ranked``), with what was discarded;
-    ``optimizer``: one ``--optimizer`` or several, each layout evaluated with each."""
+    ``optimizer``: one ``--optimizer`` or several, each layout evaluated with each;
+    ``progress(done, total)``: called as the layouts are evaluated (about every 1 %).
+
+    A layout whose model states alone exceed the device (``memory.states_floor``) is out of
+    memory without its activations, traffic or clock being worked out; only when no layout
+    fits are those evaluated in full, for the smallest that does not fit."""
     optimizers = (optimizer,) if isinstance(optimizer, str) else tuple(optimizer)
     gpn = gpus_per_node or hw.gpus_per_node
     counts: dict[str, int] = {}
     fits: list[Prediction] = []
-    smallest: Prediction | None = None
-    for par, _b in candidates(m, gpus, gpn, global_batch, counts=counts, **space):
-        for opt in optimizers:
-            pr = predict(m, par, hw, global_batch, gpn, efficiency, memory_fraction,
-                         optimizer=opt, clock=clock)
-            counts["evaluated"] = counts.get("evaluated", 0) + 1
-            if pr.fits:
-                fits.append(pr)
-            else:
-                counts["out_of_memory"] = counts.get("out_of_memory", 0) + 1
-                if smallest is None or pr.memory.total < smallest.memory.total:
-                    smallest = pr
+    unfit: list[tuple[int, Prediction]] = []  # (place in the search, prediction)
+    floored: list[int] = []
+    cap = hw.memory * memory_fraction
+    jobs = [(par, opt) for par, _b in candidates(m, gpus, gpn, global_batch, counts=counts,
+                                                 **space) for opt in optimizers]
+    every = max(1, len(jobs) // 100)
+
+    def full(par: ParallelConfig, opt: str) -> Prediction:
+        return predict(m, par, hw, global_batch, gpn, efficiency, memory_fraction,
+                       optimizer=opt, clock=clock)
+
+    for i, (par, opt) in enumerate(jobs):
+        if progress and i % every == 0:
+            progress(i, len(jobs))
+        if states_floor(m, resolve_precision(par, hw.gpu, hw.name)[0], opt) > cap:
+            floored.append(i)
+            continue
+        pr = full(par, opt)
+        if pr.fits:
+            fits.append(pr)
+        else:
+            unfit.append((i, pr))
+    if progress:
+        progress(len(jobs), len(jobs))
+    smallest = None
+    if not fits:  # the smallest that does not fit, over every layout (the first of a tie)
+        unfit += [(i, full(*jobs[i])) for i in floored]
+        smallest = min(unfit, key=lambda ip: (ip[1].memory.total, ip[0]), default=(0, None))[1]
+    counts["evaluated"] = len(jobs)
+    if len(jobs) > len(fits):
+        counts["out_of_memory"] = len(jobs) - len(fits)
     fits = rank_layouts(fits)
     counts["fit"] = len(fits)
     res = PlanResult(fits, counts, smallest)

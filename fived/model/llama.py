@@ -136,8 +136,10 @@ class Transformer(nn.Module):
         """A part of this model holding ``layer_ids`` (+ embedding / head): shares its modules."""
         p = Transformer(self.cfg, [], False, False)
         p.first, p.last = first, last
-        if first:
+        del p.layers  # registered again below, after the embedding: the whole model's order
+        if first:  # (ZeRO-3 with pp lays a chunk's flat buffer out in this order; the ledger too)
             p.embed_tokens = self.embed_tokens
+        p.layers = nn.ModuleDict()
         for i in layer_ids:
             p.layers[str(i)] = self.layers[str(i)]
         if last:
