@@ -502,9 +502,19 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
 
 # ------------------------------------------------------------------------ buffers
-@lru_cache(maxsize=4096)
 def zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                      ) -> tuple[int, int] | None:
+    """``_zero_buffer_peak`` on a key without what the replay does not read (the planner
+    tries each layout with several micro-batch sizes and recompute modes): micro-batches
+    count only as 1, 2 or more (it replays the first, the second and the last)."""
+    key = replace(par, recompute="none", sequence_parallel=False, cp_mode="ring",
+                  micro_batches=min(par.micro_batches, 3))
+    return _zero_buffer_peak(m, key, pp_rank)
+
+
+@lru_cache(maxsize=4096)
+def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
+                      ) -> tuple[int, int] | None:
     """(full-gradient bytes, gathered-parameter bytes) at the peak of ZeRO-2/3's transient
     buffers, from a replay of the engine's lifecycle (``fived.parallel.data``: ``Zero2``,
     ``Zero3``) on the ledger's buckets; None where it is not replayed (ZeRO-2/3 with more than
