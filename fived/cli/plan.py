@@ -2,7 +2,8 @@
 
 The model, precision and global batch come from the shared flags (or ``--config``) with the
 same defaults as ``fived train``; the layouts are the search's, each checked by the same
-``fived.config.validate`` (so ZeRO-3 with a pipeline, which is not built, is never proposed).
+``fived.config.validate`` (so a layout the runtime refuses is never proposed). On a terminal a
+progress bar counts the layouts as the search evaluates them.
 """
 
 from __future__ import annotations
