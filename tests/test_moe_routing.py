@@ -105,7 +105,7 @@ def test_first_dense_layers_blocks_are_dense():
 
 @pytest.mark.parametrize("body,field", [
     ("top_k = 9", "top_k"),
-    ("experts = 5", "experts over ep"),  # 5 experts cannot split over ep 2
+    ("experts = 5", "experts over --ep 2"),  # 5 experts cannot split over ep 2
     ('router = "relu"', "router"),
     ('balance = "none"', "balance"),
     ("first_dense_layers = 4", "first_dense_layers"),
