@@ -502,6 +502,47 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
 
 # ------------------------------------------------------------------------ buffers
+@lru_cache(maxsize=4096)
+def arrival_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
+                 ) -> tuple[tuple[int, int], ...]:
+    """The gradients' arrival (reverse registration order) as runs (bucket index, count) of
+    consecutive gradients into one bucket (``buckets``' order): a MoE rank's thousands of expert
+    weights arrive a few runs per layer. Only a run's first gradient can gather a unit or
+    allocate a buffer and only its last can free or launch one, so ``zero_buffer_peak``
+    replays a run as one event. ``par``: the state layout (``_state_key``)."""
+    from .params import param_list
+
+    gb = grad_bytes(par)
+    bks = _buckets(m, par, pp_rank)
+    plist = list(reversed(param_list(m, par, pp_rank)))
+    where: list[int] = []  # the bucket of each gradient, in arrival order
+    if par.zero == 3:
+        unit = zero3_unit(m, par)
+        index = {(b.unit, b.group): i for i, b in enumerate(bks)}
+        where = [index[(unit(n), "expert" if ex else "dense")] for n, _, ex in plist]
+    else:
+        cap = max(1, int(par.bucket_mb * 2**20 / gb))
+        groups: dict[str, list[int]] = {}
+        for k, (_, _, ex) in enumerate(plist):
+            groups.setdefault("expert" if ex else "dense", []).append(k)
+        where = [0] * len(plist)
+        i = 0
+        for ks in groups.values():
+            start = 0
+            for piece in split_sizes([plist[k][1] for k in ks], cap):
+                for k in ks[start:start + len(piece)]:
+                    where[k] = i
+                start += len(piece)
+                i += 1
+    runs: list[list[int]] = []
+    for i in where:
+        if runs and runs[-1][0] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return tuple((i, k) for i, k in runs)
+
+
 def zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                      ) -> tuple[int, int] | None:
     """``_zero_buffer_peak`` on a key without what the replay does not read (the planner
@@ -539,33 +580,12 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         return (0, 0)
     if par.pp > 1 and len(rank_stages(par, pp_rank)) > 1:
         return None
-    from .params import param_list
-
     bks = buckets(m, par, pp_rank)
     gb, pb = grad_bytes(par), param_bytes(par)
-    plist = list(reversed(param_list(m, par, pp_rank)))  # the gradients' arrival order
-    where: list[int] = []  # the bucket of each gradient, in arrival order
-    if par.zero == 3:
-        unit = zero3_unit(m, par)
-        index = {(b.unit, b.group): i for i, b in enumerate(bks)}
-        where = [index[(unit(n), "expert" if ex else "dense")] for n, _, ex in plist]
-    else:
-        cap = max(1, int(par.bucket_mb * 2**20 / gb))
-        groups: dict[str, list[int]] = {}
-        for k, (_, _, ex) in enumerate(plist):
-            groups.setdefault("expert" if ex else "dense", []).append(k)
-        where = [0] * len(plist)
-        i = 0
-        for ks in groups.values():
-            start = 0
-            for piece in split_sizes([plist[k][1] for k in ks], cap):
-                for k in ks[start:start + len(piece)]:
-                    where[k] = i
-                start += len(piece)
-                i += 1
-    nparams = [0] * len(bks)  # gradients per bucket (one pass: many experts make many)
-    for i in where:
-        nparams[i] += 1
+    runs = arrival_runs(m, _state_key(par), pp_rank)
+    nparams = [0] * len(bks)  # gradients per bucket
+    for i, k in runs:
+        nparams[i] += k
     seqs: dict[str, list[int]] = {}
     for i, b in enumerate(bks):
         seqs.setdefault(b.group, []).append(i)
@@ -631,7 +651,7 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         udone: dict[int, int] = {}
         launched = {g: 0 for g in seqs}
         block = None
-        for i in where:
+        for i, k in runs:  # k gradients in a row into bucket i
             u = bks[i].unit
             if zero3_flat and u >= 0 and u != block:  # the block's pre-backward hook
                 block = u
@@ -641,10 +661,10 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 grads.add(i)
                 hold(0, bks[i].padded * gb)
             if zero3_flat:
-                udone[u] = udone.get(u, 0) + 1
+                udone[u] = udone.get(u, 0) + k
                 if udone[u] == uparams[u]:
                     free(u)
-            done[i] += 1
+            done[i] += k
             if not (last and par.overlap) or done[i] < nparams[i]:
                 continue
             seq = seqs[bks[i].group]
