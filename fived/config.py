@@ -607,9 +607,10 @@ def _check_experts(p: list[str], model: ModelConfig, par: ParallelConfig, world:
     if par.ep > 1 and not model.is_moe:
         p.append(f"--ep {par.ep} needs a MoE model (experts > 0); try --model tiny-moe")
     if model.is_moe:
-        ok = ", ".join(str(d) for d in range(1, model.experts + 1) if model.experts % d == 0)
-        _divides(p, par.ep, model.experts, f"experts over --ep {par.ep}",
-                 f"pick --ep from the divisors of {model.experts} experts: {ok}")
+        if par.ep <= 0 or model.experts % par.ep:  # the divisors listed only when it fails
+            ok = ", ".join(str(d) for d in range(1, model.experts + 1) if model.experts % d == 0)
+            _divides(p, par.ep, model.experts, f"experts over --ep {par.ep}",
+                     f"pick --ep from the divisors of {model.experts} experts: {ok}")
         if not 1 <= model.top_k <= model.experts:
             p.append(f"top_k {model.top_k} must be in [1, experts={model.experts}]")
         if model.first_dense_layers >= model.layers:

@@ -512,16 +512,14 @@ def arrival_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
     replays a run as one event. ``par``: the state layout (``_state_key``)."""
     from .params import param_list
 
-    gb = grad_bytes(par)
-    bks = _buckets(m, par, pp_rank)
     plist = list(reversed(param_list(m, par, pp_rank)))
     where: list[int] = []  # the bucket of each gradient, in arrival order
     if par.zero == 3:
         unit = zero3_unit(m, par)
-        index = {(b.unit, b.group): i for i, b in enumerate(bks)}
+        index = {(b.unit, b.group): i for i, b in enumerate(_buckets(m, par, pp_rank))}
         where = [index[(unit(n), "expert" if ex else "dense")] for n, _, ex in plist]
     else:
-        cap = max(1, int(par.bucket_mb * 2**20 / gb))
+        cap = max(1, int(par.bucket_mb * 2**20 / grad_bytes(par)))
         groups: dict[str, list[int]] = {}
         for k, (_, _, ex) in enumerate(plist):
             groups.setdefault("expert" if ex else "dense", []).append(k)
