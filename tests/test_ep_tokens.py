@@ -149,3 +149,31 @@ def test_dry_run_activations_exact_ep4(precision):
     for i, r in enumerate(ranks):
         got = peaks[i] if isinstance(peaks, list) else peaks[str(r)]
         assert got == predict_activations(BOTH, par, 4, r), (r, got)
+
+
+# ------------------------------------------------------------------------ evaluation between steps
+
+def test_evaluation_rows_stay_out_of_the_next_steps_record(tmp_path):
+    """--eval-every 1 under the token dispatch: the evaluation's forwards dispatch rows too, and
+    the step record after it must hold the step's own rows only, or ``ledger --check`` fails on
+    it (the rows were once left out of the statistics the evaluation restores)."""
+    from fived.data.meta import model_for_data
+    from fived.data.prepare import Options, prepare
+    from fived.ledger import verify
+    from fived.testing import train_layout
+
+    src = tmp_path / "in"
+    src.mkdir()
+    for i in range(6):
+        (src / f"{i}.txt").write_text("".join(f"def f{k}(x):\n    return x * {i + k}\n"
+                                              for k in range(12)))
+    prepare(Options((str(src),), str(tmp_path / "data"), val_fraction=0.3, workers=1),
+            lambda s: None)
+    model = model_for_data(BASE, str(tmp_path / "data"))
+    par = ParallelConfig(ep=2, **T)
+    metrics = tmp_path / "m.jsonl"
+    train = small_train(steps=3, data=str(tmp_path / "data"), eval_every=1, eval_batches=1,
+                        metrics_out=str(metrics))
+    out = train_layout(model, par, train)
+    assert all("val_loss" in h for h in out[0]["history"][:2]), out[0]["history"]
+    assert verify.compare_file(model, par, train.global_batch, str(metrics)) == []

@@ -46,7 +46,7 @@ from .metrics import MFU_BOUND, mfu_text  # noqa: F401 - mfu_text re-exported (t
 from .resilience import non_finite
 
 MOE_STATS = ("tokens_per_expert", "routed_per_expert", "dropped", "balance_sum", "z_sum",
-             "forwards")
+             "forwards", "sent_rows")
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "buffers", "padding")
 TRAFFIC_KEYS = GROUP_NAMES
 
