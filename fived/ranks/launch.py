@@ -182,24 +182,43 @@ def run_torchrun(fn: Callable, args: tuple = (), collective_timeout: float = 120
 
 
 def _exit_with_parent(parent: int) -> None:
-    """A spawned rank must not outlive the process that spawned it (even one killed -9)."""
+    """A started rank must not outlive the process that started it (even one killed -9). A
+    spawned rank's parent is that process; a rank forked by the forkserver (``use_forkserver``)
+    has the server for parent, so it watches the starting process's pid instead."""
     import threading
+
+    direct = os.getppid() == parent
+
+    def gone() -> bool:
+        if direct:
+            return os.getppid() != parent
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
     def watch() -> None:
         while True:
             time.sleep(1.0)
-            if os.getppid() != parent:
+            if gone():
                 os._exit(3)
 
     threading.Thread(target=watch, daemon=True).start()
 
 
 def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any,
-           threads: int, timeout_s: float, parent: int, prefer_cpu: bool) -> None:
+           threads: int, timeout_s: float, parent: int, prefer_cpu: bool,
+           environ: dict[str, str]) -> None:
     import torch
     import torch.distributed as dist
 
     _exit_with_parent(parent)
+    if os.environ != environ:  # a forked rank has the forkserver's environment, not the caller's
+        os.environ.clear()
+        os.environ.update(environ)
     torch.set_num_threads(threads)
     os.environ["LOCAL_RANK"] = str(rank)  # this process's own environment: device_and_backend
     try:
@@ -216,14 +235,34 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, results:
                 pass
 
 
+_START = "spawn"  # how run_local starts its ranks: "spawn", or "forkserver" after use_forkserver
+
+
+def use_forkserver(preload: list[str] | tuple[str, ...]) -> None:
+    """Start every later ``run_local`` rank by forking one server process that imported
+    ``preload`` (e.g. torch and fived's trainer) once, instead of spawning a fresh interpreter
+    that imports them again: a rank then starts in milliseconds, not seconds. The server lives
+    as long as this process (the test suite's one pool of ranks; ``run_local(fresh=True)``
+    still spawns). A forked rank takes the caller's environment as it is at ``run_local``."""
+    global _START
+    import torch.multiprocessing as mp
+
+    mp.get_context("forkserver").set_forkserver_preload(list(preload))
+    _START = "forkserver"
+
+
 def threads_per_rank(nprocs: int) -> int:
     return max(1, (os.cpu_count() or 1) // nprocs)
 
 
 def run_local(fn: Callable, nprocs: int, args: tuple = (), timeout: float = 600.0,
               collective_timeout: float = 120.0, prefer_cpu: bool = False,
-              forward_signals: list[str] | tuple[str, ...] = ()) -> list[Any]:
+              forward_signals: list[str] | tuple[str, ...] = (), fresh: bool = False
+              ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``nprocs`` local ranks; return results by rank.
+
+    Ranks are spawned, or forked from the preloaded server after ``use_forkserver``;
+    ``fresh=True`` spawns them regardless (a caller that needs new interpreters).
 
     ``forward_signals`` (names, e.g. ["TERM", "USR1"]): while the ranks run, this process
     passes each such signal it receives on to every live rank (``fived train``'s preemption:
@@ -232,14 +271,14 @@ def run_local(fn: Callable, nprocs: int, args: tuple = (), timeout: float = 600.
 
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn" if fresh else _START)
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_child,
             args=(r, nprocs, port, fn, args, results, threads_per_rank(nprocs),
-                  collective_timeout, os.getpid(), prefer_cpu),
+                  collective_timeout, os.getpid(), prefer_cpu, dict(os.environ)),
             daemon=True,
         )
         for r in range(nprocs)
