@@ -1,20 +1,16 @@
 """Every ``--help`` is fast: no command, benchmark or figure imports torch to print its help.
 
-Two checks. The exact one: in one process, every ``fived CMD --help``, ``fived bench NAME
---help`` and ``fived figures NAME --help`` runs and torch is still not imported afterwards
-(importing torch alone costs ~1 s here, the whole of the old 2 s). The timed one: each help as
-a user runs it, a fresh interpreter, the fastest of 3 runs under 0.5 s. A quiet run takes
-~0.06 s (the interpreter, argparse and fived.config); 0.5 s is the issue's bound, 8x that, so
-a loaded 2-core machine (other jobs, the fastest of 3 runs) still passes while any command
-that imports torch (>= 1 s) fails.
+The check is exact, not timed: in one fresh interpreter, every ``fived CMD --help``, ``fived
+bench NAME --help`` and ``fived figures NAME --help`` runs and torch is still not imported
+afterwards (importing torch alone costs ~1 s, the whole of a slow help; a quiet help takes
+~0.06 s: the interpreter, argparse and fived.config). One more fresh interpreter runs the entry
+point as a user types it (``python -m fived --help``). Timing 108 interpreters instead was slow
+and could only fail on a loaded machine.
 """
 
 import os
 import subprocess
 import sys
-import time
-
-import pytest
 
 from fived.cli.main import COMMANDS, main, modules
 
@@ -45,16 +41,10 @@ def test_no_help_imports_torch():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("argv", helps(), ids=lambda a: " ".join(a[:-1]) or "fived")
-def test_help_is_fast(argv):
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "fived", *argv], capture_output=True,
-                           text=True, timeout=60, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        best = min(best, time.perf_counter() - t0)
-        assert r.returncode == 0, r.stderr
-    assert best < BOUND_S, f"fived {' '.join(argv)}: {best:.2f} s (the fastest of 3)"
+def test_the_entry_point_prints_help():
+    r = subprocess.run([sys.executable, "-m", "fived", "--help"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0 and "usage" in r.stdout and "train" in r.stdout, r.stderr
 
 
 def test_helps_cover_every_command():
