@@ -309,7 +309,9 @@ class TrainConfig:
     seed: int = spec(1234, "seed of the initial weights and the data order")
     corpus_mb: float = spec(4.0, "MB of the built-in corpus (this Python's stdlib source)", gt=0)
     metrics_out: str = spec("", "write one JSON line per step to this file", metavar="FILE")
-    log_every: int = spec(1, "print a line every N steps", ge=1)
+    log_every: int = spec(1, "update the live line and write the metrics file every N steps "
+                               "(and always the first, the last, an evaluation, a bad step)",
+                          ge=1)
     data: str = spec("", "train on a prepared data directory (`fived data prepare`); the model "
                          "vocab becomes its tokenizer's, padded to a multiple of 128",
                      metavar="DIR", shown="the built-in corpus")

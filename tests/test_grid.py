@@ -66,7 +66,7 @@ def test_group_names_are_listed_once():
     from fived.ranks.grid import DERIVED, GROUP_NAMES
 
     assert GROUP_NAMES == (*DIMS, *DERIVED)
-    assert set(DERIVED) == {"dense", "expert", "batch", "cp_tp"}
+    assert set(DERIVED) == {"dense", "expert", "batch"}
     assert Grid.from_config(ParallelConfig()).group_names() == list(GROUP_NAMES)
     with pytest.raises(KeyError, match="no group named 'metrics'"):
         Grid.named_dims("metrics")

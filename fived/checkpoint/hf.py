@@ -478,16 +478,3 @@ def write_index(shards: list[list[str]], sizes: dict[str, int], cfg: ModelConfig
          "weight_map": dict(sorted(weight_map.items()))}, indent=1))
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=1))
     return rows
-
-
-def write_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
-             shard_bytes: int = 5 * 10**9) -> list[tuple[str, int, int]]:
-    """config.json + ``model-0000i-of-0000n.safetensors`` shards (≤ ``shard_bytes`` each) +
-    ``model.safetensors.index.json`` from tensors in memory; [(file, tensors, bytes)]."""
-    out = Path(out)
-    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
-    shards = plan_shards(sizes, shard_bytes)
-    for i, names in enumerate(shards):
-        write_shard({k: tensors[k] for k in names}, out, i, len(shards), cfg)
-    dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
-    return write_index(shards, sizes, cfg, out, dtype)

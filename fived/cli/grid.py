@@ -24,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
                    help="devices per node; shows each rank's node (default: not shown)")
     g.add_argument("--wide", action="store_true",
                    help="every coordinate and every group, also the derived ones (dense, expert, "
-                        "batch, cp_tp)")
+                        "batch)")
     g.add_argument("--json", action="store_true", help="print one JSON document instead")
     return ap
 
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     if gpn:
         for name in names + list(DERIVED):
             if grid.world_size > 1 and grid.crosses_node(Grid.named_dims(name), gpn):
-                warnings.append((name, name in ("tp", "cp", "cp_tp")))
+                warnings.append((name, name in ("tp", "cp")))
     if args.json:
         report.print_json({"layout": par.describe(), "world": grid.world_size,
                            "order": list(grid.order), "gpus_per_node": gpn or None, "ranks": rows,

@@ -59,12 +59,6 @@ def recompute_flops_per_token(m: ModelConfig, recompute: str, seq_len: int | Non
     return 0.0
 
 
-def hardware_flops_per_token(m: ModelConfig, recompute: str = "none",
-                             seq_len: int | None = None, causal: bool = False) -> float:
-    return 3.0 * forward_flops_per_token(m, seq_len, causal) + recompute_flops_per_token(
-        m, recompute, seq_len, causal)
-
-
 def training_flops(params: float, tokens: float) -> float:
     """The 6ΨD rule: FLOPs to train ``params`` parameters on ``tokens`` tokens."""
     return 6.0 * params * tokens

@@ -345,10 +345,6 @@ def all_rank_params(m: ModelConfig, par: ParallelConfig) -> list[RankParams]:
     return [rank_params(m, par, r) for r in range(par.pp)]
 
 
-def largest_rank_params(m: ModelConfig, par: ParallelConfig) -> RankParams:
-    return max(all_rank_params(m, par), key=lambda r: r.total)
-
-
 def _block_list(m: ModelConfig, par: ParallelConfig, i: int) -> list[tuple[str, int, bool]]:
     m = layer_cfg(m, i)
     tp = par.tp

@@ -64,8 +64,7 @@ from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
 GPU_ACTIVATIONS = FUSED
 
-_GROUP_DIMS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp"), "batch": ("dp", "ep"),
-               "cp_tp": ("cp", "tp")}
+_GROUP_DIMS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp"), "batch": ("dp", "ep")}
 
 
 def group_dims(name: str) -> tuple[str, ...]:

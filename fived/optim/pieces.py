@@ -84,10 +84,6 @@ class Piece:
             out.index_add_(0, self.cols_of(), x)
         return out
 
-    def whole_rows(self) -> bool:
-        """The owned range is a union of whole local rows (nothing cut along a row)."""
-        c = self.shape[1]
-        return self.start % c == 0 and self.end % c == 0
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:

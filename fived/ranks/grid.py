@@ -12,8 +12,7 @@ Besides one group per dimension, fived uses derived groups:
 * ``dense``  = dp·ep·cp — the ranks that hold the same dense parameter shard and see different
   tokens, so dense gradients are reduced (or ZeRO-sharded) over it;
 * ``expert`` = dp·cp    — the ranks that hold the same experts; expert gradients reduce there;
-* ``batch``  = dp·ep    — the ranks that read different sequences of the global batch;
-* ``cp_tp``  = cp·tp    — the ranks that cut one sequence (context and, with SP, tensor).
+* ``batch``  = dp·ep    — the ranks that read different sequences of the global batch.
 
 ``DERIVED`` is the one list of derived groups and ``GROUP_NAMES`` (dimensions, then derived) the
 one list of every group name: code that needs the names (traffic keys, tables) imports them.
@@ -38,7 +37,6 @@ DERIVED: dict[str, tuple[str, ...]] = {
     "dense": ("dp", "ep", "cp"),
     "expert": ("dp", "cp"),
     "batch": ("dp", "ep"),
-    "cp_tp": ("cp", "tp"),
 }
 GROUP_NAMES: tuple[str, ...] = (*DIMS, *DERIVED)
 

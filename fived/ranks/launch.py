@@ -74,10 +74,6 @@ def cuda_expected(prefer_cpu: bool = False) -> bool:
     return torch.cuda.is_available()
 
 
-def under_torchrun() -> bool:
-    return torchrun_env() is not None
-
-
 def device_and_backend(prefer_cpu: bool = False, local_rank: int | None = None
                        ) -> tuple[torch.device, str]:
     """The one place device specifics live: cuda+nccl when a GPU is visible, else cpu+gloo.

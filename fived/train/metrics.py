@@ -42,7 +42,7 @@ class LiveDisplay:
         if self.first_loss is None:
             self.first_loss = rec["loss"]
         self.progress.update(
-            self.task, advance=1, loss=f"{rec['loss']:.4f}", tps=f"{rec['tokens_per_s']:.0f}",
+            self.task, completed=rec["step"] + 1, loss=f"{rec['loss']:.4f}", tps=f"{rec['tokens_per_s']:.0f}",
             mfu=_mfu(rec["mfu"]),
             moe=f"{100 * rec['moe']['a2a_share']:.0f}%" if rec.get("moe") else "",
         )

@@ -494,14 +494,18 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
             if tb:
                 tb.log(rec)
             history.add(rec)
-            if out_file:
+            # --log-every: the live line and the metrics file at that cadence, and always the
+            # first step (the file's run record), the last, an evaluation and a bad step
+            logged = (step == start or (step + 1) % train.log_every == 0 or step == end - 1
+                      or "val_loss" in rec or rec["bad"])
+            if out_file and logged:
                 if step == start:  # what ran, so `fived ledger --check FILE` needs nothing else
                     rec = {**rec, "run": {"model": asdict(model_cfg), "parallel": asdict(par),
                                           "global_batch": train.global_batch,
                                           "optimizer": train.optimizer}}
                 out_file.write(json.dumps(rec) + "\n")
                 out_file.flush()
-            if display:
+            if display and logged:
                 display.update(rec)
             if bad.stop:  # nothing more is saved: the newest checkpoint is the last good one
                 if rank == 0:
