@@ -95,20 +95,37 @@ class SessionRuns:
         return [self.cache[mp] for mp in pairs]
 
 
+def cli_exits_2(argv: list[str], field: str, written: Any = None) -> str:
+    """``fived ARGV`` in this process: exit 2, one message on stderr naming ``field``, no
+    traceback (an exception would propagate here), no rank started (``run_local`` is replaced
+    by one that fails), nothing at ``written``. The error message."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from fived.cli.main import main
+
+    def no_rank(*a: Any, **k: Any) -> None:
+        raise AssertionError(f"fived {' '.join(argv)}: a rank was started")
+
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch("fived.ranks.launch.run_local", no_rank), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's own errors
+            rc = e.code
+    assert rc == 2, (rc, out.getvalue(), err.getvalue())
+    assert field in err.getvalue(), err.getvalue()
+    assert "rank" not in out.getvalue().lower(), out.getvalue()
+    assert written is None or not written.exists(), written
+    return err.getvalue()
+
+
 def bad_moe_config_exits_2(tmp_path: Any, body: str, field: str, *flags: str) -> None:
     """``fived train`` on a qwen3-moe-tiny --config with ``body`` added under [model] (and
-    ``flags``): exit 2, one message naming ``field``, no traceback, no rank, nothing written."""
-    import os
-    import subprocess
-    import sys
-
+    ``flags``): ``cli_exits_2`` naming ``field``."""
     cfg = tmp_path / "bad.toml"
     cfg.write_text(f'[model]\nname = "qwen3-moe-tiny"\n{body}\n')
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
-    r = subprocess.run([sys.executable, "-m", "fived", "train", "--config", str(cfg),
-                        "--nprocs", "2", "--ep", "2", "--metrics-out", str(tmp_path / "m"),
-                        *flags], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert field in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert "rank" not in r.stdout.lower()
-    assert not (tmp_path / "m").exists()
+    cli_exits_2(["train", "--config", str(cfg), "--nprocs", "2", "--ep", "2", "--metrics-out",
+                 str(tmp_path / "m"), *flags], field, tmp_path / "m")
