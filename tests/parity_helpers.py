@@ -50,6 +50,19 @@ def check_parity(out: dict[str, Any], ref: dict[str, Any], what: Any = "") -> No
     assert g < TOL, (what, "gradients", g, worst_params(out["grads"], ref["grads"]))
 
 
+def check_close(out: dict[str, Any], ref: dict[str, Any], loss_tol: float, grad_tol: float,
+                what: Any = "") -> tuple[float, float]:
+    """``check_parity`` with its own tolerances (mixed precision against fp32): every rank's
+    losses within ``loss_tol`` and the gathered first-step gradients within ``grad_tol`` of the
+    reference's. Returns the worst (loss, gradient) gaps, to report the measured numbers."""
+    assert len(ref["losses"]) >= 2
+    dl = max(rel_diff(s["losses"], ref["losses"]) for s in out["ranks"])
+    assert dl < loss_tol, (what, "losses", dl, out["losses"], ref["losses"])
+    g = grad_rel_diff(out["grads"], ref["grads"])
+    assert g < grad_tol, (what, "gradients", g, worst_params(out["grads"], ref["grads"]))
+    return dl, g
+
+
 def check_moe_parity(out: dict[str, Any], ref: dict[str, Any], what: Any = "") -> None:
     """``check_parity``, and every step's grad norm, aux and z losses (1e-5) and tokens per
     expert (exactly) equal the reference's; the reference's loss fell."""
@@ -95,31 +108,48 @@ class SessionRuns:
         return [self.cache[mp] for mp in pairs]
 
 
-def cli_exits_2(argv: list[str], field: str, written: Any = None) -> str:
-    """``fived ARGV`` in this process: exit 2, one message on stderr naming ``field``, no
-    traceback (an exception would propagate here), no rank started (``run_local`` is replaced
-    by one that fails), nothing at ``written``. The error message."""
+class CliResult:
+    """What ``run_cli`` saw: the exit status and the two streams."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_cli(*argv: str, no_rank: bool = False) -> CliResult:
+    """``fived ARGV`` in this process (the subject is the command's parsing and output, not the
+    process: ``python -m fived`` costs an interpreter and a torch import, ~5 s here). An
+    exception propagates (a traceback fails the test). ``no_rank``: starting a rank fails."""
     import contextlib
     import io
     from unittest import mock
 
     from fived.cli.main import main
 
-    def no_rank(*a: Any, **k: Any) -> None:
+    def refuse(*a: Any, **k: Any) -> None:
         raise AssertionError(f"fived {' '.join(argv)}: a rank was started")
 
     out, err = io.StringIO(), io.StringIO()
-    with mock.patch("fived.ranks.launch.run_local", no_rank), contextlib.redirect_stdout(out), \
-            contextlib.redirect_stderr(err):
+    with contextlib.ExitStack() as stack:
+        if no_rank:
+            stack.enter_context(mock.patch("fived.ranks.launch.run_local", refuse))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
         try:
-            rc = main(argv)
-        except SystemExit as e:  # argparse's own errors
-            rc = e.code
-    assert rc == 2, (rc, out.getvalue(), err.getvalue())
-    assert field in err.getvalue(), err.getvalue()
-    assert "rank" not in out.getvalue().lower(), out.getvalue()
+            rc = main(list(argv))
+        except SystemExit as e:  # argparse's own errors and --help
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return CliResult(int(rc or 0), out.getvalue(), err.getvalue())
+
+
+def cli_exits_2(argv: list[str], field: str, written: Any = None) -> str:
+    """``fived ARGV`` in this process: exit 2, one message on stderr naming ``field``, no
+    traceback, no rank started, nothing at ``written``. The error message."""
+    r = run_cli(*argv, no_rank=True)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert field in r.stderr, r.stderr
+    assert "rank" not in r.stdout.lower(), r.stdout
     assert written is None or not written.exists(), written
-    return err.getvalue()
+    return r.stderr
 
 
 def bad_moe_config_exits_2(tmp_path: Any, body: str, field: str, *flags: str) -> None:

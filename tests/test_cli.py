@@ -1,4 +1,7 @@
-"""The command line: a bad layout is one clean ConfigError; the JSONL of dp=2 equals dp=1."""
+"""The command line: a bad layout is one clean ConfigError; the JSONL of dp=2 equals dp=1.
+
+Parsing and output run in this process (``run_cli``); the dp=2 run is the entry point's one
+sample as a user types it (``python -m fived train``)."""
 
 import json
 import os
@@ -7,10 +10,17 @@ import sys
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import run_cli  # noqa: E402,I001
+
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def fived(*args, timeout=300):
+    return run_cli(*args)
+
+
+def fived_process(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "fived", *args], capture_output=True, text=True,
                           timeout=timeout, env=ENV)
 
@@ -45,7 +55,7 @@ def _losses(path):
 
 def test_metrics_jsonl_dp2_equals_dp1(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    r1 = fived("train", "--dp", "2", "--steps", "5", "--metrics-out", str(a))
+    r1 = fived_process("train", "--dp", "2", "--steps", "5", "--metrics-out", str(a))
     r2 = fived("train", "--dp", "1", "--steps", "5", "--metrics-out", str(b))
     assert r1.returncode == 0, r1.stderr
     assert r2.returncode == 0, r2.stderr

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -13,13 +12,16 @@ from fived.data.meta import padded_vocab, read_meta
 from fived.data.prepare import Options, is_val, prepare, training_documents
 from fived.data.shards import DataDir
 
+sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import run_cli  # noqa: E402,I001
+
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 QUIET = lambda s: None  # noqa: E731
 
 
-def fived(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fived", *args], capture_output=True, text=True,
-                          timeout=timeout, env=ENV, cwd=cwd)
+def fived(*args, timeout=300):
+    """``fived ARGS`` in this process: the subject is the command, not the interpreter."""
+    return run_cli(*args)
 
 
 def texts(n=10):
