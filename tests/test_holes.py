@@ -153,17 +153,20 @@ def test_plan_gpus_zero_names_the_flag(capsys):
     refused(capsys, ["ledger", "--gpus", "-1"], "--gpus")
 
 
-def test_process_level_error_rule():
-    """The installed command: exit code 2, one message, no traceback (and no torch import)."""
-    for argv, flag in ((["train", "--micro-batches", "0"], "--micro-batches"),
-                       (["ledger", "--tp", "0"], "--tp"),
+def test_process_level_error_rule(capsys):
+    """The installed command: exit code 2, one message, no traceback; one sample as a process,
+    the rest through ``main`` in this process."""
+    r = subprocess.run([sys.executable, "-m", "fived", "train", "--micro-batches", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r
+    assert "--micro-batches" in r.stderr and "Traceback" not in r.stderr + r.stdout
+    assert r.stderr.count("ConfigError") == 1
+    for argv, flag in ((["ledger", "--tp", "0"], "--tp"),
                        (["train", "--pp", "2", "--schedule", "dualpipe-v", "--micro-batches",
                          "2"], "--schedule dualpipe-v")):
-        r = subprocess.run([sys.executable, "-m", "fived", *argv], capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 2, r
-        assert flag in r.stderr and "Traceback" not in r.stderr + r.stdout
-        assert r.stderr.count("ConfigError") == 1
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert flag in err and err.count("ConfigError") == 1, err
 
 
 def test_argparse_errors_exit_2(capsys):
