@@ -18,7 +18,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check fived tests benchmarks
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow

@@ -15,3 +15,33 @@ PRELOAD = ("torch", "torch.distributed", "fived.testing", "fived.train.trainer",
            "fived.train.dryrun", "fived.checkpoint.state", "fived.infer.generate")
 
 use_forkserver(PRELOAD)
+
+
+# ------------------------------------------------------------------ the suite's time budget
+# A default-suite test over BUDGET_S (setup + call) says why in its docstring, in a line that
+# starts with "Time:", or moves to `slow` with a fast sibling. Printed in the summary, not an
+# assertion: a wall-clock bound fails on a loaded machine, and a clock is no test.
+BUDGET_S = 20.0
+_spent: dict[str, float] = {}
+_reasoned: set[str] = set()
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
+        if any(line.strip().startswith("Time:") for line in doc.splitlines()):
+            _reasoned.add(item.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call"):
+        _spent[report.nodeid] = _spent.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    over = sorted(((s, n) for n, s in _spent.items() if s > BUDGET_S and n not in _reasoned),
+                  reverse=True)
+    if over:
+        terminalreporter.section(f"over the {BUDGET_S:.0f} s budget, no 'Time:' reason")
+        for s, n in over:
+            terminalreporter.write_line(f"{s:6.1f} s  {n}")

@@ -32,12 +32,19 @@ def offline_grid(par: ParallelConfig, rank: int):
     return grid
 
 
+_REFERENCES: dict[tuple[ModelConfig, TrainConfig], dict[str, Any]] = {}
+
+
 def one_rank(model: ModelConfig, train: TrainConfig) -> dict[str, Any]:
-    """The one-rank reference, in this process (world 1 needs no process group)."""
+    """The one-rank reference, in this process (world 1 needs no process group), computed once
+    per (model, training) for the whole test run and shared by every module that asks for it
+    (treat it as read-only)."""
     from fived.train.trainer import train_rank
 
-    return gathered([train_rank(0, 1, model, ParallelConfig(), train, show=False,
-                                record_grads=True)])
+    if (model, train) not in _REFERENCES:
+        _REFERENCES[(model, train)] = gathered([train_rank(0, 1, model, ParallelConfig(), train,
+                                                           show=False, record_grads=True)])
+    return _REFERENCES[(model, train)]
 
 
 def check_parity(out: dict[str, Any], ref: dict[str, Any], what: Any = "") -> None:
@@ -92,9 +99,7 @@ class SessionRuns:
     def one_rank(self, model: ModelConfig) -> dict[str, Any]:
         from fived.testing import small_train
 
-        if ("one", model) not in self.cache:
-            self.cache[("one", model)] = one_rank(model, small_train())
-        return self.cache[("one", model)]
+        return one_rank(model, small_train())
 
     def __call__(self, pairs: list[tuple[ModelConfig, ParallelConfig]]) -> list[dict[str, Any]]:
         from fived.testing import small_train
