@@ -1,15 +1,19 @@
-"""MFU's denominator cannot exceed the machine: every rank measures its matmul peak at the same
-moment, on the threads it trains on, and the peak is the sum; a measured MFU above 100 % (the
-machine got quieter after the measurement) is shown as "n/a (loaded)" with the reason."""
+"""MFU = model FLOPs per token × tokens/s over the machine's peak, each factor checked apart from
+the code that computes it: the FLOPs per token counted by hand from the built model's weight
+shapes (6 × the weights one token multiplies + 12·L·s·heads·head_dim of attention), the tokens
+from the run's configuration, the seconds the run recorded, the peak the sum of what every rank
+measured at the same moment (here a known per-rank value, so the sum is exact). A measured MFU
+above 100 % (the machine got quieter after the measurement) is shown as "n/a (loaded)"."""
 
 import json
-import os
-import re
-import subprocess
-import sys
 
+import pytest
+import torch
 from rich.console import Console
 
+from fived.config import ModelConfig, preset
+from fived.ledger.compute import model_flops_per_token
+from fived.model.llama import Transformer
 from fived.train.metrics import summary_table
 from fived.train.trainer import MEASURE_PEAK, measure_world_peak, mfu_of, mfu_text
 
@@ -23,17 +27,43 @@ def test_mfu_text_refuses_more_than_the_machine():
 
 def test_summary_says_why_mfu_is_na():
     mem = {"params": 1, "grads": 1, "master": 0, "optimizer": 2}
-    recs = [{"loss": 5.0 - i, "tokens_per_s": 100.0, "mfu": 1.7, "seconds": 0.1,
-             "memory_per_rank": [mem], "traffic_per_rank": [{"bytes": {}}]} for i in range(3)]
+    recs = [{"loss": 5.0 - i, "tokens_per_s": 100.0, "mfu": m, "seconds": 0.1,
+             "memory_per_rank": [mem], "traffic_per_rank": [{"bytes": {}}]}
+            for i, m in enumerate([0.9, 0.25, 0.2, 0.3])]
+    c = Console(record=True, width=120)
+    c.print(summary_table(recs))
+    assert "25.00%" in c.export_text()  # the median after the warm-up step, as a percentage
+    for r in recs:
+        r["mfu"] = 1.7
     c = Console(record=True, width=120)
     c.print(summary_table(recs))
     text = c.export_text()
     assert "n/a (loaded)" in text and "measured 170% > 100%" in text
 
 
-def _peak_rank(rank, world):
-    import torch
+def hand_flops_per_token(cfg: ModelConfig) -> float:
+    """6 × (the weights one token multiplies: every 2-D weight of the built model but the
+    embedding lookup, a MoE layer's experts as top_k of them) + attention's QKᵀ and PV, not
+    causal-halved: 2·2·s·heads·head_dim forward per layer, ×3 for forward + backward."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    mm = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() != 2 or name.startswith("embed_tokens"):
+            continue
+        mm += p.numel() * (cfg.top_k / cfg.experts if ".experts." in name else 1)
+    return 6 * mm + 3 * 4 * cfg.layers * cfg.seq_len * cfg.heads * cfg.head_dim
 
+
+def test_model_flops_per_token_is_the_hand_count():
+    dense = ModelConfig(vocab=96, hidden=32, layers=3, heads=4, kv_heads=2, ffn=80, seq_len=24)
+    # tiny: 6·(4·(64·64·2 + 32·64·2 + 3·176·64) + 256·64) + 12·4·64·4·16
+    assert hand_flops_per_token(preset("tiny")) == 6 * (4 * 46080 + 16384) + 12 * 4 * 64 * 64
+    for cfg in (dense, preset("tiny"), preset("tiny-moe")):
+        assert model_flops_per_token(cfg) == pytest.approx(hand_flops_per_token(cfg), rel=1e-12)
+
+
+def _peak_rank(rank, world):
     return measure_world_peak(world, torch.device("cpu"), seconds=0.1)
 
 
@@ -45,18 +75,43 @@ def test_world_peak_is_every_ranks_sum_measured_at_once():
     assert measure_world_peak(1, "cpu", seconds=0.05) > 0  # one rank: its own, no group
 
 
-def test_train_dp2_mfu_is_at_most_100_percent(tmp_path):
-    """OMP_NUM_THREADS=1 here (tests/conftest.py): one process measuring for both ranks used one
-    thread while the two ranks train on two, and printed twice the MFU."""
+RANK_PEAK = (1.0e9, 2.0e9)  # what each rank's matmul "measures" in the test below
+
+
+def _train_known_peaks(rank, world, model, par, train, show, peak):
+    """``fived train``'s rank function, with each rank's matmul peak a known number."""
+    import fived.train.trainer as T
+
+    T.measure_matmul_peak = lambda *a, **k: RANK_PEAK[rank]
+    return T.train_rank(rank, world, model, par, train, False, peak)
+
+
+def test_train_mfu_is_model_flops_over_every_ranks_peak(tmp_path, monkeypatch):
+    """`fived train --dp 2` asks every rank to measure (MEASURE_PEAK, not a number the parent
+    measured with other threads), the denominator is the ranks' sum, and each step's recorded
+    MFU is the hand count × the configured tokens / the recorded seconds / that sum."""
+    import fived.ranks.launch as launch
+    from fived.cli.main import main
+
+    real = launch.run_local
+    seen = []
+
+    def run_local(fn, world, args, **kw):
+        seen.append((fn.__name__, world, args[-1]))
+        return real(_train_known_peaks, world, args, **kw)
+
+    monkeypatch.setattr(launch, "run_local", run_local)
     out = tmp_path / "m.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    r = subprocess.run([sys.executable, "-m", "fived", "train", "--dp", "2", "--steps", "3",
-                        "--metrics-out", str(out)], capture_output=True, text=True, env=env,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "2 rank(s) measured at once, summed" in r.stdout
-    line = next(x for x in r.stdout.splitlines() if "MFU (median)" in x)
-    m = re.search(r"([\d.]+)%", line)
-    assert "n/a (loaded)" in line or float(m.group(1)) <= 100.0, line
+    assert main(["train", "--dp", "2", "--steps", "2", "--global-batch", "4",
+                 "--metrics-out", str(out)]) == 0
+    assert seen == [("train_rank", 2, MEASURE_PEAK)]
     recs = [json.loads(x) for x in out.read_text().splitlines()]
-    assert all(rec["mfu"] > 0 for rec in recs)
+    run = recs[0]["run"]
+    cfg = ModelConfig(**run["model"])
+    assert len(recs) == 2 and run["global_batch"] == 4
+    for rec in recs:
+        assert rec["tokens"] == 4 * cfg.seq_len  # the global batch, every rank's tokens
+        tps = rec["tokens"] / rec["seconds"]
+        assert rec["tokens_per_s"] == pytest.approx(tps, rel=1e-12)
+        want = hand_flops_per_token(cfg) * tps / sum(RANK_PEAK)
+        assert rec["mfu"] == pytest.approx(want, rel=1e-9), (rec["mfu"], want)
