@@ -2,13 +2,13 @@
 cache equal a no-cache loop over the plain model and equal transformers' ``generate`` on small
 random Llama and Mixtral models saved locally — on one rank and at tp2; a left-padded batch
 gives each prompt what it gives alone; sampling is reproducible; the CLI end to end (a fived
-checkpoint, tp1 and tp2 the same tokens) and its bad-input errors (exit 2, no traceback)."""
+checkpoint, tp1 and tp2 the same tokens) and its bad-input errors (exit 2, no traceback).
+Only the tests that take the ``transformers`` fixture need transformers (skipped without it);
+``fived bench generate``'s document is checked in tests/test_bench_schema.py."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -89,13 +89,19 @@ def test_pick_cuts_top_k_top_p_and_the_padded_vocab():
 
 
 # ------------------------------------------------------------------ transformers parity
-transformers = pytest.importorskip("transformers")
+@pytest.fixture
+def transformers():
+    """transformers, or a skip of the tests that take this fixture (only those: the rest of the
+    module runs without transformers)."""
+    return pytest.importorskip("transformers")
+
+
 SHAPE = dict(vocab_size=320, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, intermediate_size=48, rope_theta=50000.0,
              rms_norm_eps=1e-6, max_position_embeddings=128)
 
 
-def make_hf(path, kind: str):
+def make_hf(transformers, path, kind: str):
     torch.manual_seed(0)
     if kind == "llama":
         m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE))
@@ -129,10 +135,10 @@ def _tp_generate(rank: int, world: int, hf_dir: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])
-def test_greedy_equals_transformers_generate_on_one_rank_and_tp2(tmp_path, kind):
+def test_greedy_equals_transformers_generate_on_one_rank_and_tp2(transformers, tmp_path, kind):
     from fived.checkpoint import hf
 
-    ref = make_hf(tmp_path, kind)
+    ref = make_hf(transformers, tmp_path, kind)
     want = hf_greedy(ref, PROMPTS)
     cfg = hf.model_config(hf.read_config(tmp_path, "--hf"), "--hf", 128)
     model = one_rank(cfg, hf.HFSource(tmp_path, cfg, "--hf"))
@@ -143,9 +149,12 @@ def test_greedy_equals_transformers_generate_on_one_rank_and_tp2(tmp_path, kind)
 
 
 # ------------------------------------------------------------------ the command
-def fived(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "fived", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+def fived(*args):
+    """``fived ARGS`` in this process (``run_cli``: the subject is the command, not the
+    interpreter; its ranks fork from the suite's pool)."""
+    from parity_helpers import run_cli
+
+    return run_cli(*map(str, args))
 
 
 @pytest.fixture(scope="module")
@@ -156,39 +165,51 @@ def ckpt(tmp_path_factory):
     return d
 
 
-def test_cli_generates_from_a_checkpoint_at_tp1_and_tp2(ckpt):
-    args = ["generate", "--from", ckpt, "--prompt", "import os", "--prompt", "def f(x):",
+def generate_args(ckpt) -> list:
+    return ["generate", "--from", ckpt, "--prompt", "import os", "--prompt", "def f(x):",
             "--max-new-tokens", 12, "--temperature", 0, "--json"]
+
+
+def test_cli_generates_from_a_checkpoint_at_tp1_and_tp2(ckpt):
     docs = []
     for tp in (1, 2):
-        r = fived(*args, "--tp", tp)
+        r = fived(*generate_args(ckpt), "--tp", tp)
         assert r.returncode == 0, r.stderr
         docs.append(json.loads(r.stdout))  # stdout is the JSON document alone
     assert [p["tokens"] for p in docs[0]["prompts"]] == [p["tokens"] for p in docs[1]["prompts"]]
     assert all(len(p["tokens"]) == 12 for p in docs[0]["prompts"])
     assert docs[1]["traffic_bytes"] > 0 and docs[0]["traffic_bytes"] == 0
     assert docs[1]["weights_bytes"] < docs[0]["weights_bytes"]
-    from test_torchrun import torchrun
-
-    r = torchrun("-m", "fived", *map(str, args))  # torchrun's world is the tp degree; rank 0 prints
-    assert r.returncode == 0, r.stderr[-3000:]
-    tr = json.loads(r.stdout)
-    assert tr["tp"] == 2 and [p["tokens"] for p in tr["prompts"]] == [
-        p["tokens"] for p in docs[0]["prompts"]]
     r = fived("generate", "--from", ckpt, "--prompt", "import", "--max-new-tokens", 8)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("import") and "time to first token" in r.stdout
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
 
 
-def test_cli_bad_input_exit_2(ckpt, tmp_path):
-    from fived.checkpoint.convert import import_hf
-    from fived.data.tokenizer import train_bpe
+def test_cli_generates_under_torchrun(ckpt):
+    """Under torchrun the world is the tp degree and rank 0 prints: the tokens of one rank.
 
-    def fails(*args, words):
-        r = fived("generate", *args)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        assert "Traceback" not in r.stderr and all(w in r.stderr for w in words), r.stderr
+    Time: torchrun starts its agent and two interpreters (the subject is that launch)."""
+    from test_torchrun import torchrun
+
+    one = fived(*generate_args(ckpt), "--tp", 1)
+    assert one.returncode == 0, one.stderr
+    r = torchrun("-m", "fived", *map(str, generate_args(ckpt)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    tr = json.loads(r.stdout)
+    assert tr["tp"] == 2 and [p["tokens"] for p in tr["prompts"]] == [
+        p["tokens"] for p in json.loads(one.stdout)["prompts"]]
+
+
+def fails(*args, words):
+    """``fived generate ARGS`` exits 2 with ``words`` in its message (no exception)."""
+    r = fived("generate", *args)
+    assert r.returncode == 2, (args, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and all(w in r.stderr for w in words), r.stderr
+
+
+def test_cli_bad_input_exit_2(ckpt, tmp_path):
+    from fived.data.tokenizer import train_bpe
 
     base = ["--from", ckpt]
     fails(*base, "--prompt", "x" * 60, words=["--max-new-tokens 64", "sequence length (64)"])
@@ -202,22 +223,15 @@ def test_cli_bad_input_exit_2(ckpt, tmp_path):
     tok.save(tmp_path / "tokenizer.json")
     fails(*base, "--tokenizer", tmp_path / "tokenizer.json", "--prompt", "some words",
           words=["outside the model's vocabulary"])
-    hf_dir = tmp_path / "hf"
-    make_hf(hf_dir, "llama")
-    fails("--hf", hf_dir, "--prompt", "a", words=["no tokenizer.json", "--tokenizer"])
-    ck2, _, _ = import_hf(hf_dir, tmp_path / "imported")
-    fails("--from", ck2, "--prompt", "a", words=["records no tokenizer", "--tokenizer"])
     assert not (tmp_path / "nothing").exists()
 
 
-def test_bench_generate_prints_a_valid_document(capsys):
-    from fived.bench import schema
-    from fived.bench.generate import main
+def test_cli_without_a_tokenizer_exit_2(transformers, tmp_path):
+    """A Hugging Face directory, or a checkpoint imported from one, without a tokenizer."""
+    from fived.checkpoint.convert import import_hf
 
-    assert main(["--model", "tiny", "--reps", "1", "--prompt-len", "8", "--new-tokens", "4",
-                 "--json"]) == 0
-    out = capsys.readouterr().out
-    doc = json.loads(out)  # the document alone on stdout
-    schema.validate(doc)
-    assert doc["extra"]["same_tokens"] is True
-    assert {r["variant"] for r in doc["rows"]} == {"prefill tp1", "decode tp1"}
+    hf_dir = tmp_path / "hf"
+    make_hf(transformers, hf_dir, "llama")
+    fails("--hf", hf_dir, "--prompt", "a", words=["no tokenizer.json", "--tokenizer"])
+    ck2, _, _ = import_hf(hf_dir, tmp_path / "imported")
+    fails("--from", ck2, "--prompt", "a", words=["records no tokenizer", "--tokenizer"])
