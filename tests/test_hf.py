@@ -7,7 +7,7 @@ with ``fived export`` loads in transformers and gives fived's logits. Nothing is
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from dataclasses import replace
 
@@ -21,7 +21,11 @@ from fived.checkpoint import hf  # noqa: E402
 from fived.config import ConfigError, ParallelConfig  # noqa: E402
 from fived.testing import run_ranks, small_train  # noqa: E402
 
-SEQ = 16
+sys.path.insert(0, os.path.dirname(__file__))
+# the rank functions live where transformers is not imported: a rank imports their module
+from hf_ranks import SEQ, _layout_logits, _train_and_save, tokens  # noqa: E402,F401,I001
+from parity_helpers import run_cli  # noqa: E402,I001
+
 SHAPE = dict(vocab_size=256, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, intermediate_size=48, rope_theta=50000.0, rms_norm_eps=1e-6)
 
@@ -42,10 +46,6 @@ def make_hf(path, kind: str = "llama", tied: bool = False, shard: str | None = N
                 p.mul_(1 + 0.1 * torch.randn_like(p))
     m.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     return m.eval()
-
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
 def hf_logits(model_or_dir) -> np.ndarray:
@@ -79,39 +79,6 @@ def test_import_gives_transformers_logits(tmp_path, kind, tied):
 
 
 # ------------------------------------------------------------------ any layout
-def _layout_logits(rank: int, world: int, jobs: list) -> list:
-    """Each (hf_dir, layout): --init-from into the layout, a forward of ``tokens()`` through
-    its pipeline stages (hidden states sent stage to stage), vocab pieces gathered over tp;
-    the last stage's ranks return the whole logits."""
-    import torch.distributed as dist
-
-    from fived.train.trainer import Trainer
-
-    out = []
-    for hf_dir, par in jobs:
-        cfg = hf.model_config(hf.read_config(hf_dir, "--init-from"), seq_len=SEQ)
-        t = Trainer(cfg, par, replace(small_train(), init_from=str(hf_dir)), rank, world)
-        g, stage, pos = t.grid, t.stage, torch.arange(SEQ)
-        with torch.no_grad():
-            if par.pp > 1 and not stage.first:
-                h = torch.empty(2, SEQ, cfg.hidden)
-                dist.recv(h, src=g["pp"].ranks[g["pp"].rank - 1])
-                x = h
-            else:
-                x = tokens()
-            y = stage(x, pos)
-            if par.pp > 1 and not stage.last:
-                dist.send(y.contiguous(), dst=g["pp"].ranks[g["pp"].rank + 1])
-                out.append(None)
-                continue
-            if par.tp > 1:
-                parts = [torch.empty_like(y) for _ in range(par.tp)]
-                dist.all_gather(parts, y.contiguous(), group=g["tp"].pg)
-                y = torch.cat(parts, dim=-1)
-            out.append(y.numpy())
-    return out
-
-
 def test_import_into_tp_pp_ep_layouts_gives_transformers_logits(tmp_path):
     dirs = {k: tmp_path / k for k in ("untied", "tied", "moe")}
     refs = {"untied": make_hf(dirs["untied"], shard="60KB"), "tied": make_hf(dirs["tied"], tied=True),
@@ -130,12 +97,6 @@ def test_import_into_tp_pp_ep_layouts_gives_transformers_logits(tmp_path):
 
 
 # ------------------------------------------------------------------ export
-def _train_and_save(rank, world, m, par, t):
-    from fived.train.trainer import train_rank
-
-    return train_rank(rank, world, m, par, t, show=False)["losses"]
-
-
 def train_and_export(tmp_path, src, par: ParallelConfig, *flags: str):
     """Train 2 steps from the HF model at ``src`` on 2 ranks of ``par``, save, ``fived export
     --hf`` (with ``flags``): (its model config, the checkpoint, the export folder)."""
@@ -145,8 +106,7 @@ def train_and_export(tmp_path, src, par: ParallelConfig, *flags: str):
               small_train(steps=2, global_batch=4, init_from=str(src), save_dir=str(ck)),
               timeout=600)
     out = tmp_path / "hf"
-    r = subprocess.run([sys.executable, "-m", "fived", "export", str(ck), "--hf", str(out),
-                        *flags], capture_output=True, text=True, timeout=300)
+    r = run_cli("export", str(ck), "--hf", str(out), *flags)
     assert r.returncode == 0, r.stderr
     return cfg, ck, out
 

@@ -105,13 +105,16 @@ def test_time_shared_ranks_are_bounded_by_their_busy_time_over_the_cores():
 
 
 def test_ledger_this_machine_carries_the_traced_kernels():
+    """In this process (the subject is the command's JSON, not the interpreter); the probe's
+    ranks come from the suite's pool."""
     import json
-    import subprocess
+    import os
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "fived", "ledger", "--model", "tiny", "--gpu",
-                        "this-machine", "--gpus", "2", "--json"], capture_output=True, text=True,
-                       timeout=300)
+    sys.path.insert(0, os.path.dirname(__file__))
+    from parity_helpers import run_cli
+
+    r = run_cli("ledger", "--model", "tiny", "--gpu", "this-machine", "--gpus", "2", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert len(doc["hardware"]["eager"]) == 8 and all(t > 0 for t in doc["hardware"]["eager"])
