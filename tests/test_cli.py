@@ -54,7 +54,10 @@ def _losses(path):
 
 
 def test_metrics_jsonl_dp2_equals_dp1(tmp_path):
+    """Time: the entry point's one process sample of ``fived train`` (an interpreter and two
+    spawned ranks each importing torch: ~10 s on a quiet machine)."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    # dp=2 as a user types it (the ranks print the closing table); dp=1 in this process
     r1 = fived_process("train", "--dp", "2", "--steps", "5", "--metrics-out", str(a))
     r2 = fived("train", "--dp", "1", "--steps", "5", "--metrics-out", str(b))
     assert r1.returncode == 0, r1.stderr
