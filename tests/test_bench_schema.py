@@ -166,12 +166,15 @@ def test_bench_ep_grouped_matmul_schema(capsys, monkeypatch):
     assert main(["--matmul-only", "--matmul-reps", "0"]) == 2
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="fived bench data --json prints its own result dict, not a fived.bench "
-                          "document (fived/bench/data.py emits `res`)")
 def test_bench_data_schema(capsys, monkeypatch):
     doc = bench_doc("data", capsys, monkeypatch)
-    assert [r["implementation"] for r in doc["rows"]]
+    trainer, sync, threaded = doc["rows"]
+    assert trainer["peer"] and not sync["peer"] and not threaded["peer"]
+    tokens = doc["settings"]["global_batch"] * doc["settings"]["seq_len"]
+    for r in doc["rows"]:  # seconds per batch and tokens/s are one measurement
+        assert r["step_s"] * r["extra"]["tokens_per_s"] == pytest.approx(tokens)
+    # the bench's ratio (slower loader over the trainer, in tokens/s) is 1 / the slower row's
+    assert doc["extra"]["ratio"] == pytest.approx(1 / max(sync["ratio"], threaded["ratio"]))
 
 
 def test_bench_generate_schema(capsys, monkeypatch):

@@ -130,5 +130,26 @@ def main(argv: list[str]) -> int:
               f"{res['trainer_step_s']:.2f} s; required ratio >= {res['min_ratio']:g}: "
               f"{'yes' if res['ok'] else 'NO'}")
     if args.json:
-        schema.emit(res)
+        schema.emit(document(argv, res))
     return 0 if res["ok"] else 1
+
+
+def document(argv: list[str], res: dict[str, Any]) -> dict[str, Any]:
+    """The ``fived.bench`` document: one variant (a global batch of tokens delivered), the
+    trainer's step its peer, the loader read on the step's thread and through the prefetch
+    thread; a row's ``ratio`` is its seconds per batch over the trainer's (the loader must stay
+    below 1 / --min-ratio)."""
+    tokens = res["global_batch"] * res["seq_len"]
+    variant = f"batch of {tokens} tokens"
+    rows = [schema.row(variant, f"trainer {res['model']}, 1 rank",
+                       tokens / res["trainer_tokens_per_s"], peer=True,
+                       tokens_per_s=res["trainer_tokens_per_s"],
+                       waited_s=res["trainer_wait_s"]),
+            schema.row(variant, "loader", tokens / res["loader_tokens_per_s"],
+                       tokens_per_s=res["loader_tokens_per_s"]),
+            schema.row(variant, "loader, prefetch thread",
+                       tokens / res["loader_prefetch_tokens_per_s"],
+                       tokens_per_s=res["loader_prefetch_tokens_per_s"])]
+    return schema.document("data", argv, rows, settings={
+        "model": res["model"], "seq_len": res["seq_len"], "global_batch": res["global_batch"],
+        "min_ratio": res["min_ratio"]}, extra={"ratio": res["ratio"], "ok": res["ok"]})
