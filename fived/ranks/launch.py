@@ -139,7 +139,13 @@ def teardown() -> None:
     fails the job. The cure is to join those threads before Python exits: collect the garbage
     that still holds groups (a trainer's grid, its hooks), then destroy the groups — the last
     reference to a gloo group runs its destructor (without the GIL), which drains the queue and
-    joins the workers."""
+    joins the workers (tests/test_torchrun.py checks no worker thread is left).
+
+    Only a group nothing else references is destroyed: one reachable from a cycle that goes
+    through C++ outlives it (a ``Trainer`` does: its parameters' post-accumulate-grad hooks are
+    bound methods of its engine, a cycle gc cannot collect, and clearing them is not yet enough:
+    something of its build still holds the world group), and its workers then live to the exit, kept
+    clear of the race only by ``run_torchrun``'s barrier and the time teardown takes."""
     import torch.distributed as dist
 
     gc.collect()
