@@ -332,6 +332,7 @@ class Trainer:
         for ld in (self.loader, self.eval_loader):
             if ld is not None:
                 ld.close()
+        self.engine.close()
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Σ token losses over the world: each token's loss is counted on one tp rank's copy."""

@@ -105,10 +105,11 @@ class DataParallel:
         for b in self.buckets:
             self.build_state(b)
         self.where: dict[int, tuple[Bucket, int]] = {}
+        self.hooks = []  # the parameters' hooks hold the engine (a cycle through C++): close()
         for b in self.buckets:
             for j, p in enumerate(b.params):
                 self.where[id(p)] = (b, j)
-                p.register_post_accumulate_grad_hook(self.grad_ready)
+                self.hooks.append(p.register_post_accumulate_grad_hook(self.grad_ready))
         self.opt = make_optimizer(getattr(train, "optimizer", "adamw"),
                                   [b.master for b in self.buckets], self.optimizer_pieces(),
                                   grid, train, aligned_rows=self.aligned_rows())
@@ -291,6 +292,15 @@ class DataParallel:
         self.live_buffers -= n
 
     # ------------------------------------------------------------------ step pieces
+    def close(self) -> None:
+        """Remove the gradient hooks. A parameter's hook is a bound method of the engine, kept in
+        C++ where the garbage collector cannot see the cycle: without this the engine, its grid
+        and their process groups outlive the trainer, and a gloo worker thread of theirs can
+        abort the interpreter at exit (fived.ranks.launch.teardown)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.ready, b.launched, b.handle = 0, False, None
