@@ -76,6 +76,7 @@ def test_4d_ep_tp_cp_pp(references, tmp_path):
 
 
 def test_5d_tp_cp_ep_pp_dp_zero1(references, tmp_path):
+    """Time: 32 ranks on 2 cores (~25 s quiet); the only test of all five dimensions at once."""
     par = ParallelConfig(tp=2, cp=2, ep=2, pp=2, dp=2, zero=1, micro_batches=2)
     assert par.world_size == 32
     check_layout(MOE, par, references["tiny-moe"], tmp_path / "5d.jsonl", timeout=900)
