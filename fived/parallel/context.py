@@ -62,7 +62,7 @@ from ..ledger.context import (  # noqa: F401 - the torch-free formulas, re-expor
 )
 from ..model import layers as L
 from ..model.moe import moe_layers
-from .expert import add_count_reduction
+from .counts import add_count_reduction
 
 
 # ---------------------------------------------------------------------------------- sharding

@@ -180,24 +180,6 @@ def dispatch_tokens(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, counts:
     return _SumRows.apply(back, u_tok, N), u_in
 
 
-class CountReduction:
-    """Sums a MoE layer's per-sequence routed counts over the groups that cut its sequences."""
-
-    def __init__(self, groups: list[Any]):
-        self.groups = groups
-
-    def __call__(self, routed: torch.Tensor) -> torch.Tensor:
-        for g in self.groups:
-            ops.all_reduce(routed, g)
-        return routed
-
-
-def add_count_reduction(moe: nn.Module, group: Any) -> None:
-    """``moe``'s sequences are (also) cut over ``group`` (cp, or tp under sequence parallelism)."""
-    before = moe.reduce_counts.groups if isinstance(moe.reduce_counts, CountReduction) else []
-    moe.reduce_counts = CountReduction(before + [group])
-
-
 def apply_ep(model: nn.Module, group: Any, placements: dict[str, Placement],
              mode: str = "rows") -> nn.Module:
     """Keep this ep rank's E/ep contiguous experts in every MoE layer and dispatch to the owners

@@ -36,19 +36,42 @@ sum of exponentials and the target logit together (2·b·s floats); backward is 
 ``softmax − onehot``, recomputed from the saved logits (compute dtype), max and sum. Every tp
 rank holds the same full loss.
 
-``apply_tp(model, group, placements, sequence_parallel, overlap)`` cuts a plain model: it
-replaces each ``nn.Linear`` of attention and MLP with a ``ColumnLinear``/``RowLinear`` holding
-its slice of the full weight, the embedding, head and loss with their vocab-parallel versions,
-and records each cut in the parameters' ``Placement``. The column layers of one model share one
+``apply_tp(model, group, placements, sequence_parallel, overlap)`` cuts a plain model as the
+plan ``TP_PLAN`` says: a table of rows (module name pattern, cut, condition), torchtitan's
+``parallelize_module(model, {"attention.wq": ColwiseParallel(), ...})`` in fived's names.
+``apply_tp`` walks the model's modules in order and applies to each the first row whose pattern
+names it (``*`` is one name part: ``layers.*.mlp.up_proj``) and whose condition holds. The cuts:
+
+    Column(shards)  nn.Linear -> ColumnLinear, weight (+ bias) cut on the output features in
+                    "tp" chunks, or "kv" = min(tp, kv_heads) chunks (k/v: replicated kv heads)
+    Row             nn.Linear -> RowLinear, weight cut on the input features in tp chunks
+    Vocab           the embedding -> VocabEmbedding, vocab rows in tp chunks
+    VocabOut        the head -> VocabHead (vocab rows), or TiedVocabHead over the cut embedding
+    VocabLoss       the loss -> VocabParallelLoss
+    Partial         whole on every rank, its gradient partial over tp (``grad_sum += ("tp",)``):
+                    the q/k norms always; the RMSNorms, the router, the routed experts and the
+                    shared-expert gate under sequence parallelism (they see a sequence shard)
+    RoutedCounts    a MoE layer under SP: its routed counts are summed over tp
+                    (``fived.parallel.counts``)
+
+A module a model lacks (q/k norms, the MLP of a MoE block, the shared expert, the embedding of a
+later pipeline part) matches no row; a row whose condition is false (``SP`` without SP)
+leaves its module whole with a complete gradient. Every parameter must lie under a module some
+row names: a parameter no row names is an error, not a silent replica. A new module adds rows,
+not branches: MLA's per-head up-projections, say, add ``PlanRow(ATTN + "q_b_proj", Column())``
+and its latent norms ``Partial`` rows (a new ``Cut`` only for a new kind of cut). Each cut
+records itself in the parameters' ``Placement``. The column layers of one model share one
 ``Columns`` object: the layers that read the same input (q/k/v; gate/up) share its gathered copy
-and the reduction of its gradient. ``tp_traffic_bytes`` below is the formula for every byte the
-tp group sends in one step.
+and the reduction of its gradient.
+``tp_traffic_bytes`` below is the formula for every byte the tp group sends in one step.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,9 +82,8 @@ from ..comm import ops
 from ..ledger.traffic import tp_traffic
 from ..model import layers as L
 from ..model.init import shard
-from ..model.llama import Attention, Transformer
-from ..model.moe import moe_layers
-from .expert import add_count_reduction
+from ..model.llama import Transformer
+from .counts import add_count_reduction
 from .placement import Placement
 
 
@@ -305,88 +327,201 @@ class VocabParallelLoss(nn.Module):
         return vocab_parallel_loss(logits, targets, self.group)
 
 
-# ---------------------------------------------------------------------------- applying it
+# ---------------------------------------------------------------------------- the plan
 
-def _cut(placements: dict[str, Placement], name: str, dim: int, parts: int, index: int) -> None:
-    placements[name] = placements[name].cut(dim, parts, index)
+class _TP:
+    """What a cut needs while ``apply_tp`` runs: the model (or part) being cut, the tp group,
+    the placements, sequence parallelism, and the model's one ``Columns``."""
+
+    def __init__(self, model: nn.Module, group: Any, placements: dict[str, Placement],
+                 sp: bool, columns: Columns):
+        self.model, self.group, self.placements = model, group, placements
+        self.sp, self.columns = sp, columns
+
+    def shards(self, which: str) -> int:
+        """"tp": one chunk per rank; "kv": min(tp, kv_heads) chunks (replicated kv heads)."""
+        return min(self.group.size, self.model.cfg.kv_heads) if which == "kv" else self.group.size
+
+    def swap(self, name: str, new: nn.Module) -> None:
+        parent, _, leaf = name.rpartition(".")
+        setattr(self.model.get_submodule(parent), leaf, new)
+
+    def cut(self, name: str, dim: int, parts: int, index: int) -> None:
+        self.placements[name] = self.placements[name].cut(dim, parts, index)
+
+    def sum_over(self, name: str, module: nn.Module) -> None:
+        """Gradients of ``module``'s (whole, replicated) parameters are partial over tp."""
+        for n, _ in module.named_parameters(prefix=name):
+            pl = self.placements[n]
+            self.placements[n] = replace(pl, grad_sum=pl.grad_sum + ("tp",))
 
 
-def _columns(parent: nn.Module, prefix: str, attrs: tuple[str, ...], group: Any,
-             columns: Columns, placements: dict[str, Placement], shards: int) -> None:
-    for a in attrs:
-        old = getattr(parent, a)
-        lin = ColumnLinear(old.weight, group, columns, shards, old.bias)
-        setattr(parent, a, lin)
+class Cut:
+    """What ``apply_tp`` does to a module a row of the plan names. ``places``: the cut decides
+    the placement of every parameter under the module (the coverage check counts them)."""
+
+    places = True
+
+    def apply(self, t: _TP, name: str, module: nn.Module) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Column(Cut):
+    """``nn.Linear`` -> ``ColumnLinear``: weight (and bias) cut on the output features in
+    ``shards`` chunks, "tp" or "kv" (min(tp, kv_heads): the kv heads)."""
+
+    shards: str = "tp"
+
+    def apply(self, t: _TP, name: str, module: nn.Module) -> None:
+        lin = ColumnLinear(module.weight, t.group, t.columns, t.shards(self.shards), module.bias)
+        t.swap(name, lin)
         for kind in ("weight",) + (("bias",) if lin.bias is not None else ()):
-            _cut(placements, f"{prefix}{a}.{kind}", 0, shards, lin.index)
+            t.cut(f"{name}.{kind}", 0, lin.shards, lin.index)
 
 
-def _row(parent: nn.Module, prefix: str, attr: str, group: Any, sp: bool,
-         placements: dict[str, Placement]) -> None:
-    setattr(parent, attr, RowLinear(getattr(parent, attr).weight, group, sp))
-    _cut(placements, f"{prefix}{attr}.weight", 1, group.size, group.rank)
+@dataclass(frozen=True)
+class Row(Cut):
+    """``nn.Linear`` -> ``RowLinear``: weight cut on the input features in tp chunks."""
+
+    def apply(self, t: _TP, name: str, module: nn.Module) -> None:
+        t.swap(name, RowLinear(module.weight, t.group, t.sp))
+        t.cut(f"{name}.weight", 1, t.group.size, t.group.rank)
 
 
-def _mlp(mlp: nn.Module, prefix: str, group: Any, columns: Columns, sp: bool,
-         placements: dict[str, Placement]) -> None:
-    _columns(mlp, prefix, ("gate_proj", "up_proj"), group, columns, placements, group.size)
-    _row(mlp, prefix, "down_proj", group, sp, placements)
+@dataclass(frozen=True)
+class Vocab(Cut):
+    """``nn.Embedding`` -> ``VocabEmbedding``: vocab rows cut in tp chunks."""
+
+    def apply(self, t: _TP, name: str, module: nn.Module) -> None:
+        t.swap(name, VocabEmbedding(module.weight, t.group, t.sp))
+        t.cut(f"{name}.weight", 0, t.group.size, t.group.rank)
 
 
-def _sum_over(placements: dict[str, Placement], module: nn.Module, prefix: str,
-              group_name: str) -> None:
-    """Gradients of ``module``'s (replicated) parameters are partial over ``group_name``."""
-    for n, _ in module.named_parameters(prefix=prefix.rstrip(".")):
-        placements[n] = replace(placements[n], grad_sum=placements[n].grad_sum + (group_name,))
+@dataclass(frozen=True)
+class VocabOut(Cut):
+    """The head -> ``VocabHead`` (vocab rows cut in tp chunks); a tied head ->
+    ``TiedVocabHead`` over the embedding the ``Vocab`` row cut (registered, and placed, there:
+    ``embed_tokens`` comes first in every model that holds both)."""
+
+    def apply(self, t: _TP, name: str, module: nn.Module) -> None:
+        if isinstance(module, L.TiedHead):
+            t.swap(name, TiedVocabHead(t.model.get_submodule("embed_tokens"), t.columns))
+            return
+        t.swap(name, VocabHead(module.weight, t.group, t.columns))
+        t.cut(f"{name}.weight", 0, t.group.size, t.group.rank)
+
+
+@dataclass(frozen=True)
+class VocabLoss(Cut):
+    """The token loss -> ``VocabParallelLoss`` over the vocab-cut logits."""
+
+    def apply(self, t: _TP, name: str, module: nn.Module) -> None:
+        t.swap(name, VocabParallelLoss(t.group))
+
+
+@dataclass(frozen=True)
+class Partial(Cut):
+    """Whole on every rank (replicated), but each rank's gradient is partial over tp: the
+    placements of every parameter under the module carry ``grad_sum += ("tp",)``."""
+
+    def apply(self, t: _TP, name: str, module: nn.Module) -> None:
+        t.sum_over(name, module)
+
+
+@dataclass(frozen=True)
+class RoutedCounts(Cut):
+    """A MoE layer whose sequences tp cuts (SP): its routed counts are summed over tp."""
+
+    places = False
+
+    def apply(self, t: _TP, name: str, module: nn.Module) -> None:
+        add_count_reduction(module, t.group)
+
+
+def always(t: _TP) -> bool:
+    return True
+
+
+def under_sp(t: _TP) -> bool:
+    """With sequence parallelism (the module sees this rank's sequence shard)."""
+    return t.sp
+
+
+class PlanRow(NamedTuple):
+    """``pattern``: a module name, ``*`` standing for one name part (``layers.*.mlp``);
+    ``cut``: what to do with it; ``when``: the condition (false: the module stays whole,
+    replicated with a complete gradient)."""
+
+    pattern: str
+    cut: Cut
+    when: Callable[[_TP], bool] = always
+
+
+ATTN, MLP = "layers.*.self_attn.", "layers.*.mlp."
+MOE, SHARED = "layers.*.block_sparse_moe", "layers.*.block_sparse_moe.shared_expert."
+SP = under_sp
+
+TP_PLAN: tuple[PlanRow, ...] = (
+    PlanRow("embed_tokens", Vocab()),
+    # attention: heads cut (q/k/v column, o row); kv chunks held by tp/kv_heads ranks when
+    # tp > kv_heads; the q/k norm gains act on this rank's heads only, with or without SP
+    PlanRow("layers.*.input_layernorm", Partial(), SP),
+    PlanRow(ATTN + "q_proj", Column()),
+    PlanRow(ATTN + "k_proj", Column(shards="kv")),
+    PlanRow(ATTN + "v_proj", Column(shards="kv")),
+    PlanRow(ATTN + "o_proj", Row()),
+    PlanRow(ATTN + "q_norm", Partial()),
+    PlanRow(ATTN + "k_norm", Partial()),
+    # the dense MLP: ffn cut (gate/up column, down row)
+    PlanRow("layers.*.post_attention_layernorm", Partial(), SP),
+    PlanRow(MLP + "gate_proj", Column()),
+    PlanRow(MLP + "up_proj", Column()),
+    PlanRow(MLP + "down_proj", Row()),
+    # the MoE layer: router and routed experts whole on every tp rank (apply_ep splits the
+    # experts); under SP each rank routes its sequence shard; the shared expert is an MLP
+    PlanRow(MOE, RoutedCounts(), SP),
+    PlanRow(MOE + ".gate", Partial(), SP),
+    PlanRow(MOE + ".experts", Partial(), SP),
+    PlanRow(SHARED + "gate_proj", Column()),
+    PlanRow(SHARED + "up_proj", Column()),
+    PlanRow(SHARED + "down_proj", Row()),
+    PlanRow(MOE + ".shared_expert_gate", Partial(), SP),
+    # the last part: final norm, vocab-cut head (or the tied embedding) and loss
+    PlanRow("norm", Partial(), SP),
+    PlanRow("lm_head", VocabOut()),
+    PlanRow("loss", VocabLoss()),
+)
+
+
+def _matcher(pattern: str) -> re.Pattern:
+    return re.compile(r"\.".join("[^.]+" if p == "*" else re.escape(p)
+                                 for p in pattern.split(".")))
 
 
 def apply_tp(model: Transformer, group: Any, placements: dict[str, Placement],
-             sequence_parallel: bool = False, overlap: bool = True) -> Transformer:
-    """Cut ``model`` (a plain ``Transformer``, or a pipeline part of one) across ``group``."""
+             sequence_parallel: bool = False, overlap: bool = True,
+             plan: tuple[PlanRow, ...] = TP_PLAN) -> Transformer:
+    """Cut ``model`` (a plain ``Transformer``, or a pipeline part of one) across ``group`` as
+    ``plan`` says: each module, in the model's order, gets the first row whose pattern names it
+    and whose condition holds. Every parameter must lie under a module some row names (a
+    module the model lacks matches nothing; a parameter no row names is an error)."""
     if group.size == 1:
         return model
-    sp = sequence_parallel
-    columns = Columns(group, sp, overlap)
-    kv_shards = min(group.size, model.cfg.kv_heads)
-    if model.first:
-        model.embed_tokens = VocabEmbedding(model.embed_tokens.weight, group, sp)
-        _cut(placements, "embed_tokens.weight", 0, group.size, group.rank)
-    for i, block in model.layers.items():
-        p = f"layers.{i}."
-        attn: Attention = block.self_attn
-        _columns(attn, p + "self_attn.", ("q_proj",), group, columns, placements, group.size)
-        _columns(attn, p + "self_attn.", ("k_proj", "v_proj"), group, columns, placements,
-                 kv_shards)
-        _row(attn, p + "self_attn.", "o_proj", group, sp, placements)
-        if hasattr(attn, "q_norm"):  # whole on every rank, each applied to its own heads only:
-            # the gradients are partial over tp with or without SP (q and k are whole-sequence)
-            _sum_over(placements, attn.q_norm, p + "self_attn.q_norm.", "tp")
-            _sum_over(placements, attn.k_norm, p + "self_attn.k_norm.", "tp")
-        if hasattr(block, "mlp"):
-            _mlp(block.mlp, p + "mlp.", group, columns, sp, placements)
-        if sp:  # norms run on the sequence shard: their weights' gradients are partial
-            _sum_over(placements, block.input_layernorm, p + "input_layernorm.", "tp")
-            _sum_over(placements, block.post_attention_layernorm,
-                      p + "post_attention_layernorm.", "tp")
-    for moe in moe_layers(model):
-        p = f"layers.{moe.layer}.block_sparse_moe."
-        if model.cfg.shared_expert:
-            _mlp(moe.shared_expert, p + "shared_expert.", group, columns, sp, placements)
-            if sp and model.cfg.shared_expert_gate:  # the gate reads the sequence shard
-                _sum_over(placements, moe.shared_expert_gate, p + "shared_expert_gate.", "tp")
-        if sp:  # each tp rank routes its own sequence shard
-            _sum_over(placements, moe.gate, p + "gate.", "tp")
-            _sum_over(placements, moe.experts, p + "experts.", "tp")
-            add_count_reduction(moe, group)
-    if model.last:
-        if sp:
-            _sum_over(placements, model.norm, "norm.", "tp")
-        if isinstance(model.lm_head, L.TiedHead):
-            model.lm_head = TiedVocabHead(model.embed_tokens, columns)
-        else:
-            model.lm_head = VocabHead(model.lm_head.weight, group, columns)
-            _cut(placements, "lm_head.weight", 0, group.size, group.rank)
-        model.loss = VocabParallelLoss(group)
+    t = _TP(model, group, placements, sequence_parallel, Columns(group, sequence_parallel,
+                                                                 overlap))
+    rows = [(_matcher(r.pattern), r) for r in plan]
+    named = [(name, module, [r for m, r in rows if m.fullmatch(name)])
+             for name, module in model.named_modules()]
+    covered = {n for name, module, mine in named if any(r.cut.places for r in mine)
+               for n, _ in module.named_parameters(prefix=name)}
+    missing = [n for n, _ in model.named_parameters() if n not in covered]
+    if missing:
+        raise ValueError(f"the tensor-parallel plan names no module holding {missing}")
+    for name, module, mine in named:
+        row = next((r for r in mine if r.when(t)), None)
+        if row is not None:
+            row.cut.apply(t, name, module)
     return model
 
 
