@@ -50,11 +50,68 @@ def train_with_grads(model: ModelConfig, par: ParallelConfig, train: TrainConfig
     return run["losses"], run["grads"]
 
 
-def rank_runs(rank: int, world: int, runs: list[tuple]) -> list[dict[str, Any]]:
-    """On one rank: train each (model, layout, train) of ``runs``, recording the gradients."""
+def grad_pieces(trainer: Any) -> dict[str, tuple[dict[str, Any], Any]]:
+    """Every parameter's reduced gradient piece on this rank with its placement (numpy: pickled
+    by value across processes); ``assemble_grads`` joins the ranks'."""
+    from dataclasses import asdict
+
+    grads = trainer.engine.full_grads()
+    return {n: (asdict(trainer.parallel.placements[n]), g.detach().float().cpu().numpy())
+            for n, g in grads.items()}
+
+
+class GradRecorder:
+    """A run hook (``fived.train.hooks``): the first step's reduced gradient pieces."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, Any] = {}
+
+    def on_grads(self, trainer: Any, step: int) -> None:
+        if step == 0:
+            self.grads.update(grad_pieces(trainer))
+
+
+class OnGrads:
+    """A run hook calling ``fn(trainer, step)`` once each step's gradients are reduced (to plant
+    a NaN, or skip a step)."""
+
+    def __init__(self, fn: Callable[[Any, int], None]):
+        self.on_grads = fn
+
+
+class DieAt:
+    """A run hook: rank ``rank`` kills itself (SIGKILL) at the start of step ``steps[k]`` on
+    torchrun's k-th attempt (``TORCHELASTIC_RESTART_COUNT``); ``tests/die_at.py R:S0,S1 train
+    ...`` (the script torchrun runs) installs it in each rank, then runs fived's command line."""
+
+    def __init__(self, spec: str):
+        r, _, steps = spec.partition(":")
+        self.rank, self.steps = int(r), [int(s) for s in steps.split(",") if s]
+
+    def on_step_start(self, trainer: Any, step: int) -> None:
+        import os
+        import signal
+
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if trainer.rank == self.rank and attempt < len(self.steps) and step == self.steps[attempt]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_recording(rank: int, world: int, model: ModelConfig, par: ParallelConfig,
+                    train: TrainConfig, hooks: tuple = ()) -> dict[str, Any]:
+    """``train_rank`` with a ``GradRecorder``: the summary also holds ``grads``, this rank's
+    first-step gradient pieces with their placements."""
     from .train.trainer import train_rank
 
-    return [train_rank(rank, world, m, p, t, show=False, record_grads=True) for m, p, t in runs]
+    rec = GradRecorder()
+    out = train_rank(rank, world, model, par, train, show=False, hooks=(rec, *hooks))
+    out["grads"] = rec.grads
+    return out
+
+
+def rank_runs(rank: int, world: int, runs: list[tuple]) -> list[dict[str, Any]]:
+    """On one rank: train each (model, layout, train) of ``runs``, recording the gradients."""
+    return [train_recording(rank, world, m, p, t) for m, p, t in runs]
 
 
 def gathered(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -39,11 +39,11 @@ def one_rank(model: ModelConfig, train: TrainConfig) -> dict[str, Any]:
     """The one-rank reference, in this process (world 1 needs no process group), computed once
     per (model, training) for the whole test run and shared by every module that asks for it
     (treat it as read-only)."""
-    from fived.train.trainer import train_rank
+    from fived.testing import train_recording
 
     if (model, train) not in _REFERENCES:
-        _REFERENCES[(model, train)] = gathered([train_rank(0, 1, model, ParallelConfig(), train,
-                                                           show=False, record_grads=True)])
+        _REFERENCES[(model, train)] = gathered([train_recording(0, 1, model, ParallelConfig(),
+                                                                train)])
     return _REFERENCES[(model, train)]
 
 

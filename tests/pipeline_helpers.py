@@ -14,16 +14,16 @@ def train_many(rank: int, world: int, model: ModelConfig, pars: list[ParallelCon
     """Train several layouts of the same world size in one spawn (saves process start-ups);
     each summary holds this rank's first-step gradient pieces (``fived.testing.assemble_grads``
     joins the ranks')."""
-    from fived.train.trainer import train_rank
+    from fived.testing import train_recording
 
-    return [train_rank(rank, world, model, par, train, show=False, record_grads=True)
-            for par in pars]
+    return [train_recording(rank, world, model, par, train) for par in pars]
 
 
 def grads_one_step(rank: int, world: int, model: ModelConfig, par: ParallelConfig,
                    train: TrainConfig) -> dict[str, Any]:
-    """One step's reduced gradient pieces with their placements (``Trainer.grad_pieces``), this
-    rank's local loss, the executor's stats."""
+    """One step's reduced gradient pieces with their placements (``fived.testing.grad_pieces``),
+    this rank's local loss, the executor's stats."""
+    from fived.testing import grad_pieces
     from fived.train.trainer import Trainer
 
     torch.manual_seed(train.seed)
@@ -32,7 +32,7 @@ def grads_one_step(rank: int, world: int, model: ModelConfig, par: ParallelConfi
     t.engine.zero_grad()
     loss = t.forward_backward(x, y, pos, 1.0 / (train.global_batch * model.seq_len))
     t.engine.finish()
-    grads = t.grad_pieces()
+    grads = grad_pieces(t)
     stats = t.executor.stats if t.executor is not None else {}
     return {"grads": grads, "loss": float(loss), "stats": stats,
             "traffic": t.traffic.as_dict()}

@@ -93,12 +93,13 @@ WIDE = ModelConfig(name="wide", vocab=32768, hidden=768, layers=2, heads=12, kv_
 def _build_rss(rank: int, world: int, par: ParallelConfig, whole: bool) -> dict:
     from fived.ledger.verify import predict_rank
     from fived.train import trainer as T
+    from fived.train.metrics import rss_peak
 
     T.Trainer(PRESETS["tiny"], par, small_train(global_batch=2), rank, world).close()
-    before = T.rss_peak()  # the process's fixed costs (imports, threads, groups) paid
+    before = rss_peak()  # the process's fixed costs (imports, threads, groups) paid
     if whole:  # the habit this replaces: the whole model drawn on every rank, then cut
         keep = build_model(WIDE, 7)
-        T.rss_peak()
+        rss_peak()
     else:
         keep = None
     t = T.Trainer(WIDE, par, small_train(global_batch=2), rank, world)

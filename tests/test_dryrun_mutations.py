@@ -259,7 +259,7 @@ def test_the_uniform_assignment_saves_what_routing_saves():
 
     layer, x = _uniform_case()
     real, out_real = _saved_and_out(layer, x, MoE.moe)
-    assert layer.dropped == 0 and layer.tokens_per_expert.tolist() == [8.0] * 4
+    assert layer.stats.dropped == 0 and layer.stats.tokens_per_expert.tolist() == [8.0] * 4
     layer.assign = _uniform_assign.__get__(layer)
     twin, out_twin = _saved_and_out(layer, x, MoE.moe)
     # the uniform rows are in assignment order, not the router's (values differ): shapes are

@@ -71,7 +71,8 @@ def _same(a, b) -> bool:
 def _moe_stats(t):
     from fived.model.moe import moe_layers
 
-    return [(m.tokens_per_expert.clone(), m.dropped, m.balance_sum, m.z_sum, m.forwards)
+    return [(m.stats.tokens_per_expert.clone(), m.stats.dropped, m.stats.balance_sum, m.stats.z_sum,
+             m.stats.forwards)
             for m in moe_layers(t.stage)]
 
 

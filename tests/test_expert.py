@@ -29,7 +29,7 @@ from fived.model import build_model
 from fived.model.moe import capacity, capacity_keep, moe_layers, set_aux_grad_scale
 from fived.parallel.parallelize import parallelize_parts
 from fived.ranks.grid import Grid
-from fived.testing import assemble_grads, grad_rel_diff, rel_diff, small_train
+from fived.testing import assemble_grads, grad_pieces, grad_rel_diff, rel_diff, small_train
 from fived.train import data as D
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -208,7 +208,7 @@ def test_balance_loss_is_one_when_uniform():
     x = torch.randn(2, 8, cfg.hidden)
     moe(x)
     # zero router: p uniform (1/E); top-k picks the first k experts: f = 1/k on k experts
-    assert math.isclose(moe.balance_sum, 2 * cfg.experts * (cfg.top_k * (1 / cfg.top_k) / cfg.experts))
+    assert math.isclose(moe.stats.balance_sum, 2 * cfg.experts * (cfg.top_k * (1 / cfg.top_k) / cfg.experts))
 
 
 def test_capacity_keep_priority():
@@ -252,7 +252,7 @@ def test_dropped_tokens_match_direct_count_and_ep():
     for step in range(train.steps):
         direct["dropped"] = 0
         direct["kept"].zero_()
-        rec = tr.step(step, (lambda: grads.update(tr.grad_pieces())) if step == 0 else None)
+        rec = tr.step(step, (lambda: grads.update(grad_pieces(tr))) if step == 0 else None)
         assert rec["moe"]["dropped"] == direct["dropped"] > 0
         assert rec["moe"]["tokens_per_expert"] == direct["kept"].tolist()
         ref.append(rec)

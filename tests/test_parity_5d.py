@@ -30,12 +30,11 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def references():
     """The one-rank run of each model, in this process: (losses, first-step gradients)."""
-    from fived.testing import assemble_grads
-    from fived.train.trainer import train_rank
+    from fived.testing import assemble_grads, train_recording
 
     out = {}
     for m in (TINY, MOE):
-        s = train_rank(0, 1, m, ParallelConfig(), TRAIN, show=False, record_grads=True)
+        s = train_recording(0, 1, m, ParallelConfig(), TRAIN)
         out[m.name] = (s["losses"], assemble_grads([s["grads"]]))
     return out
 

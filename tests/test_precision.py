@@ -55,10 +55,10 @@ def references():
 
 
 def _one_rank_bf16(micro: int) -> dict:
-    from fived.train.trainer import train_rank
+    from fived.testing import train_recording
 
-    return train_rank(0, 1, MODEL, ParallelConfig(precision="bf16", micro_batches=micro), TRAIN,
-                      show=False, record_grads=True)
+    return train_recording(0, 1, MODEL, ParallelConfig(precision="bf16", micro_batches=micro),
+                           TRAIN)
 
 
 def _world2(rank: int, world: int) -> dict:

@@ -24,7 +24,6 @@ from fived.testing import run_ranks, small_train
 
 DENSE = PRESETS["tiny"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-ENV.pop("FIVED_TEST_DIE_AT_STEP", None)
 
 
 def fived(*args: str, timeout: float = 300, env: dict | None = None):
@@ -66,20 +65,24 @@ def _restart_plan(seed: int) -> tuple[int, int, int]:
     return rng.randrange(2), first, second
 
 
-def _torchrun_train(out: str, save: str, env: dict) -> subprocess.CompletedProcess:
+def _torchrun_train(out: str, save: str, die_at: str = "") -> subprocess.CompletedProcess:
+    """The job under torchrun; ``die_at`` ("R:S0,S1"): ``tests/die_at.py`` installs the hook
+    that kills rank R at step S_k of the k-th attempt."""
+    entry = [os.path.join(os.path.dirname(__file__), "die_at.py"), die_at] if die_at else [
+        "-m", "fived"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--max-restarts", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "fived", "train", "--dp", "2",
+           "--master-port", str(free_port()), *entry, "train", "--dp", "2",
            "--steps", str(RESTART_STEPS), "--global-batch", "4", "--save-every", "2",
            "--save-dir", save, "--resume", "auto", "--metrics-out", out, "--timeout", "30"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
 
 
 @pytest.fixture(scope="module")
 def straight_losses(tmp_path_factory) -> dict[int, float]:
     """The losses of the same torchrun command line never interrupted (shared by the seeds)."""
     d = tmp_path_factory.mktemp("straight")
-    r = _torchrun_train(str(d / "ref.jsonl"), str(d / "ref"), ENV)
+    r = _torchrun_train(str(d / "ref.jsonl"), str(d / "ref"))
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return losses_of(d / "ref.jsonl")
 
@@ -87,8 +90,8 @@ def straight_losses(tmp_path_factory) -> dict[int, float]:
 def _two_kills(tmp_path, seed: int, straight: dict[int, float]) -> None:
     victim, first, second = _restart_plan(seed)
     print(f"seed {seed}: rank {victim} dies at step {first}, then at step {second}")
-    killed = {**ENV, "FIVED_TEST_DIE_AT_STEP": f"{victim}:{first},{second}"}
-    r = _torchrun_train(str(tmp_path / "k.jsonl"), str(tmp_path / "ck"), killed)
+    r = _torchrun_train(str(tmp_path / "k.jsonl"), str(tmp_path / "ck"),
+                        f"{victim}:{first},{second}")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert out.count("--resume auto: resuming from") == 2, out[-4000:]
@@ -186,9 +189,11 @@ def _sigterm_rank1(trainer, step):
 
 
 def _runs(rank, world, runs):
+    from fived.testing import OnGrads
     from fived.train.trainer import train_rank
 
-    return [train_rank(rank, world, m, p, t, show=False, fault=f) for m, p, t, f in runs]
+    return [train_rank(rank, world, m, p, t, show=False, hooks=[OnGrads(f)] if f else [])
+            for m, p, t, f in runs]
 
 
 def test_nan_gradient_on_one_rank_skips_the_step_and_k_in_a_row_stop(tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 from fived.config import ParallelConfig, preset
 from fived.parallel.tensor import tp_traffic_bytes
-from fived.testing import grad_rel_diff, rel_diff, run_ranks, small_train
+from fived.testing import grad_pieces, grad_rel_diff, rel_diff, run_ranks, small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parity_helpers import rank_runs, check_parity as _check, gathered, one_rank, train_runs  # noqa: E402,I001
@@ -92,7 +92,7 @@ def _perturbed_reference(model, train, factor: float) -> dict:
               if n.endswith("norm.weight")]
     assert len(hooked) == 2 * model.layers + 1
     grads: dict = {}
-    recs = [tr.step(k, (lambda: grads.update(tr.grad_pieces())) if k == 0 else None)
+    recs = [tr.step(k, (lambda: grads.update(grad_pieces(tr))) if k == 0 else None)
             for k in range(train.steps)]
     return gathered([{"losses": [r["loss"] for r in recs], "grads": grads}])
 

@@ -109,16 +109,6 @@ def rank_state(engine: Any, placements: dict[str, Any]) -> dict[str, Pieces]:
     return out
 
 
-def buffer_state(model: Any) -> dict[str, torch.Tensor]:
-    """The model buffers a checkpoint holds, by key ``buffer.<global name>`` (the tensors
-    themselves: a load writes into them): the MoE layers' selection bias (balance = bias). Every
-    rank holding a layer has the same bias (``fived.model.moe.update_route_bias``): a whole,
-    replicated tensor, which any layout reads."""
-    from ..model.moe import bias_layers, route_bias_name
-
-    return {f"buffer.{route_bias_name(m)}": m.route_bias for m in bias_layers(model)}
-
-
 def rng_state(engine: Any = None) -> dict[str, torch.Tensor]:
     """The RNG states a resume restores per rank: torch's (CPU, CUDA) and, with
     ``--master-weights sr``, the stochastic-rounding generator's."""
@@ -162,7 +152,7 @@ class Saver:
         self.wait()
         t = self.trainer
         state: dict[str, Any] = dict(rank_state(t.engine, t.parallel.placements))
-        state.update({k: v.detach().clone() for k, v in buffer_state(t.stage).items()})
+        state.update({k: v.detach().clone() for k, v in t.balancer.state_dict().items()})
         for k, v in rng_state(t.engine).items():
             state[f"rng.{k}.rank{t.rank}"] = v.clone()
         man = manifest(t, done, mems)
@@ -369,7 +359,7 @@ def load(trainer: Any, ckpt: str | Path, weights_only: bool = False) -> int:
             _add(dest, key, gshape, local, shape, shift, a, c)
     # the selection bias routes the forward: loaded with the weights (a checkpoint without it,
     # e.g. an aux_loss run or an import, leaves the bias at zero)
-    dest.update({k: v for k, v in buffer_state(t.stage).items() if k in tensors})
+    dest.update({k: v for k, v in t.balancer.state_dict().items() if k in tensors})
     rng = {}
     for k, v in ({} if weights_only else rng_state(eng)).items():
         if f"rng.{k}.rank{t.rank}" in tensors:

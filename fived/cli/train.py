@@ -165,7 +165,8 @@ def main(argv: list[str]) -> int:
         warn_if_too_big(model, par, train,
                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env else world)
     from ..ranks.launch import RankFailure, run_local
-    from ..train.trainer import MEASURE_PEAK, train_rank
+    from ..train.metrics import MEASURE_PEAK
+    from ..train.trainer import train_rank
 
     # the MFU denominator: every rank measures its matmul peak at once, the peak is the sum
     # (fived.train.trainer.measure_world_peak)

@@ -426,7 +426,7 @@ def ep_routed_bytes(m: ModelConfig, counts: list[list[list[float]]],
 def bias_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Collective]:
     """balance = bias: the step's routed counts of the rank's MoE layers, (ℓ_moe, E) int64,
     summed over ``batch`` (dp·ep) once per step for the bias update
-    (``fived.parallel.expert.global_routed_counts``)."""
+    (``fived.parallel.balance.global_routed_counts``)."""
     layers = rank_moe_layers(m, par, pp_rank) if m.is_moe and m.balance == "bias" else 0
     if not layers:
         return []

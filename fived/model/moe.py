@@ -62,14 +62,16 @@ length (exact only when dropless).
 
 Loss-free balancing (``balance = "bias"``, DeepSeek-V3): a per-expert buffer ``route_bias`` b
 is added to the scores for the choice only, top-k(s + b), the weights staying those of s; after
-each optimizer step ``update_route_bias`` moves it by the step's global load,
-b_e ← b_e + γ · sign(c̄ − c_e) (the counts: ``routed_per_expert``, assignments before dropping,
-summed over the world by ``fived.parallel.expert.global_routed_counts``). ``aux_loss_coef``
+each optimizer step the route balancer (``fived.parallel.balance.RouteBalancer``) moves it by
+the step's global load, b_e ← b_e + γ · sign(c̄ − c_e) (the counts: ``routed_per_expert``,
+assignments before dropping, summed over the batch group by the balancer). ``aux_loss_coef``
 then weighs the (per-sequence) balance loss as DeepSeek-V3's complementary one; 0 for none.
 
-The module keeps per-step statistics (tokens per expert, routed assignments, dropped
-assignments, the local aux sums) that ``fived.parallel.expert.collect_stats`` and the bias update
-read; ``collect_stats`` resets them once per step.
+The module keeps the selection bias buffer and one ``RoutingStats`` (tokens per expert, routed
+assignments, dropped assignments, the local aux sums, the token rows sent) of the forwards since
+its last reset: ``fived.parallel.expert.collect_stats`` and the route balancer
+(``fived.parallel.balance``) read them once per step, ``collect_stats`` resets them, and an
+evaluation takes a ``snapshot`` and restores it (its forwards are no training step's).
 Names follow Mixtral: ``block_sparse_moe.gate`` (the router), ``experts.{e}.w1/w3/w2`` (gate, up,
 down), and ``shared_expert.{gate,up,down}_proj`` with ``shared_expert_gate`` (Qwen2-MoE's names).
 """
@@ -78,6 +80,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -200,6 +203,29 @@ def _in_backward() -> bool:
     return fn is not None and fn() != -1
 
 
+@dataclass
+class RoutingStats:
+    """One MoE layer's routing over the forwards since its last reset (one training step)."""
+
+    tokens_per_expert: torch.Tensor  # (E,) float64: kept rows per expert
+    routed_per_expert: torch.Tensor  # (E,) int64: assignments before dropping, whole sequences
+    dropped: float = 0.0  # dropped token-assignments
+    balance_sum: float = 0.0  # Σ_q B_q over this rank's sequences
+    z_sum: float = 0.0  # Σ_t logsumexp² over this rank's tokens
+    forwards: int = 0
+    sent_rows: torch.Tensor | None = None  # ep_dispatch = tokens: rows sent per ep rank
+
+    @classmethod
+    def zeros(cls, experts: int) -> RoutingStats:
+        return cls(torch.zeros(experts, dtype=torch.float64),
+                   torch.zeros(experts, dtype=torch.int64))
+
+    def snapshot(self) -> RoutingStats:
+        """A copy that later forwards do not change (tensors cloned)."""
+        return RoutingStats(**{f.name: (v.clone() if isinstance(v, torch.Tensor) else v)
+                               for f in fields(self) for v in [getattr(self, f.name)]})
+
+
 class MoE(nn.Module):
     """The MoE feed-forward of block ``layer``; input and output (b, s, h)."""
 
@@ -226,14 +252,7 @@ class MoE(nn.Module):
 
     # ------------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
-        self.tokens_per_expert = torch.zeros(self.cfg.experts, dtype=torch.float64)
-        # assignments before dropping, of this rank's whole sequences (loss-free balancing)
-        self.routed_per_expert = torch.zeros(self.cfg.experts, dtype=torch.int64)
-        self.dropped = 0.0  # dropped token-assignments
-        self.balance_sum = 0.0  # Σ_q B_q over this rank's sequences
-        self.z_sum = 0.0  # Σ_t logsumexp² over this rank's tokens
-        self.forwards = 0
-        self.sent_rows: torch.Tensor | None = None  # ep_dispatch = tokens: rows per ep rank
+        self.stats = RoutingStats.zeros(self.cfg.experts)
 
     # ------------------------------------------------------------------ compute
     def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -333,15 +352,16 @@ class MoE(nn.Module):
             out = _Combine.apply(y, weights, sel, k).view(b, s, h).to(x.dtype)
 
         if self.count_stats and not _in_backward():
-            self.forwards += 1
-            self.tokens_per_expert += counts.double().cpu()
-            self.routed_per_expert += routed.detach().long().sum(0).cpu()
-            self.dropped += float(keep.numel() - sel.numel())
-            self.balance_sum += float(balance.detach())
-            self.z_sum += float(z.detach())
+            st = self.stats
+            st.forwards += 1
+            st.tokens_per_expert += counts.double().cpu()
+            st.routed_per_expert += routed.detach().long().sum(0).cpu()
+            st.dropped += float(keep.numel() - sel.numel())
+            st.balance_sum += float(balance.detach())
+            st.z_sum += float(z.detach())
             if sent is not None:
                 sent = torch.tensor(sent, dtype=torch.float64)
-                self.sent_rows = sent if self.sent_rows is None else self.sent_rows + sent
+                st.sent_rows = sent if st.sent_rows is None else st.sent_rows + sent
         aux = cfg.aux_loss_coef * cfg.seq_len * balance + cfg.z_loss_coef * z
         if self.keep_aux:
             self.last_aux = aux
@@ -366,36 +386,6 @@ def bias_layers(model: nn.Module) -> list[MoE]:
     """The MoE layers of ``model`` that carry a selection bias (balance = bias), by layer."""
     return sorted((m for m in moe_layers(model) if m.cfg.balance == "bias"),
                   key=lambda m: m.layer)
-
-
-def local_routed_counts(model: nn.Module, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(bias layers, E) int64: this step's assignments before dropping, per expert, of this
-    rank's whole sequences (``routed_per_expert``, summed over micro-batches); rows in
-    ``bias_layers`` order."""
-    layers = bias_layers(model)
-    E = layers[0].cfg.experts if layers else 0
-    out = torch.zeros(len(layers), E, dtype=torch.int64, device=device)
-    for i, m in enumerate(layers):
-        out[i] = m.routed_per_expert.to(device)
-    return out
-
-
-def update_route_bias(model: nn.Module, counts: torch.Tensor, rate: float) -> None:
-    """DeepSeek-V3's auxiliary-loss-free update of every bias layer ℓ (row ℓ of ``counts``, the
-    global assignments c_{ℓ,e} of this step, in ``bias_layers`` order):
-
-        b_{ℓ,e} ← b_{ℓ,e} + γ · sign(c̄_ℓ − c_{ℓ,e}),    c̄_ℓ = (1/E) Σ_e c_{ℓ,e},   γ = ``rate``
-
-    An underloaded expert's bias rises (it is chosen more), an overloaded one's falls. The sign
-    is taken in integers, sign(Σ_e c_{ℓ,e} − E · c_{ℓ,e}), and the step is one fp32 add of ±γ,
-    so equal counts give the same bits on every rank and every layout."""
-    layers = bias_layers(model)
-    assert counts.shape[0] == len(layers), (tuple(counts.shape), len(layers))
-    with torch.no_grad():
-        for m, c in zip(layers, counts):
-            c = c.to(m.route_bias.device)
-            step = torch.sign(c.sum() - m.cfg.experts * c).to(torch.float32)
-            m.route_bias.add_(step, alpha=float(rate))
 
 
 def materialize_route_bias(model: nn.Module, device: torch.device | str) -> None:

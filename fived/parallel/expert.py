@@ -59,7 +59,7 @@ from torch import nn
 
 from ..comm import autograd as A
 from ..comm import ops
-from ..model.moe import bias_layers, local_routed_counts, moe_layers, update_route_bias
+from ..model.moe import moe_layers
 from .placement import Placement
 
 
@@ -233,13 +233,14 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
     row[1] = ep_sec
     row[2] = ep_sec / step_seconds if step_seconds > 0 else 0.0
     for m in layers:
-        row[3] += m.balance_sum
-        row[4] += m.z_sum
-        row[5] += m.dropped
-        row[head + m.layer * E: head + (m.layer + 1) * E] += m.tokens_per_expert
-        if n and m.sent_rows is not None:
-            row[tail + m.layer * n: tail + (m.layer + 1) * n] += m.sent_rows
-    fwd = float(sum(m.forwards for m in layers))
+        st = m.stats
+        row[3] += st.balance_sum
+        row[4] += st.z_sum
+        row[5] += st.dropped
+        row[head + m.layer * E: head + (m.layer + 1) * E] += st.tokens_per_expert
+        if n and st.sent_rows is not None:
+            row[tail + m.layer * n: tail + (m.layer + 1) * n] += st.sent_rows
+    fwd = float(sum(m.stats.forwards for m in layers))
     for m in layers:
         m.reset_stats()
     dev = next(model.parameters()).device  # nccl gathers cuda tensors
@@ -268,37 +269,3 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
         "counts": [r[head:head + Lyr * E].view(Lyr, E).tolist() for r in rows],
     }
 
-
-# ---------------------------------------------------------------------------- loss-free balancing
-
-def global_routed_counts(model: torch.nn.Module, batch_group: Any, device: Any) -> torch.Tensor:
-    """(bias layers on this rank, E) int64: every layer's assignments before dropping over the
-    whole global batch this step — one all-reduce over ``batch`` (dp·ep), charged to it.
-
-    Why ``batch`` suffices: a rank's counts are of its *whole* sequences. Under cp (and tp with
-    sequence parallelism) the layer has already summed each sequence's routed counts over the
-    ranks that cut it (``reduce_counts``, for the balance loss), and without SP every tp rank
-    routes the same tokens; so each member of a batch group holds the counts of its own
-    sequences, the batch group's members together hold every sequence once, and each pipeline
-    stage's batch groups reduce only the layers that stage holds. Integers: every rank gets the
-    same bits, equal to the one-rank count. Bytes per rank per step (the ring all-reduce):
-
-        2 · (n − 1)/n · ℓ_bias · E · 8        n = dp·ep,  ℓ_bias = MoE layers on the rank"""
-    counts = local_routed_counts(model, device)
-    if counts.numel():
-        ops.all_reduce(counts, batch_group)
-    return counts
-
-
-def balance_bias_step(model: torch.nn.Module, batch_group: Any, device: Any, rate: float,
-                      stepped: bool) -> torch.Tensor | None:
-    """After the optimizer step: the global counts (``global_routed_counts``, every step, so the
-    traffic is the same whether or not the step was taken) and, when the step was taken (not an
-    fp16 overflow or a non-finite loss), the bias update (``fived.model.moe.update_route_bias``).
-    None when the model has no bias layers here."""
-    if not bias_layers(model):
-        return None
-    counts = global_routed_counts(model, batch_group, device)
-    if stepped:
-        update_route_bias(model, counts, rate)
-    return counts

@@ -339,7 +339,8 @@ class DryTrainer(Trainer):
         self.engine.grad_sq()  # the clip's collectives; the norm itself is a value
         lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
         self.engine.step(lr)
-        self.balance_bias(True)  # balance = bias: the routed counts' all-reduce (zeros here)
+        if self.balancer:  # balance = bias: the routed counts' all-reduce (zeros here)
+            self.balancer.sync(True)
         return {"step": step, "loss": float("nan"), "tokens": global_tokens,
                 "seconds": time.perf_counter() - t0, "lr": lr, "grad_norm": float("nan"),
                 "skipped": False, "activation_peak": saved.peak}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 from rich.console import Console
@@ -137,3 +138,172 @@ def summary_table(history: list[dict[str, Any]], totals: Any = None) -> Table:
         if dim != "metrics":
             t.add_row(f"sent per step, {dim} (max rank)", human_bytes(b))
     return t
+
+
+def rss_peak() -> int:
+    """This process's peak resident set size in bytes (``getrusage``: VmHWM)."""
+    import resource
+    import sys
+
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kb if sys.platform == "darwin" else kb * 1024)
+
+
+def measure_matmul_peak(seconds: float = 0.25, n: int = 512,
+                        device: Any = "cpu") -> float:
+    """FLOP/s of an fp32 n×n matmul on this process's threads, or its cuda device."""
+    import torch
+
+    dev = torch.device(device)
+    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    sync()
+    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+MEASURE_PEAK = -1.0  # train_rank's peak_flops: every rank measures, at once (measure_world_peak)
+
+
+def measure_world_peak(world: int, device: Any, seconds: float = 0.25) -> float:
+    """The MFU denominator: every rank measures its own matmul peak at the same moment (a
+    barrier first), on the threads (or device) it trains on, and the peak is their sum. Ranks
+    that share a machine share its cores while they measure, exactly as while they train, so
+    the sum cannot exceed what the machine gives them (one process measuring for all, with its
+    own threads, could: e.g. OMP_NUM_THREADS=1 there, a thread per rank here, or a machine busy
+    then and quiet now)."""
+    import torch
+    import torch.distributed as dist
+
+    if world > 1:
+        dist.barrier()
+    mine = measure_matmul_peak(seconds, device=device)
+    if world == 1:
+        return mine
+    t = torch.tensor([mine], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+def mfu_of(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs / s over the measured peak (0 without one); above ``MFU_BOUND`` it is shown
+    as n/a (``mfu_text``)."""
+    return flops_per_token * tokens_per_s / peak_flops if peak_flops > 0 else 0.0
+
+
+def _metrics_file(path: str, start: int):
+    """``--metrics-out`` of rank 0: a fresh run truncates it; a resumed run (start > 0) keeps
+    the records of the steps before ``start`` (a run killed after its last save wrote some
+    steps twice otherwise) and appends, so after any number of restarts it holds every step
+    once."""
+    import json
+    from pathlib import Path
+
+    if start > 0 and Path(path).is_file():
+        kept = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line).get("step", -1) < start:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except ValueError:  # a line cut by a kill: dropped
+                    pass
+        with open(path, "w") as f:
+            f.writelines(kept)
+        return open(path, "a")
+    return open(path, "w")
+
+
+# ---------------------------------------------------------------------------- the run's metrics
+class MetricsProcessor:
+    """Everything a run measures and shows, on top of ``Trainer.step``'s record: each rank's
+    memory, traffic and peak RSS (one metrics all-gather), tokens/s and MFU (the peak measured
+    by every rank at once), the cuda peak; and where it goes — the live line, ``--metrics-out``
+    (rank 0; the first record names the run for ``fived ledger --check``), ``--tensorboard`` —
+    at ``--log-every``'s cadence, and the closing table."""
+
+    def __init__(self, trainer: Any, train: Any, show: bool, peak_flops: float, start: int):
+        from ..ledger.compute import model_flops_per_token
+
+        t, rank = trainer, trainer.rank
+        self.trainer, self.train, self.start = t, train, start
+        self.tb = self.display = self.out = None
+        if rank == 0 and train.tensorboard:
+            from .tb import TensorBoard
+
+            self.tb = TensorBoard(train.tensorboard)
+        if peak_flops == MEASURE_PEAK:  # the MFU denominator: every rank's threads, at once
+            peak_flops = measure_world_peak(t.world, t.device)
+            if rank == 0 and show:
+                print(f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s ({t.world} rank(s) measured at "
+                      "once, summed: the MFU denominator)", flush=True)
+        self.peak_flops = peak_flops
+        if rank == 0 and show:
+            self.display = LiveDisplay(t.cfg, t.par, train, t.world, peak_flops)
+        self.flops_per_token = model_flops_per_token(t.cfg)
+        if rank == 0 and train.metrics_out:
+            self.out = _metrics_file(train.metrics_out, start)
+
+    def measure(self, rec: dict[str, Any]) -> list[dict[str, int]]:
+        """Add every rank's memory, traffic and RSS, tokens/s and MFU to ``rec``; the memory
+        per rank (what a checkpoint's manifest records)."""
+        t = self.trainer
+        mems, traffic = t.gather_stats(t.engine.memory())
+        rec["memory"], rec["memory_per_rank"] = mems[0], mems
+        rec["traffic"], rec["traffic_per_rank"] = traffic[0]["bytes"], traffic
+        rec["rss_peak"] = max(r["peak"] for r in t.rss)  # VmHWM, the largest rank
+        rec["rss_per_rank"] = t.rss
+        rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
+        rec["mfu"] = mfu_of(self.flops_per_token, rec["tokens_per_s"], self.peak_flops)
+        if t.device.type == "cuda":  # measured, next to the ledger's (gpu_check.sh)
+            import torch
+
+            rec["cuda_max_allocated"] = torch.cuda.max_memory_allocated(t.device)
+            rec["cuda_build_allocated"] = t.build_cuda
+        return mems
+
+    def note(self, text: str) -> None:
+        """A line above the live display (rank 0, when shown)."""
+        if self.display:
+            self.display.progress.console.print(text)
+
+    def log(self, rec: dict[str, Any], step: int, end: int) -> None:
+        """TensorBoard every step; the file and the live line at ``--log-every`` (always the
+        first step, the last, an evaluation and a bad step)."""
+        if self.tb:
+            self.tb.log(rec)
+        logged = (step == self.start or (step + 1) % self.train.log_every == 0 or step == end - 1
+                  or "val_loss" in rec or rec["bad"])
+        if self.out and logged:
+            if step == self.start:  # what ran, so `fived ledger --check FILE` needs nothing else
+                from dataclasses import asdict
+
+                t = self.trainer
+                rec = {**rec, "run": {"model": asdict(t.cfg), "parallel": asdict(t.par),
+                                      "global_batch": self.train.global_batch,
+                                      "optimizer": self.train.optimizer}}
+            import json
+
+            self.out.write(json.dumps(rec) + "\n")
+            self.out.flush()
+        if self.display and logged:
+            self.display.update(rec)
+
+    def close(self) -> None:
+        for x in (self.tb, self.display, self.out):
+            if x is not None:
+                x.close()
+
+    def final(self, history: Any) -> None:
+        """The closing table (rank 0, when shown) and the validation losses by step."""
+        if not self.display:
+            return
+        self.display.final_table(list(history.records), history)
+        if history.evals:
+            self.display.console.print("validation loss by step: " + ", ".join(
+                f"{s}: {v:.4f}" for s, v in history.evals))

@@ -12,14 +12,11 @@
 * ``History`` — what ``train_rank`` keeps of the steps: the last ``WINDOW`` records (the final
   table's medians and the tests' per-step checks), running totals, every loss as 8 bytes
   (``array('d')``); ``--metrics-out`` still gets every record.
-* ``die_hook`` — tests only: ``FIVED_TEST_DIE_AT_STEP`` kills this rank (SIGKILL) at a step;
-  in normal use it is one environment lookup at start-up.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import signal
 from array import array
 from collections import deque
@@ -82,12 +79,20 @@ class BadSteps:
     def is_bad(rec: dict[str, Any]) -> bool:
         return bool(rec.get("bad"))
 
-    def update(self, rec: dict[str, Any]) -> None:
+    def update(self, rec: dict[str, Any], rank: int = -1) -> None:
+        """Count ``rec``'s step; rank 0 (``rank``) says so when it was bad (``stop``: the message
+        once the run must stop). ``rec["bad_steps"]``: the run's total so far."""
         if not self.is_bad(rec):
             self.run = 0
+            rec["bad_steps"] = self.total
             return
         self.run += 1
         self.total += 1
+        rec["bad_steps"] = self.total
+        if rank == 0:
+            print(f"step {rec['step']}: non-finite loss {rec['loss']} or gradient norm "
+                  f"{rec['grad_norm']}: step skipped ({self.run} in a row, --max-bad-steps "
+                  f"{self.limit})", flush=True)
         if self.run >= self.limit:
             self.stop = (f"stopped at step {rec['step']}: {self.run} steps in a row had a "
                          f"non-finite loss or gradient norm (--max-bad-steps {self.limit}); each "
@@ -121,20 +126,3 @@ class History:
             self.moe_dropped += rec["moe"]["dropped"]
         if "val_loss" in rec:
             self.evals.append((rec["step"], rec["val_loss"]))
-
-
-def die_hook(rank: int) -> int | None:
-    """Tests: ``FIVED_TEST_DIE_AT_STEP="R:S0,S1,..."`` — rank R kills itself (SIGKILL) at the
-    start of step S_k on torchrun's k-th attempt (``TORCHELASTIC_RESTART_COUNT``); None unless
-    set for this rank and attempt."""
-    spec = os.environ.get("FIVED_TEST_DIE_AT_STEP")
-    if not spec:
-        return None
-    r, _, steps = spec.partition(":")
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    at = [int(s) for s in steps.split(",") if s]
-    return at[attempt] if int(r) == rank and attempt < len(at) else None
-
-
-def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)

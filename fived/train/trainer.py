@@ -19,7 +19,6 @@ loader of ``fived.data.loader`` (rows of the batch group only; the padded vocabu
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, replace
@@ -31,75 +30,22 @@ import torch.distributed as dist
 from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from ..ledger.compute import model_flops_per_token
 from ..model import build_model
 from ..model.init import InitSource
-from ..model.moe import bias_layers, materialize_route_bias, moe_layers, set_aux_grad_scale
+from ..model.moe import materialize_route_bias, moe_layers, set_aux_grad_scale
 from ..optim import lr_at
+from ..parallel.balance import RouteBalancer
 from ..parallel.context import shard_batch
-from ..parallel.expert import balance_bias_step, collect_stats
+from ..parallel.expert import collect_stats
 from ..parallel.parallelize import dtype_of, parallelize
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
 from ..ranks.launch import rank_device
 from . import data as D
-from .metrics import MFU_BOUND, mfu_text  # noqa: F401 - mfu_text re-exported (tests)
+from .metrics import rss_peak
 from .resilience import non_finite
 
-MOE_STATS = ("tokens_per_expert", "routed_per_expert", "dropped", "balance_sum", "z_sum",
-             "forwards", "sent_rows")
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "buffers", "padding")
 TRAFFIC_KEYS = GROUP_NAMES
-
-
-def rss_peak() -> int:
-    """This process's peak resident set size in bytes (``getrusage``: VmHWM)."""
-    import resource
-    import sys
-
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(kb if sys.platform == "darwin" else kb * 1024)
-
-
-def measure_matmul_peak(seconds: float = 0.25, n: int = 512,
-                        device: torch.device | str = "cpu") -> float:
-    """FLOP/s of an fp32 n×n matmul on this process's threads, or its cuda device."""
-    dev = torch.device(device)
-    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    a @ b
-    sync()
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        reps += 1
-    sync()
-    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
-
-
-MEASURE_PEAK = -1.0  # train_rank's peak_flops: every rank measures, at once (measure_world_peak)
-
-
-def measure_world_peak(world: int, device: torch.device, seconds: float = 0.25) -> float:
-    """The MFU denominator: every rank measures its own matmul peak at the same moment (a
-    barrier first), on the threads (or device) it trains on, and the peak is their sum. Ranks
-    that share a machine share its cores while they measure, exactly as while they train, so
-    the sum cannot exceed what the machine gives them (one process measuring for all, with its
-    own threads, could: e.g. OMP_NUM_THREADS=1 there, a thread per rank here, or a machine busy
-    then and quiet now)."""
-    if world > 1:
-        dist.barrier()
-    mine = measure_matmul_peak(seconds, device=device)
-    if world == 1:
-        return mine
-    t = torch.tensor([mine], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t[0])
-
-
-def mfu_of(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
-    """Model FLOPs / s over the measured peak (0 without one); above ``MFU_BOUND`` it is shown
-    as n/a (``mfu_text``)."""
-    return flops_per_token * tokens_per_s / peak_flops if peak_flops > 0 else 0.0
 
 
 class Trainer:
@@ -146,6 +92,11 @@ class Trainer:
         self.stage = self.parallel.model
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
+        # post-optimizer-step hooks, run before the step's MoE statistics are collected (and
+        # reset): balance = bias's route balancer (its counts' all-reduce and the update)
+        self.balancer = RouteBalancer(self.stage, self.grid["batch"], self.device,
+                                      model_cfg.bias_update_rate)
+        self.post_step = [self.balancer.after_step] if self.balancer else []
         self.metrics_group = replace(self.grid["pp"], name="metrics")
         self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
                                       dist.group.WORLD if world > 1 else None, self.traffic)
@@ -265,7 +216,7 @@ class Trainer:
                    or getattr(self.engine, "overflow", False) else False)
         if self.engine.skip_reason and self.rank == 0:
             print(self.engine.skip_reason, flush=True)
-        routed = self.balance_bias(stepped)
+        after = [hook(stepped) for hook in self.post_step]
         seconds = time.perf_counter() - t0
         rec = {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped, "bad": bad}
@@ -274,18 +225,9 @@ class Trainer:
         if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
             rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.parallel.placements,
                                        self.world_metrics, global_tokens, seconds, self.traffic)
-        if routed is not None:  # this rank's layers: global counts, and the bias after the step
-            layers = bias_layers(self.stage)
-            rec["moe"]["routed"] = {m.layer: r for m, r in zip(layers, routed.tolist())}
-            rec["moe"]["route_bias"] = {m.layer: m.route_bias.tolist() for m in layers}
+        for extra in after:  # the balancer's: this rank's layers' global counts and biases
+            rec["moe"].update(extra)
         return rec
-
-    def balance_bias(self, stepped: bool) -> torch.Tensor | None:
-        """balance = bias, after the optimizer step: the step's global routed counts (one
-        all-reduce over ``batch``) and, if the step was taken, the bias update
-        (``fived.parallel.expert.balance_bias_step``); None without bias layers here."""
-        return balance_bias_step(self.stage, self.grid["batch"], self.device,
-                                 self.cfg.bias_update_rate, stepped)
 
     def forward_only(self, x, y, positions) -> torch.Tensor:
         """All micro-batches forward only (call under ``torch.no_grad``): this rank's summed
@@ -309,8 +251,7 @@ class Trainer:
         assert self.eval_loader is not None
         n = batches or self.tcfg.eval_batches
         tokens = self.tcfg.global_batch * self.cfg.seq_len
-        stats = [(m, {k: v.clone() if isinstance(v, torch.Tensor) else v
-                      for k, v in vars(m).items() if k in MOE_STATS}) for m in moe_layers(self.stage)]
+        stats = [(m, m.stats.snapshot()) for m in moe_layers(self.stage)]
         total = None  # on whatever device the step's loss is
         try:
             with torch.no_grad():
@@ -323,8 +264,7 @@ class Trainer:
         finally:
             self.engine.end_forward()
             for m, saved in stats:  # MoE routing statistics belong to training steps
-                for k, v in saved.items():
-                    setattr(m, k, v)
+                m.stats = saved
         loss = self.global_loss(total) / (n * tokens)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
 
@@ -341,12 +281,6 @@ class Trainer:
         ops.all_reduce(t, replace(self.grid["tp"], name="metrics"))
         ops.all_reduce(t, self.metrics_group)  # only the last stage holds a loss
         return float(t)
-
-    def grad_pieces(self) -> dict[str, tuple[dict[str, Any], Any]]:
-        """Every parameter's reduced gradient piece on this rank with its placement (tests)."""
-        grads = self.engine.full_grads()
-        return {n: (asdict(self.parallel.placements[n]), g.detach().float().cpu().numpy())
-                for n, g in grads.items()}  # numpy: pickled by value across processes
 
     def gather_stats(self, mem: dict[str, int]) -> tuple[list[dict], list[dict]]:
         """Every rank's memory and traffic, on every rank (a metrics-only collective)."""
@@ -372,42 +306,23 @@ class Trainer:
         return mems, traffic
 
 
-def _metrics_file(path: str, start: int):
-    """``--metrics-out`` of rank 0: a fresh run truncates it; a resumed run (start > 0) keeps
-    the records of the steps before ``start`` (a run killed after its last save wrote some
-    steps twice otherwise) and appends, so after any number of restarts it holds every step
-    once."""
-    from pathlib import Path
-
-    if start > 0 and Path(path).is_file():
-        kept = []
-        with open(path) as f:
-            for line in f:
-                try:
-                    if json.loads(line).get("step", -1) < start:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-                except ValueError:  # a line cut by a kill: dropped
-                    pass
-        with open(path, "w") as f:
-            f.writelines(kept)
-        return open(path, "a")
-    return open(path, "w")
-
-
 def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig,
                train: TrainConfig, show: bool = True, peak_flops: float = 0.0,
-               record_grads: bool = False, fault: Any = None) -> dict[str, Any]:
+               hooks: list[Any] | tuple[Any, ...] = ()) -> dict[str, Any]:
     """Train on this rank; every rank returns the same summary (losses per step etc.).
 
-    ``record_grads``: the summary also holds ``grads``, this rank's reduced gradient pieces of
-    the first step with their placements (``fived.testing.assemble_grads`` joins the ranks').
-    ``fault(trainer, step)`` (tests): runs on every step once the gradients are reduced (to
-    plant a NaN). The summary's ``preempted`` (steps done, saved) or ``stopped`` (a message:
-    too many bad steps) says why a run ended early (fived.train.resilience)."""
+    The loop calls its parts: the ``CheckpointManager`` (resume, saves, preemption), the
+    ``MetricsProcessor`` (what is measured and shown), the ``Evaluator`` and the ``BadSteps``
+    policy; ``hooks`` (``fived.train.hooks``) observe or inject at fixed points. The summary's
+    ``preempted`` (steps done, saved) or ``stopped`` (a message: too many bad steps, a failed
+    save) says why a run ended early (fived.train.resilience)."""
     from ..checkpoint.state import SaveError
-    from .resilience import BadSteps, History, Preemption, die, die_hook
+    from .checkpointing import CheckpointManager
+    from .evaluator import Evaluator
+    from .hooks import Hooks
+    from .metrics import MetricsProcessor
+    from .resilience import BadSteps, History, Preemption
 
-    die_at = die_hook(rank)  # tests only: one environment lookup in normal use
     torch.manual_seed(train.seed)
     # caught from here on: a signal while the model is built or loaded acts after step one
     preempt = Preemption(train.preempt_signals, rank_device(), world)
@@ -416,153 +331,45 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     except BaseException:
         preempt.close()
         raise
-    tb = None
-    if rank == 0 and train.tensorboard:
-        from .tb import TensorBoard
-
-        tb = TensorBoard(train.tensorboard)
-    if peak_flops == MEASURE_PEAK:  # the MFU denominator: every rank's threads, measured at once
-        peak_flops = measure_world_peak(world, trainer.device)
-        if rank == 0 and show:
-            print(f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s ({world} rank(s) measured at "
-                  "once, summed: the MFU denominator)", flush=True)
-    display = None
-    if rank == 0 and show:
-        from .metrics import LiveDisplay
-
-        display = LiveDisplay(model_cfg, par, train, world, peak_flops)
-    flops_tok = model_flops_per_token(model_cfg)
-    history = History()
-    bad = BadSteps(train.max_bad_steps)
-    grads: dict[str, Any] = {}
-
-    def on_grads(step: int) -> Any:
-        if not (fault or (record_grads and step == 0)):
-            return None
-
-        def hook() -> None:
-            if record_grads and step == 0:
-                grads.update(trainer.grad_pieces())
-            if fault is not None:
-                fault(trainer, step)
-        return hook
-
-    start, saver = 0, None
-    if train.resume:  # fived.checkpoint: any layout's checkpoint into this one
-        from ..checkpoint import load, resolve
-
-        start = load(trainer, resolve(train.resume))
-    if train.save_dir:
-        from ..checkpoint import Saver
-
-        saver = Saver(trainer, train.save_dir, train.save_every, train.keep, train.async_save,
-                      verbose=show)
-    out_file = _metrics_file(train.metrics_out, start) if (rank == 0 and train.metrics_out) \
-        else None
-    preempted: int | None = None
-    save_error = ""
+    ckpt, run_hooks = CheckpointManager(trainer, train, show), Hooks(hooks)
+    start = ckpt.resume()
+    metrics = MetricsProcessor(trainer, train, show, peak_flops, start)
+    evaluator, bad, history = Evaluator(trainer, train), BadSteps(train.max_bad_steps), History()
+    end, stopped = min(train.steps, train.stop_after or train.steps), ""
     try:
-        end = min(train.steps, train.stop_after or train.steps)
         for step in range(start, end):
-            if die_at == step:
-                die()
-            rec = trainer.step(step, on_grads(step))
-            mems, traffic = trainer.gather_stats(trainer.engine.memory())
-            rec["memory"] = mems[0]
-            rec["memory_per_rank"] = mems
-            rec["traffic"] = traffic[0]["bytes"]
-            rec["traffic_per_rank"] = traffic
-            rec["rss_peak"] = max(r["peak"] for r in trainer.rss)  # VmHWM, the largest rank
-            rec["rss_per_rank"] = trainer.rss
-            rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
-            rec["mfu"] = mfu_of(flops_tok, rec["tokens_per_s"], peak_flops)
-            if trainer.device.type == "cuda":  # measured, next to the ledger's (gpu_check.sh)
-                rec["cuda_max_allocated"] = torch.cuda.max_memory_allocated(trainer.device)
-                rec["cuda_build_allocated"] = trainer.build_cuda
-            last = step == train.steps - 1
-            if train.eval_every and (step == 0 or (step + 1) % train.eval_every == 0 or last):
-                rec.update(trainer.evaluate())  # after the step's stats: its traffic is apart
-                if display:
-                    display.progress.console.print(
-                        f"step {step}: validation loss {rec['val_loss']:.4f}, perplexity "
-                        f"{rec['val_ppl']:.2f}")
-            bad.update(rec)
-            rec["bad_steps"] = bad.total
-            if rec["bad"] and rank == 0:
-                print(f"step {step}: non-finite loss {rec['loss']} or gradient norm "
-                      f"{rec['grad_norm']}: step skipped ({bad.run} in a row, "
-                      f"--max-bad-steps {bad.limit})", flush=True)
-            if tb:
-                tb.log(rec)
+            run_hooks.step_start(trainer, step)
+            rec = trainer.step(step, run_hooks.grads(trainer, step))
+            mems = metrics.measure(rec)
+            evaluator.after_step(rec, step, metrics)
+            bad.update(rec, rank)
             history.add(rec)
-            # --log-every: the live line and the metrics file at that cadence, and always the
-            # first step (the file's run record), the last, an evaluation and a bad step
-            logged = (step == start or (step + 1) % train.log_every == 0 or step == end - 1
-                      or "val_loss" in rec or rec["bad"])
-            if out_file and logged:
-                if step == start:  # what ran, so `fived ledger --check FILE` needs nothing else
-                    rec = {**rec, "run": {"model": asdict(model_cfg), "parallel": asdict(par),
-                                          "global_batch": train.global_batch,
-                                          "optimizer": train.optimizer}}
-                out_file.write(json.dumps(rec) + "\n")
-                out_file.flush()
-            if display and logged:
-                display.update(rec)
+            metrics.log(rec, step, end)
             if bad.stop:  # nothing more is saved: the newest checkpoint is the last good one
                 if rank == 0:
                     print(f"fived train: {bad.stop}", flush=True)
                 break
-            # in a streak of bad steps nothing is saved: the newest checkpoint stays a good one
-            # (and --keep never prunes a good checkpoint for a bad one)
-            saved = bool(saver and saver.due(step + 1, end) and not bad.run)
-            if saved:
-                saver.save(step + 1, mems)
-            if preempt.agreed() and step + 1 < end:  # every rank, after the same step
-                if saver and not saved and not bad.run:
-                    saver.save(step + 1, mems)
-                    saved = True
-                preempted = step + 1
-                if rank == 0:
-                    print(f"fived train: SIG{preempt.hit or 'TERM'} (on some rank): "
-                          + (f"saved step {step + 1} to {train.save_dir}; exiting with status "
-                             "75 (preempted, resumable with --resume auto)" if saved else
-                             "nothing saved (no --save-dir, or a bad step); exiting with "
-                             "status 75"),
-                          flush=True)
+            if ckpt.after_step(step, end, mems, bad.run, preempt):
                 break
-        if saver:
-            saver.wait()
+        ckpt.wait()
     except SaveError as e:  # every rank together; the previous checkpoint is intact
-        save_error = str(e)
+        stopped = str(e)
         if rank == 0:
-            print(f"fived train: {save_error}", flush=True)
+            print(f"fived train: {stopped}", flush=True)
     finally:
         preempt.close()
         trainer.close()
-        if tb:
-            tb.close()
-        if display:
-            display.close()
-        if out_file:
-            out_file.close()
-    records = list(history.records)
-    summary = {"losses": history.losses.tolist(), "history": records,
-               "bad_steps": bad.total,
-               "config": {"model": asdict(model_cfg), "parallel": asdict(par),
-                          "train": asdict(train)}}
-    if preempted is not None:
-        summary["preempted"] = preempted
-    if bad.stop or save_error:
-        summary["stopped"] = bad.stop or save_error
-    if record_grads:
-        summary["grads"] = grads
+        metrics.close()
+    summary = {"losses": history.losses.tolist(), "history": list(history.records),
+               "bad_steps": bad.total, "config": {"model": asdict(model_cfg),
+                                                  "parallel": asdict(par), "train": asdict(train)}}
+    if ckpt.preempted is not None:
+        summary["preempted"] = ckpt.preempted
+    if bad.stop or stopped:
+        summary["stopped"] = bad.stop or stopped
     if history.evals:
         summary["val"] = history.evals
-    if display:
-        display.final_table(records, history)
-        if history.evals:
-            display.console.print("validation loss by step: " + ", ".join(
-                f"{s}: {v:.4f}" for s, v in history.evals))
+    metrics.final(history)
     return summary
 
 
