@@ -1,12 +1,18 @@
 """Data parallelism: gradients summed over the ranks that hold the same parameters, with ZeRO
 sharding and mixed precision (``fived.parallel.precision``), on flat buckets.
 
-    ddp.py     ZeRO-0 (``DDP``): all-reduce; 2(N−1)/N · grad bytes sent per rank per step
-    zero12.py  ZeRO-1/2 (``Zero1``, ``Zero2``): reduce-scatter + all-gather;
-               (N−1)/N · (grad bytes + param bytes)
-    zero3.py   ZeRO-3 (``Zero3``): per-unit gather/free with prefetch; 3(N−1)/N · param bytes
-    base.py    what they share (hooks, launch order, finish, norm/clip/step, memory report)
-    buckets.py the flat buckets and their padding
+    ddp.py         ZeRO-0 (``DDP``): all-reduce; 2(N−1)/N · grad bytes sent per rank per step
+    zero12.py      ZeRO-1/2 (``Zero1``, ``Zero2``): reduce-scatter + all-gather;
+                   (N−1)/N · (grad bytes + param bytes)
+    zero3.py       ZeRO-3 (``Zero3``): per-unit gather/free with prefetch; 3(N−1)/N · param bytes
+    base.py        the engine: the pieces composed, the public surface (docs/engine.md)
+    protocols.py   what a stage chooses: Sharding, GradStore, ParamGather (+ NoGather)
+    layout.py      bucket layout and build (born sharded)
+    grads.py       gradient storage: FullGrads (ZeRO-0/1), ShardGrads (ZeRO-2/3)
+    reduce.py      the reduction: hooks, launch order, overlap, finish
+    master.py      masters, loss scale, norm, clip, optimizer step
+    accounting.py  model-state bytes (memory()), the transient buffers' peak
+    buckets.py     the flat buckets and their padding
 
 Model states per parameter: (P + G + M + 8)Ψ with ZeRO-0; ZeRO-1 divides M + 8 by N, ZeRO-2
 also G, ZeRO-3 also P (P, G, M: param, grad, fp32-master bytes; 8: Adam m, v).

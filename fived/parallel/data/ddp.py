@@ -21,21 +21,46 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ...comm import ops, ring
 from .base import DataParallel
 from .buckets import Bucket
+from .grads import FullGrads
 
 
-class DDP(DataParallel):
-    """Replicated states, all-reduced gradients (the base's persistent full gradient buffers)."""
+class AllReduce:
+    """ZeRO-0's ``Sharding``: one shard (every member holds everything), the gradient
+    all-reduced in place; nothing to publish after the step."""
 
-    stage = 0
+    def __init__(self, grid: Any, par: Any, device: torch.device):
+        self.collectives = par.collectives
 
     def shard_count(self, group: Any) -> int:
         return 1
 
     def start_reduce(self, b: Bucket) -> Any:
-        if self.par.collectives == "ring":  # fived.comm.ring, synchronous: no overlap
+        if self.collectives == "ring":  # fived.comm.ring, synchronous: no overlap
             ring.ring_all_reduce(b.grad, b.group)
             return ops.Handle(None, b.group, "all_reduce")
         return ops.all_reduce(b.grad, b.group, async_op=True)
+
+    def sum_over_shards(self, sums: dict[str, torch.Tensor]) -> None:
+        """Replicated: every member's Σg² is already the group's."""
+
+    def gather_grad(self, b: Bucket) -> torch.Tensor:
+        return b.grad_shard
+
+    def gather_params(self, buckets: list[Bucket]) -> None:
+        """The step updated every parameter in place on every member."""
+
+    def param_state(self, b: Bucket) -> torch.Tensor:
+        return b.param_full
+
+
+class DDP(DataParallel):
+    """Replicated states, all-reduced gradients, persistent full gradient buffers."""
+
+    stage = 0
+    sharding_type = AllReduce
+    grads_type = FullGrads

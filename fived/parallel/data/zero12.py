@@ -26,6 +26,10 @@ Traffic per step, bytes sent per rank:
 ``--collectives ring`` runs both through ``fived.comm.ring`` (synchronously; the padded buckets
 make its bytes exactly these). ZeRO-3 inherits the ring reduce-scatter; its parameter gathers
 stay the backend's.
+
+Pieces (docs/engine.md): both use ``ReduceScatter`` (the ``Sharding``: reduce-scatter, the
+all-gather after the step, the norm summed over the shards); ZeRO-1 keeps ``FullGrads``,
+ZeRO-2 uses ``ShardGrads`` (``grads``).
 """
 
 from __future__ import annotations
@@ -37,19 +41,23 @@ import torch
 
 from ...comm import ops, ring
 from .base import DataParallel
-from .buckets import Bucket, nbytes
+from .buckets import Bucket
+from .grads import FullGrads, ShardGrads
 
 
-class Zero1(DataParallel):
-    """Sharded masters and optimizer state; persistent full gradients."""
+class ReduceScatter:
+    """ZeRO-1/2's ``Sharding``: N shards per bucket; the gradient reduce-scattered in place (the
+    member's reduced shard lands in its own slice), the updated parameters all-gathered in place
+    after the step; the global norm sums the members' Σg² (under ``metrics``)."""
 
-    stage = 1
+    def __init__(self, grid: Any, par: Any, device: torch.device):
+        self.grid, self.collectives, self.device = grid, par.collectives, device
 
     def shard_count(self, group: Any) -> int:
         return group.size
 
     def start_reduce(self, b: Bucket) -> Any:
-        if self.par.collectives == "ring":  # fived.comm.ring, synchronous (padded: exact bytes)
+        if self.collectives == "ring":  # fived.comm.ring, synchronous (padded: exact bytes)
             b.grad[b.lo:b.hi].copy_(ring.ring_reduce_scatter(b.grad, b.group))
             return ops.Handle(None, b.group, "reduce_scatter")
         return ops.reduce_scatter(b.grad, b.group, async_op=True, out=b.grad[b.lo:b.hi])
@@ -63,53 +71,30 @@ class Zero1(DataParallel):
         ops.all_gather_into(flat, b.grad_shard, replace(b.group, name="metrics"))
         return flat
 
-    def gather_params(self) -> None:
-        if self.par.collectives == "ring":
-            for b in self.buckets:
+    def gather_params(self, buckets: list[Bucket]) -> None:
+        if self.collectives == "ring":
+            for b in buckets:
                 b.param_full.copy_(ring.ring_all_gather(b.param_shard, b.group))
             return
         handles = [ops.all_gather_into(b.param_full, b.param_shard, b.group, async_op=True)
-                   for b in self.buckets]
+                   for b in buckets]
         for h in handles:
             h.wait()
+
+    def param_state(self, b: Bucket) -> torch.Tensor:
+        return b.param_full
+
+
+class Zero1(DataParallel):
+    """Sharded masters and optimizer state; persistent full gradients."""
+
+    stage = 1
+    sharding_type = ReduceScatter
+    grads_type = FullGrads
 
 
 class Zero2(Zero1):
     """ZeRO-1 with transient full gradient buffers: only the owned gradient shard persists."""
 
     stage = 2
-
-    def build_grads(self, b: Bucket) -> None:
-        b.grad = None
-        b.grad_shard = torch.zeros(b.shard_numel, dtype=self.policy.grad, device=self.device)
-
-    def attach_grads(self) -> bool:
-        return False
-
-    def reset_grads(self, b: Bucket) -> None:
-        for p in b.params:
-            p.grad = None
-
-    def ensure_grad(self, b: Bucket) -> torch.Tensor:
-        if b.grad is None:
-            b.grad = torch.zeros(b.padded, dtype=self.policy.grad, device=self.device)
-            self.hold(nbytes(b.grad))
-        return b.grad
-
-    def after_launch(self, seq: list[Bucket], launched: int) -> None:
-        """Wait for an older bucket's reduce-scatter so that at most two transient gradient
-        buffers per group are in flight."""
-        if launched > 2:
-            older = seq[launched - 3]
-            if older.handle is not None:
-                self.wait(older)
-
-    def after_reduce(self, b: Bucket) -> None:
-        """Keep the owned shard of the reduced gradient, drop the full buffer."""
-        if b.grad is not None:
-            b.grad_shard.copy_(b.grad[b.lo:b.hi])
-            self.release(nbytes(b.grad))
-            b.grad = None
-
-    def grad_state(self, b: Bucket) -> torch.Tensor:
-        return b.grad_shard
+    grads_type = ShardGrads

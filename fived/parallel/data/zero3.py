@@ -38,6 +38,11 @@ bytes sent per rank:
     (same dtype for params and grads; with m micro-batches the gathers run m times each)
     pp, per step:  (1 + 1)·(N−1)/N · param bytes       (all-gather once, reduce-scatter once)
     pp, per micro: (2m + 1)·(N−1)/N · param bytes
+
+Pieces (docs/engine.md): ``ShardedParams`` (the ``Sharding``: ZeRO-1/2's reduce-scatter, no
+all-gather after the step, the shard is the parameter state), ``UnitLayout`` (one bucket per
+(unit, group), built gathered and freed at once), ``ShardGrads`` (ZeRO-2's), and ``UnitGather``,
+the ``ParamGather`` that does all of the above around forward and backward.
 """
 
 from __future__ import annotations
@@ -48,8 +53,11 @@ import torch
 from torch import nn
 
 from ...comm import ops
+from .accounting import Buffers
+from .base import Alias
 from .buckets import Bucket, Named, nbytes
-from .zero12 import Zero2
+from .layout import Layout
+from .zero12 import ReduceScatter, Zero2
 
 
 def in_backward() -> bool:
@@ -57,55 +65,22 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class GatherUnit:
-    """A set of buckets (one per reduction group) gathered and freed together."""
+class ShardedParams(ReduceScatter):
+    """ZeRO-3's ``Sharding``: ZeRO-1/2's, but the shard is the only parameter copy between
+    uses (no all-gather after the step: each unit is gathered from it before its next use)."""
 
-    def __init__(self, name: str, buckets: list[Bucket]):
-        self.name, self.buckets = name, buckets
-        self.state = "free"  # free | inflight | full
-        self.handles: list[Any] = []
-        self.nparams = sum(len(b.params) for b in buckets)
-        self.done = 0
+    def gather_params(self, buckets: list[Bucket]) -> None:
+        """No gather: each unit is gathered from its shard before its next forward."""
+
+    def param_state(self, b: Bucket) -> torch.Tensor:
+        return b.param_shard
 
 
-class Zero3(Zero2):
-    """Sharded parameters, gradients and optimizer state; per-unit gather with prefetch."""
+class UnitLayout(Layout):
+    """One bucket per (gather unit, group), in backward order; built gathered, then freed."""
 
-    stage = 3
-
-    def __init__(self, model: nn.Module, grid: Any, par: Any, train: Any,
-                 placements: dict | None = None, units: list[nn.Module] | None = None,
-                 source: Any = None, device: Any = None):
-        # with pp the executor drives the gathers (``begin_compute``/``end_compute``): the units
-        # are the rank's pipeline chunks (stages), not its blocks
-        self.driven = par.pp > 1
-        self.per_step = self.driven and par.zero3_pp_gather == "step"
-        units = list(units or [])
-        self.units: list[GatherUnit] = []
-        self.root = GatherUnit("root", [])
-        super().__init__(model, grid, par, train, placements, units, source, device)
-        nb = len(units)
-        per_unit: list[list[Bucket]] = [[] for _ in range(nb + 1)]
-        for b in self.buckets:
-            per_unit[b.unit].append(b)
-        self.units = [GatherUnit(f"unit{i}", per_unit[i]) for i in range(nb)]
-        self.root = GatherUnit("root", per_unit[nb])
-        self.unit_of: dict[int, GatherUnit] = {}
-        for u in self.units + [self.root]:
-            for b in u.buckets:
-                self.unit_of[b.index] = u
-            u.state = "free"  # each bucket was freed as soon as its shard was cut
-        if self.driven:
-            return
-        for i, m in enumerate(units):
-            m.register_forward_pre_hook(self._pre_forward(i))
-            m.register_forward_hook(self._post_forward(i))
-        model.register_forward_pre_hook(self._root_pre_forward)
-        model.register_forward_hook(self._root_post_forward)
-
-    # ------------------------------------------------------------------ layout and state
-    def layout(self, named: list[Named], units: list[nn.Module] | None
-               ) -> list[tuple[int, list[Named]]]:
+    def runs(self, named: list[Named], units: list[nn.Module] | None
+             ) -> list[tuple[int, list[Named]]]:
         """Backward order: the last unit first, ..., the first unit, then the root (whose
         embedding gradient is the last to arrive); one bucket per (unit, group)."""
         units = units or []
@@ -124,17 +99,54 @@ class Zero3(Zero2):
         """A copy: the full flat buffer is freed after each use, the shard must outlive it."""
         return flat[b.lo:b.hi].clone()
 
-    def build_state(self, b: Bucket) -> None:
+    def fill(self, b: Bucket) -> None:
         """Built gathered, its shard kept, then freed at once: the build's transient is one
         bucket (one gather unit), never the rank's whole model."""
-        super().build_state(b)
+        super().fill(b)
         b.param_full.untyped_storage().resize_(0)
 
-    def param_state(self, b: Bucket) -> torch.Tensor:
-        return b.param_shard
 
-    def gather_params(self) -> None:
-        """No gather: each unit is gathered from its shard before its next forward."""
+class GatherUnit:
+    """A set of buckets (one per reduction group) gathered and freed together."""
+
+    def __init__(self, name: str, buckets: list[Bucket]):
+        self.name, self.buckets = name, buckets
+        self.state = "free"  # free | inflight | full
+        self.handles: list[Any] = []
+        self.nparams = sum(len(b.params) for b in buckets)
+        self.done = 0
+
+
+class UnitGather:
+    """ZeRO-3's ``ParamGather``: per-unit all-gather with prefetch, driven by module hooks
+    (pp = 1) or by the pipeline executor (pp > 1: ``begin_compute`` / ``end_compute``)."""
+
+    def __init__(self, model: nn.Module, units: list[nn.Module] | None, buckets: list[Bucket],
+                 par: Any, buffers: Buffers):
+        # with pp the executor drives the gathers (``begin_compute``/``end_compute``): the units
+        # are the rank's pipeline chunks (stages), not its blocks
+        self.driven = par.pp > 1
+        self.per_step = self.driven and par.zero3_pp_gather == "step"
+        self.overlap = bool(par.overlap)
+        self.buffers = buffers
+        units = list(units or [])
+        nb = len(units)
+        per_unit: list[list[Bucket]] = [[] for _ in range(nb + 1)]
+        for b in buckets:
+            per_unit[b.unit].append(b)
+        self.units = [GatherUnit(f"unit{i}", per_unit[i]) for i in range(nb)]
+        self.root = GatherUnit("root", per_unit[nb])
+        self.unit_of: dict[int, GatherUnit] = {}
+        for u in self.units + [self.root]:
+            for b in u.buckets:
+                self.unit_of[b.index] = u
+        if self.driven:
+            return
+        for i, m in enumerate(units):
+            m.register_forward_pre_hook(self._pre_forward(i))
+            m.register_forward_hook(self._post_forward(i))
+        model.register_forward_pre_hook(self._root_pre_forward)
+        model.register_forward_hook(self._root_post_forward)
 
     # ------------------------------------------------------------------ gather / free
     def prefetch(self, u: GatherUnit, ahead: bool = False) -> None:
@@ -144,7 +156,7 @@ class Zero3(Zero2):
             return
         for b in u.buckets:
             b.param_full.untyped_storage().resize_(b.padded * b.param_full.element_size())
-            self.hold(nbytes(b.param_full))
+            self.buffers.hold(nbytes(b.param_full))
             u.handles.append(ops.all_gather_into(b.param_full, b.param_shard, b.group,
                                                  async_op=True))
         u.state = "inflight"
@@ -165,11 +177,11 @@ class Zero3(Zero2):
                 h.wait()
             u.handles = []
         for b in u.buckets:
-            self.release(nbytes(b.param_full))
+            self.buffers.release(nbytes(b.param_full))
             b.param_full.untyped_storage().resize_(0)
         u.state = "free"
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ module hooks (pp = 1)
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if in_backward():
             return
@@ -213,7 +225,7 @@ class Zero3(Zero2):
                     self.prefetch(self.units[i - 1], ahead=True)
         return hook
 
-    # ------------------------------------------------------------------ driven by the pipeline
+    # ------------------------------------------------------------------ the ParamGather protocol
     def begin_compute(self, chunk: int, kind: str) -> None:
         """Before a pipeline action on chunk ``chunk`` (F or B; W reads no weight): gather the
         chunk. Per step, the first call starts every chunk's all-gather (overlapping the
@@ -254,7 +266,20 @@ class Zero3(Zero2):
         for u in self.units + [self.root]:
             self.free(u)
 
-    def zero_grad(self) -> None:
-        super().zero_grad()
+    def reset(self) -> None:
         for u in self.units + [self.root]:
             u.done = 0
+
+
+class Zero3(Zero2):
+    """Sharded parameters, gradients and optimizer state; per-unit gather with prefetch."""
+
+    stage = 3
+    sharding_type = ShardedParams
+    layout_type = UnitLayout
+    gather_type = UnitGather
+    # the gather units and their gather/prefetch, for figures (fived.viz.fsdp wraps the latter)
+    units = Alias("gathers")
+    root = Alias("gathers")
+    prefetch = Alias("gathers")
+    gather = Alias("gathers")
