@@ -9,14 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from fived.config import preset
-from fived.model import build_model
-from fived.model import layers as L
+from fived.model import build_model, layers
 
 m = preset("small")
 model = build_model(m, 1, dtype=torch.bfloat16)
 x = torch.randint(0, m.vocab, (8, m.seq_len))
 pos = torch.arange(m.seq_len)
-new_fwd = (L.RMSNorm.forward, L.MLP.forward, L.CausalAttention.forward)
+new_fwd = (layers.RMSNorm.forward, layers.MLP.forward, layers.CausalAttention.forward)
 
 def old_norm(self, x):
     xf = x.float()
@@ -34,7 +33,7 @@ def old_attn(self, q, k, v):
     return o.transpose(1, 2)
 
 def use(new):
-    L.RMSNorm.forward, L.MLP.forward, L.CausalAttention.forward = (
+    layers.RMSNorm.forward, layers.MLP.forward, layers.CausalAttention.forward = (
         new_fwd if new else (old_norm, old_mlp, old_attn))
 
 def run(n):

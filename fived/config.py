@@ -623,7 +623,7 @@ def _check_experts(p: list[str], model: ModelConfig, par: ParallelConfig, world:
 
 def _check_routing(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
                    ) -> None:
-    """The shared expert and node-limited routing (issue 29)."""
+    """The shared expert and node-limited routing: their fields and how they combine."""
     if model.shared_expert_gate and not model.shared_expert:
         p.append("shared_expert_gate = true needs a shared expert (shared_expert = true): "
                  "there is nothing to gate")

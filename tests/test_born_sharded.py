@@ -1,4 +1,4 @@
-"""Born sharded (fived.model.init, fived.parallel.data.base.build_state): the model is built on
+"""Born sharded (fived.model.init, fived.parallel.data.layout.Layout.fill): the model is built on
 the meta device, cut there, and each rank materialises only its own pieces.
 
 * any slice of a parameter drawn block by block equals the same slice of the full draw, bit for
@@ -92,17 +92,17 @@ WIDE = ModelConfig(name="wide", vocab=32768, hidden=768, layers=2, heads=12, kv_
 
 def _build_rss(rank: int, world: int, par: ParallelConfig, whole: bool) -> dict:
     from fived.ledger.verify import predict_rank
-    from fived.train import trainer as T
+    from fived.train import trainer
     from fived.train.metrics import rss_peak
 
-    T.Trainer(PRESETS["tiny"], par, small_train(global_batch=2), rank, world).close()
+    trainer.Trainer(PRESETS["tiny"], par, small_train(global_batch=2), rank, world).close()
     before = rss_peak()  # the process's fixed costs (imports, threads, groups) paid
     if whole:  # the habit this replaces: the whole model drawn on every rank, then cut
         keep = build_model(WIDE, 7)
         rss_peak()
     else:
         keep = None
-    t = T.Trainer(WIDE, par, small_train(global_batch=2), rank, world)
+    t = trainer.Trainer(WIDE, par, small_train(global_batch=2), rank, world)
     led = predict_rank(WIDE, par, 2, rank)[0]
     out = {"delta": t.build_rss - before, "states": sum(led.values())}
     del keep
@@ -147,9 +147,9 @@ M336 = ModelConfig(name="small", vocab=32000, hidden=1024, layers=24, heads=16, 
 
 def _build_336m(rank: int, world: int, par: ParallelConfig) -> dict:
     from fived.ledger.memory import rank_memory
-    from fived.train import trainer as T
+    from fived.train import trainer
 
-    t = T.Trainer(M336, par, small_train(global_batch=4), rank, world)
+    t = trainer.Trainer(M336, par, small_train(global_batch=4), rank, world)
     led = rank_memory(M336, par, 1, t.coords["pp"]).total
     out = {"build": t.build_rss, "ledger": led}
     t.close()

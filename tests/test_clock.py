@@ -12,13 +12,9 @@ from dataclasses import replace
 import pytest
 
 from fived.config import PRESETS, ConfigError, ModelConfig, ParallelConfig, check_runtime_model
-from fived.ledger import hardware as H
-from fived.ledger import params as P
-from fived.ledger import planner as PL
-from fived.ledger import roofline as R
-from fived.ledger import validate as V
+from fived.ledger import hardware, params, planner, roofline, validate
 
-HW = H.PRESETS["h100-sxm"]
+HW = hardware.PRESETS["h100-sxm"]
 
 
 def gpt(h: int, layers: int, heads: int, vocab: int = 51200, seq: int = 2048, tied=True):
@@ -31,11 +27,11 @@ def gpt(h: int, layers: int, heads: int, vocab: int = 51200, seq: int = 2048, ti
 def test_gpt_parameter_count_is_megatrons(h, layers):
     # Narayanan et al. 2021: P = 12·l·h² + 13·l·h + (V + s)·h (+ the final LayerNorm's 2h)
     m = gpt(h, layers, h // 128)
-    assert P.total_params(m) == 12 * layers * h * h + 13 * layers * h + (51200 + 2048) * h + 2 * h
+    assert params.total_params(m) == 12 * layers * h * h + 13 * layers * h + (51200 + 2048) * h + 2 * h
 
 
 def test_gqa_and_swiglu_counts_unchanged():
-    assert P.total_params(PRESETS["llama3-8b"]) == 8_030_261_248
+    assert params.total_params(PRESETS["llama3-8b"]) == 8_030_261_248
 
 
 def test_runtime_refuses_gpt_shapes_and_names_the_flag():
@@ -50,18 +46,18 @@ def test_runtime_refuses_gpt_shapes_and_names_the_flag():
 
 
 def test_gemm_efficiency_grows_with_every_dimension():
-    small, big = R.gemm_efficiency(HW, 512, 512, 512), R.gemm_efficiency(HW, 8192, 8192, 8192)
+    small, big = roofline.gemm_efficiency(HW, 512, 512, 512), roofline.gemm_efficiency(HW, 8192, 8192, 8192)
     assert small < big < HW.gemm_eff
-    assert R.gemm_efficiency(HW, 8192, 64, 8192) < R.gemm_efficiency(HW, 8192, 1024, 8192)
+    assert roofline.gemm_efficiency(HW, 8192, 64, 8192) < roofline.gemm_efficiency(HW, 8192, 1024, 8192)
 
 
 def test_op_time_is_the_roofline_max():
     e = 2
-    square = R._gemm("sq", 8192, 8192, 8192, e)  # compute-bound
-    t = R.op_seconds(square, HW, "bf16") - HW.overhead
-    assert t == pytest.approx(square.flops / (HW.peak_flops * R.gemm_efficiency(HW, *square.dims)))
-    skinny = R._gemm("gemv", 1, 8192, 8192, e)  # memory-bound: the weight read dominates
-    t = R.op_seconds(skinny, HW, "bf16") - HW.overhead
+    square = roofline._gemm("sq", 8192, 8192, 8192, e)  # compute-bound
+    t = roofline.op_seconds(square, HW, "bf16") - HW.overhead
+    assert t == pytest.approx(square.flops / (HW.peak_flops * roofline.gemm_efficiency(HW, *square.dims)))
+    skinny = roofline._gemm("gemv", 1, 8192, 8192, e)  # memory-bound: the weight read dominates
+    t = roofline.op_seconds(skinny, HW, "bf16") - HW.overhead
     assert t == pytest.approx(skinny.bytes / (HW.hbm_bw * HW.mem_eff))
 
 
@@ -69,9 +65,9 @@ def test_block_flops_match_the_ledger_convention():
     # the roofline's GEMMs of one block are exactly 2·block_matmul_params FLOPs per token
     m = PRESETS["llama3-8b"]
     par = ParallelConfig(precision="bf16")
-    ops = R.block_ops(m, par, 1, R.ClockOptions())
+    ops = roofline.block_ops(m, par, 1, roofline.ClockOptions())
     gemm = sum(o.flops for o in ops["fwd"] if o.kind == "gemm")
-    assert gemm == pytest.approx(2 * P.block_matmul_params(m) * m.seq_len)
+    assert gemm == pytest.approx(2 * params.block_matmul_params(m) * m.seq_len)
     bwd = sum(o.flops for o in ops["bwd"] if o.kind == "gemm")
     assert bwd == pytest.approx(2 * gemm)
     attn = sum(o.flops for o in ops["fwd"] if o.kind == "attn")
@@ -81,13 +77,13 @@ def test_block_flops_match_the_ledger_convention():
 def test_fused_gemms_keep_flops_and_unfused_loss_moves_more_bytes():
     m = replace(PRESETS["llama3-8b"], seq_len=1024)
     par = ParallelConfig(tp=2, sequence_parallel=True, precision="bf16")
-    sep = R.block_ops(m, par, 1, R.ClockOptions())["fwd"]
-    fus = R.block_ops(m, par, 1, R.ClockOptions(fused_gemm=True))["fwd"]
+    sep = roofline.block_ops(m, par, 1, roofline.ClockOptions())["fwd"]
+    fus = roofline.block_ops(m, par, 1, roofline.ClockOptions(fused_gemm=True))["fwd"]
     flops = [sum(o.flops for o in ops if o.kind == "gemm") for ops in (sep, fus)]
     assert flops[0] == pytest.approx(flops[1])
     assert {o.name for o in fus} >= {"qkv", "mlp.gate_up"} and "q" not in {o.name for o in fus}
-    fused = R.stage_extra_ops(m, par, 1, False, True, R.ClockOptions())
-    eager = R.stage_extra_ops(m, par, 1, False, True, R.ClockOptions(fused_loss=False))
+    fused = roofline.stage_extra_ops(m, par, 1, False, True, roofline.ClockOptions())
+    eager = roofline.stage_extra_ops(m, par, 1, False, True, roofline.ClockOptions(fused_loss=False))
     loss = [next(o for o in x["fwd"] if o.name == "loss") for x in (fused, eager)]
     t, v = 1024, m.vocab / 2
     assert loss[0].bytes == t * v * 6 and loss[1].bytes == t * v * (2 + 36)
@@ -97,13 +93,13 @@ def test_fused_gemms_keep_flops_and_unfused_loss_moves_more_bytes():
 def test_tp_cuts_the_gemms_and_recompute_adds_a_forward():
     m = PRESETS["llama3-8b"]
     base = ParallelConfig(precision="bf16")
-    one = R.micro_batch_times(m, base, 1, HW, 4, False, False)
-    tp4 = R.micro_batch_times(m, replace(base, tp=4, sequence_parallel=True), 1, HW, 4, False,
+    one = roofline.micro_batch_times(m, base, 1, HW, 4, False, False)
+    tp4 = roofline.micro_batch_times(m, replace(base, tp=4, sequence_parallel=True), 1, HW, 4, False,
                               False)
     assert tp4["fwd"] < one["fwd"] / 3  # about a quarter, smaller GEMMs a bit less efficient
-    full = R.micro_batch_times(m, replace(base, recompute="full"), 1, HW, 4, False, False)
+    full = roofline.micro_batch_times(m, replace(base, recompute="full"), 1, HW, 4, False, False)
     assert full["recompute"] == pytest.approx(full["fwd"])
-    sel = R.micro_batch_times(m, replace(base, recompute="selective"), 1, HW, 4, False, False)
+    sel = roofline.micro_batch_times(m, replace(base, recompute="selective"), 1, HW, 4, False, False)
     assert 0 < sel["recompute"] < full["recompute"]
 
 
@@ -111,34 +107,34 @@ def test_prediction_components_add_up_and_mfu_below_ceiling():
     m = PRESETS["llama3-70b"]
     par = ParallelConfig(tp=8, pp=4, dp=2, schedule="interleaved", virtual_stages=2,
                          micro_batches=16, sequence_parallel=True, zero=1, precision="bf16")
-    pr = PL.predict(m, par, HW, 32)
+    pr = planner.predict(m, par, HW, 32)
     assert sum(pr.times.values()) == pytest.approx(pr.step_seconds)
     assert 0.2 < pr.mfu < HW.gemm_eff
-    flat = PL.predict(m, par, HW, 32, efficiency=0.7)  # the old clock on request
+    flat = planner.predict(m, par, HW, 32, efficiency=0.7)  # the old clock on request
     assert flat.step_seconds != pr.step_seconds
 
 
 def test_nccl_uses_every_nic_of_the_group_on_a_node():
     par = ParallelConfig(tp=2, dp=8)  # dp ranks 0,2,4,6 on node 0 of 4 GPUs
-    bw, _, kind = PL.link(HW, par, "dense", 4)
+    bw, _, kind = planner.link(HW, par, "dense", 4)
     assert kind == "inter" and bw == pytest.approx(2 * HW.inter_bw)
-    assert PL.ranks_per_node(ParallelConfig(tp=8, dp=4), "dp", 8) == 1
+    assert planner.ranks_per_node(ParallelConfig(tp=8, dp=4), "dp", 8) == 1
 
 
 def test_runs_table_has_a_source_for_every_row():
-    with open(V.RUNS, "rb") as f:
+    with open(validate.RUNS, "rb") as f:
         data = tomllib.load(f)
     for fam in data["family"].values():
         assert len(fam["source"]) > 80
-    runs = V.load()
+    runs = validate.load()
     assert len(runs) >= 18
     for r in runs:
         assert r.family in data["family"] and r.par.world_size == r.gpus
 
 
 def test_validate_reports_the_fit_honestly():
-    checks = V.check_all()
-    s = V.summary(checks)
+    checks = validate.check_all()
+    s = validate.summary(checks)
     # the targets: median <= 3 points, worst <= 8. The median is met (2.5); the worst is not:
     # 9.2 (mcore-32b, whose fp32 reduce-scatter on one NIC per rank cannot hide behind one
     # micro-batch's backward; docs/ledger.md). The bound is what is true, not the target.

@@ -14,8 +14,7 @@ import traceback
 import pytest
 import torch
 
-from fived.comm import autograd as ca
-from fived.comm import bench, ops, ring
+from fived.comm import autograd, bench, ops, ring
 from fived.comm.volume import bytes_sent
 from fived.config import ParallelConfig
 from fived.ranks.grid import Grid
@@ -222,11 +221,11 @@ def one_member_group_records_nothing(g, traffic, me, n):
     assert ring.ring_all_reduce(x.clone(), solo).equal(x)
     assert ring.ring_all_gather(x, solo).equal(x)
     assert ring.ring_reduce_scatter(x, solo).equal(x)
-    for fn in (ca.copy_to, ca.reduce_from):
+    for fn in (autograd.copy_to, autograd.reduce_from):
         assert fn(x, solo) is x
-    for fn in (ca.gather_from, ca.scatter_to, ca.split_to, ca.gather_to):
+    for fn in (autograd.gather_from, autograd.scatter_to, autograd.split_to, autograd.gather_to):
         assert fn(x, solo, 0) is x
-    assert ca.all_to_all(x, solo) is x
+    assert autograd.all_to_all(x, solo) is x
     assert not traffic.records, dict(traffic.records)
 
 
@@ -241,7 +240,7 @@ def tp_copy_to_reduce_from_backward(g, traffic, me, n):
     X, W, V, G = data(0, (3, 4), salt=3), data(1, (4, 2 * n), salt=3), data(2, (2 * n, 5), salt=3), \
         data(3, (3, 5), salt=3)
     x, w, v = _leaf(X), _leaf(W.chunk(n, 1)[me]), _leaf(V.chunk(n, 0)[me])
-    out = ca.reduce_from(ca.copy_to(x, g) @ w @ v, g)
+    out = autograd.reduce_from(autograd.copy_to(x, g) @ w @ v, g)
     (out * G).sum().backward()
     rx, rw, rv = _leaf(X), _leaf(W), _leaf(V)
     ref = rx @ rw @ rv
@@ -262,7 +261,7 @@ def sp_gather_from_scatter_to_backward(g, traffic, me, n):
     X, W, V, G = data(0, (2, S, 3), salt=4), data(1, (3, 2 * n), salt=4), \
         data(2, (2 * n, 3), salt=4), data(3, (2, S, 3), salt=4)
     x, w, v = _leaf(X.chunk(n, 1)[me]), _leaf(W.chunk(n, 1)[me]), _leaf(V.chunk(n, 0)[me])
-    out = ca.scatter_to(ca.gather_from(x, g, 1) @ w @ v, g, 1)
+    out = autograd.scatter_to(autograd.gather_from(x, g, 1) @ w @ v, g, 1)
     (out * G.chunk(n, 1)[me]).sum().backward()
     rx, rw, rv = _leaf(X), _leaf(W), _leaf(V)
     ref = rx @ rw @ rv
@@ -280,8 +279,8 @@ def sp_gather_from_scatter_to_backward(g, traffic, me, n):
 def split_to_gather_to_backward(g, traffic, me, n):
     X, G = data(0, (2 * n, 3), salt=5), data(1, (2 * n, 3), salt=5)
     x = _leaf(X)
-    s = ca.split_to(x, g, 0)
-    out = ca.gather_to(s * s + 2 * s, g, 0)
+    s = autograd.split_to(x, g, 0)
+    out = autograd.gather_to(s * s + 2 * s, g, 0)
     (out * G).sum().backward()
     rx = _leaf(X)
     ((rx * rx + 2 * rx) * G).sum().backward()
@@ -298,8 +297,8 @@ def all_to_all_backward(g, traffic, me, n):
         ins, outs = sp[me], [sp[j][me] for j in range(n)]
         X, G = data(me, (sum(ins), 3), salt=6), data(me, (sum(ins), 3), salt=7)
         x = _leaf(X)
-        y = ca.all_to_all(x, g, ins, outs) * (me + 1)
-        back = ca.all_to_all(y, g, outs, ins)
+        y = autograd.all_to_all(x, g, ins, outs) * (me + 1)
+        back = autograd.all_to_all(y, g, outs, ins)
         (back * G).sum().backward()
         scale = torch.cat([torch.full((k, 1), float(d + 1)) for d, k in enumerate(ins)])
         torch.testing.assert_close(back, X * scale)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fived.config import ConfigError, ParallelConfig, preset, validate
-from fived.parallel import context as C
+from fived.parallel import context
 from fived.testing import run_ranks, small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -34,7 +34,7 @@ LONG = dataclasses.replace(MODEL, seq_len=512)  # 8× the tiny default
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_zigzag_positions_partition_the_sequence(n):
     s = 64
-    shards = [C.shard_positions(s, n, r) for r in range(n)]
+    shards = [context.shard_positions(s, n, r) for r in range(n)]
     assert torch.equal(torch.sort(torch.cat(shards)).values, torch.arange(s))
     c = s // (2 * n)
     for r, p in enumerate(shards):  # head chunk r and tail chunk 2n−1−r
@@ -47,7 +47,7 @@ def test_ulysses_head_constraint_is_a_config_error():
     with pytest.raises(ConfigError, match="ulysses"):
         validate(MODEL, ParallelConfig(tp=2, cp=4, cp_mode="ulysses"), None, 8)  # 2 local heads
     with pytest.raises(ConfigError, match="not divisible by cp=4"):
-        C.check_ulysses(2, 1, 4)
+        context.check_ulysses(2, 1, 4)
     validate(MODEL, ParallelConfig(cp=4, cp_mode="ulysses"), None, 4)  # 4 heads, kv replicated
 
 
@@ -56,7 +56,7 @@ def _core_rank(rank: int, world: int, b: int, s: int, h: int, g: int, d: int) ->
     import torch.distributed as dist
 
     from fived.comm.ops import Traffic
-    from fived.model import layers as L
+    from fived.model import layers
     from fived.ranks.grid import DimGroup
     from fived.train.activations import SavedTensors
 
@@ -67,20 +67,20 @@ def _core_rank(rank: int, world: int, b: int, s: int, h: int, g: int, d: int) ->
     do = torch.randn(b, s, h, d, generator=gen)
     for t in (q, k, v):
         t.requires_grad_(True)
-    L.causal_attention(q, k, v).backward(do)
-    ref_o = L.causal_attention(q, k, v).detach()
+    layers.causal_attention(q, k, v).backward(do)
+    ref_o = layers.causal_attention(q, k, v).detach()
     out: dict = {"err": {}, "bytes": {}, "act": {}, "flops": {}}
     for mode, layout, fused in (("ring", "zigzag", True), ("ring", "contiguous", True),
                                 ("ring", "zigzag", False), ("ulysses", "zigzag", True),
                                 ("allgather", "zigzag", True)):
-        pos = C.shard_positions(s, world, rank, layout)
+        pos = context.shard_positions(s, world, rank, layout)
         ql, kl, vl = (t.detach()[:, pos].clone().requires_grad_(True) for t in (q, k, v))
         traffic.reset()
-        stats = C.AttentionStats()
+        stats = context.AttentionStats()
         # fused False: the explicit block math (any device and dtype); ring only
         kw = {"stats": stats, "fused": fused} if mode == "ring" else {}
         with SavedTensors() as saved:
-            o = C.MODES[mode](ql, kl, vl, group, layout, **kw)
+            o = context.MODES[mode](ql, kl, vl, group, layout, **kw)
         fwd_flops, fwd_pairs = stats.flops, stats.pairs
         fwd_bytes = sum(r.bytes for r in traffic.records.values())
         o.backward(do[:, pos])
@@ -131,21 +131,21 @@ def test_core_traffic_is_the_formula_exactly(core):
     n, sh, ranks = core
     args = (sh["b"], sh["s"] // n, sh["h"], sh["g"], sh["d"], n)
     for mode in ("ring", "ulysses", "allgather"):
-        want = C.traffic_per_layer(mode, *args)
+        want = context.traffic_per_layer(mode, *args)
         if mode == "ulysses" and sh["g"] < n:  # kv heads replicated to cp before the all-to-all
-            assert C.ulysses_kv_heads(sh["h"], sh["g"], n) == n
+            assert context.ulysses_kv_heads(sh["h"], sh["g"], n) == n
         for r in ranks:
             assert r["bytes"][f"{mode}/zigzag"] == want, (mode, r["bytes"], want)
     # ring: cp−1 K/V blocks forward; K/V and dK/dV (cp−1 each) backward
     kv = 2 * sh["b"] * (sh["s"] // n) * sh["g"] * sh["d"] * 4
-    assert C.traffic_per_layer("ring", *args) == {"forward": (n - 1) * kv,
+    assert context.traffic_per_layer("ring", *args) == {"forward": (n - 1) * kv,
                                                   "backward": 2 * (n - 1) * kv}
 
 
 def test_core_activation_bytes_fall_as_one_over_cp(core):
     n, sh, ranks = core
-    want = C.activation_bytes("ring", sh["b"], sh["s"] // n, sh["h"], sh["g"], sh["d"], n)
-    one = C.activation_bytes("ring", sh["b"], sh["s"], sh["h"], sh["g"], sh["d"], 1)
+    want = context.activation_bytes("ring", sh["b"], sh["s"] // n, sh["h"], sh["g"], sh["d"], n)
+    one = context.activation_bytes("ring", sh["b"], sh["s"], sh["h"], sh["g"], sh["d"], 1)
     assert want * n == one
     for r in ranks:
         got = r["act"]["ring/zigzag"]
@@ -159,16 +159,16 @@ def test_model_activation_bytes_fall_as_one_over_cp(core):
     n, sh, ranks = core
     if sh["h"] != MODEL.heads:
         pytest.skip("model measured on the tiny shapes only")
-    from fived.model import layers as L
+    from fived.model import layers
     from fived.train.activations import SavedTensors
 
     one = _model_activation_bytes(0, 1, ParallelConfig())
     b, s, h, g, d = small_train().global_batch, MODEL.seq_len, MODEL.heads, MODEL.kv_heads, 16
     q, k, v = (torch.randn(b, s, x, d, requires_grad=True) for x in (h, g, g))
     with SavedTensors() as saved:
-        L.causal_attention(q, k, v)
+        layers.causal_attention(q, k, v)
     rest = one - MODEL.layers * saved.bytes
-    want = rest / n + MODEL.layers * C.activation_bytes("ring", b, s // n, h, g, d, n)
+    want = rest / n + MODEL.layers * context.activation_bytes("ring", b, s // n, h, g, d, n)
     for r in ranks:
         assert abs(r["model_act"] - want) <= 0.02 * want, (r["model_act"], want, one)
         assert r["model_act"] < one / n * 1.02
@@ -178,8 +178,8 @@ def test_zigzag_balances_attention_flops(core):
     n, sh, ranks = core
     zig = [r["flops"]["ring/zigzag"] for r in ranks]
     con = [r["flops"]["ring/contiguous"] for r in ranks]
-    assert zig == C.attention_flops(sh["b"], sh["s"], sh["h"], sh["d"], n, "zigzag")
-    assert con == C.attention_flops(sh["b"], sh["s"], sh["h"], sh["d"], n, "contiguous")
+    assert zig == context.attention_flops(sh["b"], sh["s"], sh["h"], sh["d"], n, "zigzag")
+    assert con == context.attention_flops(sh["b"], sh["s"], sh["h"], sh["d"], n, "contiguous")
     assert max(zig) / min(zig) <= 1.05
     assert max(con) / min(con) >= 2.0  # contiguous: rank cp−1 does (4cp−1)/3 × rank 0's work
     assert sum(zig) == sum(con)
@@ -193,11 +193,11 @@ def test_ring_saves_only_local_tensors_on_one_rank():
     b, s, h, g, d = 2, 64, 4, 2, 16
     q, k, v = (torch.randn(b, s, x, d, requires_grad=True) for x in (h, g, g))
     with SavedTensors() as saved:
-        o = C.RingAttention.apply(q, k, v, DimGroup("cp", (0,), 0), "zigzag", None, True)
-    assert saved.bytes == C.activation_bytes("ring", b, s, h, g, d, 1)
-    from fived.model import layers as L
+        o = context.RingAttention.apply(q, k, v, DimGroup("cp", (0,), 0), "zigzag", None, True)
+    assert saved.bytes == context.activation_bytes("ring", b, s, h, g, d, 1)
+    from fived.model import layers
 
-    assert torch.allclose(o, L.causal_attention(q, k, v), atol=1e-6)
+    assert torch.allclose(o, layers.causal_attention(q, k, v), atol=1e-6)
 
 
 # ------------------------------------------------------------------------------ whole model
@@ -214,7 +214,7 @@ def reference_long():
 def _check_cp_traffic(out, model, par, train):
     b = train.global_batch // (par.dp * par.ep)
     hl, gl = model.heads // par.tp, max(1, model.kv_heads // par.tp)
-    per = C.traffic_per_layer(par.cp_mode, b, model.seq_len // par.cp, hl, gl, model.head_dim,
+    per = context.traffic_per_layer(par.cp_mode, b, model.seq_len // par.cp, hl, gl, model.head_dim,
                               par.cp)
     want = model.layers * (per["forward"] + per["backward"])
     for rank_summary in out["ranks"]:

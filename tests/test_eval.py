@@ -155,19 +155,19 @@ def test_two_rank_layouts_no_grad_eval_equals_the_old_path_and_one_rank(data_dir
 
 
 def test_forward_only_schedule_keeps_the_forward_half_and_checks():
-    from fived.parallel.pipeline import schedules as S
+    from fived.parallel.pipeline import schedules
 
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2),
                     ("dualpipe-v", 2)):
-        sched = S.build(name, 2, 4, v)
-        fwd = S.forward_only(sched)
-        S.check(fwd)
+        sched = schedules.build(name, 2, 4, v)
+        fwd = schedules.forward_only(sched)
+        schedules.check(fwd)
         for acts, full in zip(fwd.ranks, sched.ranks):
             assert acts == [a for a in full if a.kind in ("F", "SEND_F", "RECV_F")]
-    bad = S.forward_only(S.build("1f1b", 2, 2))
+    bad = schedules.forward_only(schedules.build("1f1b", 2, 2))
     bad.ranks[1] = bad.ranks[1][:-2]  # drop a micro-batch's receive and forward
-    with pytest.raises(S.ScheduleError):
-        S.check(bad)
+    with pytest.raises(schedules.ScheduleError):
+        schedules.check(bad)
 
 
 # ------------------------------------------------------------------ fived eval

@@ -30,7 +30,7 @@ from fived.model.moe import capacity, capacity_keep, moe_layers, set_aux_grad_sc
 from fived.parallel.parallelize import parallelize_parts
 from fived.ranks.grid import Grid
 from fived.testing import assemble_grads, grad_pieces, grad_rel_diff, rel_diff, small_train
-from fived.train import data as D
+from fived.train import data
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parity_helpers import (  # noqa: E402,I001
@@ -167,7 +167,7 @@ def test_parameter_names_do_not_depend_on_ep():
 
 
 def _batch(model, step=0, batch=4):
-    x, y = D.global_batch(step, 7, batch, model.seq_len)
+    x, y = data.global_batch(step, 7, batch, model.seq_len)
     return x, y, torch.arange(model.seq_len)
 
 

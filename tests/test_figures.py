@@ -30,19 +30,18 @@ def by_name(figs):
 
 # ------------------------------------------------------------------ overview: the ledger
 def test_overview_numbers_are_the_ledger(tmp_path):
-    from fived.ledger import compute as C
-    from fived.ledger import memory as M
+    from fived.ledger import compute, memory
     from fived.ledger.hardware import PRESETS as HW
     from fived.ledger.params import total_params
     from fived.ledger.planner import predict
     from fived.ranks.grid import Grid
-    from fived.viz import overview as O
+    from fived.viz import overview as overview_module
     from fived.viz._fig import save
 
-    figs = by_name(O.figures(True, quiet))
+    figs = by_name(overview_module.figures(True, quiet))
     psi = figs["overview-16psi"].data
     assert psi["per_param"]["bf16"]["total"] == 16 and psi["per_param"]["fp32"]["total"] == 18
-    for name in O.MODELS:
+    for name in overview_module.MODELS:
         p = total_params(PRESETS[name])
         m = psi["models"][name]
         assert m["params"] == p
@@ -56,7 +55,7 @@ def test_overview_numbers_are_the_ledger(tmp_path):
         assert mem["unsharded"] == 16 * p
         assert mem["zero3"]["64"] == pytest.approx(16 * p / 64)
         assert walls["time_s"][name]["8"] == pytest.approx(
-            C.training_flops(p, 20 * p) / (8 * HW["h100-sxm"].peak_flops))
+            compute.training_flops(p, 20 * p) / (8 * HW["h100-sxm"].peak_flops))
 
     mp = figs["overview-map"].data["rows"]
     assert mp["dp"]["states_ratio"] == pytest.approx(1 / 8, rel=0.01)  # ZeRO-3 over 8
@@ -66,17 +65,18 @@ def test_overview_numbers_are_the_ledger(tmp_path):
     assert "all_reduce" in mp["tp"]["collectives"] and "all_to_all" in mp["ep"]["collectives"]
 
     grid = figs["overview-grid"].data
-    g = Grid.from_config(O.GRID_LAYOUT)
+    g = Grid.from_config(overview_module.GRID_LAYOUT)
     for dim, groups in grid["groups"].items():
         assert [tuple(x) for x in groups] == g.partition((dim,))
-        assert grid["crosses_node"][dim] == g.crosses_node((dim,), O.GRID_GPN)
+        assert grid["crosses_node"][dim] == g.crosses_node((dim,), overview_module.GRID_GPN)
 
     iron = figs["overview-iron"].data
-    p = predict(PRESETS[O.IRON_MODEL], O.IRON_LAYOUT, HW[O.IRON_HW], O.IRON_GLOBAL_BATCH)
+    ov = overview_module
+    p = predict(PRESETS[ov.IRON_MODEL], ov.IRON_LAYOUT, HW[ov.IRON_HW], ov.IRON_GLOBAL_BATCH)
     assert iron["traffic"] == p.traffic
     for grp, v in iron["groups"].items():
         assert v["bytes"] == pytest.approx(p.traffic[grp])
-    assert M.bytes_per_param(ParallelConfig(precision="bf16", grad_reduce_dtype="bf16")) == 16
+    assert memory.bytes_per_param(ParallelConfig(precision="bf16", grad_reduce_dtype="bf16")) == 16
 
     rec = save(figs["overview-grid"], str(tmp_path), "fived figures overview --out X")
     assert (tmp_path / "overview-grid.png").stat().st_size > 1000
@@ -87,7 +87,7 @@ def test_overview_numbers_are_the_ledger(tmp_path):
 
 
 def test_gantt_data_is_the_schedule():
-    from fived.parallel.pipeline import schedules as S
+    from fived.parallel.pipeline import schedules
     from fived.viz.bubbles import gantt_data
 
     p, m = 4, 8
@@ -96,10 +96,10 @@ def test_gantt_data_is_the_schedule():
     textbook = {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
                 "interleaved": (p - 1) / (2 * m + p - 1), "zb-h1": (p - 1) / (3 * m + p - 1)}
     for name, g in d["schedules"].items():
-        sched = S.build(name, p, m, g["v"])
-        t = S.simulate(sched)
+        sched = schedules.build(name, p, m, g["v"])
+        t = schedules.simulate(sched)
         assert g["bubble"] == t.bubble_fraction() and g["makespan"] == t.makespan
-        assert g["formula"] == S.bubble_formula(name, p, m, g["v"])
+        assert g["formula"] == schedules.bubble_formula(name, p, m, g["v"])
         if name in textbook:
             assert g["formula"] == pytest.approx(textbook[name]), name
         # every forward of every micro-batch of every stage is drawn
@@ -118,15 +118,15 @@ def test_gantt_data_is_the_schedule():
 def test_every_size_the_parts_run_is_valid():
     """The full-size layouts are valid before anything runs (a bad one fails the 10-min run)."""
     from fived.config import validate
-    from fived.parallel.pipeline import schedules as S
+    from fived.parallel.pipeline import schedules
     from fived.viz import bubbles
 
     for quick in (True, False):
         c = bubbles.setup(quick)
-        for name in S.NAMES:
+        for name in schedules.NAMES:
             for m in bubbles.ms_for(name, c):
                 par = bubbles.par_for(name, c["pp"], m)
-                S.check(S.build(name, c["pp"], m, par.virtual_stages))
+                schedules.check(schedules.build(name, c["pp"], m, par.virtual_stages))
                 assert max(c["ms"]) % m == 0  # the global batch splits into m micro-batches
                 validate(ModelConfig(layers=2 * c["pp"]), par)
 
@@ -246,11 +246,11 @@ def reduce_errors(settings: dict, dps: tuple[int, ...]) -> list[dict]:
     rounding the inputs alone, and of summing in fp32 -- against the float64 sum."""
     import torch
 
-    from fived.bench import numerics as N
+    from fived.bench import numerics as numerics_bench
     from fived.model.llama import build_model
     from fived.train.data import global_batch
 
-    m, seed = N.model_cfg(settings["layers"]), N.train_cfg(1, settings["lr"]).seed
+    m, seed = numerics_bench.model_cfg(settings["layers"]), numerics_bench.train_cfg(1, settings["lr"]).seed
     model = build_model(m, seed)
     x, y = global_batch(0, seed, 16, m.seq_len)
     pos, tokens = torch.arange(m.seq_len), x.numel()
@@ -282,11 +282,11 @@ def test_numerics_and_optimizers_parts_and_their_page(tmp_path):
     """Parts 8 and 9 through `fived figures all --quick --parts numerics,optimizers`: each figure
     writes PNG + SVG + JSON + command, its numbers are the bench experiment's (re-measured here,
     or checked against the ledger and the rule they measure), and the page has both sections."""
-    from fived.bench import numerics as N
+    from fived.bench import numerics as numerics_bench
     from fived.cli.main import main
     from fived.config import OPTIMIZERS
     from fived.ledger.memory import model_states
-    from fived.viz import numerics as V
+    from fived.viz import numerics as numerics_figure
 
     figs = tmp_path / "figs"
     assert main(["figures", "all", "--out", str(figs), "--quick", "--parts",
@@ -300,9 +300,10 @@ def test_numerics_and_optimizers_parts_and_their_page(tmp_path):
         rec = json.loads((figs / f"{r['name']}.json").read_text())
         assert rec == r and rec["command"] == f"fived figures {r['part']} --out {figs} --quick"
         exp = rec["name"].split("-")[1] if r["part"] == "numerics" else "optimizers"
-        assert rec["data"]["settings"] == V.settings(exp, True)
+        assert rec["data"]["settings"] == numerics_figure.settings(exp, True)
         assert rec["table"] == json.loads(json.dumps(
-            [N.HEADERS[exp], *N.RUN[exp][1](rec["data"]["result"])]))  # the bench's rows
+            [numerics_bench.HEADERS[exp],
+             *numerics_bench.RUN[exp][1](rec["data"]["result"])]))  # the bench's rows
         recs[exp] = rec["data"]
     model = ModelConfig(**recs["masters"]["model"])
     assert model.layers == 1
@@ -335,11 +336,11 @@ def test_numerics_and_optimizers_parts_and_their_page(tmp_path):
         assert f16["scale"][i + 1] == f16["scale"][i] / (2 if f16["skipped"][i] else 1)
 
     op = recs["optimizers"]
-    assert set(op["result"]) == set(op["layouts"]) == set(N.LAYOUTS)
+    assert set(op["result"]) == set(op["layouts"]) == set(numerics_bench.LAYOUTS)
     for lay, per in op["result"].items():
         par = ParallelConfig(**{k: tuple(v) if isinstance(v, list) else v
                                 for k, v in op["layouts"][lay].items()})  # JSON: lists
-        assert par == N.LAYOUTS[lay]
+        assert par == numerics_bench.LAYOUTS[lay]
         assert set(per) == set(OPTIMIZERS)
         for o, v in per.items():  # measured bytes and state equal the ledger's, to the byte
             assert v["bytes"] == v["ledger_bytes"] > 0, (lay, o)
@@ -426,7 +427,7 @@ def test_report_layout_and_bad_input(tmp_path, capsys):
 # ------------------------------------------------------------------ slow: the other parts
 @pytest.mark.slow
 def test_bubbles_measured_is_the_run():
-    from fived.parallel.pipeline import schedules as S
+    from fived.parallel.pipeline import schedules
     from fived.viz import bubbles
 
     d = by_name(bubbles.figures(True, quiet))["bubbles-measured"].data
@@ -436,7 +437,7 @@ def test_bubbles_measured_is_the_run():
             again = statistics.median(statistics.mean(p[k] for p in per)
                                       for k in range(1, len(per[0])))
             assert r["measured"] == again
-            assert r["formula"] == S.bubble_formula(name, d["pp"], r["m"], r["v"])
+            assert r["formula"] == schedules.bubble_formula(name, d["pp"], r["m"], r["v"])
             assert r["formula"] - 0.05 <= r["measured"] <= r["formula"] + 0.2, (name, r)
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from fived.config import ParallelConfig, TrainConfig, preset
-from fived.model import grouped as G
+from fived.model import grouped as grouped_gemm
 from fived.model.moe import Expert
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -63,7 +63,7 @@ def _run(experts, counts, dtype, grouped: bool, kernel=None, seed: int = 1):
         for p in ex.parameters():
             p.grad = None
     if grouped:
-        y = G.grouped_experts(x, counts, experts, kernel)
+        y = grouped_gemm.grouped_experts(x, counts, experts, kernel)
     else:
         y = torch.cat([ex(c) for ex, c in zip(experts, torch.split(x, counts))])
     y.backward(dy)
@@ -122,7 +122,7 @@ def test_the_ledgers_bytes_and_the_gradient_order():
         x = torch.randn(sum(counts), H, requires_grad=True)
         rows = x * 1.0  # a non-leaf, as the routed rows are
         with SavedTensors(exclude=params) as s:  # as the trainer: weights are no activations
-            y = (G.grouped_experts(rows, counts, ex) if grouped else
+            y = (grouped_gemm.grouped_experts(rows, counts, ex) if grouped else
                  torch.cat([e(c) for e, c in zip(ex, torch.split(rows, counts))]))
         y.sum().backward()
         for h in hooks:
@@ -134,14 +134,14 @@ def test_the_ledgers_bytes_and_the_gradient_order():
     assert seen[True][1] == list(range(len(params)))[::-1]
 
     stacks: list[int] = []
-    real = G._stacks
-    G._stacks = lambda w, E: [stacks.append(t.numel() * t.element_size()) or t
+    real = grouped_gemm._stacks
+    grouped_gemm._stacks = lambda w, E: [stacks.append(t.numel() * t.element_size()) or t
                               for t in real(w, E)]
     try:
-        G.grouped_experts(torch.randn(sum(counts), H, requires_grad=True), counts, ex
+        grouped_gemm.grouped_experts(torch.randn(sum(counts), H, requires_grad=True), counts, ex
                           ).sum().backward()
     finally:
-        G._stacks = real
+        grouped_gemm._stacks = real
     m = replace(preset("tiny-moe"), hidden=H, moe_ffn=F, experts=2 * len(counts))
     per = expert_stack_bytes(m, ParallelConfig(ep=2))
     assert len(stacks) == 6 and sum(stacks[:3]) == sum(stacks[3:]) == per
@@ -151,14 +151,15 @@ def test_which_path_each_mode_takes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x = torch.zeros(4, 64)
-    assert G.use_grouped("grouped", x, 64, 32) and not G.use_grouped("loop", x, 64, 32)
-    assert G.use_grouped("auto", x, 64, 32)  # fp32 on the CPU: the kernel runs
-    assert not G.use_grouped("auto", x, 6, 32)  # 24-byte rows: not 16-byte aligned
-    assert not G.use_grouped("auto", x.double(), 64, 32)  # no float64 kernel
-    assert not G.use_grouped("auto", x.bfloat16(), 64, 4)  # 8-byte rows in bf16
+    assert grouped_gemm.use_grouped("grouped", x, 64, 32) and not grouped_gemm.use_grouped("loop", x, 64, 32)
+    assert grouped_gemm.use_grouped("auto", x, 64, 32)  # fp32 on the CPU: the kernel runs
+    assert not grouped_gemm.use_grouped("auto", x, 6, 32)  # 24-byte rows: not 16-byte aligned
+    assert not grouped_gemm.use_grouped("auto", x.double(), 64, 32)  # no float64 kernel
+    assert not grouped_gemm.use_grouped("auto", x.bfloat16(), 64, 4)  # 8-byte rows in bf16
     with FakeTensorMode():  # the op's meta function takes bf16 only
         f = torch.zeros(4, 64, device="meta")
-        assert not G.grouped_supported(f, 64, 32) and G.grouped_supported(f.bfloat16(), 64, 32)
+        assert not grouped_gemm.grouped_supported(f, 64, 32)
+        assert grouped_gemm.grouped_supported(f.bfloat16(), 64, 32)
 
 
 # ------------------------------------------------------------------------ mutations
@@ -169,14 +170,14 @@ def test_a_shifted_offset_is_caught(monkeypatch):
     counts = _counts("empty-experts")
     ex = _experts(len(counts), torch.float32)
     ref = _run(ex, counts, torch.float32, grouped=False)
-    real = G._offsets
+    real = grouped_gemm._offsets
 
     def shifted(c, like):
         o = real(c, like)
         o[0] -= 1
         return o
 
-    monkeypatch.setattr(G, "_offsets", shifted)
+    monkeypatch.setattr(grouped_gemm, "_offsets", shifted)
     with pytest.raises(AssertionError):
         _close(_run(ex, counts, torch.float32, grouped=True, kernel=True), ref, atol=1e-6)
 
@@ -186,7 +187,7 @@ def test_a_dropped_weight_gradient_is_caught(monkeypatch):
     counts = _counts("empty-experts")
     ex = _experts(len(counts), torch.float32)
     ref = _run(ex, counts, torch.float32, grouped=False)
-    real = G.GroupedSwiGLU.backward
+    real = grouped_gemm.GroupedSwiGLU.backward
     E = len(counts)
 
     def dropped(ctx, dy):
@@ -194,7 +195,7 @@ def test_a_dropped_weight_gradient_is_caught(monkeypatch):
         out[4 + E + 2] = torch.zeros_like(out[4 + E + 2])
         return tuple(out)
 
-    monkeypatch.setattr(G.GroupedSwiGLU, "backward", staticmethod(dropped))
+    monkeypatch.setattr(grouped_gemm.GroupedSwiGLU, "backward", staticmethod(dropped))
     with pytest.raises(AssertionError, match="weight 7"):
         _close(_run(ex, counts, torch.float32, grouped=True), ref, atol=1e-6)
 

@@ -78,11 +78,10 @@ RANK_PEAK = (1.0e9, 2.0e9)  # what each rank's matmul "measures" in the test bel
 
 def _train_known_peaks(rank, world, model, par, train, show, peak):
     """``fived train``'s rank function, with each rank's matmul peak a known number."""
-    import fived.train.metrics as M
-    import fived.train.trainer as T
+    from fived.train import metrics, trainer
 
-    M.measure_matmul_peak = lambda *a, **k: RANK_PEAK[rank]
-    return T.train_rank(rank, world, model, par, train, False, peak)
+    metrics.measure_matmul_peak = lambda *a, **k: RANK_PEAK[rank]
+    return trainer.train_rank(rank, world, model, par, train, False, peak)
 
 
 def test_train_mfu_is_model_flops_over_every_ranks_peak(tmp_path, monkeypatch):

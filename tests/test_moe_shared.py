@@ -167,19 +167,18 @@ def test_validate_names_each_problem():
 def test_roofline_prices_dense_blocks_as_dense():
     """first_dense_layers: the clock runs each block with its own shape (dense blocks as dense),
     the stage's ends once."""
-    from fived.ledger import hardware
-    from fived.ledger import roofline as R
+    from fived.ledger import hardware, roofline
     from fived.ledger.params import dense_block_cfg
     from fived.ledger.planner import rank_compute
 
     m = replace(preset("mixtral-8x7b"), first_dense_layers=4)
-    par, hw, clock = ParallelConfig(tp=2, ep=2), hardware.get("h100-sxm"), R.ClockOptions()
+    par, hw, clock = ParallelConfig(tp=2, ep=2), hardware.get("h100-sxm"), roofline.ClockOptions()
     got = rank_compute(m, par, hw, 1, 0, clock=clock)
-    dense = R.micro_batch_times(dense_block_cfg(m), par, 1, hw, 4, True, True, clock)
-    moe = R.micro_batch_times(m, par, 1, hw, m.layers - 4, False, False, clock)
+    dense = roofline.micro_batch_times(dense_block_cfg(m), par, 1, hw, 4, True, True, clock)
+    moe = roofline.micro_batch_times(m, par, 1, hw, m.layers - 4, False, False, clock)
     for k in got:
         assert got[k] == pytest.approx(dense[k] + moe[k], rel=1e-12), k
-    all_moe = R.micro_batch_times(m, par, 1, hw, m.layers, True, True, clock)
+    all_moe = roofline.micro_batch_times(m, par, 1, hw, m.layers, True, True, clock)
     assert got["fwd"] != pytest.approx(all_moe["fwd"], rel=1e-3)
 
 

@@ -256,17 +256,17 @@ def test_ledger_optimizer_terms_measured_on_tiny():
 def test_plan_and_ledger_count_the_optimizer():
     """``predict(..., optimizer=)`` counts its state; ``plan`` with several optimizers evaluates
     each layout with each and names the optimizer in the layout."""
-    from fived.ledger import planner as PL
+    from fived.ledger import planner
     from fived.ledger.hardware import get as hw_of
 
     m, par = preset("llama2-7b"), ParallelConfig(tp=8)
     hw = hw_of("h100-sxm")
-    st = {o: PL.predict(m, par, hw, 8, optimizer=o).memory.states["optimizer"]
+    st = {o: planner.predict(m, par, hw, 8, optimizer=o).memory.states["optimizer"]
           for o in OPTIMIZERS}
     assert st["adafactor"] < st["rownorm"] < st["muon"] < st["adamw"]
     assert st["rownorm"] * 2 == st["adamw"]
-    one = PL.plan(TINY, 2, hw, 8, zeros=(0,), recomputes=("none",))
-    four = PL.plan(TINY, 2, hw, 8, zeros=(0,), recomputes=("none",), optimizer=OPTIMIZERS)
+    one = planner.plan(TINY, 2, hw, 8, zeros=(0,), recomputes=("none",))
+    four = planner.plan(TINY, 2, hw, 8, zeros=(0,), recomputes=("none",), optimizer=OPTIMIZERS)
     assert four.counts["evaluated"] == 4 * one.counts["evaluated"]
     assert {p.optimizer for p in four.ranked} == set(OPTIMIZERS)
     assert any(p.name().endswith(" muon") for p in four.ranked)

@@ -25,7 +25,7 @@ import pytest
 
 from fived.config import ParallelConfig, preset
 from fived.ledger.bubble import bubble_fraction as ledger_bubble_fraction
-from fived.parallel.pipeline import schedules as S
+from fived.parallel.pipeline import schedules as pipeline_schedules
 from fived.parallel.pipeline.stage import stage_ids
 from fived.testing import assemble_grads, grad_rel_diff, run_ranks, small_train
 
@@ -37,7 +37,7 @@ MODEL = preset("tiny")
 
 
 def _par(schedule: str, pp: int, m: int, **kw) -> ParallelConfig:
-    v = 2 if schedule in ("interleaved",) + S.V_SHAPED else 1
+    v = 2 if schedule in ("interleaved",) + pipeline_schedules.V_SHAPED else 1
     return ParallelConfig(pp=pp, micro_batches=m, schedule=schedule, virtual_stages=v, **kw)
 
 
@@ -98,7 +98,7 @@ def test_pp2(reference):
     """pp=2: every schedule equals one rank over 5 steps (and ZB-V under full recompute, where
     every B is the whole backward); pp bytes; one step's gradients
     (ZB-H1, 4 micro-batches) equal one rank's."""
-    pars = [_par(s, 2, 4 if s == "dualpipe-v" else 2) for s in S.NAMES] + [
+    pars = [_par(s, 2, 4 if s == "dualpipe-v" else 2) for s in pipeline_schedules.NAMES] + [
         _par("zb-h1", 2, 4), _par("zb-v", 2, 2, recompute="full")]
     out = run_ranks(suite, 2, MODEL, pars, small_train(), [_par("zb-h1", 2, 4)])
     trained = [o["train"] for o in out]
@@ -140,23 +140,23 @@ def _exact_bubble(name: str, p: int, m: int, v: int) -> Fraction:
     return 1 - Fraction(6 * m, max(6 * m + p - 1, 4 * m + 4 * p - 2))  # the V's, 6m units each
 
 
-def _timeline(sched: S.Schedule) -> tuple[Fraction, dict[S.Action, int]]:
+def _timeline(sched: pipeline_schedules.Schedule) -> tuple[Fraction, dict[pipeline_schedules.Action, int]]:
     """(bubble fraction, start of every F/B/W) of ``sched`` run from its data dependencies."""
     cost = {"F": 1, "B": 1, "W": 1} if sched.split_backward else {"F": 1, "B": 2}
     last = sched.stages - 1
 
-    def inputs(a: S.Action) -> list[S.Action]:
+    def inputs(a: pipeline_schedules.Action) -> list[pipeline_schedules.Action]:
         if a.kind == "F":
-            return [S.Action("F", a.mb, a.stage - 1)] if a.stage > 0 else []
+            return [pipeline_schedules.Action("F", a.mb, a.stage - 1)] if a.stage > 0 else []
         if a.kind == "B":
-            return [S.Action("F", a.mb, a.stage)] + (
-                [S.Action("B", a.mb, a.stage + 1)] if a.stage < last else [])
-        return [S.Action("B", a.mb, a.stage)]
+            return [pipeline_schedules.Action("F", a.mb, a.stage)] + (
+                [pipeline_schedules.Action("B", a.mb, a.stage + 1)] if a.stage < last else [])
+        return [pipeline_schedules.Action("B", a.mb, a.stage)]
 
     lists = [sched.compute(r) for r in range(sched.pp)]
     pos, free = [0] * sched.pp, [0] * sched.pp
-    start: dict[S.Action, int] = {}
-    end: dict[S.Action, int] = {}
+    start: dict[pipeline_schedules.Action, int] = {}
+    end: dict[pipeline_schedules.Action, int] = {}
     while any(pos[r] < len(lists[r]) for r in range(sched.pp)):
         moved = False
         for r, acts in enumerate(lists):
@@ -185,25 +185,25 @@ TIMELINES = {  # (p, m, v) per schedule: m below, at and above p (and 2p − 1 f
 }
 
 
-@pytest.mark.parametrize("name", S.NAMES)
+@pytest.mark.parametrize("name", pipeline_schedules.NAMES)
 def test_simulated_timeline_has_the_formula_bubble(name):
     """The bubble of each schedule's timeline is the formula's, exactly (as a fraction), and the
     one ``schedules.bubble_formula`` and the ledger (``fived.ledger.bubble``) give; the lists'
     own messages (``schedules.simulate``, the executor's order) start no action before its data
     and do not lengthen the step (DualPipe-V's full backwards send their input gradient after
     their W, as the executor's fused backward does: later actions, the same makespan)."""
-    assert set(TIMELINES) == set(S.NAMES)
+    assert set(TIMELINES) == set(pipeline_schedules.NAMES)
     for p, m, v in TIMELINES[name]:
-        sched = S.build(name, p, m, v)
-        S.check(sched)
+        sched = pipeline_schedules.build(name, p, m, v)
+        pipeline_schedules.check(sched)
         got, start = _timeline(sched)
         want = _exact_bubble(name, p, m, v)
         assert got == want, (name, p, m, v, got, want)
-        assert float(got) == pytest.approx(S.bubble_formula(name, p, m, v), abs=1e-12)
+        assert float(got) == pytest.approx(pipeline_schedules.bubble_formula(name, p, m, v), abs=1e-12)
         par = ParallelConfig(pp=p, micro_batches=m, schedule=name, virtual_stages=v)
         assert float(got) == pytest.approx(ledger_bubble_fraction(par), abs=1e-12)
-        sim = S.simulate(sched)  # the lists with their messages, as the executor runs them
-        assert all(s >= start[a] for r in sim.spans for a, s, _ in r if a.kind in S.COMPUTE)
+        sim = pipeline_schedules.simulate(sched)  # the lists with their messages, as the executor runs them
+        assert all(s >= start[a] for r in sim.spans for a, s, _ in r if a.kind in pipeline_schedules.COMPUTE)
         assert float(got) == pytest.approx(sim.bubble_fraction(), abs=1e-12)
 
 
@@ -223,7 +223,7 @@ def reference8():
 @pytest.mark.slow
 @pytest.mark.parametrize("pp", [2, 4])
 def test_matrix_pp_alone(reference8, pp):
-    pars = [_par(s, pp, m) for s in S.NAMES for m in _ms(s, pp)]
+    pars = [_par(s, pp, m) for s in pipeline_schedules.NAMES for m in _ms(s, pp)]
     out = run_ranks(train_many, pp, MODEL8, pars, TRAIN16, timeout=1800)
     _assert_parity(pars, out, reference8)
     _assert_pp_bytes(pars, out, TRAIN16)
@@ -232,7 +232,7 @@ def test_matrix_pp_alone(reference8, pp):
 @pytest.mark.slow
 @pytest.mark.parametrize("pp", [2, 4])
 def test_matrix_pp_dp2(reference8, pp):
-    pars = [_par(s, pp, m, dp=2) for s in S.NAMES for m in _ms(s, pp)]
+    pars = [_par(s, pp, m, dp=2) for s in pipeline_schedules.NAMES for m in _ms(s, pp)]
     out = run_ranks(train_many, 2 * pp, MODEL8, pars, TRAIN16, timeout=1800)
     _assert_parity(pars, out, reference8)
     _assert_pp_bytes(pars, out, TRAIN16)
@@ -242,7 +242,7 @@ def test_matrix_pp_dp2(reference8, pp):
 @pytest.mark.parametrize("pp,dp,sp", [(2, 1, False), (4, 1, False), (2, 1, True), (2, 2, False),
                                       (2, 2, True)])
 def test_matrix_pp_tp2(reference8, pp, dp, sp):
-    pars = [_par(s, pp, m, dp=dp, tp=2, sequence_parallel=sp) for s in S.NAMES
+    pars = [_par(s, pp, m, dp=dp, tp=2, sequence_parallel=sp) for s in pipeline_schedules.NAMES
             for m in _ms(s, pp)]
     out = run_ranks(train_many, pp * dp * 2, MODEL8, pars, TRAIN16, timeout=1800)
     _assert_parity(pars, out, reference8)

@@ -10,45 +10,45 @@ import torch
 from fived.config import ConfigError, ParallelConfig, preset
 from fived.model import build_model
 from fived.parallel.parallelize import parallelize_parts
-from fived.parallel.pipeline import schedules as S
+from fived.parallel.pipeline import schedules
 from fived.parallel.pipeline.stage import StageModel, balanced_split, partition, stage_ids
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parity_helpers import offline_grid  # noqa: E402
 
-MATRIX = [(name, p, m) for name in S.NAMES for p in (2, 4) for m in (p, 2 * p)
+MATRIX = [(name, p, m) for name in schedules.NAMES for p in (2, 4) for m in (p, 2 * p)
           if not (name == "dualpipe-v" and m < 2 * p)] + [
     ("dualpipe-v", p, m) for p in (2, 3, 4) for m in (2 * p + 1, 4 * p)] + [
     ("zb-v", p, m) for p in (3, 4, 8) for m in range(1, 2 * p + 2)]
 
 
 def _v(name: str) -> int:
-    return 2 if name in ("interleaved",) + S.V_SHAPED else 1
+    return 2 if name in ("interleaved",) + schedules.V_SHAPED else 1
 
 
 @pytest.mark.parametrize("name,p,m", MATRIX)
 def test_every_schedule_passes_the_checker(name, p, m):
-    S.check(S.build(name, p, m, _v(name)))
+    schedules.check(schedules.build(name, p, m, _v(name)))
 
 
 @pytest.mark.parametrize("name,p,m", MATRIX + [("1f1b", 4, 16), ("zb-h1", 3, 5),
                                                 ("interleaved", 4, 16), ("gpipe", 3, 7)])
 def test_idle_slots_of_the_action_lists_equal_the_formula(name, p, m):
     v = _v(name)
-    t = S.simulate(S.build(name, p, m, v))
-    assert t.bubble_fraction() == pytest.approx(S.bubble_formula(name, p, m, v), abs=1e-12)
-    assert t.bubble_relative() == pytest.approx(S.bubble_relative_formula(name, p, m, v),
+    t = schedules.simulate(schedules.build(name, p, m, v))
+    assert t.bubble_fraction() == pytest.approx(schedules.bubble_formula(name, p, m, v), abs=1e-12)
+    assert t.bubble_relative() == pytest.approx(schedules.bubble_relative_formula(name, p, m, v),
                                                 abs=1e-12)
 
 
 def test_bubble_formulas():
     p, m = 4, 8
-    assert S.bubble_formula("gpipe", p, m) == (p - 1) / (m + p - 1)
-    assert S.bubble_formula("1f1b", p, m) == (p - 1) / (m + p - 1)
-    assert S.bubble_relative_formula("interleaved", p, m, 2) == pytest.approx((p - 1) / (2 * m))
+    assert schedules.bubble_formula("gpipe", p, m) == (p - 1) / (m + p - 1)
+    assert schedules.bubble_formula("1f1b", p, m) == (p - 1) / (m + p - 1)
+    assert schedules.bubble_relative_formula("interleaved", p, m, 2) == pytest.approx((p - 1) / (2 * m))
     # ZB-H1: bubble (p-1)(F+B-W) instead of (p-1)(F+B+W): a third of 1F1B's idle slots
-    zb = S.simulate(S.build("zb-h1", p, m))
-    one = S.simulate(S.build("1f1b", p, m))
+    zb = schedules.simulate(schedules.build("zb-h1", p, m))
+    one = schedules.simulate(schedules.build("1f1b", p, m))
     assert sum(zb.idle) * 3 == sum(one.idle)
 
 
@@ -57,91 +57,91 @@ def test_v_schedules():
     local; with m ≥ 2p − 1 the idle slots are p − 1 per rank (a sixth of 1F1B's per unit of
     stage work), and the live chunk activations peak at 2p (ZB-V) and 2p + 1 (DualPipe-V)."""
     p, m = 4, 8
-    for name in S.V_SHAPED:
-        s = S.build(name, p, m, 2)
+    for name in schedules.V_SHAPED:
+        s = schedules.build(name, p, m, 2)
         assert [sorted({a.stage for a in acts}) for acts in s.ranks] == [
             [r, 2 * p - 1 - r] for r in range(p)]
-        local = [a for acts in s.ranks for a in acts if a.kind in S.COMM and S.is_local(a, s)]
+        local = [a for acts in s.ranks for a in acts if a.kind in schedules.COMM and schedules.is_local(a, s)]
         assert {(a.kind, a.stage) for a in local} == {
             ("SEND_F", p - 1), ("RECV_F", p), ("SEND_B", p), ("RECV_B", p - 1)}
         assert len(local) == 4 * m
-        t = S.simulate(s)
+        t = schedules.simulate(s)
         assert t.idle == [p - 1] * p and t.makespan == 6 * m + p - 1
-    assert S.peak_live_rank(S.build("zb-v", p, m, 2)) == [2 * p] * p
-    assert S.peak_live_rank(S.build("dualpipe-v", p, m, 2)) == [2 * p + 1] * p
-    assert S.peak_live_rank(S.build("zb-v", 4, 4, 2)) == [5, 6, 7, 8]
-    with pytest.raises(S.ScheduleError, match="dualpipe-v needs micro-batches"):
-        S.build("dualpipe-v", 4, 7, 2)
+    assert schedules.peak_live_rank(schedules.build("zb-v", p, m, 2)) == [2 * p] * p
+    assert schedules.peak_live_rank(schedules.build("dualpipe-v", p, m, 2)) == [2 * p + 1] * p
+    assert schedules.peak_live_rank(schedules.build("zb-v", 4, 4, 2)) == [5, 6, 7, 8]
+    with pytest.raises(schedules.ScheduleError, match="dualpipe-v needs micro-batches"):
+        schedules.build("dualpipe-v", 4, 7, 2)
 
 
 def test_v_schedules_match_the_ledger_bubble():
     from fived.ledger.bubble import bubble_fraction
 
-    for name in S.V_SHAPED:
+    for name in schedules.V_SHAPED:
         for p, m in ((2, 4), (4, 8), (4, 16), (8, 16)):
             par = ParallelConfig(pp=p, micro_batches=m, schedule=name, virtual_stages=2)
-            t = S.simulate(S.build(name, p, m, 2))
+            t = schedules.simulate(schedules.build(name, p, m, 2))
             assert bubble_fraction(par) == pytest.approx(t.bubble_fraction(), abs=1e-12)
     for m in range(1, 8):
         par = ParallelConfig(pp=4, micro_batches=m, schedule="zb-v", virtual_stages=2)
-        t = S.simulate(S.build("zb-v", 4, m, 2))
+        t = schedules.simulate(schedules.build("zb-v", 4, m, 2))
         assert bubble_fraction(par) == pytest.approx(t.bubble_fraction(), abs=1e-12), m
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
 def test_peak_live_micro_batches(p, m):
-    assert max(S.peak_live_rank(S.build("1f1b", p, m))) == p
-    assert S.peak_live_rank(S.build("1f1b", p, m)) == [p - r for r in range(p)]
-    assert S.peak_live_rank(S.build("gpipe", p, m)) == [m] * p
-    assert max(S.peak_live_rank(S.build("zb-h1", p, m))) <= p
+    assert max(schedules.peak_live_rank(schedules.build("1f1b", p, m))) == p
+    assert schedules.peak_live_rank(schedules.build("1f1b", p, m)) == [p - r for r in range(p)]
+    assert schedules.peak_live_rank(schedules.build("gpipe", p, m)) == [m] * p
+    assert max(schedules.peak_live_rank(schedules.build("zb-h1", p, m))) <= p
 
 
 def _broken(name="1f1b", p=4, m=8):
-    return S.build(name, p, m, _v(name))
+    return schedules.build(name, p, m, _v(name))
 
 
 def test_checker_names_a_forward_before_its_receive():
     s = _broken()
     acts = s.ranks[1]
-    i = acts.index(S.Action("RECV_F", 0, 1))
+    i = acts.index(schedules.Action("RECV_F", 0, 1))
     acts[i], acts[i + 1] = acts[i + 1], acts[i]
-    with pytest.raises(S.ScheduleError, match=r"rank 1 action 0 F\(mb=0, stage=1\) needs "
+    with pytest.raises(schedules.ScheduleError, match=r"rank 1 action 0 F\(mb=0, stage=1\) needs "
                                               r"RECV_F\(mb=0, stage=1\) \(input activation"):
-        S.check(s)
+        schedules.check(s)
 
 
 def test_checker_names_a_backward_before_its_forward():
     s = _broken("gpipe", 2, 2)
-    s.ranks[0].remove(S.Action("F", 1, 0))
-    s.ranks[0].append(S.Action("F", 1, 0))
-    with pytest.raises(S.ScheduleError, match=r"SEND_F\(mb=1, stage=0\) needs F\(mb=1, stage=0\)"):
-        S.check(s)
+    s.ranks[0].remove(schedules.Action("F", 1, 0))
+    s.ranks[0].append(schedules.Action("F", 1, 0))
+    with pytest.raises(schedules.ScheduleError, match=r"SEND_F\(mb=1, stage=0\) needs F\(mb=1, stage=0\)"):
+        schedules.check(s)
 
 
 def test_checker_rejects_an_unmatched_send_and_a_missing_action():
     s = _broken("gpipe", 2, 2)
-    s.ranks[1].remove(S.Action("RECV_F", 1, 1))
-    s.ranks[1].remove(S.Action("F", 1, 1))
-    with pytest.raises(S.ScheduleError, match=r"rank 1 action \d+ B\(mb=1, stage=1\) needs "
+    s.ranks[1].remove(schedules.Action("RECV_F", 1, 1))
+    s.ranks[1].remove(schedules.Action("F", 1, 1))
+    with pytest.raises(schedules.ScheduleError, match=r"rank 1 action \d+ B\(mb=1, stage=1\) needs "
                                               r"F\(mb=1, stage=1\)"):
-        S.check(s)
+        schedules.check(s)
     s = _broken("zb-h1", 2, 2)
-    s.ranks[0] = [a for a in s.ranks[0] if a != S.Action("W", 1, 0)]
-    with pytest.raises(S.ScheduleError, match=r"rank 0 never runs W\(mb=1, stage=0\)"):
-        S.check(s)
+    s.ranks[0] = [a for a in s.ranks[0] if a != schedules.Action("W", 1, 0)]
+    with pytest.raises(schedules.ScheduleError, match=r"rank 0 never runs W\(mb=1, stage=0\)"):
+        schedules.check(s)
 
 
 def test_checker_finds_a_deadlock():
     # rank 0 waits for the gradient of mb 0 before it sends mb 1's activation, rank 1 (GPipe)
     # runs both forwards before any backward: every dependency is local-consistent, but stuck
-    s = S.build("gpipe", 2, 2)
-    r0 = [S.Action("F", 0, 0), S.Action("SEND_F", 0, 0), S.Action("F", 1, 0),
-          S.Action("RECV_B", 0, 0), S.Action("SEND_F", 1, 0), S.Action("B", 0, 0),
-          S.Action("RECV_B", 1, 0), S.Action("B", 1, 0)]
+    s = schedules.build("gpipe", 2, 2)
+    r0 = [schedules.Action("F", 0, 0), schedules.Action("SEND_F", 0, 0), schedules.Action("F", 1, 0),
+          schedules.Action("RECV_B", 0, 0), schedules.Action("SEND_F", 1, 0), schedules.Action("B", 0, 0),
+          schedules.Action("RECV_B", 1, 0), schedules.Action("B", 1, 0)]
     s.ranks[0] = r0
-    with pytest.raises(S.ScheduleError, match=r"deadlock: rank 0 action 3 RECV_B\(mb=0, "
+    with pytest.raises(schedules.ScheduleError, match=r"deadlock: rank 0 action 3 RECV_B\(mb=0, "
                                               r"stage=0\) waits for the gradient of stage 1"):
-        S.check(s)
+        schedules.check(s)
 
 
 def test_executor_refuses_a_broken_schedule_before_running():
@@ -149,7 +149,7 @@ def test_executor_refuses_a_broken_schedule_before_running():
 
     s = _broken("1f1b", 2, 2)
     s.ranks[1].reverse()
-    with pytest.raises(S.ScheduleError):
+    with pytest.raises(schedules.ScheduleError):
         PipelineExecutor(preset("tiny"), ParallelConfig(pp=2, micro_batches=2), _FakeGrid(),
                          None, torch.float32, sched=s)
 

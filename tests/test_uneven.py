@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from fived.config import ConfigError, ParallelConfig, TrainConfig, preset, validate
-from fived.ledger import params as P
+from fived.ledger import params
 from fived.parallel.pipeline.stage import partition
 
 L405 = preset("llama3-405b")
@@ -21,8 +21,8 @@ def test_405b_over_pp16_is_llama3s_split():
     validate(L405, par, TrainConfig(global_batch=1024), 8192)  # no --pp-layers needed
     sizes = [len(s) for s in partition(L405, par)]
     assert sizes == [7] + [8] * 14 + [7]
-    assert P.stage_layers(L405, par) == partition(L405, par)  # ledger == runtime
-    assert [P.rank_layers(L405, par, r) for r in range(16)] == sizes
+    assert params.stage_layers(L405, par) == partition(L405, par)  # ledger == runtime
+    assert [params.rank_layers(L405, par, r) for r in range(16)] == sizes
 
 
 def test_405b_interleaved_split():
@@ -31,10 +31,10 @@ def test_405b_interleaved_split():
     validate(L405, par, TrainConfig(global_batch=1024), 8192)
     sizes = [len(s) for s in partition(L405, par)]
     assert sizes == [3] + [4] * 30 + [3]
-    assert P.stage_layers(L405, par) == partition(L405, par)
+    assert params.stage_layers(L405, par) == partition(L405, par)
     # rank 0 holds virtual stages 0 and 16, rank 15 holds 15 and 31
-    assert P.rank_layers(L405, par, 0) == 7 and P.rank_layers(L405, par, 15) == 7
-    assert P.rank_layers(L405, par, 7) == 8
+    assert params.rank_layers(L405, par, 0) == 7 and params.rank_layers(L405, par, 15) == 7
+    assert params.rank_layers(L405, par, 7) == 8
 
 
 def test_uneven_small_split_and_too_many_stages():

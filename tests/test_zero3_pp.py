@@ -18,7 +18,7 @@ import pytest
 
 from fived.config import ParallelConfig, preset, validate
 from fived.ledger import traffic, verify
-from fived.parallel.pipeline import schedules as S
+from fived.parallel.pipeline import schedules
 from fived.testing import run_ranks, small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -30,7 +30,7 @@ TRAIN = small_train(steps=3)
 
 
 def _par(schedule: str, gather: str, pp: int = 2, dp: int = 2, **kw) -> ParallelConfig:
-    v = 2 if schedule in ("interleaved",) + S.V_SHAPED else 1
+    v = 2 if schedule in ("interleaved",) + schedules.V_SHAPED else 1
     m = 2 * pp if schedule == "dualpipe-v" else pp
     return ParallelConfig(pp=pp, dp=dp, zero=3, zero3_pp_gather=gather, schedule=schedule,
                           virtual_stages=v, micro_batches=m, **kw)
@@ -75,7 +75,7 @@ def test_gathers_per_step_vs_per_micro_batch():
 @pytest.mark.slow
 @pytest.mark.parametrize("gather", ["step", "micro"])
 def test_matrix_every_schedule(reference, gather):
-    _check([_par(s, gather) for s in S.NAMES], reference)
+    _check([_par(s, gather) for s in schedules.NAMES], reference)
 
 
 @pytest.mark.slow

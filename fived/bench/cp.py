@@ -31,7 +31,7 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from ..comm.ops import Traffic
-    from ..parallel import context as C
+    from ..parallel import context
     from ..ranks.grid import DimGroup
     from ..train.activations import SavedTensors
 
@@ -46,8 +46,8 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
     for mode in a["modes"]:
         base, _, layout = mode.partition("-")
         layout = layout or "zigzag"
-        fn = C.MODES[base]
-        pos = C.shard_positions(s, world, rank, layout)
+        fn = context.MODES[base]
+        pos = context.shard_positions(s, world, rank, layout)
         q, k, v = (x[:, pos].contiguous() for x in full)
         do = dfull[:, pos].contiguous()
         times, sent, saved_bytes = [], 0.0, 0
@@ -56,7 +56,7 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             traffic.reset()
             t0 = time.perf_counter()
-            stats = C.AttentionStats()  # ring only: the other modes count nothing
+            stats = context.AttentionStats()  # ring only: the other modes count nothing
             kw = {"stats": stats} if base == "ring" else {}
             with SavedTensors() as saved:
                 o = fn(ql, kl, vl, group, layout, **kw)
@@ -69,7 +69,7 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
             sent = sum(r.bytes for r in traffic.records.values())
             saved_bytes = saved.bytes
         outputs[mode] = (layout, o.detach(), ql.grad)
-        per = C.traffic_per_layer(base, b, s // world, h, g, d, world)
+        per = context.traffic_per_layer(base, b, s // world, h, g, d, world)
         flops = torch.zeros(world, dtype=torch.float64)
         flops[rank] = fwd_flops
         dist.all_reduce(flops)
@@ -95,7 +95,7 @@ def _bench_rank(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]:
 def _one_rank(a: dict[str, Any]) -> tuple[float, int]:
     import torch
 
-    from ..model import layers as L
+    from ..model import layers
     from ..train.activations import SavedTensors
 
     b, s, h, g, d = a["batch"], a["seq"], a["heads"], a["kv_heads"], a["head_dim"]
@@ -105,7 +105,7 @@ def _one_rank(a: dict[str, Any]) -> tuple[float, int]:
     for it in range(a["warmup"] + a["iters"]):
         t0 = time.perf_counter()
         with SavedTensors() as saved:
-            o = L.causal_attention(q, k, v)
+            o = layers.causal_attention(q, k, v)
         o.backward(do)
         if it >= a["warmup"]:
             times.append(time.perf_counter() - t0)

@@ -248,14 +248,14 @@ def run_rank(rank: int, world: int, build: Callable, args: argparse.Namespace) -
     import torch.distributed as dist
 
     from ..config import TrainConfig
-    from ..train import data as D
+    from ..train import data
 
     cfg = bench_model(args)
     train = TrainConfig(global_batch=args.global_batch, seed=1234, corpus_mb=1.0)
     positions = torch.arange(cfg.seq_len)
 
     def batch(i: int) -> tuple:
-        x, y = D.local_batch(i, train.seed, train.global_batch, cfg.seq_len, rank, world,
+        x, y = data.local_batch(i, train.seed, train.global_batch, cfg.seq_len, rank, world,
                              train.corpus_mb)
         return x, y, positions
 

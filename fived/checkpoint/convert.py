@@ -15,8 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..config import ModelConfig, ParallelConfig, TrainConfig
-from . import hf
-from . import storage as S
+from . import hf, storage
 from .hf import param_shapes  # noqa: F401 - re-exported (cli.train, tests)
 from .pieces import Pieces
 from .state import LoadPlanner, SavePlanner, tensor_table
@@ -45,7 +44,7 @@ def whole_model(ckpt: Path, man: dict[str, Any], dtype: torch.dtype | None = Non
             dest[comp] = torch.empty(meta["shape"], dtype=torch.float32)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner(), no_dist=True)
+        dcp.load(dest, storage_reader=storage.safe_reader(ckpt), planner=LoadPlanner(), no_dist=True)
     saved = getattr(torch, tensors[f"model.{every[0]}"]["dtype"]) if every else torch.float32
     out = {}
     for n in names:
@@ -98,8 +97,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, seq_len: int | None = No
              for n, s in shapes.items()}
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
-    S.clean_tmp(root)
-    tmp = S.tmp_dir(root, 0)
+    storage.clean_tmp(root)
+    tmp = storage.tmp_dir(root, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         # one file per tensor: DCP's writer keeps every tensor of a file until the file is
@@ -111,7 +110,7 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, seq_len: int | None = No
                       "train": asdict(TrainConfig(model=cfg.name))},
            "optimizer": None, "loss_scaler": None, "data": {}, "memory_per_rank": [],
            "tensors": tensor_table(tmp)}
-    return S.finalize(root, 0, man), cfg, man["tensors"]
+    return storage.finalize(root, 0, man), cfg, man["tensors"]
 
 
 class CheckpointSource:
@@ -139,7 +138,7 @@ class CheckpointSource:
             got.append(t)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(dest, storage_reader=S.safe_reader(self.ckpt), planner=LoadPlanner(),
+            dcp.load(dest, storage_reader=storage.safe_reader(self.ckpt), planner=LoadPlanner(),
                      no_dist=True)
         value = got[0].float() + got[1] if len(got) > 1 else got[0]
         with torch.no_grad():
@@ -155,6 +154,6 @@ class CheckpointSource:
         dest = {key: torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(dest, storage_reader=S.safe_reader(self.ckpt), planner=LoadPlanner(),
+            dcp.load(dest, storage_reader=storage.safe_reader(self.ckpt), planner=LoadPlanner(),
                      no_dist=True)
         return dest[key]

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..config import AUTO, ConfigError
-from . import storage as S
+from . import storage
 from .optimizer import optim_entries, owned, scalars
 from .pieces import Pieces
 
@@ -142,7 +142,7 @@ class Saver:
             self.group = dist.new_group(backend="gloo")
         if trainer.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            S.clean_tmp(self.root)
+            storage.clean_tmp(self.root)
 
     def due(self, done: int, total: int) -> bool:
         return done == total or (self.every > 0 and done % self.every == 0)
@@ -156,7 +156,7 @@ class Saver:
         for k, v in rng_state(t.engine).items():
             state[f"rng.{k}.rank{t.rank}"] = v.clone()
         man = manifest(t, done, mems)
-        tmp = S.tmp_dir(self.root, done)
+        tmp = storage.tmp_dir(self.root, done)
         writer = dcp.FileSystemWriter(str(tmp))
         if self.use_async:
             staged = {k: (v.staged() if isinstance(v, Pieces) else v) for k, v in state.items()}
@@ -189,7 +189,7 @@ class Saver:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-        prev = S.complete(self.root)
+        prev = storage.complete(self.root)
         if isinstance(error, CheckpointException):  # DCP's: every failing rank's exception
             causes = {r: (e[0] if isinstance(e, tuple) else e)  # (exception, frames)
                       for r, e in error.failures.items()}
@@ -224,7 +224,7 @@ class Saver:
         if self.trainer.rank == 0:
             try:
                 man["tensors"] = tensor_table(tmp)
-                final = S.finalize(self.root, done, man, self.keep)
+                final = storage.finalize(self.root, done, man, self.keep)
             except OSError as e:  # the manifest or an fsync on a full disk
                 error = e
         self._agree(done, tmp, error)  # the barrier: every rank leaves once it is visible
@@ -271,7 +271,7 @@ def manifest(t: Any, done: int, mems: list[dict[str, int]] | None) -> dict[str, 
 
 def tensor_table(ckpt: Path) -> dict[str, dict[str, Any]]:
     """Every tensor in a DCP directory: global shape, dtype, bytes (from its safe metadata)."""
-    md = S.safe_reader(ckpt).read_metadata()
+    md = storage.safe_reader(ckpt).read_metadata()
     out = {}
     for fqn, m in sorted(md.state_dict_metadata.items()):
         if not hasattr(m, "size"):
@@ -325,7 +325,7 @@ def load(trainer: Any, ckpt: str | Path, weights_only: bool = False) -> int:
     tokenizer)."""
     t, eng = trainer, trainer.engine
     ckpt = Path(ckpt)
-    man = S.read_manifest(ckpt)
+    man = storage.read_manifest(ckpt)
     expected = {pl.name: tuple(pl.shape) for pl in t.parallel.placements.values()}
     check_compatible(man, expected, t.cfg.is_moe, whole=False)
     tensors = man["tensors"]
@@ -364,7 +364,7 @@ def load(trainer: Any, ckpt: str | Path, weights_only: bool = False) -> int:
     for k, v in ({} if weights_only else rng_state(eng)).items():
         if f"rng.{k}.rank{t.rank}" in tensors:
             rng[k] = dest[f"rng.{k}.rank{t.rank}"] = torch.empty_like(v)
-    dcp.load(dest, storage_reader=S.safe_reader(ckpt), planner=LoadPlanner())
+    dcp.load(dest, storage_reader=storage.safe_reader(ckpt), planner=LoadPlanner())
     with torch.no_grad():
         for b, v, cv in zip(eng.buckets, value, comp):
             if cv is not None:  # a Kahan checkpoint into a run without c: θ + c

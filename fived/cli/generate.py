@@ -69,14 +69,14 @@ def parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------ resolving the inputs
 def _tokenizer(spec: str, flag: str = "--tokenizer") -> Any:
-    from ..data import tokenizer as T
+    from ..data import tokenizer as tokenize
 
     p = Path(spec)
     if p.is_dir() and (p / "meta.json").is_file() and not (p / "tokenizer.json").is_file():
         from ..data.shards import DataDir
 
         return DataDir(p).tokenizer()
-    return T.load(spec)
+    return tokenize.load(spec)
 
 
 def _checkpoint_tokenizer(man: dict[str, Any], given: str | None, ckpt: Path) -> Any:

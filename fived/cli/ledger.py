@@ -44,7 +44,7 @@ to what `fived train` would start (4 ranks, or the product of the degrees).
 # ------------------------------------------------------------------------ shared with plan
 def cluster_flags(ap: argparse.ArgumentParser) -> None:
     """The cluster, the time model's assumptions and the output: ``fived ledger``/``plan``."""
-    from ..ledger import hardware as H
+    from ..ledger import hardware
 
     g = ap.add_argument_group("cluster", "the machines the layout would run on")
     g.add_argument("--gpus", type=int, default=None, metavar="N",
@@ -53,7 +53,7 @@ def cluster_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
                    help="devices per node (default: the hardware preset's, 8)")
     g.add_argument("--gpu", default="h100-sxm", metavar="NAME",
-                   help=f"hardware preset: {', '.join(H.PRESETS)}, or this-machine "
+                   help=f"hardware preset: {', '.join(hardware.PRESETS)}, or this-machine "
                         "(measured matmul + --bench-json) (default: h100-sxm)")
     g.add_argument("--bench-json", default=None, metavar="FILE",
                    help="this-machine: `fived bench comm --json` output to fit the link from")
@@ -96,14 +96,14 @@ def hardware(args: argparse.Namespace, ranks: int = 1, par=None, model=None,
              micro_batch: int = 0):
     """The preset, or for ``this-machine`` a measured one (``fived.probe.machine``; with a
     layout, its kernels timed as they will run)."""
-    from ..ledger import hardware as H
+    from ..ledger import hardware
 
     if args.gpu == "this-machine":
         from ..probe.machine import this_machine
 
         return this_machine(args.bench_json, ranks=ranks, par=par, model=model,
                             micro_batch=micro_batch, clock=clock_options(args))
-    return H.get(args.gpu, args.bench_json)
+    return hardware.get(args.gpu, args.bench_json)
 
 
 def clock_options(args: argparse.Namespace):
@@ -235,13 +235,13 @@ def main(argv: list[str]) -> int:
     else:
         hw = hardware(args, world)
     gpn = args.gpus_per_node or hw.gpus_per_node
-    from ..ledger import memory as M
+    from ..ledger import memory as memory_ledger
 
     if args.eager_activations or args.gpu == "this-machine":  # the fived runtime's kernels
-        opts = M.ActivationOptions("materialised" if args.gpu == "this-machine" else
+        opts = memory_ledger.ActivationOptions("materialised" if args.gpu == "this-machine" else
                                    args.attention)
     else:
-        opts = M.ActivationOptions(args.attention, kv_repeat=False, fused_norm=True)
+        opts = memory_ledger.ActivationOptions(args.attention, kv_repeat=False, fused_norm=True)
     doc = ledger_document(m, par, hw, gb, gpn, args.efficiency, args.mem_fraction, opts,
                           train_tokens, train.optimizer, clock_options(args))
     doc["precision_note"] = precision
@@ -322,31 +322,29 @@ def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,
                     gpn: int, efficiency: float | None, mem_fraction: float,
                     opts, train_tokens: float, optimizer: str = "adamw", clock=None) -> dict:
     """Everything ``fived ledger`` prints, as one JSON-able dict."""
-    from ..ledger import bubble as B
-    from ..ledger import compute as C
-    from ..ledger import memory as M
-    from ..ledger import params as P
-    from ..ledger import planner as PL
+    from ..ledger import bubble as bubble_formulas
+    from ..ledger import compute, params, planner
+    from ..ledger import memory as memory_ledger
     from ..ledger.traffic import micro_batch_size
 
-    n = P.total_params(m)
-    counts = P.param_counts(m)
+    n = params.total_params(m)
+    counts = params.param_counts(m)
     b = micro_batch_size(par, global_batch)
-    pr = PL.predict(m, par, hw, global_batch, gpn, efficiency, mem_fraction, opts, optimizer,
+    pr = planner.predict(m, par, hw, global_batch, gpn, efficiency, mem_fraction, opts, optimizer,
                     clock)
-    ranks = P.all_rank_params(m, par)
-    fwd = C.forward_flops_per_token(m)
-    attn = C.attention_flops_per_token(m)
+    ranks = params.all_rank_params(m, par)
+    fwd = compute.forward_flops_per_token(m)
+    attn = compute.attention_flops_per_token(m)
     tokens = global_batch * m.seq_len
-    mf = C.model_flops_per_token(m)
-    wall = C.training_flops(n, train_tokens)
+    mf = compute.model_flops_per_token(m)
+    wall = compute.training_flops(n, train_tokens)
     return {
         "model": {"name": m.name, "params": n, "dense": counts["dense"], "expert": counts["expert"],
-                  "active": P.active_params(m), "by_kind": counts,
-                  "checkpoint_bf16_bytes": M.checkpoint_bytes(m, 2),
+                  "active": params.active_params(m), "by_kind": counts,
+                  "checkpoint_bf16_bytes": memory_ledger.checkpoint_bytes(m, 2),
                   "training_state_16psi_bytes": 16 * n,
-                  "layout_bytes_per_param": M.bytes_per_param(par),
-                  "layout_training_state_bytes": M.bytes_per_param(par) * n,
+                  "layout_bytes_per_param": memory_ledger.bytes_per_param(par),
+                  "layout_training_state_bytes": memory_ledger.bytes_per_param(par) * n,
                   "device_memory": hw.memory,
                   "training_state_fits_one_device": 16 * n <= hw.memory},
         "layout": pr.as_dict()["parallel"], "layout_name": pr.name(), "world": par.world_size,
@@ -359,18 +357,18 @@ def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,
         "compute": {"convention": "2 FLOPs per multiply-add; attention not causal-halved",
                     "forward_per_token": fwd, "attention_forward_per_token": attn,
                     "backward_per_token": 2 * fwd, "model_per_token": mf,
-                    "recompute_per_token": C.recompute_flops_per_token(m, par.recompute),
+                    "recompute_per_token": compute.recompute_flops_per_token(m, par.recompute),
                     "model_per_step": mf * tokens, "per_rank_per_step": mf * tokens
                     / par.world_size,
                     "time_wall": {"tokens": train_tokens, "flops_6psid": wall,
-                                  "seconds_at_predicted_mfu": C.training_seconds(
+                                  "seconds_at_predicted_mfu": compute.training_seconds(
                                       wall, par.world_size, hw.peak_flops, max(pr.mfu, 1e-9)),
                                   "one_device_at_peak_seconds": wall / hw.peak_flops}},
         "traffic": {"pp_rank": pr.slow_rank, "bytes_by_group": pr.traffic,
                     "collectives": pr.as_dict()["collectives"]},
         "time": {"components": pr.times, "step_seconds": pr.step_seconds,
                  "tokens_per_s": pr.tokens_per_s, "mfu": pr.mfu, "bubble_fraction": pr.bubble,
-                 "bubble_ticks": B.bubble_ticks(par), "efficiency": efficiency},
+                 "bubble_ticks": bubble_formulas.bubble_ticks(par), "efficiency": efficiency},
     }
 
 

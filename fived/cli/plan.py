@@ -122,8 +122,7 @@ def main(argv: list[str]) -> int:
         return flags.print_config(replace(res, par=par, train=train),
                                   f"fived plan: {gpus} GPUs · {precision}; the [parallel] layout "
                                   "is searched")
-    from ..ledger import params as P
-    from ..ledger import planner as PL
+    from ..ledger import params, planner
 
     hw = hardware(args, gpus)
     gpn = args.gpus_per_node or hw.gpus_per_node
@@ -131,14 +130,14 @@ def main(argv: list[str]) -> int:
     con = None
     if not args.json:
         con = report.console(args.wide)
-        con.print(f"[bold]fived plan[/]: {precision} · {m.name} ({fmt_n(P.total_params(m))} "
+        con.print(f"[bold]fived plan[/]: {precision} · {m.name} ({fmt_n(params.total_params(m))} "
                   f"params, seq {m.seq_len}) on {gpus}× {hw.name} ({gpn} per node) · global "
                   f"batch {gb} × {m.seq_len} = {fmt_n(gb * m.seq_len)} tokens{batch_note} · "
                   f"{par.grad_reduce_dtype} gradients · "
                   f"{', '.join(_optimizers(args, train))}"
                   + "".join(f" · {k} {flags.shown(v)}" for k, v in fixed.items()))
     with _search_bar() as bar:
-        res_ = PL.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
+        res_ = planner.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
                        clock=clock_options(args), precision=par.precision,
                        grad_reduce_dtype=par.grad_reduce_dtype,
                        optimizer=_optimizers(args, train), fixed=fixed, progress=bar, **space)

@@ -15,20 +15,20 @@ from ..ui import report
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..ledger import validate as V
+    from ..ledger import validate as validation
 
     con = report.console(args.wide)
-    runs = V.load()
+    runs = validation.load()
     if not args.json:
-        con.print(f"fived ledger --validate: {len(runs)} published runs ({V.RUNS.name}); "
+        con.print(f"fived ledger --validate: {len(runs)} published runs ({validation.RUNS.name}); "
                   "predicting each ...")
-    checks = V.check_all(runs)
-    summ = V.summary(checks)
+    checks = validation.check_all(runs)
+    summ = validation.summary(checks)
     fit = None
     if args.refit:
         if not args.json:
             con.print("refitting the clock's global constants on a grid (a minute) ...")
-        consts, fs = V.fit(runs)
+        consts, fs = validation.fit(runs)
         fit = {"constants": consts, "summary": fs}
     if args.json:
         report.print_json({"runs": [_row(c) for c in checks], "summary": summ, "refit": fit})

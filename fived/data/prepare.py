@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError
-from . import tokenizer as T
+from . import tokenizer as tokenize
 from .meta import FORMAT, read_meta
 
 CHUNK_CHARS = 1 << 20  # characters of text per worker task
@@ -177,14 +177,14 @@ def source_hash(sources: list[tuple[Path, str]], opts: Options, tok_id: str) -> 
 
 
 # ---------------------------------------------------------------------------- workers
-_TOK: T.Tokenizer | None = None
+_TOK: tokenize.Tokenizer | None = None
 _DTYPE: Any = None
 
 
 def _init(spec: str, dtype: str) -> None:
     global _TOK, _DTYPE
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
-    _TOK, _DTYPE = T.from_spec(spec), np.dtype(dtype)
+    _TOK, _DTYPE = tokenize.from_spec(spec), np.dtype(dtype)
 
 
 def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -264,13 +264,13 @@ def prepare(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]
     out = Path(opts.out)
     exists = check_out(out)
     sources = find_sources(opts.inputs, opts.glob, opts.exclude)
-    tok: T.Tokenizer | None = None
+    tok: tokenize.Tokenizer | None = None
     if opts.train_bpe:
-        if not T.MIN_BPE <= opts.train_bpe <= T.MAX_BPE:
-            T.train_bpe([], opts.train_bpe)  # raises the ConfigError
+        if not tokenize.MIN_BPE <= opts.train_bpe <= tokenize.MAX_BPE:
+            tokenize.train_bpe([], opts.train_bpe)  # raises the ConfigError
         tok_id = f"bpe:{opts.train_bpe}"
     else:
-        tok = T.load(opts.tokenizer)
+        tok = tokenize.load(opts.tokenizer)
         tok_id = tok.hash
     src = source_hash(sources, opts, tok_id)
     if exists and (out / "meta.json").is_file():
@@ -284,7 +284,7 @@ def prepare(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]
     if tok is None:
         log(f"training a byte-level BPE of {opts.train_bpe} symbols on the training documents")
         docs = documents(sources, opts.field, opts.column)
-        tok = T.train_bpe(training_documents(docs, opts.val_fraction), opts.train_bpe)
+        tok = tokenize.train_bpe(training_documents(docs, opts.val_fraction), opts.train_bpe)
         log(f"BPE trained in {time.perf_counter() - t0:.1f} s (tokenizer {tok.hash[:12]})")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -308,7 +308,7 @@ def prepare(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]
     return meta
 
 
-def _write(tmp: Path, tok: T.Tokenizer, sources: list[tuple[Path, str]], opts: Options
+def _write(tmp: Path, tok: tokenize.Tokenizer, sources: list[tuple[Path, str]], opts: Options
            ) -> dict[str, Any]:
     dtype = "uint16" if tok.vocab <= 1 << 16 else "uint32"
     files = {s: open(tmp / f"{s}.bin", "wb") for s in ("train", "val")}
@@ -380,7 +380,7 @@ def _write(tmp: Path, tok: T.Tokenizer, sources: list[tuple[Path, str]], opts: O
         splits[s] = {"tokens": offsets[s][-1], "documents": len(offsets[s]) - 1,
                      "file": f"{s}.bin", "index": f"{s}.idx.npy"}
     tok_file = None
-    if isinstance(tok, T.HFTokenizer):
+    if isinstance(tok, tokenize.HFTokenizer):
         tok.save(tmp / "tokenizer.json")
         tok_file = "tokenizer.json"
     data_hash = hashlib.sha256((hashes["train"].hexdigest() + hashes["val"].hexdigest())

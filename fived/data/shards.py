@@ -50,7 +50,7 @@ class DataDir:
         return np.load(self.path / self.meta["splits"][split]["index"])
 
     def tokenizer(self):
-        from . import tokenizer as T
+        from . import tokenizer
 
         f = self.meta["tokenizer"]["file"]
-        return T.ByteTokenizer() if f is None else T.from_spec((self.path / f).read_text())
+        return tokenizer.ByteTokenizer() if f is None else tokenizer.from_spec((self.path / f).read_text())

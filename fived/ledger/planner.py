@@ -54,9 +54,9 @@ from ..config import (
     resolve_precision,
     validate,
 )
-from . import bubble as B
-from . import compute as C
-from . import roofline as R
+from . import bubble as bubble_formulas
+from . import compute as flops
+from . import roofline as roofline_model
 from .hardware import Hardware, collective_seconds
 from .memory import FUSED, ActivationOptions, RankMemory, largest_rank, states_floor
 from .params import layer_kinds, rank_layer_ids, rank_layers, rank_moe_layers, rank_stages
@@ -186,14 +186,14 @@ def _flat_compute(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, r: 
     n_stages = par.pp * max(1, par.virtual_stages)
     layers = rank_layers(m, par, r)
     last = (n_stages - 1) in rank_stages(par, r)
-    f = C.stage_forward_flops_per_token(m, rank_layer_ids(m, par, r), last) * tokens_mb / par.tp
+    f = flops.stage_forward_flops_per_token(m, rank_layer_ids(m, par, r), last) * tokens_mb / par.tp
     if m.is_moe:  # experts are replicated over tp: without SP each tp rank runs all tokens
         sp_div = par.tp if par.sequence_parallel else 1
         ex = (2.0 * 3 * m.hidden * m.expert_ffn * m.top_k * rank_moe_layers(m, par, r)
               * tokens_mb)
         f += ex / sp_div - ex / par.tp
     t_f = f / rate
-    core = C.attention_flops_per_token(m, layers=layers) * tokens_mb / par.tp / rate
+    core = flops.attention_flops_per_token(m, layers=layers) * tokens_mb / par.tp / rate
     if par.recompute == "full":
         rc = t_f - (2.0 * m.hidden * m.vocab * tokens_mb / par.tp / rate if last else 0.0)
     else:
@@ -204,7 +204,7 @@ def _flat_compute(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, r: 
 
 def rank_compute(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, r: int,
                  efficiency: float | None = None,
-                 clock: R.ClockOptions | None = None) -> dict[str, float]:
+                 clock: roofline_model.ClockOptions | None = None) -> dict[str, float]:
     """One micro-batch's compute seconds on pipeline rank ``r``: the roofline clock, or the
     flat ``efficiency`` when one is given."""
     if efficiency is not None:
@@ -216,8 +216,8 @@ def rank_compute(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, r: i
     # each block priced with its own shape (first_dense_layers: the dense ones as dense); the
     # stage's ends (embedding, head, loss) once, with the first kind
     for j, (shape, n) in enumerate(layer_kinds(m, rank_layer_ids(m, par, r))):
-        t = R.micro_batch_times(shape, par, b, hw, n, first and j == 0, last and j == 0,
-                                clock or R.ClockOptions())
+        t = roofline_model.micro_batch_times(shape, par, b, hw, n, first and j == 0, last and j == 0,
+                                clock or roofline_model.ClockOptions())
         for k, v in t.items():
             out[k] = out.get(k, 0.0) + v
     return out
@@ -227,11 +227,11 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
             gpus_per_node: int | None = None, efficiency: float | None = None,
             memory_fraction: float = 0.9,
             opts: ActivationOptions = GPU_ACTIVATIONS, optimizer: str = "adamw",
-            clock: R.ClockOptions | None = None) -> Prediction:
+            clock: roofline_model.ClockOptions | None = None) -> Prediction:
     """Memory, traffic and time of one layout (see the module docstring)."""
     par = resolve_precision(par, hw.gpu, hw.name)[0]  # --precision auto, by the hardware
     gpn = gpus_per_node or hw.gpus_per_node
-    clock = clock or R.ClockOptions(attention=opts.attention)
+    clock = clock or roofline_model.ClockOptions(attention=opts.attention)
     b = micro_batch_size(par, global_batch)
     mem = largest_rank(m, par, b, opts, optimizer)
     mb = par.micro_batches
@@ -280,9 +280,9 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
         ag = sum(per.get((g, "step"), 0.0) for g in dp_groups)
         dp_step = (max(0.0, red - t_b) + max(0.0, ag - t_f)) if overlap else red + ag
     t_mb = t_f + t_b + t_rc + tp + ep + cp + pp + zero_mb
-    ticks = B.bubble_ticks(par)
+    ticks = bubble_formulas.bubble_ticks(par)
     if efficiency is None:
-        t_opt = R.optimizer_seconds(mem.states_total, hw)
+        t_opt = roofline_model.optimizer_seconds(mem.states_total, hw)
     else:
         t_opt = 2.0 * mem.states_total / hw.hbm_bw
     step = (mb + ticks) * t_mb + dp_step + t_opt + hw.step_overhead
@@ -305,9 +305,9 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
     }
     tokens = global_batch * m.seq_len
     tps = tokens / step
-    mfu = C.model_flops_per_token(m) * tps / (par.world_size * hw.matmul_peak(par.precision))
+    mfu = flops.model_flops_per_token(m) * tps / (par.world_size * hw.matmul_peak(par.precision))
     return Prediction(par, b, global_batch, mem, hw.memory * memory_fraction, times, step, tps,
-                      mfu, B.bubble_fraction(par), bytes_by_group(colls), timed, r, optimizer)
+                      mfu, bubble_formulas.bubble_fraction(par), bytes_by_group(colls), timed, r, optimizer)
 
 
 # ------------------------------------------------------------------------ the search
@@ -409,7 +409,7 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
 def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
          gpus_per_node: int | None = None, efficiency: float | None = None,
          memory_fraction: float = 0.9, top: int = 10, optimizer: str | tuple[str, ...] = "adamw",
-         clock: R.ClockOptions | None = None,
+         clock: roofline_model.ClockOptions | None = None,
          progress: Callable[[int, int], None] | None = None, **space) -> PlanResult:
     """Every layout that fits, fastest first (``ranked``), with what was discarded;
     ``optimizer``: one ``--optimizer`` or several, each layout evaluated with each;

@@ -26,10 +26,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, ParallelConfig, validate
-from . import compute as C
-from . import hardware as H
-from . import planner as PL
-from . import roofline as R
+from . import compute, planner, roofline
+from . import hardware as hardware_presets
 from .memory import FUSED, ActivationOptions
 
 RUNS = Path(__file__).with_name("runs.toml")
@@ -45,7 +43,7 @@ class Run:
     par: ParallelConfig
     gpus: int
     global_batch: int
-    clock: R.ClockOptions
+    clock: roofline.ClockOptions
     flops: str  # the published FLOP convention
     tflops_per_gpu: float
     mfu: float
@@ -55,7 +53,7 @@ class Run:
 
 def published_flops_per_token(m: ModelConfig, convention: str) -> float:
     if convention == "model":
-        return C.model_flops_per_token(m)
+        return compute.model_flops_per_token(m)
     if convention == "megatron-2021":  # 96·l·h²·(1 + s/6h + V/16lh) per sequence, per token
         h, ly, s, v = m.hidden, m.layers, m.seq_len, m.vocab
         return 96.0 * ly * h * h * (1 + s / (6 * h) + v / (16 * ly * h))
@@ -112,7 +110,7 @@ def load(path: Path | str = RUNS) -> list[Run]:
             grad_reduce_dtype=kv.get("grad_reduce_dtype", "fp32"), overlap=kv.get("overlap", True),
             bucket_mb=kv.get("bucket_mb", 25.0))
         pub = row["published"]
-        clock = R.ClockOptions(attention=kv.get("attention", "flash"),
+        clock = roofline.ClockOptions(attention=kv.get("attention", "flash"),
                                tp_overlap=kv.get("tp_overlap", False),
                                fused=kv.get("fused", True),
                                fused_gemm=kv.get("fused_gemm", False),
@@ -127,7 +125,7 @@ def load(path: Path | str = RUNS) -> list[Run]:
 @dataclass
 class Check:
     run: Run
-    pred: PL.Prediction
+    pred: planner.Prediction
     mfu_pred: float  # in the run's convention
     ratio: float  # predicted / published tokens per second
 
@@ -136,11 +134,11 @@ class Check:
         return 100.0 * (self.mfu_pred - self.run.mfu)
 
 
-def check(run: Run, hw: H.Hardware | None = None) -> Check:
-    hw = hw or H.PRESETS[run.gpu]
+def check(run: Run, hw: hardware_presets.Hardware | None = None) -> Check:
+    hw = hw or hardware_presets.PRESETS[run.gpu]
     validate(run.model, run.par, None, run.gpus)
     opts = ActivationOptions(run.clock.attention, FUSED.kv_repeat, FUSED.fused_norm)
-    pred = PL.predict(run.model, run.par, hw, run.global_batch, opts=opts, clock=run.clock,
+    pred = planner.predict(run.model, run.par, hw, run.global_batch, opts=opts, clock=run.clock,
                       memory_fraction=1.0)
     f = published_flops_per_token(run.model, run.flops)
     peak = hw.matmul_peak(run.par.precision)
@@ -156,7 +154,7 @@ def check_all(runs: list[Run] | None = None, consts: dict | None = None) -> list
     runs = runs if runs is not None else load()
     out = []
     for r in runs:
-        hw = H.PRESETS[r.gpu]
+        hw = hardware_presets.PRESETS[r.gpu]
         if consts:  # "name" for every preset, "name@gpu" for one
             hw = replace(hw, **{k.split("@")[0]: v for k, v in consts.items()
                                 if "@" not in k or k.endswith("@" + r.gpu)})

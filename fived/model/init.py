@@ -112,7 +112,7 @@ def init_weights(model: nn.Module, seed: int, std_of) -> nn.Module:
 
 class InitSource:
     """Fills a parameter's piece from (seed, name): the born-sharded path's initialiser
-    (``fived.parallel.data.base.build_state`` calls ``fill`` for each meta parameter)."""
+    (``fived.parallel.data.layout.Layout.fill`` calls ``fill`` for each meta parameter)."""
 
     def __init__(self, seed: int, std_of):
         self.seed, self.std_of = seed, std_of

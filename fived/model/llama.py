@@ -34,12 +34,12 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from . import layers as L
+from . import layers as nn_layers
 from .cache import KVCache, LayerCache
 from .init import init_weights
 from .moe import MoE
 
-STD = L.STD
+STD = nn_layers.STD
 OUT_PROJECTIONS = ("o_proj", "down_proj", "w2")  # residual outputs: std / √(2·layers)
 
 
@@ -53,9 +53,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(cfg.heads * d, h, bias=False, dtype=dtype)
         if cfg.qk_norm:  # one gain over head_dim, shared by every head (Qwen3)
-            self.q_norm = L.RMSNorm(d, cfg.norm_eps, dtype)
-            self.k_norm = L.RMSNorm(d, cfg.norm_eps, dtype)
-        self.core = L.CausalAttention()
+            self.q_norm = nn_layers.RMSNorm(d, cfg.norm_eps, dtype)
+            self.k_norm = nn_layers.RMSNorm(d, cfg.norm_eps, dtype)
+        self.core = nn_layers.CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: LayerCache | None = None) -> torch.Tensor:
@@ -65,25 +65,25 @@ class Attention(nn.Module):
         q, k = q.view(b, s, -1, d), self.k_proj(x).view(b, s, -1, d)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+        q, k = nn_layers.apply_rope(q, cos, sin), nn_layers.apply_rope(k, cos, sin)
         v = self.v_proj(x).view(b, s, -1, d)
         if cache is None:
             o = self.core(q, k, v)
         else:  # generation: the new keys/values join the cached ones (fived.model.cache)
-            o = L.masked_attention(q, *cache.update(k, v))
+            o = nn_layers.masked_attention(q, *cache.update(k, v))
         return self.o_proj(o.reshape(b, s, -1))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype):
         super().__init__()
-        self.input_layernorm = L.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
+        self.input_layernorm = nn_layers.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype)
-        self.post_attention_layernorm = L.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
+        self.post_attention_layernorm = nn_layers.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
         if cfg.is_moe_layer(index):  # the first ``first_dense_layers`` blocks stay dense
             self.block_sparse_moe = MoE(cfg, index, dtype)
         else:
-            self.mlp = L.MLP(cfg.hidden, cfg.ffn, dtype)
+            self.mlp = nn_layers.MLP(cfg.hidden, cfg.ffn, dtype)
 
     @property
     def ffn(self) -> nn.Module:
@@ -108,12 +108,12 @@ class Transformer(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, dtype) for i in ids})
         if last:
-            self.norm = L.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
+            self.norm = nn_layers.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
             if cfg.tied_embeddings and first:
-                self.lm_head = L.TiedHead(self.embed_tokens)
+                self.lm_head = nn_layers.TiedHead(self.embed_tokens)
             else:
                 self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
-            self.loss = L.TokenLoss()
+            self.loss = nn_layers.TokenLoss()
 
     @property
     def layer_ids(self) -> list[int]:
@@ -155,7 +155,7 @@ class Transformer(nn.Module):
         Generation (``cache``, after ``cache.begin``): ``positions`` are (b, s), each row's
         own; the keys and values join the cache, and the logits are the last slot's only."""
         h = self.embed_tokens(x) if self.first else x
-        rope = L.rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        rope = nn_layers.rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for i, block in self.layers.items():
             h = block(h, rope) if cache is None else block(h, rope, LayerCache(cache, int(i)))
         if cache is not None:

@@ -87,8 +87,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from . import grouped as G
-from . import layers as L
+from . import grouped as grouped_gemm
+from . import layers as nn_layers
 
 
 class Expert(nn.Module):
@@ -101,7 +101,7 @@ class Expert(nn.Module):
         self.w2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(L.swiglu(self.w1(x), self.w3(x)))
+        return self.w2(nn_layers.swiglu(self.w1(x), self.w3(x)))
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -236,7 +236,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict(
             {str(e): Expert(cfg.hidden, cfg.expert_ffn, dtype) for e in range(cfg.experts)})
         if cfg.shared_expert:
-            self.shared_expert = L.MLP(cfg.hidden, cfg.shared_ffn, dtype)
+            self.shared_expert = nn_layers.MLP(cfg.hidden, cfg.shared_ffn, dtype)
             if cfg.shared_expert_gate:  # Qwen2-MoE: σ(w·x) scales the shared expert per token
                 self.shared_expert_gate = nn.Linear(cfg.hidden, 1, bias=False, dtype=dtype)
         if cfg.balance == "bias":  # loss-free balancing: a buffer, updated after each step
@@ -285,8 +285,8 @@ class MoE(nn.Module):
         ``cfg.expert_matmul`` says."""
         experts = [self.experts[str(e)] for e in self.local_experts]
         cfg = self.cfg
-        if experts and G.use_grouped(cfg.expert_matmul, rows, cfg.hidden, cfg.expert_ffn):
-            return G.grouped_experts(rows, counts, experts)
+        if experts and grouped_gemm.use_grouped(cfg.expert_matmul, rows, cfg.hidden, cfg.expert_ffn):
+            return grouped_gemm.grouped_experts(rows, counts, experts)
         outs = [ex(chunk) for ex, chunk in zip(experts, torch.split(rows, counts))]
         return torch.cat(outs) if outs else rows
 

@@ -3,7 +3,7 @@
 like ``FlatAdamW``, but read the ``Piece`` table (``fived.optim.pieces``) to know which rows,
 columns and matrices the owned elements belong to.
 
-Contract with the data-parallel engine (``fived.parallel.data.base``):
+Contract with the data-parallel engine (``fived.parallel.data.master.MasterStep``, docs/engine.md):
 
 * ``step(grads, lr)``: ``grads[i]`` is bucket i's owned reduced gradient (the same slice as
   ``masters[i]``), already clipped and unscaled;

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import autograd as CA
+from ..comm import autograd as comm_autograd
 from ..comm import ops
 from ..config import ConfigError
 from ..ledger.context import (  # noqa: F401 - the torch-free formulas, re-exported
@@ -60,7 +60,7 @@ from ..ledger.context import (  # noqa: F401 - the torch-free formulas, re-expor
     traffic_per_layer,
     ulysses_kv_heads,
 )
-from ..model import layers as L
+from ..model import layers
 from ..model.moe import moe_layers
 from .counts import add_count_reduction
 
@@ -306,7 +306,7 @@ def ring_attention(q, k, v, group: Any, layout: str = "zigzag", *,
     """``stats``: count the executed blocks' FLOPs there (forward and backward); ``fused``:
     False runs the explicit block math instead of the fused CPU kernel (any device and dtype)."""
     if group.size == 1:
-        return L.causal_attention(q, k, v)
+        return layers.causal_attention(q, k, v)
     return RingAttention.apply(q, k, v, group, layout, stats, fused)
 
 
@@ -321,7 +321,7 @@ def _seq_to_heads(x: torch.Tensor, group: Any, layout: str) -> torch.Tensor:
     n = group.size
     b, s, hh, d = x.shape
     t = x.reshape(b, s, n, hh // n, d).permute(2, 1, 0, 3, 4).reshape(n * s, b, hh // n, d)
-    t = CA.all_to_all(t, group)
+    t = comm_autograd.all_to_all(t, group)
     inv = torch.argsort(_natural_order(n, s, layout, x.device))
     return t[inv].permute(1, 0, 2, 3)
 
@@ -332,7 +332,7 @@ def _heads_to_seq(y: torch.Tensor, group: Any, layout: str) -> torch.Tensor:
     b, full, hn, d = y.shape
     s = full // n
     t = y.permute(1, 0, 2, 3)[_natural_order(n, s, layout, y.device)]
-    t = CA.all_to_all(t.contiguous(), group)
+    t = comm_autograd.all_to_all(t.contiguous(), group)
     return t.reshape(n, s, b, hn, d).permute(2, 1, 0, 3, 4).reshape(b, s, n * hn, d)
 
 
@@ -346,7 +346,7 @@ def check_ulysses(heads: int, kv_heads: int, n: int) -> None:
 def ulysses_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Tensor:
     n = group.size
     if n == 1:
-        return L.causal_attention(q, k, v)
+        return layers.causal_attention(q, k, v)
     h, g = q.shape[2], k.shape[2]
     check_ulysses(h, g, n)
     g2 = ulysses_kv_heads(h, g, n)
@@ -354,7 +354,7 @@ def ulysses_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Tens
         k = k.repeat_interleave(g2 // g, dim=2)
         v = v.repeat_interleave(g2 // g, dim=2)
     qh, kh, vh = (_seq_to_heads(t, group, layout) for t in (q, k, v))
-    o = L.causal_attention(qh, kh, vh)
+    o = layers.causal_attention(qh, kh, vh)
     return _heads_to_seq(o, group, layout)
 
 
@@ -363,10 +363,10 @@ def allgather_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Te
     """Baseline: all-gather K/V (reduce-scatter dK/dV in backward), attend with a position mask."""
     n = group.size
     if n == 1:
-        return L.causal_attention(q, k, v)
+        return layers.causal_attention(q, k, v)
     b, s, h, d = q.shape
     kv = torch.stack([k, v])  # (2, b, s, g, d)
-    full = CA.gather_from(kv.transpose(0, 2).contiguous(), group, 0)  # (n·s, b, 2, g, d)
+    full = comm_autograd.gather_from(kv.transpose(0, 2).contiguous(), group, 0)  # (n·s, b, 2, g, d)
     kpos = _natural_order(n, s, layout, q.device)
     qpos = shard_positions(n * s, n, group.rank, layout).to(q.device)
     kf, vf = full[:, :, 0].transpose(0, 1), full[:, :, 1].transpose(0, 1)  # (b, n·s, g, d)

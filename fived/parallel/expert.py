@@ -57,8 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import autograd as A
-from ..comm import ops
+from ..comm import autograd, ops
 from ..model.moe import moe_layers
 from .placement import Placement
 
@@ -72,14 +71,14 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, compute: Callable, group:
     recv = ops.all_to_all(counts.to(torch.int64).contiguous(), group).view(n, per)
     in_splits = counts.view(n, per).sum(1).tolist()
     out_splits = recv.sum(1).tolist()
-    got = A.all_to_all(rows, group, in_splits, out_splits)  # source-major, then local expert
+    got = autograd.all_to_all(rows, group, in_splits, out_splits)  # source-major, then local expert
     # regroup by local expert: row of (source i, local expert j) -> expert-major order
     local_id = torch.repeat_interleave(torch.arange(per, device=rows.device).repeat(n),
                                        recv.reshape(-1))
     order = torch.argsort(local_id, stable=True)
     y = compute(got[order], recv.sum(0).tolist())
     y = y[torch.argsort(order)]  # back to source-major
-    return A.all_to_all(y, group, out_splits, in_splits)
+    return autograd.all_to_all(y, group, out_splits, in_splits)
 
 
 # ---------------------------------------------------------------------------- token dispatch
@@ -161,9 +160,9 @@ def dispatch_tokens(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, counts:
     rc = received(recv, a_in, u_in)
     u_out = [r[per] for r in rc]
     a_src = [sum(r[:per]) for r in rc]  # assignments from each source
-    got_x = A.all_to_all(x.index_select(0, u_tok), group, u_in, u_out)  # source-major
+    got_x = autograd.all_to_all(x.index_select(0, u_tok), group, u_in, u_out)  # source-major
     got_pos = ops.all_to_all(pos.contiguous(), group, a_in, a_src)
-    got_w = A.all_to_all(w, group, a_in, a_src)
+    got_w = autograd.all_to_all(w, group, a_in, a_src)
     # each received assignment's row of got_x (its source's block start + its place), then
     # the assignments regrouped by local expert
     total = sum(a_src)
@@ -176,7 +175,7 @@ def dispatch_tokens(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, counts:
     row = ((ru.cumsum(0) - ru)[src] + got_pos)[order]
     y = compute(got_x.index_select(0, row), [sum(r[j] for r in rc) for j in range(per)])
     z = _WeightedSum.apply(y, got_w[order], row, got_x.shape[0])
-    back = A.all_to_all(z, group, u_out, u_in)
+    back = autograd.all_to_all(z, group, u_out, u_in)
     return _SumRows.apply(back, u_tok, N), u_in
 
 

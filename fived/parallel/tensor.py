@@ -77,10 +77,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import autograd as R
-from ..comm import ops
+from ..comm import autograd, ops
 from ..ledger.traffic import tp_traffic
-from ..model import layers as L
+from ..model import layers as nn_layers
 from ..model.init import shard
 from ..model.llama import Transformer
 from .counts import add_count_reduction
@@ -170,14 +169,14 @@ class Columns:
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x Wᵀ for a column-cut W, x the (sequence shard of the) input."""
         if not self.overlap and not self.sp:
-            return F.linear(self._region(x, lambda t: R.copy_to(t, self.group)), w)
+            return F.linear(self._region(x, lambda t: autograd.copy_to(t, self.group)), w)
         region = self._region(x, lambda t: _Region(self.group, self.sp, self.overlap, t))
         return _ColumnMatmul.apply(x, w, region)
 
 
 def exit_rows(y: torch.Tensor, group: Any, sp: bool) -> torch.Tensor:
     """The output of a row-parallel layer: partial sums reduced (to the sequence shard with SP)."""
-    return R.scatter_to(y, group, dim=1) if sp else R.reduce_from(y, group)
+    return autograd.scatter_to(y, group, dim=1) if sp else autograd.reduce_from(y, group)
 
 
 class _ReplicaGradSum(torch.autograd.Function):
@@ -405,7 +404,7 @@ class VocabOut(Cut):
     ``embed_tokens`` comes first in every model that holds both)."""
 
     def apply(self, t: _TP, name: str, module: nn.Module) -> None:
-        if isinstance(module, L.TiedHead):
+        if isinstance(module, nn_layers.TiedHead):
             t.swap(name, TiedVocabHead(t.model.get_submodule("embed_tokens"), t.columns))
             return
         t.swap(name, VocabHead(module.weight, t.group, t.columns))

@@ -174,11 +174,11 @@ def this_machine(bench_json: str | None = None, ranks: int = 1, seconds: float =
     other kernels traced and timed (``kernels.measure``) where the block can be traced."""
     import os
 
-    from ..ledger import hardware as H
+    from ..ledger import hardware
     from ..ledger.roofline import gemm_shapes
     from ..ranks.launch import run_local, threads_per_rank
 
-    base = H.this_machine(bench_json)
+    base = hardware.this_machine(bench_json)
     shapes, layout = None, None
     if model is not None:
         if kernels.traceable(model, par):  # the attention is one traced kernel, not two GEMMs

@@ -216,19 +216,18 @@ def _uniform_dispatch(rows: torch.Tensor, counts: torch.Tensor, compute: Any, gr
                       ) -> torch.Tensor:
     """``fived.parallel.expert.dispatch`` with uniform splits: each of the n ep ranks sends
     every other rank rows/n rows (its experts' share) and receives as many."""
-    from ..comm import autograd as A
-    from ..comm import ops
+    from ..comm import autograd, ops
 
     n = group.size
     per = counts.numel() // n
     ops.all_to_all(counts.to(torch.int64).contiguous(), group)  # the counts exchange, counted
     split = [rows.shape[0] // n] * n
-    got = A.all_to_all(rows, group, split, split)
+    got = autograd.all_to_all(rows, group, split, split)
     local_id = torch.arange(per, device=rows.device).repeat_interleave(rows.shape[0] // per)
     order = torch.argsort(local_id, stable=True)
     y = compute(got[order], [rows.shape[0] // per] * per)
     y = y[torch.argsort(order)]
-    return A.all_to_all(y, group, split, split)
+    return autograd.all_to_all(y, group, split, split)
 
 
 def _uniform_token_plan(tok: torch.Tensor, counts: torch.Tensor, n: int, N: int, dests: int,

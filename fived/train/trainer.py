@@ -40,7 +40,7 @@ from ..parallel.expert import collect_stats
 from ..parallel.parallelize import dtype_of, parallelize
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
 from ..ranks.launch import rank_device
-from . import data as D
+from . import data as builtin_data
 from .metrics import rss_peak
 from .resilience import non_finite
 
@@ -164,7 +164,7 @@ class Trainer:
         if self.loader is not None:
             x, y = self.loader.get(step)
         else:
-            x, y = D.local_batch(step, self.tcfg.seed, self.tcfg.global_batch, self.cfg.seq_len,
+            x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch, self.cfg.seq_len,
                                  b.rank, b.size, self.tcfg.corpus_mb)
         return self.shard(x, y)
 
@@ -309,13 +309,9 @@ class Trainer:
 def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig,
                train: TrainConfig, show: bool = True, peak_flops: float = 0.0,
                hooks: list[Any] | tuple[Any, ...] = ()) -> dict[str, Any]:
-    """Train on this rank; every rank returns the same summary (losses per step etc.).
-
-    The loop calls its parts: the ``CheckpointManager`` (resume, saves, preemption), the
-    ``MetricsProcessor`` (what is measured and shown), the ``Evaluator`` and the ``BadSteps``
-    policy; ``hooks`` (``fived.train.hooks``) observe or inject at fixed points. The summary's
-    ``preempted`` (steps done, saved) or ``stopped`` (a message: too many bad steps, a failed
-    save) says why a run ended early (fived.train.resilience)."""
+    """Train on this rank: the loop over its parts (``CheckpointManager``, ``MetricsProcessor``,
+    ``Evaluator``, ``BadSteps``; ``hooks``: ``fived.train.hooks``). Every rank returns the same
+    summary (``run_summary``)."""
     from ..checkpoint.state import SaveError
     from .checkpointing import CheckpointManager
     from .evaluator import Evaluator
@@ -360,16 +356,25 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
         preempt.close()
         trainer.close()
         metrics.close()
+    metrics.final(history)
+    return run_summary(trainer, history, bad.total, ckpt.preempted, bad.stop or stopped)
+
+
+def run_summary(trainer: Trainer, history: Any, bad_steps: int, preempted: int | None,
+                stopped: str) -> dict[str, Any]:
+    """What ``train_rank`` returns: the losses, the kept records, the configuration; why a run
+    ended early: ``preempted`` (steps done, saved) or ``stopped`` (too many bad steps, a failed
+    save; fived.train.resilience); ``val``: the validation losses by step."""
     summary = {"losses": history.losses.tolist(), "history": list(history.records),
-               "bad_steps": bad.total, "config": {"model": asdict(model_cfg),
-                                                  "parallel": asdict(par), "train": asdict(train)}}
-    if ckpt.preempted is not None:
-        summary["preempted"] = ckpt.preempted
-    if bad.stop or stopped:
-        summary["stopped"] = bad.stop or stopped
+               "bad_steps": bad_steps, "config": {"model": asdict(trainer.cfg),
+                                                  "parallel": asdict(trainer.par),
+                                                  "train": asdict(trainer.tcfg)}}
+    if preempted is not None:
+        summary["preempted"] = preempted
+    if stopped:
+        summary["stopped"] = stopped
     if history.evals:
         summary["val"] = history.evals
-    metrics.final(history)
     return summary
 
 

@@ -124,20 +124,20 @@ def page(recs: list[dict[str, Any]], folder: str, title: str, meta: dict[str, An
 def layout_figures(res: Any, hw: str, gpn: int | None, global_batch: int) -> list[Figure]:
     from ..ledger.memory import rank_memory
     from ..ledger.traffic import micro_batch_size
-    from . import overview as O
+    from . import overview
 
     par = res.par
-    grid = O.grid_data(par, gpn or min(par.world_size, 8))
-    iron = O.iron_data(res.model, par, hw, global_batch, gpn)
+    grid = overview.grid_data(par, gpn or min(par.world_size, 8))
+    iron = overview.iron_data(res.model, par, hw, global_batch, gpn)
     mem = rank_memory(res.model, par, micro_batch_size(par, global_batch)).as_dict()
     iron["memory_rank0"] = mem
     return [
         Figure("layout-grid", f"The grid of {par.describe()}", "layout", "ledger",
                "fived.ranks.grid.Grid.partition per dimension (what `fived grid` prints)", grid,
-               O.draw_grid, size=(9.0, 2.8)),
+               overview.draw_grid, size=(9.0, 2.8)),
         Figure("layout-iron", f"{res.model.name} {par.describe()} on {hw}: bytes and link time "
                "per dimension", "layout", "ledger", "fived.ledger.planner.predict; memory from "
-               "fived.ledger.memory.rank_memory (pipeline rank 0)", iron, O.draw_iron,
+               "fived.ledger.memory.rank_memory (pipeline rank 0)", iron, overview.draw_iron,
                size=(9.0, 3.6)),
     ]
 

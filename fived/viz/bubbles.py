@@ -19,7 +19,7 @@ import statistics
 from typing import Any
 
 from ..config import ModelConfig, ParallelConfig, TrainConfig
-from ..parallel.pipeline import schedules as S
+from ..parallel.pipeline import schedules as pipeline_schedules
 from ._fig import COLORS, Figure, part_main
 
 
@@ -36,13 +36,13 @@ def ms_for(name: str, c: dict[str, Any]) -> list[int]:
 
 def par_for(name: str, pp: int, m: int) -> ParallelConfig:
     return ParallelConfig(pp=pp, micro_batches=m, schedule=name,
-                          virtual_stages=2 if name in ("interleaved",) + S.V_SHAPED else 1)
+                          virtual_stages=2 if name in ("interleaved",) + pipeline_schedules.V_SHAPED else 1)
 
 
 def delay_for(name: str, unit: float) -> dict[str, float]:
     # the formula's costs: B = 2F (one unit of W and one of B for the split schedules ZB-H1,
     # ZB-V, DualPipe-V: F = B = W)
-    split = name in ("zb-h1",) + S.V_SHAPED
+    split = name in ("zb-h1",) + pipeline_schedules.V_SHAPED
     return {"F": unit, "B": unit, "W": unit} if split else {"F": unit, "B": 2 * unit}
 
 
@@ -82,20 +82,20 @@ def measure(quick: bool, tick) -> dict[str, Any]:
     model = ModelConfig(layers=2 * c["pp"], hidden=32, heads=2, kv_heads=1, ffn=64, seq_len=16)
     train = TrainConfig(global_batch=max(c["ms"]), seed=7, corpus_mb=1.0)
     jobs = [(par_for(n, c["pp"], m), delay_for(n, c["unit"]), c["steps"])
-            for n in S.NAMES for m in ms_for(n, c)]
+            for n in pipeline_schedules.NAMES for m in ms_for(n, c)]
     tick(f"bubbles: {len(jobs)} pipeline runs on {c['pp']} ranks")
     out = run_ranks(timed_rank, c["pp"], model, jobs, train, timeout=1200)
     rows: dict[str, Any] = {}
     for i, (par, delay, _) in enumerate(jobs):
         per_rank = [o[i] for o in out]
         v = par.virtual_stages
-        sched = S.build(par.schedule, par.pp, par.micro_batches, v)
+        sched = pipeline_schedules.build(par.schedule, par.pp, par.micro_batches, v)
         rows.setdefault(par.schedule, []).append({
             "m": par.micro_batches, "v": v, "delay_s": delay,
             "measured": measured(per_rank),
             "per_rank_steps": [[s["bubble"] for s in r] for r in per_rank],
-            "formula": S.bubble_formula(par.schedule, par.pp, par.micro_batches, v),
-            "simulated": S.simulate(sched).bubble_fraction()})
+            "formula": pipeline_schedules.bubble_formula(par.schedule, par.pp, par.micro_batches, v),
+            "simulated": pipeline_schedules.simulate(sched).bubble_fraction()})
     return {"pp": c["pp"], "model": model.name, "steps": c["steps"], "schedules": rows}
 
 
@@ -118,14 +118,14 @@ def draw_measured(d: dict[str, Any], f: Any) -> None:
 
 def gantt_data(pp: int, m: int) -> dict[str, Any]:
     out = {}
-    for name in S.NAMES:
+    for name in pipeline_schedules.NAMES:
         if name == "dualpipe-v" and m < 2 * pp:
             continue
         v = par_for(name, pp, m).virtual_stages
-        sched = S.build(name, pp, m, v)
-        t = S.simulate(sched)
+        sched = pipeline_schedules.build(name, pp, m, v)
+        t = pipeline_schedules.simulate(sched)
         out[name] = {"v": v, "makespan": t.makespan, "bubble": t.bubble_fraction(),
-                     "formula": S.bubble_formula(name, pp, m, v),
+                     "formula": pipeline_schedules.bubble_formula(name, pp, m, v),
                      "spans": [[[a.kind, a.mb, a.stage, s, e] for a, s, e in spans
                                 if a.kind in ("F", "B", "W")] for spans in t.spans]}
     return {"pp": pp, "m": m, "schedules": out}
@@ -136,8 +136,8 @@ def draw_gantt(d: dict[str, Any], f: Any) -> None:
 
     axes = f.subplots(len(d["schedules"]), 1)
     for ax, (name, g) in zip(axes, d["schedules"].items()):
-        sched = S.build(name, d["pp"], d["m"], g["v"])
-        draw_on(ax, sched, S.simulate(sched))
+        sched = pipeline_schedules.build(name, d["pp"], d["m"], g["v"])
+        draw_on(ax, sched, pipeline_schedules.simulate(sched))
 
 
 def figures(quick: bool, tick) -> list[Figure]:
@@ -147,7 +147,7 @@ def figures(quick: bool, tick) -> list[Figure]:
         Figure("bubbles-gantt", f"Pipeline schedules, p={pp}, m={m} (the executor's lists)",
                "bubbles", "schedule", "fived.parallel.pipeline.schedules.build + simulate "
                "(unit F, B = 2F; F = B = W for ZB-H1)", gantt_data(pp, m), draw_gantt,
-               size=(9.0, 2.0 * len(S.NAMES))),
+               size=(9.0, 2.0 * len(pipeline_schedules.NAMES))),
         Figure("bubbles-measured", "Measured pipeline bubble vs the formula", "bubbles",
                "run", f"PipelineExecutor stats on {data['pp']} spawned gloo ranks, sleep-"
                "dominated F/B/W; bubble = 1 − compute/makespan; formula "

@@ -61,13 +61,13 @@ def act_rank(rank: int, world: int, seqs: list[int]) -> dict[str, dict[str, int]
 
 
 def activations(n: int, seqs: list[int]) -> dict[str, Any]:
-    from ..ledger import memory as M
+    from ..ledger import memory
     from ..testing import run_ranks
 
     meas = run_ranks(act_rank, n, seqs, timeout=600)[0]
-    ledger = {name: {str(s): sum(M.activations(replace(MODEL, seq_len=s), par, BATCH).values())
+    ledger = {name: {str(s): sum(memory.activations(replace(MODEL, seq_len=s), par, BATCH).values())
                      for s in seqs} for name, par in layouts(n).items()}
-    one = {str(s): sum(M.activations(replace(MODEL, seq_len=s), ParallelConfig(), BATCH).values())
+    one = {str(s): sum(memory.activations(replace(MODEL, seq_len=s), ParallelConfig(), BATCH).values())
            for s in seqs}
     return {"world": n, "model": MODEL.name, "batch": BATCH, "seqs": seqs, "measured": meas,
             "ledger": ledger, "one_rank_ledger": one}

@@ -84,7 +84,7 @@ def rank_fn(rank: int, world: int, bucket_mb: float, sweep: list[float], steps: 
     from ..model import build_model
     from ..parallel.parallelize import parallelize
     from ..ranks.grid import Grid
-    from ..train import data as D
+    from ..train import data
 
     pos = torch.arange(MODEL.seq_len)
     scale = 1.0 / (TRAIN.global_batch * MODEL.seq_len)
@@ -96,7 +96,7 @@ def rank_fn(rank: int, world: int, bucket_mb: float, sweep: list[float], steps: 
 
     def step(v, i, marks=None):
         model, engine, probe = v
-        x, y = D.local_batch(i, TRAIN.seed, TRAIN.global_batch, MODEL.seq_len, rank, world,
+        x, y = data.local_batch(i, TRAIN.seed, TRAIN.global_batch, MODEL.seq_len, rank, world,
                              TRAIN.corpus_mb)
         engine.zero_grad()
         engine.set_last_micro(True)

@@ -53,7 +53,7 @@ def prefetch_timeline(rank: int, world: int, args: Any) -> dict[str, Any]:
     from ..model import build_model
     from ..parallel.parallelize import parallelize
     from ..ranks.grid import Grid
-    from ..train import data as D
+    from ..train import data
 
     cfg = bench_model(args)
     train = TrainConfig(global_batch=args.global_batch, seed=1234, corpus_mb=1.0)
@@ -86,7 +86,7 @@ def prefetch_timeline(rank: int, world: int, args: Any) -> dict[str, Any]:
 
         eng.prefetch, eng.gather = prefetch, gather
         for i in range(3):
-            x, y = D.local_batch(i, train.seed, train.global_batch, cfg.seq_len, rank, world,
+            x, y = data.local_batch(i, train.seed, train.global_batch, cfg.seq_len, rank, world,
                                  train.corpus_mb)
             ev.clear()
             eng.zero_grad()

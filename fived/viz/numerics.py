@@ -58,16 +58,16 @@ def settings(name: str, quick: bool) -> dict[str, Any]:
 
 def measure(name: str, quick: bool, tick) -> dict[str, Any]:
     """Run the bench's experiment; its settings, the model it cut, and every number it returned."""
-    from ..bench import numerics as N
+    from ..bench import numerics as numerics_bench
 
     s = settings(name, quick)
     tick(f"{part_of(name)}: {name} ({s['layers']} block(s), {s['steps']} steps)")
-    res = N.RUN[name][0](argparse.Namespace(**s), say=tick)
-    d = {"settings": s, "model": asdict(N.model_cfg(s["layers"])),
+    res = numerics_bench.RUN[name][0](argparse.Namespace(**s), say=tick)
+    d = {"settings": s, "model": asdict(numerics_bench.model_cfg(s["layers"])),
          "bench": f"fived bench numerics {name} --steps {s['steps']} --lr {s['lr']:g} "
                   f"--layers {s['layers']}", "result": res}
     if name == "optimizers":  # each layout's ParallelConfig, so the ledger can be asked again
-        d["layouts"] = {k: asdict(p) for k, p in N.LAYOUTS.items()}
+        d["layouts"] = {k: asdict(p) for k, p in numerics_bench.LAYOUTS.items()}
     return d
 
 
@@ -76,14 +76,14 @@ def part_of(name: str) -> str:
 
 
 def figure(name: str, quick: bool, tick) -> Figure:
-    from ..bench import numerics as N
+    from ..bench import numerics as numerics_bench
 
     d = measure(name, quick, tick)
     part = part_of(name)
-    table = [N.HEADERS[name], *N.RUN[name][1](d["result"])]
+    table = [numerics_bench.HEADERS[name], *numerics_bench.RUN[name][1](d["result"])]
     return Figure(NAMES.get(name, f"numerics-{name}"), TITLES[name],
                   part, "ledger+run" if name == "optimizers" else "run", HOW[name], d,
-                  lambda data, f: N.draw(name, data["result"], f), size=(9.0, 3.4),
+                  lambda data, f: numerics_bench.draw(name, data["result"], f), size=(9.0, 3.4),
                   table=table)
 
 

@@ -36,7 +36,7 @@ IRON_GLOBAL_BATCH = 512
 
 
 def psi_data() -> dict[str, Any]:
-    from ..ledger import memory as M
+    from ..ledger import memory
     from ..ledger.hardware import PRESETS as HW
     from ..ledger.params import total_params
 
@@ -44,9 +44,9 @@ def psi_data() -> dict[str, Any]:
     for reduce in ("bf16", "fp32"):
         par = ParallelConfig(precision="bf16", grad_reduce_dtype=reduce)
         out.setdefault("per_param", {})[reduce] = {
-            "params": M.param_bytes(par), "grads": M.grad_bytes(par),
-            "master": M.master_bytes(par), "optimizer": M.OPTIMIZER_BYTES,
-            "total": M.bytes_per_param(par)}
+            "params": memory.param_bytes(par), "grads": memory.grad_bytes(par),
+            "master": memory.master_bytes(par), "optimizer": memory.OPTIMIZER_BYTES,
+            "total": memory.bytes_per_param(par)}
     for name in MODELS:
         psi = total_params(PRESETS[name])
         out["models"][name] = {"params": psi, **{
@@ -79,14 +79,13 @@ def draw_psi(d: dict[str, Any], f: Any) -> None:
 
 
 def walls_data() -> dict[str, Any]:
-    from ..ledger import compute as C
-    from ..ledger import memory as M
+    from ..ledger import compute, memory
     from ..ledger.hardware import PRESETS as HW
     from ..ledger.params import total_params
 
     hw = HW["h100-sxm"]
     par = ParallelConfig(precision="bf16", grad_reduce_dtype="bf16")
-    per = M.bytes_per_param(par)
+    per = memory.bytes_per_param(par)
     devices = [2 ** k for k in range(0, 15)]
     models = {n: total_params(PRESETS[n]) for n in ("small", "llama2-7b", "llama3-70b",
                                                    "llama3-405b")}
@@ -97,7 +96,7 @@ def walls_data() -> dict[str, Any]:
         "memory": {n: {"unsharded": per * p, "zero3": {str(n_): per * p / n_ for n_ in devices}}
                    for n, p in models.items()},
         "tokens": tokens,
-        "time_s": {n: {str(n_): C.training_seconds(C.training_flops(p, tokens[n]), n_,
+        "time_s": {n: {str(n_): compute.training_seconds(compute.training_flops(p, tokens[n]), n_,
                                                      hw.peak_flops) for n_ in devices}
                    for n, p in models.items()},
     }
@@ -128,8 +127,7 @@ MAP_CUTS = {"dp": "the batch (ZeRO-3: also every model state)", "tp": "each weig
 
 
 def map_data() -> dict[str, Any]:
-    from ..ledger import memory as M
-    from ..ledger import traffic as T
+    from ..ledger import memory, traffic
 
     rows = {}
     for dim in ("dp", "tp", "pp", "cp", "ep"):
@@ -138,12 +136,12 @@ def map_data() -> dict[str, Any]:
         base = ParallelConfig(precision="bf16", grad_reduce_dtype="bf16", micro_batches=8)
         par = replace(base, **{dim: 8}, zero=3 if dim == "dp" else 0)
         gb = 8 * (8 if dim in ("dp", "ep") else 1) * 8
-        b = T.micro_batch_size(par, gb)
-        one = M.rank_memory(m, base, T.micro_batch_size(base, gb // (8 if dim in ("dp", "ep")
+        b = traffic.micro_batch_size(par, gb)
+        one = memory.rank_memory(m, base, traffic.micro_batch_size(base, gb // (8 if dim in ("dp", "ep")
                                                                       else 1)))
-        cut = M.rank_memory(m, par, b)
-        ops = sorted({f"{c.op}" for c in T.step_traffic(m, par, b)
-                      if T.Collective.__name__ and c.group in (dim, "dense", "expert")
+        cut = memory.rank_memory(m, par, b)
+        ops = sorted({f"{c.op}" for c in traffic.step_traffic(m, par, b)
+                      if traffic.Collective.__name__ and c.group in (dim, "dense", "expert")
                       and c.n > 1 and (c.group == dim or dim == "dp")})
         rows[dim] = {"model": m.name, "cuts": MAP_CUTS[dim], "collectives": ops,
                      "states_ratio": cut.states_total / one.states_total,

@@ -12,19 +12,19 @@ from __future__ import annotations
 import argparse
 
 from ..config import ModelConfig, ParallelConfig, validate
-from ..parallel.pipeline import schedules as S
+from ..parallel.pipeline import schedules
 from ..ui import flags
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
-def draw(sched: S.Schedule, out: str) -> S.Timeline:
+def draw(sched: schedules.Schedule, out: str) -> schedules.Timeline:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = S.simulate(sched)
+    t = schedules.simulate(sched)
     fig, ax = plt.subplots(figsize=(max(6.0, t.makespan * 0.35), 0.6 * sched.pp + 1.2))
     draw_on(ax, sched, t)
     fig.tight_layout()
@@ -33,8 +33,8 @@ def draw(sched: S.Schedule, out: str) -> S.Timeline:
     return t
 
 
-def draw_on(ax, sched: S.Schedule, t: S.Timeline) -> None:
-    """One row per rank of ``t`` (``S.simulate(sched)``) on the axes ``ax``."""
+def draw_on(ax, sched: schedules.Schedule, t: schedules.Timeline) -> None:
+    """One row per rank of ``t`` (``schedules.simulate(sched)``) on the axes ``ax``."""
     import matplotlib.pyplot as plt
 
     for r, spans in enumerate(t.spans):
@@ -61,7 +61,8 @@ def draw_on(ax, sched: S.Schedule, t: S.Timeline) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fived figures schedule", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    flags.add_flag(ap, "schedule", default="1f1b", help=f"the schedule to draw ({', '.join(S.NAMES)})")
+    flags.add_flag(ap, "schedule", default="1f1b",
+                   help=f"the schedule to draw ({', '.join(schedules.NAMES)})")
     flags.add_flag(ap, "pp", default=4, help="pipeline ranks (one row each)")
     flags.add_flag(ap, "micro_batches", default=8, help="micro-batches per step")
     flags.add_flag(ap, "virtual_stages", default=2,
@@ -70,17 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", metavar="FILE.png",
                     help="where to write the figure (default: schedule-NAME-pP-mM.png here)")
     a = flags.parse(ap, argv)
-    v = a.virtual_stages if a.schedule == "interleaved" else 2 if a.schedule in S.V_SHAPED else 1
+    v = a.virtual_stages if a.schedule == "interleaved" else 2 if a.schedule in schedules.V_SHAPED else 1
     # what the schedule needs, worded as `fived train` words it (ConfigError: exit 2)
     validate(ModelConfig(layers=a.pp * v), ParallelConfig(
         pp=a.pp, schedule=a.schedule, virtual_stages=v, micro_batches=a.micro_batches))
-    sched = S.build(a.schedule, a.pp, a.micro_batches, v)
-    S.check(sched)
+    sched = schedules.build(a.schedule, a.pp, a.micro_batches, v)
+    schedules.check(sched)
     out = a.out or f"schedule-{a.schedule}-p{a.pp}-m{a.micro_batches}.png"
     t = draw(sched, out)
     print(f"{a.schedule}: p={a.pp} m={a.micro_batches} v={v}: idle slots {sum(t.idle):g} of "
           f"{a.pp * t.makespan:g} → bubble {t.bubble_fraction():.4f} "
-          f"(formula {S.bubble_formula(a.schedule, a.pp, a.micro_batches, v):.4f}); "
-          f"peak live micro-batches per rank {S.peak_live_rank(sched)}")
+          f"(formula {schedules.bubble_formula(a.schedule, a.pp, a.micro_batches, v):.4f}); "
+          f"peak live micro-batches per rank {schedules.peak_live_rank(sched)}")
     print(f"figure: {out}")
     return 0

@@ -59,7 +59,7 @@ from torch.overrides import TorchFunctionMode
 
 from ...comm import ops
 from ...config import ModelConfig, ParallelConfig
-from . import schedules as S
+from . import schedules
 from .stage import StageModel
 
 
@@ -110,15 +110,15 @@ def _weight_grads(records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 class _P2P:
     """Activation/gradient messages on the pp group; FIFO per peer, one receive in flight."""
 
-    def __init__(self, group: Any, sched: S.Schedule, rank: int, shape: tuple[int, ...],
+    def __init__(self, group: Any, sched: schedules.Schedule, rank: int, shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device):
         self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
         self.expected: dict[int, list[tuple]] = defaultdict(list)
         for src, acts in enumerate(sched.ranks):
             for a in acts:
-                if (a.kind in ("SEND_F", "SEND_B") and S.peer(a, sched) == rank
+                if (a.kind in ("SEND_F", "SEND_B") and schedules.peer(a, sched) == rank
                         and src != rank):
-                    self.expected[src].append(S.message(a))
+                    self.expected[src].append(schedules.message(a))
         self.reset()
 
     def reset(self) -> None:
@@ -185,14 +185,14 @@ class PipelineExecutor:
     """Runs this rank's schedule over its stage model (``stage.split`` + ``StageModel``)."""
 
     def __init__(self, cfg: ModelConfig, par: ParallelConfig, grid: Any, stage: StageModel,
-                 dtype: torch.dtype, sched: S.Schedule | None = None):
+                 dtype: torch.dtype, sched: schedules.Schedule | None = None):
         self.cfg, self.par, self.grid, self.stage, self.dtype = cfg, par, grid, stage, dtype
         self.group = grid["pp"]
         self.pp = grid.degrees["pp"]
         self.rank = grid.coords()["pp"]
-        v = par.virtual_stages if par.schedule in ("interleaved",) + S.V_SHAPED else 1
-        self.schedule = sched or S.build(par.schedule, self.pp, par.micro_batches, v)
-        S.check(self.schedule)
+        v = par.virtual_stages if par.schedule in ("interleaved",) + schedules.V_SHAPED else 1
+        self.schedule = sched or schedules.build(par.schedule, self.pp, par.micro_batches, v)
+        schedules.check(self.schedule)
         self.actions = self.schedule.ranks[self.rank]
         self.num_stages = self.schedule.stages
         self.chunk_of = {s: c for c, s in enumerate(self.stage.stage_ids)}
@@ -210,7 +210,7 @@ class PipelineExecutor:
         # with no gradient to send) runs as one ordinary backward pass; W then has nothing left
         acts = self.actions
         self.fused = {(a.mb, a.stage) for i, (a, b) in enumerate(zip(acts, acts[1:]))
-                      if self.split and a.kind == "B" and b == S.Action("W", a.mb, a.stage)
+                      if self.split and a.kind == "B" and b == schedules.Action("W", a.mb, a.stage)
                       and (i in self.final) == (i + 1 in self.final)}
         # the chunk of the next F or B after each action (ZeRO-3 prefetches it)
         self.next_chunk: dict[int, int | None] = {}
@@ -274,25 +274,25 @@ class PipelineExecutor:
         for i, a in enumerate(self.actions):
             key = (a.mb, a.stage)
             c = self.chunk_of[a.stage]
-            if a.kind in S.COMM and S.is_local(a, sched):  # V layout: stage p−1 → p
+            if a.kind in schedules.COMM and schedules.is_local(a, sched):  # V layout: stage p−1 → p
                 if a.kind == "SEND_F":
-                    local[S.message(a)] = outputs[key].detach()
+                    local[schedules.message(a)] = outputs[key].detach()
                 elif a.kind == "SEND_B":
-                    local[S.message(a)] = inputs.pop(key).grad
+                    local[schedules.message(a)] = inputs.pop(key).grad
                 elif a.kind == "RECV_F":
-                    inputs[key] = local.pop(S.message(a)).requires_grad_()
+                    inputs[key] = local.pop(schedules.message(a)).requires_grad_()
                 else:
-                    grads[key] = local.pop(S.message(a))
+                    grads[key] = local.pop(schedules.message(a))
             elif a.kind == "RECV_F":
-                inputs[key] = p2p.recv(S.message(a), S.peer(a, sched)).requires_grad_()
+                inputs[key] = p2p.recv(schedules.message(a), schedules.peer(a, sched)).requires_grad_()
             elif a.kind == "RECV_B":
-                grads[key] = p2p.recv(S.message(a), S.peer(a, sched))
+                grads[key] = p2p.recv(schedules.message(a), schedules.peer(a, sched))
             elif a.kind == "SEND_F":
                 out = outputs[key]
-                p2p.send(out.detach(), S.peer(a, sched), [out])
+                p2p.send(out.detach(), schedules.peer(a, sched), [out])
             elif a.kind == "SEND_B":
                 g = inputs.pop(key).grad
-                p2p.send(g, S.peer(a, sched), [g])
+                p2p.send(g, schedules.peer(a, sched), [g])
             else:
                 t0 = time.time()
                 begin(c, a.kind)
@@ -354,8 +354,8 @@ class PipelineExecutor:
         ``end_compute`` wrap each F (ZeRO-3's gathers)."""
         fwd = getattr(self, "_fwd", None)
         if fwd is None:
-            sched = S.forward_only(self.schedule)
-            S.check(sched)
+            sched = schedules.forward_only(self.schedule)
+            schedules.check(sched)
             acts = sched.ranks[self.rank]
             nxt: dict[int, int | None] = {}
             upcoming = None
@@ -385,13 +385,13 @@ class PipelineExecutor:
                 key = (a.mb, a.stage)
                 if a.kind == "SEND_F":
                     out = outputs.pop(key)
-                    if S.is_local(a, sched):  # V layout: stage p−1 → p on this rank
-                        local[S.message(a)] = out
+                    if schedules.is_local(a, sched):  # V layout: stage p−1 → p on this rank
+                        local[schedules.message(a)] = out
                     else:
-                        p2p.send(out, S.peer(a, sched), [out])
+                        p2p.send(out, schedules.peer(a, sched), [out])
                 elif a.kind == "RECV_F":
-                    inputs[key] = (local.pop(S.message(a)) if S.is_local(a, sched)
-                                   else p2p.recv(S.message(a), S.peer(a, sched)))
+                    inputs[key] = (local.pop(schedules.message(a)) if schedules.is_local(a, sched)
+                                   else p2p.recv(schedules.message(a), schedules.peer(a, sched)))
                 else:  # F
                     c = self.chunk_of[a.stage]
                     begin(c, "F")
@@ -412,9 +412,9 @@ class PipelineExecutor:
                  peak: dict[int, int]) -> dict[str, Any]:
         sched = self.schedule
 
-        def remote_sends(acts: list[S.Action]) -> list[S.Action]:
+        def remote_sends(acts: list[schedules.Action]) -> list[schedules.Action]:
             return [a for a in acts if a.kind in ("SEND_F", "SEND_B")
-                    and not S.is_local(a, sched)]
+                    and not schedules.is_local(a, sched)]
 
         n_send = max(len(remote_sends(acts)) for acts in sched.ranks)
         dev = p2p.device  # the metrics all-gather runs on the rank's device (nccl: cuda)
@@ -431,11 +431,11 @@ class PipelineExecutor:
         sent_at: dict[tuple, float] = {}
         for r, acts in enumerate(sched.ranks):
             for k, a in enumerate(remote_sends(acts)):
-                sent_at[S.message(a)] = float(rows[r, 2 + k])
+                sent_at[schedules.message(a)] = float(rows[r, 2 + k])
         comm = 0.0
         for msg, t0, t1 in p2p.waits:
             comm += max(0.0, t1 - max(t0, sent_at.get(msg, t0)))
         idle = max(0.0, makespan - compute - comm)
         return {"compute_s": compute, "comm_s": comm, "idle_s": idle, "makespan_s": makespan,
                 "bubble": 1.0 - compute / makespan, "peak_live": peak,
-                "peak_live_rank": max(S.peak_live_rank(self.schedule)[self.rank], 0)}
+                "peak_live_rank": max(schedules.peak_live_rank(self.schedule)[self.rank], 0)}
