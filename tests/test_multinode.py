@@ -47,6 +47,10 @@ def _run_all(cmds: list[list[str]], logs: list, timeout: float) -> list[int]:
 
 
 def test_two_torchrun_agents_match_one_rank(tmp_path):
+    """Two torchrun agents (two "nodes") of two ranks each train tp2·dp2 and match one rank.
+
+    Time: two torchrun agents and four rank interpreters are the subject (~14 s quiet, ~50 s
+    on a loaded machine)."""
     par = ParallelConfig(tp=2, dp=2)
     grid = Grid.from_config(par)
     assert not grid.crosses_node(("tp",), 2) and grid.crosses_node(("dp",), 2)
