@@ -43,4 +43,8 @@ class Hooks:
         calls = [h.on_grads for h in self.all if hasattr(h, "on_grads")]
         if not calls:
             return None
-        return lambda: [f(trainer, step) for f in calls] and None
+
+        def run() -> None:
+            for f in calls:
+                f(trainer, step)
+        return run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Any
@@ -201,7 +202,6 @@ def _metrics_file(path: str, start: int):
     the records of the steps before ``start`` (a run killed after its last save wrote some
     steps twice otherwise) and appends, so after any number of restarts it holds every step
     once."""
-    import json
     from pathlib import Path
 
     if start > 0 and Path(path).is_file():
@@ -287,8 +287,6 @@ class MetricsProcessor:
                 rec = {**rec, "run": {"model": asdict(t.cfg), "parallel": asdict(t.par),
                                       "global_batch": self.train.global_batch,
                                       "optimizer": self.train.optimizer}}
-            import json
-
             self.out.write(json.dumps(rec) + "\n")
             self.out.flush()
         if self.display and logged:
