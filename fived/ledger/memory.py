@@ -826,6 +826,14 @@ class RankMemory:
     buffers: dict[str, float]
     inflight: float
     terms: dict[str, float] = field(default_factory=dict)
+    peak: float = 0.0  # the step's peak (``fived.ledger.peak``; 0: not computed)
+    peak_phase: str = ""
+    peak_transients: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kept(self) -> float:
+        """Model states and the saved activations at their worst moment."""
+        return self.states_total + self.activations_total
 
     @property
     def states_total(self) -> int:
@@ -847,7 +855,9 @@ class RankMemory:
         return {"pp_rank": self.pp_rank, "states": self.states, "activations": self.activations,
                 "buffers": self.buffers, "inflight_microbatches": self.inflight,
                 "states_total": self.states_total, "activations_total": self.activations_total,
-                "buffers_total": self.buffers_total, "total": self.total}
+                "buffers_total": self.buffers_total, "total": self.total, "kept": self.kept,
+                "peak": self.peak, "peak_phase": self.peak_phase,
+                "peak_transients": self.peak_transients}
 
 
 def rank_memory(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
