@@ -320,6 +320,9 @@ class TrainConfig:
     eval_batches: int = spec(4, "global batches of the validation split per evaluation", ge=1)
     prefetch: int = spec(2, "batches the --data loader reads ahead in a background thread", ge=1)
     tensorboard: str = spec("", "write TensorBoard scalars to this directory", metavar="DIR")
+    memory_trace: bool = spec(False, "trace every tensor storage's life in each step and record "
+                                     "each rank's peak live bytes beside the ledger's peak "
+                                     "(slower: every op passes through Python; docs/ledger.md)")
     # checkpoints (fived.checkpoint, docs/checkpoints.md)
     save_dir: str = spec("", "save checkpoints under this directory (DIR/step-N)", metavar="DIR")
     save_every: int = spec(0, "save every N steps and after the last (0: only after the last, "
