@@ -734,8 +734,8 @@ def hybrid_problems(par: ParallelConfig) -> list[str]:
         p.append(f"--dp-shard {n} × --dp-replicate {m} = {n * m} != dp = {par.dp}; valid "
                  f"--dp-shard values for dp {par.dp} with --dp-replicate {m}: {par.dp // m}")
     if par.zero == 0:
-        p.append(f"--dp-shard / --dp-replicate with --zero 0: plain DDP shards nothing; valid "
-                 f"--zero values with hybrid sharding: 1, 2, 3 (or drop --dp-shard)")
+        p.append("--dp-shard / --dp-replicate with --zero 0: plain DDP shards nothing; valid "
+                 "--zero values with hybrid sharding: 1, 2, 3 (or drop --dp-shard)")
     if par.hybrid and "tp" in par.order and "dp" in par.order and \
             par.order.index("tp") < par.order.index("dp"):
         p.append(f"--dp-shard {par.shard_degree} with --order {','.join(par.order)}: tp sits "
@@ -863,6 +863,7 @@ __all__ = [
     "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "PRESETS", "DIMS", "AUTO",
     "auto_precision", "resolve_precision", "precision_of",
     "DEFAULT_WORLD", "preset", "validate", "check_values", "check_field", "check_count",
-    "check_outputs", "fill_dp", "hybrid_problems", "flag_of", "read_toml", "load_toml", "dump_toml", "as_dict",
+    "check_outputs", "fill_dp", "hybrid_problems", "flag_of", "read_toml", "load_toml",
+    "dump_toml", "as_dict",
     "field",
 ]
