@@ -716,7 +716,7 @@ def _check_zero_align(p: list[str], par: ParallelConfig) -> None:
                  "2 or 3, or drop --zero-align")
 
 
-def hybrid_problems(par: ParallelConfig) -> list[str]:
+def hybrid_problems(par: ParallelConfig, need_zero: bool = True) -> list[str]:
     """What ``--dp-shard`` / ``--dp-replicate`` must satisfy (hybrid sharding, docs/data-parallel.md):
     N·M = dp, N divides dp, a ZeRO stage to shard with, and tp inside dp in the grid order (a
     shard group is whole tp groups of contiguous ranks, never a strided cut through them)."""
@@ -733,7 +733,7 @@ def hybrid_problems(par: ParallelConfig) -> list[str]:
     elif n and m and n * m != par.dp:
         p.append(f"--dp-shard {n} × --dp-replicate {m} = {n * m} != dp = {par.dp}; valid "
                  f"--dp-shard values for dp {par.dp} with --dp-replicate {m}: {par.dp // m}")
-    if par.zero == 0:
+    if need_zero and par.zero == 0:
         p.append("--dp-shard / --dp-replicate with --zero 0: plain DDP shards nothing; valid "
                  "--zero values with hybrid sharding: 1, 2, 3 (or drop --dp-shard)")
     if par.hybrid and "tp" in par.order and "dp" in par.order and \
