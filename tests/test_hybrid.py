@@ -15,8 +15,9 @@ dp ranks, the shard's reduced gradient all-reduced across the M replicas.
 
 Mutation (seen to fail once, then restored): ``Replicated.advance`` in
 ``fived/parallel/data/zero12.py`` with its all-reduce removed (``self.ar = self.rs``) fails
-``test_hybrid_parity_zero123`` on the gradients (every parameter's gradient is half, relative
-gap 0.5) and the ledger check (no ``dp_replicate`` bytes).
+``test_hybrid_parity_zero123``: "replicas of lm_head.weight differ" (each replica holds only its
+own replica's sum, so the gathered gradients disagree between replicas and are not the
+one-rank gradient).
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ def _check_ledger(model, par, out) -> None:
 
 def test_hybrid_parity_zero123():
     """dp-shard 2 × dp-replicate 2, ZeRO 1 (2 micro-batches), 2 (small buckets: several
-    all-reduces in flight), 3: parity with one rank, and the ledger exact on every rank."""
+    all-reduces in flight), 3: parity with one rank, and the ledger exact on every rank.
+    Time: the one-rank reference (shared with the other modules) and one 4-rank spawn."""
     ref = one_rank(MODEL, TRAIN)
     for par, out in zip(HYBRID, train_runs([(MODEL, p, TRAIN) for p in HYBRID])):
         check_parity(out, ref, par.describe())
