@@ -249,3 +249,28 @@ def test_hybrid_run_saves_the_same_global_names(tmp_path):
     a, b = (tensor_table(c) for c in ckpts)
     assert sorted(a) == sorted(b) and a
     assert all(a[k]["shape"] == b[k]["shape"] for k in a)
+
+
+# ------------------------------------------------------------------ against the peer
+def test_bench_zero_hsdp_against_fsdp2_2d_mesh(capsys, monkeypatch):
+    """``fived bench zero --hsdp 2`` on 4 ranks (tiny sizes): fived's hybrid ZeRO-3 against
+    torch FSDP2 ``fully_shard`` on a (replicate, shard) mesh, the same first loss, the same
+    state bytes (both shard over 2), the ratio against FSDP2's HSDP; a bad --hsdp exits 2."""
+    from test_bench_schema import TINY, bench_doc
+
+    argv = [*TINY["zero"], "--nprocs", "4", "--global-batch", "4", "--hsdp", "2"]
+    doc = bench_doc("zero", capsys, monkeypatch, argv)
+    by = {r["implementation"]: r for r in doc["rows"]}
+    assert set(by) == {"fived HSDP ZeRO-3 2×2", "fived HSDP ZeRO-3 no-overlap",
+                       "fived ZeRO-3 flat", "torch FSDP2 HSDP"}
+    assert [r["implementation"] for r in doc["rows"] if r["peer"]] == ["torch FSDP2 HSDP"]
+    assert by["fived HSDP ZeRO-3 2×2"]["state_bytes"] == by["torch FSDP2 HSDP"]["state_bytes"]
+    assert by["fived HSDP ZeRO-3 2×2"]["state_bytes"] == 2 * by["fived ZeRO-3 flat"][
+        "state_bytes"]
+    assert len({r["extra"]["first_loss"] for r in doc["rows"]}) == 1
+    from fived.bench.zero import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--nprocs", "4", "--hsdp", "3"])
+    assert e.value.code == 2
+    assert "--hsdp 3" in capsys.readouterr().err

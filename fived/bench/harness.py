@@ -131,7 +131,8 @@ def fived_runner(name: str, cfg: Any, par: Any, train: Any, rank: int, world: in
         return m["params"] + m["grads"] + m["master"] + m["optimizer"]
 
     def wait() -> tuple[float, float]:
-        s = traffic.seconds_by_dim().get("dense", 0.0)
+        secs = traffic.seconds_by_dim()  # hybrid: the shard and the replicate groups
+        s = sum(secs.get(k, 0.0) for k in ("dense", "dense_shard", "dp_replicate"))
         b = sum(traffic.bytes_by_dim().values())
         traffic.reset()
         return s, b
