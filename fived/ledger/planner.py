@@ -350,13 +350,15 @@ def _divisors(n: int) -> list[int]:
 def shard_degrees(dp: int, others_in_node: int, gpus_per_node: int, zero: int) -> list[int]:
     """The ``--dp-shard`` values the search tries for one layout (hybrid sharding): 0 (flat:
     ZeRO over all of dp), and N < dp dividing dp among 1, the node size (the largest N whose
-    shard group of N·tp·cp·ep ranks fits in a node) and 2, 4, 8× the node size. ZeRO-0 shards
-    nothing: only flat."""
+    shard group of N·tp·cp·ep ranks fits in a node) and twice it (a shard group over two nodes).
+    Larger multiples are not tried: each doubles the layouts the search evaluates for a
+    memory × dp/N the flat layout already beats (docs/ledger.md). ZeRO-0 shards nothing: only
+    flat."""
     if zero == 0 or dp <= 1:
         return [0]
     fit = max(1, gpus_per_node // max(1, others_in_node))
     node = max(k for k in _divisors(dp) if k <= fit)
-    want = {1, node, 2 * node, 4 * node, 8 * node}
+    want = {1, node, 2 * node}
     return [0] + sorted(k for k in want if k < dp and dp % k == 0)
 
 
