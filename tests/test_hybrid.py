@@ -150,6 +150,7 @@ HYBRID = [
     ParallelConfig(dp=4, dp_shard=2, zero=1, micro_batches=2, bucket_mb=0.05),
     ParallelConfig(dp=4, dp_shard=2, zero=2, bucket_mb=0.05),
     ParallelConfig(dp=4, dp_shard=2, zero=3),
+    ParallelConfig(dp=4, dp_shard=2, zero=2, collectives="ring"),  # fived's ring, both halves
 ]
 
 
@@ -163,7 +164,8 @@ def _check_ledger(model, par, out) -> None:
 
 def test_hybrid_parity_zero123():
     """dp-shard 2 × dp-replicate 2, ZeRO 1 (2 micro-batches), 2 (small buckets: several
-    all-reduces in flight), 3: parity with one rank, and the ledger exact on every rank.
+    all-reduces in flight), 3, and ZeRO-2 on fived's ring (``--collectives ring``): parity with
+    one rank, and the ledger exact on every rank.
     Time: the one-rank reference (shared with the other modules) and one 4-rank spawn."""
     ref = one_rank(MODEL, TRAIN)
     for par, out in zip(HYBRID, train_runs([(MODEL, p, TRAIN) for p in HYBRID])):
