@@ -276,3 +276,24 @@ def test_bench_zero_hsdp_against_fsdp2_2d_mesh(capsys, monkeypatch):
         main(["--nprocs", "4", "--hsdp", "3"])
     assert e.value.code == 2
     assert "--hsdp 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model,par", [
+    ("tiny-moe", ParallelConfig(dp=4, dp_shard=2, ep=2, zero=3, precision="bf16")),
+    pytest.param("llama3-8b", ParallelConfig(dp=8, dp_shard=4, tp=2, pp=2, micro_batches=2,
+                                             zero=1, sequence_parallel=True, precision="bf16"),
+                 marks=pytest.mark.slow),  # 73 s under load
+], ids=["moe-ep2-zero3", "8b-dp8(4s×2r)-tp2-pp2-zero1"])
+def test_dry_run_of_distinct_ranks_matches_the_ledger(tmp_path, model, par):
+    """The dry run (meta tensors, every collective counted per (group, op)) of the distinct
+    ranks: model states, storages, bytes per group and op, ZeRO buffers equal the ledger's."""
+    from fived.config import TrainConfig
+    from fived.train.dryrun import distinct_ranks, dry_run
+
+    m = preset(model)
+    train = TrainConfig(global_batch=16)
+    out = dry_run(m, par, train, distinct_ranks(par), out_path=str(tmp_path / "d.jsonl"),
+                  show=False)
+    assert verify.compare_record(m, par, train.global_batch, out) == []
+    ops = out["traffic_per_rank"][0]["ops"]
+    assert any(k.startswith("dp_replicate/all_reduce") for k in ops), ops
