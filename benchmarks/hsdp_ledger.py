@@ -5,8 +5,8 @@ flat ZeRO-3, hybrid ZeRO-3 at several shard degrees, and plain DDP (issue 42's a
     python benchmarks/hsdp_ledger.py llama3-70b       # one
 
 Each row is ``fived.ledger.planner.predict`` (what ``fived ledger`` prints) on H100 SXM, 8 per
-node: the model states (÷ N, not dp), the exposed ZeRO time per micro-batch and the data-parallel
-time, the step time and MFU.
+node: the model states (÷ N, not dp), the largest rank's total against 72 GB usable (0.9 of
+80 GB), the exposed ZeRO and data-parallel time, the step time and MFU.
 """
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ from fived.ledger.hardware import get as preset_hardware
 from fived.ledger.planner import predict
 
 ANCHORS = {
-    # Llama 3 70B on 256 H100s: the plan's shape (tp2·cp2, the rest dp), global batch 64
-    "llama3-70b": (256, 64, ParallelConfig(tp=2, cp=2, pp=4, dp=16, micro_batches=4,
-                                           sequence_parallel=True, precision="bf16",
-                                           schedule="interleaved", virtual_stages=2),
-                   (8, 2)),
-    # Llama 3 405B on 8,192 H100s: Meta's tp8·pp16·dp64, global batch 2,048 sequences
-    "llama3-405b": (8192, 2048, ParallelConfig(tp=8, pp=16, dp=64, micro_batches=32,
+    # Llama 3 70B on 256 H100s: `fived plan --model llama3-70b --gpus 256 --gpu h100-sxm`'s
+    # winner, tp2·cp2·dp64·zero3·sp·b1 (global batch 64)
+    "llama3-70b": (256, 64, ParallelConfig(tp=2, cp=2, dp=64, micro_batches=1,
+                                           sequence_parallel=True, precision="bf16"),
+                   (16, 4, 2)),
+    # Llama 3 405B on 8,192 H100s: `fived plan --model llama3-405b --gpus 8192 --global-batch
+    # 2048 --precision bf16`'s winner, tp4·cp2·pp16·dp64·v4·zero3·sp·b1·rc-full
+    "llama3-405b": (8192, 2048, ParallelConfig(tp=4, cp=2, pp=16, dp=64, micro_batches=32,
                                                sequence_parallel=True, precision="bf16",
-                                               schedule="interleaved", virtual_stages=2),
+                                               schedule="interleaved", virtual_stages=4,
+                                               recompute="full"),
                     (8, 2, 1)),
 }
 
@@ -51,10 +53,12 @@ def main(argv: list[str]) -> int:
     for name in argv or list(ANCHORS):
         gpus, batch, base, _ = ANCHORS[name]
         print(f"{name} on {gpus} H100 SXM (8 per node), {base.describe()}, global batch {batch}")
-        print(f"  {'layout':<22}{'states GB':>10}{'total GB':>10}{'dp+zero s':>11}"
+        print(f"  {'layout':<22}{'states GB':>10}{'total GB':>10}{'fits':>6}{'dp+zero s':>11}"
               f"{'step s':>9}{'MFU':>7}")
         for label, st, tot, dp, step, mfu in rows(name):
-            print(f"  {label:<22}{st:>10.2f}{tot:>10.2f}{dp:>11.3f}{step:>9.3f}{mfu:>7.1%}")
+            fits = "yes" if tot <= 72.0 else "no"
+            print(f"  {label:<22}{st:>10.2f}{tot:>10.2f}{fits:>6}{dp:>11.3f}{step:>9.3f}"
+                  f"{mfu:>7.1%}")
     return 0
 
 
