@@ -5,8 +5,8 @@ flat ZeRO-3, hybrid ZeRO-3 at several shard degrees, and plain DDP (issue 42's a
     python benchmarks/hsdp_ledger.py llama3-70b       # one
 
 Each row is ``fived.ledger.planner.predict`` (what ``fived ledger`` prints) on H100 SXM, 8 per
-node: the model states (÷ N, not dp), the largest rank's total against 72 GB usable (0.9 of
-80 GB), the exposed ZeRO and data-parallel time, the step time and MFU.
+node: the model states (÷ N, not dp), the largest rank's peak (``RankMemory.peak``) and
+whether it fits 72 GB usable (0.9 of 80 GB), the exposed ZeRO and data-parallel time, the step time and MFU.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ ANCHORS = {
 }
 
 
-def rows(name: str) -> list[tuple[str, float, float, float, float, float]]:
+def rows(name: str) -> list[tuple[str, float, float, bool, float, float, float]]:
     gpus, batch, base, shards = ANCHORS[name]
     m = preset(name)
     hw = preset_hardware("h100-sxm")
@@ -44,7 +44,7 @@ def rows(name: str) -> list[tuple[str, float, float, float, float, float]]:
                           for n in shards]
                        + [("DDP (ZeRO-0)", replace(base, zero=0))]):
         p = predict(m, par, hw, batch, 8)
-        out.append((label, p.memory.states_total / 1e9, p.memory.total / 1e9,
+        out.append((label, p.memory.states_total / 1e9, p.memory.peak / 1e9, p.fits,
                     p.times["zero_per_micro"] + p.times["dp"], p.step_seconds, p.mfu))
     return out
 
@@ -53,12 +53,11 @@ def main(argv: list[str]) -> int:
     for name in argv or list(ANCHORS):
         gpus, batch, base, _ = ANCHORS[name]
         print(f"{name} on {gpus} H100 SXM (8 per node), {base.describe()}, global batch {batch}")
-        print(f"  {'layout':<22}{'states GB':>10}{'total GB':>10}{'fits':>6}{'dp+zero s':>11}"
+        print(f"  {'layout':<22}{'states GB':>10}{'peak GB':>10}{'fits':>6}{'dp+zero s':>11}"
               f"{'step s':>9}{'MFU':>7}")
-        for label, st, tot, dp, step, mfu in rows(name):
-            fits = "yes" if tot <= 72.0 else "no"
-            print(f"  {label:<22}{st:>10.2f}{tot:>10.2f}{fits:>6}{dp:>11.3f}{step:>9.3f}"
-                  f"{mfu:>7.1%}")
+        for label, st, peak, fits, dp, step, mfu in rows(name):
+            print(f"  {label:<22}{st:>10.2f}{peak:>10.2f}{'yes' if fits else 'no':>6}{dp:>11.3f}"
+                  f"{step:>9.3f}{mfu:>7.1%}")
     return 0
 
 
