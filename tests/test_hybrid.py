@@ -141,7 +141,8 @@ def test_planner_prices_each_group_on_its_link_and_tries_shard_degrees():
     assert planner.inside_node(par, "dense_shard", 8)
     assert not planner.inside_node(par, "dp_replicate", 8)
     assert not planner.inside_node(ParallelConfig(dp=16, zero=3), "dense", 8)
-    assert planner.shard_degrees(64, 2, 8, 3) == [0, 1, 4, 8]
+    assert planner.shard_degrees(64, 2, 8, 3) == [0, 4, 8]
+    assert planner.shard_degrees(64, 2, 8, 3, ep_cp=2) == [0, 1, 4, 8]
     assert planner.shard_degrees(64, 2, 8, 0) == [0]
 
 

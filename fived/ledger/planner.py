@@ -349,18 +349,20 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def shard_degrees(dp: int, others_in_node: int, gpus_per_node: int, zero: int) -> list[int]:
+def shard_degrees(dp: int, others_in_node: int, gpus_per_node: int, zero: int,
+                  ep_cp: int = 1) -> list[int]:
     """The ``--dp-shard`` values the search tries for one layout (hybrid sharding): 0 (flat:
     ZeRO over all of dp), and N < dp dividing dp among 1, the node size (the largest N whose
     shard group of N·tp·cp·ep ranks fits in a node) and twice it (a shard group over two nodes).
     Larger multiples are not tried: each doubles the layouts the search evaluates for a
-    memory × dp/N the flat layout already beats (docs/ledger.md). ZeRO-0 shards nothing: only
-    flat."""
+    memory × dp/N the flat layout already beats (docs/ledger.md). N = 1 with ``ep_cp`` (= ep·cp)
+    1 is left out: a shard group of one rank is DDP's memory and all-reduce, which ZeRO-0
+    already covers. ZeRO-0 shards nothing: only flat."""
     if zero == 0 or dp <= 1:
         return [0]
     fit = max(1, gpus_per_node // max(1, others_in_node))
     node = max(k for k in _divisors(dp) if k <= fit)
-    want = {1, node, 2 * node}
+    want = {node, 2 * node} | ({1} if ep_cp > 1 else set())
     return [0] + sorted(k for k in want if k < dp and dp % k == 0)
 
 
@@ -425,7 +427,7 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                             mbs = per_replica // b
                             for zero, shard in [
                                     (z, k) for z in (zeros if dp * ep * cp > 1 else (0,))
-                                    for k in (shard_degrees(dp, tp * cp * ep, gpus_per_node, z)
+                                    for k in (shard_degrees(dp, tp * cp * ep, gpus_per_node, z, ep * cp)
                                               if hybrid else [0])]:
                                 for rc in recomputes:
                                     par = ParallelConfig(
