@@ -14,6 +14,17 @@ Besides one group per dimension, fived uses derived groups:
 * ``expert`` = dp·cp    — the ranks that hold the same experts; expert gradients reduce there;
 * ``batch``  = dp·ep    — the ranks that read different sequences of the global batch.
 
+Hybrid sharding (``--dp-shard N --dp-replicate M``, dp = N·M) splits dp's coordinate into two
+sub-dimensions, dp = dp_replicate·N + dp_shard (shard inside replicate, so a shard group is
+contiguous ranks), and adds:
+
+* ``dense_shard``  = dp_shard·ep·cp — ZeRO's group for dense parameters;
+* ``expert_shard`` = dp_shard·cp    — ZeRO's group for expert parameters;
+* ``dp_replicate`` = dp_replicate   — the replicas, over which each reduced shard is summed.
+
+Without it (M = 1) they are ``dense``, ``expert`` and one rank, and ``connect`` makes no new
+process group for them (``--dp`` alone: today's groups exactly).
+
 ``DERIVED`` is the one list of derived groups and ``GROUP_NAMES`` (dimensions, then derived) the
 one list of every group name: code that needs the names (traffic keys, tables) imports them.
 
