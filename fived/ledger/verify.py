@@ -58,8 +58,9 @@ def predict_rank(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: i
                  optimizer: str = "adamw") -> tuple[dict[str, int], dict[str, float]]:
     """(engine.memory() bytes, traffic bytes by group) the ledger predicts for one rank."""
     c = coords(par, rank)
-    mem = model_states(m, par, c["pp"], group_index(par, "dense", rank),
-                       group_index(par, "expert", rank), optimizer)
+    grid = Grid.from_config(par)  # hybrid: the rank's place in the shard parts
+    mem = model_states(m, par, c["pp"], group_index(par, grid.shard_group("dense"), rank),
+                       group_index(par, grid.shard_group("expert"), rank), optimizer)
     return mem, step_bytes(m, par, micro_batch_size(par, global_batch), c["pp"], optimizer)
 
 
