@@ -255,8 +255,8 @@ def draw(d: dict[str, Any], f: Any) -> None:
     dx.set_xticks(x[::step], names[::step], rotation=90 if n > 14 else 45,
                   ha="center" if n > 14 else "right", fontsize=6.5 if n > 14 else 7)
     dx.set_xlim(-0.6, n - 0.4)
-    dx.set_xlabel("phase of the step in the order it runs: F / B / W (forward, backward, weight "
-                  "gradient) micro-batch stage; then the step's reduce, clip, optimizer")
+    dx.set_xlabel("phase of the step, in the order it runs\nF|B|W mb s: forward | backward | "
+                  "weight gradient of micro-batch mb on stage s", fontsize=7)
 
 
 def figure_of(d: dict[str, Any], name: str) -> Figure:
