@@ -155,6 +155,8 @@ def test_memory_figure_bad_input(tmp_path, capsys):
     assert rc == 2 and "--rank 4" in io.err and not out.exists()
     rc, out, io = run_cli(["--model", "tiny", "--tp", "3"], tmp_path, capsys)
     assert rc == 2 and "ConfigError" in io.err and not out.exists()
+    rc, out, io = run_cli(["--rank", "1"], tmp_path, capsys)  # a rank of which layout?
+    assert rc == 2 and "--rank: name the layout" in io.err and not out.exists()
 
 
 def test_memory_is_a_part_of_the_series():
@@ -165,3 +167,27 @@ def test_memory_is_a_part_of_the_series():
     assert "memory" in PARTS and "memory" in modules("fived.viz")
     assert [p.describe() for p in memory.SERIES] == ["pp2", "pp2·dp2·tp2"]
     assert memory.SERIES_TRAIN.global_batch == 16
+
+
+@pytest.mark.slow
+def test_memory_in_figures_all_and_the_page(tmp_path):
+    """``fived figures all --parts memory``: the series' two layouts of ``small``, each on its
+    highest-peak rank, and their section of the page."""
+    from fived.cli.main import main
+    from fived.viz._page import PART_TITLES
+
+    figs = tmp_path / "figs"
+    assert main(["figures", "all", "--parts", "memory", "--out", str(figs)]) == 0
+    index = json.loads((figs / "index.json").read_text())
+    assert [r["name"] for r in index["figures"]] == ["memory-small-pp2-rank0",
+                                                     "memory-small-pp2-dp2-tp2-rank0"]
+    m = preset("small")
+    for r, par in zip(index["figures"], [ParallelConfig(pp=2, micro_batches=4, precision="fp32"),
+                                         ParallelConfig(tp=2, pp=2, dp=2, micro_batches=4,
+                                                        precision="fp32")]):
+        assert r["command"] == f"fived figures memory --out {figs}"
+        check_ledger(r["data"], m, par, 16, r["data"]["ledger"]["pp_rank"])
+    page = tmp_path / "page"
+    assert main(["report", "--from", str(figs), "--parts", "memory", "--out", str(page)]) == 0
+    text = (page / "index.html").read_text()
+    assert text.count("data:image/png;base64,") == 2 and PART_TITLES["memory"].split(":")[0] in text

@@ -355,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parser().parse_args(argv)
     res = flags.configs(a)
-    custom = a.rank is not None or bool(res.given) or a.config
+    custom = bool(res.given) or bool(a.config)
+    if a.rank is not None and not custom:
+        raise ConfigError(["--rank: name the layout too (--model, --tp, --pp, ... or --config); "
+                           "without one the series' layouts are drawn, each on its own rank"])
     if custom:
         m, par, train = resolve(a)
         if a.print_config:
