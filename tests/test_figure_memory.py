@@ -32,7 +32,7 @@ def only_record(out):
 def check_ledger(d, m, par, gb, pp_rank):
     """The stack sums to ``step_phases`` phase by phase; the kept part is ``model_states``."""
     from fived.ledger.memory import model_states
-    from fived.ledger.peak import step_phases
+    from fived.ledger.peak import step_input_bytes, step_phases
     from fived.ledger.traffic import micro_batch_size
 
     phases = step_phases(m, par, micro_batch_size(par, gb), pp_rank)
@@ -45,6 +45,10 @@ def check_ledger(d, m, par, gb, pp_rank):
     for k in ("params", "grads", "master", "optimizer"):
         s = next(s for s in led["stack"] if s["key"] == f"kept.{k}")
         assert s["bytes"] == [float(states[k])] * len(phases)
+    inputs = next(s for s in led["stack"] if s["key"] == "kept.inputs")
+    assert inputs["bytes"] == [step_input_bytes(m, par, micro_batch_size(par, gb))] * len(phases)
+    assert [sum(s["bytes"][i] for s in led["stack"] if s["group"] == "kept")
+            for i in range(len(phases))] == [p.kept for p in phases]
     saved = next(s for s in led["stack"] if s["key"] == "saved")
     assert saved["bytes"] == [p.saved for p in phases]
     for p_i, p in enumerate(phases):  # every transient by name, in its group

@@ -4,7 +4,8 @@ what is kept and what is in flight, and the dry run's measured peak beside it.
 * the bars: ``fived.ledger.peak.step_phases`` for the rank's pipeline coordinate, one bar per
   phase in the runtime's order (each F / B / W of the schedule, then ``reduce``, ``clip``,
   ``optimizer``), stacked as ``live = kept + saved + Σ transients``: the model states
-  (``memory.model_states``: params, grads, master, optimizer state), the saved activations of
+  (``memory.model_states``: params, grads, master, optimizer state) and the step's inputs
+  (``peak.step_input_bytes``: token ids, targets, positions), the saved activations of
   the micro-batches in flight, and each transient by name — communication buffers hatched
   (``grad_recv``, ``sp_gather``, ``cp_ring``, ``ep_a2a``, ``zero_buffers``), compute
   temporaries plain (``block_backward``, ``loss_backward``, ``recompute_block``, ``clip``,
@@ -42,7 +43,7 @@ KEPT = ("params", "grads", "master", "optimizer")
 KEPT_LABELS = {"params": "params", "grads": "grads", "master": "master (fp32)",
                "optimizer": "optimizer state"}
 KEPT_COLORS = {"params": "#4C72B0", "grads": "#64B5CD", "master": "#8172B3",
-               "optimizer": "#55A868"}
+               "optimizer": "#55A868", "inputs": "#1B3A5C"}
 SAVED_COLOR = "#CCB974"
 COMM_COLORS = ["#C44E52", "#DA8BC3", "#937860", "#E17C05", "#8C2D04"]
 COMPUTE_COLORS = ["#DD8452", "#8C8C8C", "#F2B701", "#7F3C8D", "#11A579"]
@@ -94,6 +95,9 @@ def ledger_data(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: in
     names = sorted(seen, key=lambda k: (group_of(k) != "comm", seen.index(k)))  # comm first
     stack = [{"key": f"kept.{k}", "label": KEPT_LABELS[k], "group": "kept",
               "bytes": [float(states.get(k, 0))] * len(phases)} for k in KEPT]
+    held = sum(float(states.get(k, 0)) for k in KEPT)  # the rest of kept: the step's inputs
+    stack.append({"key": "kept.inputs", "label": "step inputs (ids, targets, positions)",
+                  "group": "kept", "bytes": [p.kept - held for p in phases]})
     stack.append({"key": "saved", "label": "saved activations", "group": "saved",
                   "bytes": [p.saved for p in phases]})
     for k in names:
@@ -224,8 +228,8 @@ def draw(d: dict[str, Any], f: Any) -> None:
     ax.plot([lp["index"]], [lp["bytes"] / scale], marker="v", color="#C44E52", ms=6, zorder=5)
     if mp["index"] is not None:
         b = ax.annotate(f"dry-run peak {fmt(mp['bytes'])}\n{mp['phase']}",
-                        xy=(mp["index"], mp["bytes"] / scale), xytext=(-dxp, 14),
-                        textcoords="offset points", ha="right" if right else "left",
+                        xy=(mp["index"], mp["bytes"] / scale), xytext=(4 * dxp, 6),
+                        textcoords="offset points", ha=ha,
                         va="bottom", fontsize=7,
                         arrowprops={"arrowstyle": "-|>", "color": "black", "lw": 1.0},
                         bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "black",
@@ -265,9 +269,9 @@ def figure_of(d: dict[str, Any], name: str) -> Figure:
     rows: list[list[Any]] = [["phase", "kept", "saved", "transients", "ledger", "dry run",
                               "diff"]]
     saved = next(s["bytes"] for s in led["stack"] if s["key"] == "saved")
-    kept = sum(led["kept_states"].values())
     for i, ph in enumerate(led["phases"]):
         t = led["total"][i]
+        kept = sum(s["bytes"][i] for s in led["stack"] if s["group"] == "kept")
         mv = d["measured"]["peak_by_phase"][i]
         rows.append([ph, fmt(kept), fmt(saved[i]), fmt(t - kept - saved[i]), fmt(t),
                      "-" if mv is None else fmt(mv),
