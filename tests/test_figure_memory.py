@@ -171,6 +171,11 @@ def test_memory_is_a_part_of_the_series():
     assert "memory" in PARTS and "memory" in modules("fived.viz")
     assert [p.describe() for p in memory.SERIES] == ["pp2", "pp2·dp2·tp2"]
     assert memory.SERIES_TRAIN.global_batch == 16
+    d = {"model": "small", "layout": "pp2·dp2·tp2·zero2", "schedule": "1f1b",
+         "recompute": "none", "rank": 4}
+    assert memory.figure_name(d) == "memory-small-pp2-dp2-tp2-zero2-rank4"
+    d.update(schedule="zb-v", recompute="full")  # no two layouts of one folder share a file
+    assert memory.figure_name(d) == "memory-small-pp2-dp2-tp2-zero2-zb-v-recompute-full-rank4"
 
 
 @pytest.mark.slow

@@ -166,6 +166,7 @@ def layout_data(m: ModelConfig, par: ParallelConfig, train: TrainConfig, rank: i
     lp, mp = led["peak"]["bytes"], meas["peak"]["bytes"]
     return {"model": m.name, "layout": par.describe(), "precision": par.precision,
             "schedule": par.schedule if par.pp > 1 else "", "virtual_stages": par.virtual_stages,
+            "recompute": par.recompute,
             "micro_batches": par.micro_batches, "global_batch": gb, "seq_len": m.seq_len,
             "optimizer": train.optimizer, "rank": rank, "coords": rec.get("coords", {}),
             "unit": unit, "scale": scale, "ledger": led, "measured": meas,
@@ -215,22 +216,24 @@ def draw(d: dict[str, Any], f: Any) -> None:
     top = max([*led["total"], meas["peak"]["bytes"]]) / scale
     ax.set_ylim(0, top * 1.42)
     lp, mp = led["peak"], meas["peak"]
-    right = lp["index"] < n / 2  # labels toward the middle
-    ha, dxp = ("left", 14) if right else ("right", -14)
+    # the labels sit above the bars (x: beside the peak, toward the middle; y: in axes
+    # fractions, the ledger's on top), so that they never cover each other or the bars
+    right = lp["index"] < n / 2
+    ha, side = ("left", 1) if right else ("right", -1)
     a = ax.annotate(f"ledger peak {fmt(lp['bytes'])}\n{lp['phase']}"
                     + (f" (largest transient: {lp['largest_transient']})"
                        if lp["largest_transient"] else ""),
-                    xy=(lp["index"], lp["bytes"] / scale), xytext=(dxp, 40),
-                    textcoords="offset points", ha=ha, va="bottom", fontsize=7,
+                    xy=(lp["index"], lp["bytes"] / scale), xytext=(lp["index"] + 0.3 * side, 0.97),
+                    textcoords=("data", "axes fraction"), ha=ha, va="top", fontsize=7,
                     arrowprops={"arrowstyle": "-|>", "color": "#C44E52", "lw": 1.0},
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "#C44E52", "lw": 0.6})
     a.set_gid("ledger-peak")
     ax.plot([lp["index"]], [lp["bytes"] / scale], marker="v", color="#C44E52", ms=6, zorder=5)
     if mp["index"] is not None:
         b = ax.annotate(f"dry-run peak {fmt(mp['bytes'])}\n{mp['phase']}",
-                        xy=(mp["index"], mp["bytes"] / scale), xytext=(4 * dxp, 6),
-                        textcoords="offset points", ha=ha,
-                        va="bottom", fontsize=7,
+                        xy=(mp["index"], mp["bytes"] / scale),
+                        xytext=(mp["index"] + 1.3 * side, 0.84),
+                        textcoords=("data", "axes fraction"), ha=ha, va="top", fontsize=7,
                         arrowprops={"arrowstyle": "-|>", "color": "black", "lw": 1.0},
                         bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "black",
                               "lw": 0.6})
@@ -285,7 +288,11 @@ def figure_of(d: dict[str, Any], name: str) -> Figure:
 
 
 def figure_name(d: dict[str, Any]) -> str:
-    return f"memory-{slug(d['model'])}-{slug(d['layout'])}-rank{d['rank']}"
+    """``memory-MODEL-LAYOUT[-SCHEDULE][-recompute-R]-rankN`` (the schedule when not 1F1B)."""
+    extra = "".join(f"-{slug(v)}" for v in (
+        d["schedule"] if d["schedule"] not in ("", "1f1b") else "",
+        f"recompute {d['recompute']}" if d["recompute"] != "none" else "") if v)
+    return f"memory-{slug(d['model'])}-{slug(d['layout'])}{extra}-rank{d['rank']}"
 
 
 def figures(quick: bool, tick) -> list[Figure]:
