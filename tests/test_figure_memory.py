@@ -161,6 +161,8 @@ def test_memory_figure_bad_input(tmp_path, capsys):
     assert rc == 2 and "ConfigError" in io.err and not out.exists()
     rc, out, io = run_cli(["--rank", "1"], tmp_path, capsys)  # a rank of which layout?
     assert rc == 2 and "--rank: name the layout" in io.err and not out.exists()
+    rc, out, io = run_cli(["--print-config"], tmp_path, capsys)  # the series is two layouts
+    assert rc == 2 and "small pp2 and small pp2·dp2·tp2" in io.err and not io.out
 
 
 def test_memory_is_a_part_of_the_series():

@@ -377,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                                       "fived figures memory: the layout drawn")
         what = f"{m.name} {par.describe()} ({par.precision})"
     elif a.print_config:
-        return flags.print_config(res, "fived figures memory: no layout given (the series')")
+        raise ConfigError(["--print-config: no layout given; the series draws "
+                           + " and ".join(f"{SERIES_MODEL} {p.describe()}" for p in SERIES)
+                           + " (give --model/--tp/--pp/... to draw and print one)"])
     else:
         what = f"the series' layouts of {SERIES_MODEL}"
     print(f"fived figures memory: {what} → {a.out}/", flush=True)
