@@ -35,7 +35,7 @@ def test_bad_layout_is_one_clean_error():
 
 def test_unknown_model_is_clean():
     r = fived("train", "--model", "gpt-17")
-    assert r.returncode == 2 and "unknown model preset" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "no such preset" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_help_teaches():

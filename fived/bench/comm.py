@@ -40,6 +40,7 @@ from ..comm.bench import (
     size_sweep,
 )
 from ..comm.volume import busbw_factor
+from ..ui.args import Parser
 from . import schema
 
 
@@ -56,7 +57,7 @@ class Settings:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived bench comm",
         description="Sweep collectives over sizes like nccl-tests: time, algbw, busbw per size and "
         "an alpha-beta fit per collective, for the backend's collectives and fived's ring.",

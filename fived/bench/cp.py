@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 MODES = ("ring", "ulysses", "allgather", "ring-contiguous")
@@ -119,7 +120,7 @@ def _imbalance(flops: list[float]) -> str:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="fived bench cp", description=__doc__,
+    ap = Parser(prog="fived bench cp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_flag(ap, "cp", default=4, help="context-parallel ranks (local gloo processes)")
     ap.add_argument("--batch", type=int, default=1, help="sequences (default 1)")

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived bench data", description="Loader tokens/s against the trainer's tokens/s "
         "(one process); the loader must be --min-ratio times faster.",
         epilog="example: fived bench data --model small --batches 300 --steps 4")

@@ -23,11 +23,12 @@ import tempfile
 import time
 from typing import Any
 
+from ..ui.args import Parser
 from . import schema
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fived bench generate", description=__doc__.splitlines()[0],
+    ap = Parser(prog="fived bench generate", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="example:\n  fived bench generate --model small --tp 2 "
                                  "--reps 5\n  fived bench generate --hidden 1024 --layers 24 "

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 HEADER = "fived bench {name}: {what} — {n} ranks, model {model}, {reps} reps × {steps} steps"
@@ -348,7 +349,7 @@ def main(argv: list[str], kind: str, build: Callable, hidden: Callable[[list[dic
          peer: str, what: str, description: str, variant: str | None = None) -> int:
     """Parse the common arguments, run ``build``'s variants on ``--nprocs`` ranks, report
     against ``peer`` with ``hidden(rows)`` as the comm-hidden column."""
-    ap = argparse.ArgumentParser(prog=f"fived bench {kind}", description=description)
+    ap = Parser(prog=f"fived bench {kind}", description=description)
     common_args(ap)
     args = flags.parse(ap, argv)
     print(HEADER.format(name=kind, what=what, n=args.nprocs,

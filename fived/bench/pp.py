@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 PAIRS = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
@@ -134,7 +135,7 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
 
 @schema.json_stdout
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fived bench pp", description=__doc__,
+    ap = Parser(prog="fived bench pp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_flag(ap, "pp", default=4, help="pipeline ranks (local gloo processes)")
     flags.add_flag(ap, "micro_batches", default=8,

@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 if TYPE_CHECKING:  # torch is imported where it runs: --help stays fast
@@ -37,7 +38,7 @@ VARIANTS = ("fived", "dtensor")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="fived bench tp", description=__doc__.split("\n")[0])
+    ap = Parser(prog="fived bench tp", description=__doc__.split("\n")[0])
     flags.add_flag(ap, "tp", default=2, help="tensor-parallel ranks (local processes)")
     flags.add_flag(ap, "model", default="small")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ..data.meta import padded_vocab, read_meta
+from ..ui.args import Parser
 from ..ui.report import console, fmt_n, print_json, show, table
 
 EXAMPLES = """examples:
@@ -26,7 +27,7 @@ EXAMPLES = """examples:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived data", description="Prepare text for `fived train --data DIR`.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="sub", required=True, metavar="{prepare,info}")

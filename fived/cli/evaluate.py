@@ -23,6 +23,7 @@ from dataclasses import fields, replace
 
 from ..config import ConfigError, ModelConfig, TrainConfig, fill_dp, validate
 from ..ui import flags
+from ..ui.args import Parser
 
 EPILOG = """examples:
   fived train --data data/notes --eval-every 10 --save-dir ck --steps 50
@@ -37,7 +38,7 @@ def layout_flags() -> tuple[str, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived eval", description="Evaluate a fived checkpoint: loss and perplexity on a\n"
         "split of a prepared data directory, forward only, at any layout.", epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -14,10 +14,11 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..ui import report
+from ..ui.args import Parser
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived export", description="Export a fived checkpoint (any layout) to a Hugging "
         "Face directory: safetensors shards + index + config.json.",
         epilog="example:\n  fived export runs/ck --hf runs/hf\n  python -c \"import transformers as t;"

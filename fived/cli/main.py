@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 
 from ..config import ConfigError
+from ..ui.args import Parser
 
 EXAMPLES = """examples:
   fived train                                  # tiny model, 4 local ranks (dp=4), 50 steps
@@ -88,8 +89,10 @@ def _dispatch(package: str, what: str, argv: list[str]) -> int:
         return 0
     name = argv[0].replace("-", "_")
     if argv[0] not in names:
-        print(f"fived {what}: no {what} named {argv[0]!r}; choose one of {', '.join(names)}",
-              file=sys.stderr)
+        from ..ui.args import did_you_mean
+
+        print(f"fived {what}: no {what} named {argv[0]!r}{did_you_mean(argv[0], names)} "
+              f"(choose one of {', '.join(names)})", file=sys.stderr)
         return 2
     try:
         mod = importlib.import_module(f"{package}.{name}")
@@ -103,7 +106,7 @@ def _dispatch(package: str, what: str, argv: list[str]) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived", description="Train transformers with data, tensor, pipeline, context and "
         "expert parallelism, and account for every byte. Every command takes the same model, "
         "layout and run flags (and --config FILE.toml, --print-config); see `fived CMD --help`.",

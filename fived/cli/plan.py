@@ -25,6 +25,7 @@ from ..config import (
     validate,
 )
 from ..ui import flags, report
+from ..ui.args import Parser
 from ..ui.report import fmt_b, fmt_n, fmt_s
 from .ledger import check_cluster, clock_options, cluster_flags, global_batch, hardware
 
@@ -45,7 +46,7 @@ data-parallel comm + optimizer; MFU = model FLOPs · tokens/s / (GPUs · peak).
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived plan", description="Search the layouts of a model on a cluster and rank "
         "those that fit by predicted step time.", epilog=PLAN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)

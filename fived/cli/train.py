@@ -24,11 +24,12 @@ from ..config import (
 from ..data.meta import check_data_run, model_for_data
 from ..ranks.launch import torchrun_env
 from ..ui import flags
+from ..ui.args import Parser
 from .main import EXAMPLES
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived train", description="Train a model with any layout of the five dimensions, "
         "on local ranks (gloo on CPU) or under torchrun.", epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)

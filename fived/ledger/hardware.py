@@ -154,8 +154,11 @@ def get(name: str, bench_json: str | None = None) -> Hardware:
     if name not in PRESETS:
         from ..config import ConfigError
 
-        raise ConfigError([f"unknown --gpu {name!r}; choose one of "
-                           f"{', '.join(list(PRESETS) + ['this-machine'])}"])
+        from ..ui.args import did_you_mean
+
+        names = list(PRESETS) + ["this-machine"]
+        raise ConfigError([f"--gpu {name}: no such GPU{did_you_mean(name, names)} "
+                           f"(choose one of {', '.join(names)})"])
     return PRESETS[name]
 
 
