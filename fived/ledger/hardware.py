@@ -153,7 +153,6 @@ def get(name: str, bench_json: str | None = None) -> Hardware:
         return this_machine(bench_json)
     if name not in PRESETS:
         from ..config import ConfigError
-
         from ..ui.args import did_you_mean
 
         names = list(PRESETS) + ["this-machine"]
