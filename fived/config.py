@@ -614,6 +614,9 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
                      f"(got {par.micro_batches})")
     elif par.virtual_stages > 1 and par.schedule != "interleaved":
         p.append("--virtual-stages > 1 needs --schedule interleaved")
+    elif par.virtual_stages > 1 and par.pp == 1:
+        p.append(f"--virtual-stages {par.virtual_stages} with --pp 1: model chunks per pipeline "
+                 "rank need a pipeline; add --pp 2 or more (or drop --virtual-stages)")
     if par.schedule == "interleaved" and par.pp > 1:
         if par.virtual_stages < 2:
             p.append("--schedule interleaved needs --virtual-stages >= 2")

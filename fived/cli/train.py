@@ -54,6 +54,44 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def unused_flags(args, res) -> None:
+    """A flag given on the command line that would change nothing in this combination: a
+    ConfigError naming it (nothing is silently ignored). Only flags: a TOML written by
+    --print-config holds every key, used or not."""
+    cli = {f.name for f in flags.table() if getattr(args, f.name, None) is not None}
+    train, par = res.train, res.par
+    p = []
+    if not train.save_dir:
+        for key, flag in (("save_every", "--save-every"), ("keep", "--keep"),
+                          ("async_save", "--async-save")):
+            if key in cli:
+                p.append(f"{flag} {flags.shown(getattr(train, key))}: checkpoints go to "
+                         "--save-dir, and none is given; add --save-dir DIR (or drop "
+                         f"{flag})")
+    needs = (("schedule", par.pp > 1, "orders a pipeline's micro-batches; add --pp 2 or more"),
+             ("cp_mode", par.cp > 1, "is how context parallelism splits attention; add --cp 2 "
+              "or more"),
+             ("ep_dispatch", par.ep > 1, "is how expert parallelism sends tokens; add --ep 2 or "
+              "more"),
+             ("zero3_pp_gather", par.zero == 3 and par.pp > 1, "is when ZeRO-3 gathers under a "
+              "pipeline; it needs --zero 3 and --pp 2 or more"),
+             ("eval_batches", train.eval_every > 0, "sizes the evaluation of --eval-every; add "
+              "--eval-every N"))
+    for key, used, why in needs:
+        if key in cli and not used:
+            f = flags.FLAGS[key]
+            p.append(f"{f.flag} {flags.shown(getattr(args, key))}: {why} (or drop {f.flag})")
+    if not args.dry_run:
+        if args.ranks != "distinct":
+            p.append(f"--ranks {args.ranks}: picks the ranks of a --dry-run; add --dry-run (or "
+                     "drop --ranks)")
+        if args.dry_run_device != "meta":
+            p.append(f"--dry-run-device {args.dry_run_device}: only a --dry-run uses it; add "
+                     "--dry-run (or drop it)")
+    if p:
+        raise ConfigError(p)
+
+
 def checkpoint_inputs(model, train, given):
     """--init-from: the model shape is the HF config.json's. --resume: the checkpoint is
     resolved (DIR -> its newest step-N) and verified (sizes, sha256) here, before any rank
@@ -83,11 +121,51 @@ def checkpoint_inputs(model, train, given):
                                                and k != "model.seq_len"}:
             model = replace(model_of(man), seq_len=model.seq_len if "model.seq_len" in given
                             else model_of(man).seq_len)
-        check_compatible(man, param_shapes(model), model.is_moe)
+        check_resume_data(man, model, train, ckpt)
+        check_compatible(man, param_shapes(model), model.is_moe, model=model)
         train = replace(train, resume=str(ckpt))  # every rank loads this very step
     if train.save_dir and Path(train.save_dir).exists() and not Path(train.save_dir).is_dir():
         raise ConfigError([f"--save-dir {train.save_dir}: exists and is not a directory"])
     return model, train
+
+
+def check_resume_data(man, model, train, ckpt) -> None:
+    """The data a checkpoint was trained on against this run's, before any rank starts: each
+    side named (the ranks would refuse the same resume, later and with a traceback)."""
+    saved = man.get("data") or {}
+    if not saved:  # `fived import`: weights only, any data
+        return
+    here = f"--resume {ckpt}"
+    if saved.get("source") == "builtin":
+        if train.data:
+            raise ConfigError([f"{here}: trained on the built-in corpus (vocab "
+                               f"{man['config']['model'].get('vocab')}), but --data {train.data} "
+                               "is other data; resume without --data, or start a fresh run on "
+                               "it"])
+        mine = {"corpus_mb": train.corpus_mb, "seed": train.seed,
+                "global_batch": train.global_batch, "seq_len": model.seq_len}
+    else:
+        if not train.data:
+            raise ConfigError([f"{here}: trained on --data {saved.get('dir')}; give that --data "
+                               "(without it this run would read the built-in corpus)"])
+        from ..data.meta import read_meta
+
+        meta = read_meta(train.data)
+        if int(meta["vocab"]) != int(saved.get("vocab", meta["vocab"])) or (
+                saved.get("data_hash") not in (None, meta.get("data_hash"))):
+            raise ConfigError([f"{here}: trained on --data {saved.get('dir')} (a tokenizer of "
+                               f"{saved.get('vocab')} symbols); --data {train.data} is other "
+                               f"data (a tokenizer of {meta['vocab']} symbols); resume with "
+                               f"--data {saved.get('dir')}"])
+        mine = {"seed": train.seed, "global_batch": train.global_batch,
+                "seq_len": model.seq_len}
+    flag = {"corpus_mb": "--corpus-mb", "seed": "--seed", "global_batch": "--global-batch",
+            "seq_len": "--seq-len"}
+    bad = [f"{flag[k]} {v:g}: the checkpoint was trained with {flag[k]} {saved[k]:g}; give "
+           f"{flag[k]} {saved[k]:g} to resume it" for k, v in mine.items()
+           if k in saved and saved[k] != v]
+    if bad:
+        raise ConfigError(bad)
 
 
 def resume_auto(train):
@@ -129,6 +207,7 @@ def main(argv: list[str]) -> int:
         world = args.nprocs
     if args.timeout <= 0:
         raise ConfigError([f"--timeout must be > 0 seconds (got {args.timeout:g})"])
+    unused_flags(args, res)
     par, world = fill_dp(res.par, res.dp_given, world)
     par, precision = train_precision(par)
     res = replace(res, par=par)
@@ -140,6 +219,18 @@ def main(argv: list[str]) -> int:
     if args.print_config:
         return flags.print_config(res, f"fived train: {world} rank(s) · {precision}")
     check_outputs(train)
+    if train.resume and not args.dry_run:
+        from pathlib import Path
+
+        from ..checkpoint.storage import read_manifest
+
+        done = int(read_manifest(Path(train.resume))["step"])
+        if done >= train.steps:
+            if not env or env[0] == 0:
+                print(f"fived train: {train.resume} is at step {done}, --steps {train.steps} is "
+                      f"reached already: nothing to train (give --steps above {done} to go on)",
+                      flush=True)
+            return 0
     if train.tensorboard:
         from pathlib import Path
 
