@@ -94,6 +94,17 @@ def _ints(flag: str, text: str, least: int, most: int | None = None) -> tuple[in
     return out
 
 
+def check_whole_nodes(gpus: int, gpn: int, gpn_given: bool) -> None:
+    """A cluster of more than one node is whole nodes: --gpus a multiple of --gpus-per-node
+    (the layouts place tp and cp inside a node), else a ConfigError saying so."""
+    if gpus > gpn and gpus % gpn:
+        whence = "--gpus-per-node" if gpn_given else "--gpus-per-node (the --gpu's default)"
+        lo, hi = gpus // gpn * gpn, (gpus // gpn + 1) * gpn
+        raise ConfigError([f"--gpus {gpus} is not a multiple of {whence} {gpn}: "
+                           f"{gpus // gpn} full node(s) and {gpus % gpn} GPU(s) over; use "
+                           f"--gpus {lo} or {hi}, or the --gpus-per-node of your nodes"])
+
+
 def main(argv: list[str]) -> int:
     from dataclasses import replace
 
@@ -127,6 +138,7 @@ def main(argv: list[str]) -> int:
 
     hw = hardware(args, gpus)
     gpn = args.gpus_per_node or hw.gpus_per_node
+    check_whole_nodes(gpus, gpn, args.gpus_per_node is not None)  # issue 45 item 2
     gb = train.global_batch
     con = None
     if not args.json:
