@@ -80,7 +80,8 @@ def _tokenizer(spec: str, flag: str = "--tokenizer") -> Any:
     return tokenize.load(spec)
 
 
-def _checkpoint_tokenizer(man: dict[str, Any], given: str | None, ckpt: Path) -> Any:
+def _checkpoint_tokenizer(man: dict[str, Any], given: str | None, ckpt: Path,
+                          flag: str = "--from") -> Any:
     if given:
         return _tokenizer(given)
     data = man.get("data") or {}
@@ -96,10 +97,10 @@ def _checkpoint_tokenizer(man: dict[str, Any], given: str | None, ckpt: Path) ->
             dd = DataDir(d)
             if dd.tokenizer_hash == data.get("tokenizer_hash"):
                 return dd.tokenizer()
-        raise ConfigError([f"--from {ckpt}: it was trained on --data {d}, whose tokenizer is "
+        raise ConfigError([f"{flag} {ckpt}: it was trained on --data {d}, whose tokenizer is "
                            "not there (or changed); give --tokenizer (that directory, or its "
                            "tokenizer.json)"])
-    raise ConfigError([f"--from {ckpt}: the checkpoint records no tokenizer (an imported "
+    raise ConfigError([f"{flag} {ckpt}: the checkpoint records no tokenizer (an imported "
                        "model?); give --tokenizer SPEC (a tokenizer.json, a data directory or "
                        "'byte')"])
 
