@@ -265,7 +265,7 @@ class ParallelConfig:
                                     "or tokens (one row per token and ep rank it reaches, "
                                     "combined there: DeepSeek-V3's)", choices=EP_DISPATCHES)
     order: tuple[str, ...] = spec(DIMS, "grid order, outermost first", metavar="pp,dp,ep,cp,tp")
-    bucket_mb: float = spec(25.0, "gradient bucket size in MB", gt=0)
+    bucket_mb: float = spec(25.0, "gradient bucket size in MiB", gt=0)
     overlap: bool = spec(True, "reduce gradients during backward (--no-overlap: after it)")
     collectives: str = spec("backend", "data-parallel gradient reduction (and ZeRO-1/2's "
                             "parameter all-gather): the backend's collective, or fived's "
@@ -307,7 +307,7 @@ class TrainConfig:
     eps: float = spec(1e-8, "Adam epsilon", gt=0)
     grad_clip: float = spec(1.0, "clip the global gradient norm to this (0: off)", ge=0)
     seed: int = spec(1234, "seed of the initial weights and the data order")
-    corpus_mb: float = spec(4.0, "MB of the built-in corpus (this Python's stdlib source)", gt=0)
+    corpus_mb: float = spec(4.0, "MiB of the built-in corpus (this Python's stdlib source)", gt=0)
     metrics_out: str = spec("", "write one JSON line per step to this file", metavar="FILE")
     log_every: int = spec(1, "update the live line and write the metrics file every N steps "
                                "(and always the first, the last, an evaluation, a bad step)",

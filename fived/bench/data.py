@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         tmp = tempfile.TemporaryDirectory(prefix="fived-bench-data-")
         src = Path(tmp.name) / "corpus.txt"
         src.write_bytes(corpus_bytes(args.corpus_mb))
-        log(f"preparing {args.corpus_mb:g} MB of the built-in corpus (byte tokenizer) ...")
+        log(f"preparing {args.corpus_mb:g} MiB of the built-in corpus (byte tokenizer) ...")
         prepare(Options((str(src),), str(Path(tmp.name) / "data"), val_fraction=0.0),
                 lambda s: None)
         data = str(Path(tmp.name) / "data")

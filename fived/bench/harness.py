@@ -51,7 +51,7 @@ def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reps", type=int, default=5, help="alternating repetitions (median)")
     flags.add_flag(ap, "steps", default=3, help="timed optimizer steps per repetition")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    flags.add_flag(ap, "bucket_mb", default=25.0, help="gradient bucket size in MB, fived and "
+    flags.add_flag(ap, "bucket_mb", default=25.0, help="gradient bucket size in MiB, fived and "
                    "torch alike")
     ap.add_argument("--json", action="store_true", help="print the fived.bench JSON document "
                     "(docs/benchmarks.md) as the last line")
@@ -328,14 +328,14 @@ def report(doc: dict) -> None:
 
     peer = next((r["implementation"] for r in doc["rows"] if r["peer"]), "?")
     t = Table(title=f"medians over the repetitions; ratio = paired median vs {peer}")
-    for c in ("implementation", "step ms", "ratio", "optim ms", "state MB", "sent MB",
+    for c in ("implementation", "step ms", "ratio", "optim ms", "state MiB", "sent MiB",
               "hidden"):
         t.add_column(c, justify="right" if c != "implementation" else "left")
     for r in doc["rows"]:
         h = r["extra"].get("comm_hidden")
         t.add_row(r["implementation"], f"{r['step_s'] * 1e3:.1f}", f"{r['ratio']:.2f}×",
-                  f"{r['optimizer_s'] * 1e3:.2f}", f"{r['state_bytes'] / 1e6:.2f}",
-                  "-" if r["bytes_sent"] is None else f"{r['bytes_sent'] / 1e6:.2f}",
+                  f"{r['optimizer_s'] * 1e3:.2f}", f"{r['state_bytes'] / 2**20:.2f}",
+                  "-" if r["bytes_sent"] is None else f"{r['bytes_sent'] / 2**20:.2f}",
                   "-" if h is None else f"{h:.0%}")
     Console(width=80).print(t)
     print(textwrap.fill("state = params + grads + master + optimizer bytes per rank; sent = bytes one rank "

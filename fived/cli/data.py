@@ -79,7 +79,7 @@ def summary(path: str, meta: dict, note: str = "") -> None:
               f"{padded_vocab(meta['vocab'])}")
     if "seconds" in meta and not note:
         mb = meta.get("inputs", {}).get("bytes", 0) / 2**20
-        con.print(f"{meta['inputs']['files']} file(s), {mb:.1f} MB in {meta['seconds']:.1f} s: "
+        con.print(f"{meta['inputs']['files']} file(s), {mb:.1f} MiB in {meta['seconds']:.1f} s: "
                   f"{meta['tokens'] / max(meta['seconds'], 1e-9):,.0f} tokens/s")
 
 

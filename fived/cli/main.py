@@ -73,7 +73,12 @@ def run(cmd: str, fn: Callable[[list[str]], int | None], argv: list[str]) -> int
     try:
         return int(fn(argv) or 0)
     except ConfigError as e:
-        print(f"fived {cmd}: ConfigError: {e}", file=sys.stderr)
+        from ..ui.report import fold
+
+        lines = [f"fived {cmd}: ConfigError: invalid configuration "
+                 f"({len(e.problems)} problem(s)):"]
+        lines += [fold(f"  - {p}") for p in e.problems]
+        print("\n".join(lines), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -121,8 +121,8 @@ def checkpoint_inputs(model, train, given):
                                                and k != "model.seq_len"}:
             model = replace(model_of(man), seq_len=model.seq_len if "model.seq_len" in given
                             else model_of(man).seq_len)
-        check_resume_data(man, model, train, ckpt)
         check_compatible(man, param_shapes(model), model.is_moe, model=model)
+        check_resume_data(man, model, train, ckpt)
         train = replace(train, resume=str(ckpt))  # every rank loads this very step
     if train.save_dir and Path(train.save_dir).exists() and not Path(train.save_dir).is_dir():
         raise ConfigError([f"--save-dir {train.save_dir}: exists and is not a directory"])
@@ -244,9 +244,13 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         return dry_run(model, par, train, args, precision)
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
-        print(f"fived train: {precision} · {model.name} · {par.describe()} · {world} rank(s) · "
-              f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens"
-              + (f" · data {train.data} (vocab {model.vocab})" if train.data else ""), flush=True)
+        from ..ui.report import header
+
+        print(header([f"fived train: {precision}", model.name, par.describe(),
+                      f"{world} rank(s)", f"{train.steps} steps",
+                      f"global batch {train.global_batch}×{model.seq_len} tokens"]
+                     + ([f"data {train.data} (vocab {model.vocab})"] if train.data else [])),
+              flush=True)
         if train.resume:
             print(f"resuming from {train.resume} (any layout: fived.checkpoint, global names)",
                   flush=True)
@@ -347,10 +351,13 @@ def dry_run(model, par, train, args: argparse.Namespace, precision: str = "") ->
     from ..train.dryrun import parse_ranks
 
     ranks = parse_ranks(args.ranks, par)  # a ConfigError (exit 2) before torch is imported
-    print(f"fived train --dry-run: {precision or par.precision} · {model.name} · "
-          f"{par.describe()} · {par.world_size} rank(s) · "
-          f"global batch {train.global_batch}×{model.seq_len} tokens · "
-          f"ranks {','.join(map(str, ranks))} on fake {args.dry_run_device} tensors", flush=True)
+    from ..ui.report import header
+
+    print(header([f"fived train --dry-run: {precision or par.precision}", model.name,
+                  par.describe(), f"{par.world_size} rank(s)",
+                  f"global batch {train.global_batch}×{model.seq_len} tokens",
+                  f"ranks {','.join(map(str, ranks))} on fake {args.dry_run_device} tensors"]),
+          flush=True)
     t0 = time.perf_counter()
     from ..train.dryrun import dry_run as run
 

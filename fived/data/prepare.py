@@ -228,8 +228,8 @@ class Progress:
             return
         self.last = now
         dt = max(now - self.t0, 1e-9)
-        line = (f"{self.what}: {docs:,} documents, {tokens:,} tokens, {chars / 2**20:.1f} MB "
-                f"of text ({chars / 2**20 / dt:.1f} MB/s, {dt:.0f} s)")
+        line = (f"{self.what}: {docs:,} documents, {tokens:,} tokens, {chars / 2**20:.1f} MiB "
+                f"of text ({chars / 2**20 / dt:.1f} MiB/s, {dt:.0f} s)")
         self.stream.write(("\r" + line) if self.tty else line + "\n")
         self.stream.flush()
 

@@ -13,11 +13,10 @@ from rich.table import Table
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+    """``fived.ledger.memory.fmt_bytes``: binary units, as every command prints bytes."""
+    from ..ledger.memory import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 class LiveDisplay:

@@ -30,6 +30,30 @@ def fmt_b(n: float) -> str:
     return fmt_bytes(n)
 
 
+WIDTH = 80  # every plain line a command prints fits this (tables: ``table``; --wide is wider)
+
+
+def header(parts: list[str], width: int = WIDTH, sep: str = " · ") -> str:
+    """``parts`` joined by `` · `` in lines of at most ``width`` columns, broken only between
+    parts (never inside one); the lines after the first are indented by two spaces."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(part if not lines else "  " + part)
+    return "\n".join(lines)
+
+
+def fold(text: str, width: int = WIDTH, indent: str = "    ") -> str:
+    """One paragraph in lines of at most ``width`` columns, broken between words only (a word
+    longer than the line stays whole); the lines after the first are indented."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent=indent,
+                                   break_long_words=False, break_on_hyphens=False)) or text
+
+
 def fmt_n(n: float) -> str:
     for div, s in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if abs(n) >= div:
