@@ -213,7 +213,8 @@ def configs(args: argparse.Namespace) -> Resolved:
         shape += ", ..." if len(toml_shape) > len(keys) else ""
         raise ConfigError([f"--model {name} and --config {path}: the TOML's [model] section "
                            f"sets {model.name}'s shape ({shape}), which would be laid over "
-                           f"{name}'s; drop --model, or the TOML's [model] section"])
+                           f"{name}'s; drop --model, or write name = \"{name}\" in the TOML's "
+                           "[model] (its fields then override that preset)"])
     if name is not None and name != model.name:
         # a new preset, with the TOML's own [model] overrides kept on top of it
         model = preset(name)

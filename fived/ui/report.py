@@ -54,6 +54,19 @@ def fold(text: str, width: int = WIDTH, indent: str = "    ") -> str:
                                    break_long_words=False, break_on_hyphens=False)) or text
 
 
+def break_after(text: str, width: int, sep: str = "·") -> str:
+    """``text`` in lines of at most ``width`` columns, broken just after a ``sep`` (a layout
+    name such as tp8·pp16·dp64·v4·zero2 wraps between its parts, never inside one)."""
+    parts = text.split(sep)
+    lines = [""]
+    for i, part in enumerate(parts):
+        piece = part + (sep if i < len(parts) - 1 else "")
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines.append("")
+        lines[-1] += piece
+    return "\n".join(lines)
+
+
 def fmt_n(n: float) -> str:
     for div, s in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if abs(n) >= div:
