@@ -260,6 +260,9 @@ def main(argv: list[str]) -> int:
 
         warn_if_too_big(model, par, train,
                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env else world)
+    if not env:  # said before torch is imported here (seconds) and the ranks start (more)
+        print(f"spawning {world} local rank(s) on gloo (each starts Python and imports torch) "
+              "...", flush=True)
     from ..ranks.launch import RankFailure, run_local
     from ..train.metrics import MEASURE_PEAK
     from ..train.trainer import train_rank
@@ -272,7 +275,6 @@ def main(argv: list[str]) -> int:
 
         out = run_torchrun(train_rank, (model, par, train, True, peak), args.timeout)
         return end_status(out)
-    print(f"starting {world} local rank(s) on gloo ...", flush=True)
     from ..config import preempt_signal_names
 
     try:
@@ -314,9 +316,11 @@ def end_status(summary) -> int:
 def available_per_rank(local_ranks: int) -> tuple[float, str]:
     """(bytes one rank can have, what that is): a GPU's memory where torch sees one, else this
     machine's available memory (``MemAvailable``) shared by its ``local_ranks``."""
-    import torch
+    from ..ranks.launch import cuda_expected
 
-    if torch.cuda.is_available():
+    if cuda_expected():  # without importing torch where plainly no GPU is here (the cpu)
+        import torch
+
         return float(torch.cuda.get_device_properties(0).total_memory), "one GPU's memory"
     try:
         with open("/proc/meminfo") as f:
