@@ -57,7 +57,18 @@ class Parser(argparse.ArgumentParser):
             None, f"{name} {value}: not one of {shown}{did_you_mean(value, choices)}")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
-        ns, rest = self.parse_known_args(args, namespace)
+        argv = sys.argv[1:] if args is None else list(args)
+        if not any(isinstance(a, argparse._SubParsersAction) for a in self._actions):
+            # an unknown flag first: argparse would name a required one it then misses
+            # (`fived eval --form ck`: "--from is required", not "did you mean --from")
+            names = self.option_names()
+            for tok in argv:
+                if tok == "--":
+                    break
+                word = tok.split("=", 1)[0]
+                if word.startswith("--") and not any(n.startswith(word) for n in names):
+                    self.error(self.unknown([tok]))
+        ns, rest = self.parse_known_args(argv, namespace)
         if rest:
             self.error(self.unknown(rest))
         return ns
@@ -76,6 +87,10 @@ class Parser(argparse.ArgumentParser):
         return f"unknown flag {word}{more}{hint}"
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message}\n"
+        import textwrap
+
+        text = textwrap.wrap(f"{self.prog}: error: {message}", 80, subsequent_indent="  ",
+                             break_long_words=False, break_on_hyphens=False)
+        sys.stderr.write("\n".join(text) + "\n"
                          f"usage: {self.prog} [options]; `{self.prog} --help` lists them\n")
         raise SystemExit(2)
