@@ -96,8 +96,10 @@ def _dispatch(package: str, what: str, argv: list[str]) -> int:
     if argv[0] not in names:
         from ..ui.args import did_you_mean
 
-        print(f"fived {what}: no {what} named {argv[0]!r}{did_you_mean(argv[0], names)} "
-              f"(choose one of {', '.join(names)})", file=sys.stderr)
+        from ..ui.report import fold
+
+        print(fold(f"fived {what}: no {what} named {argv[0]!r}{did_you_mean(argv[0], names)} "
+                   f"(choose one of {', '.join(names)})", indent="  "), file=sys.stderr)
         return 2
     try:
         mod = importlib.import_module(f"{package}.{name}")

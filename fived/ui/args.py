@@ -53,8 +53,10 @@ class Parser(argparse.ArgumentParser):
         name = "/".join(action.option_strings) or ("command" if isinstance(
             action, argparse._SubParsersAction) else action.dest)
         shown = ", ".join(map(str, choices))
+        near = did_you_mean(value, choices).removeprefix("; ")
         raise argparse.ArgumentError(
-            None, f"{name} {value}: not one of {shown}{did_you_mean(value, choices)}")
+            None, f"{name} {value}: {near} (one of {shown})" if near
+            else f"{name} {value}: not one of {shown}")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
         argv = sys.argv[1:] if args is None else list(args)
