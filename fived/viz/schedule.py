@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from .. import schedules
 from ..config import ModelConfig, ParallelConfig, validate
-from ..parallel.pipeline import schedules
 from ..ui import flags
 from ..ui.args import Parser
 
