@@ -582,7 +582,7 @@ def _check_tp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int 
     if bad:
         ok = tp_choices(model, None, max(world or 1, 8))
         what = ", ".join(bad[:-1]) + (" and " if len(bad) > 1 else "") + bad[-1]
-        p.append(f"--tp {tp} ({world if world else '?'} rank(s)): {model.name}'s {what} "
+        p.append(f"--tp {tp}{f' ({world} rank(s))' if world else ''}: {model.name}'s {what} "
                  f"{'are' if len(bad) > 1 else 'is'} not divisible by {tp}; --tp can be "
                  f"{', '.join(map(str, ok[:-1]))}{' or ' if len(ok) > 1 else ''}{ok[-1]} "
                  f"for {model.name}")
