@@ -165,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     cfg = bench_config(args)
-    print(f"fived bench generate: {cfg.name} (hidden {cfg.hidden}, {cfg.layers} layers, vocab "
-          f"{cfg.vocab}) tp{args.tp}, batch {args.batch} × {args.prompt_len} prompt tokens, "
-          f"{args.new_tokens} new, {args.reps} reps vs transformers generate",
-          file=sys.stderr, flush=True)
+    from ..ui.report import fold
+
+    print(fold(f"fived bench generate: {cfg.name} (hidden {cfg.hidden}, {cfg.layers} layers, "
+               f"vocab {cfg.vocab}) tp{args.tp}, batch {args.batch} × {args.prompt_len} prompt "
+               f"tokens, {args.new_tokens} new, {args.reps} reps vs transformers generate",
+               indent="  "), file=sys.stderr, flush=True)
     import os
 
     import torch

@@ -352,9 +352,11 @@ def main(argv: list[str], kind: str, build: Callable, hidden: Callable[[list[dic
     ap = Parser(prog=f"fived bench {kind}", description=description)
     common_args(ap)
     args = flags.parse(ap, argv)
-    print(HEADER.format(name=kind, what=what, n=args.nprocs,
-                        model=f"h{args.hidden}·l{args.layers}·s{args.seq_len}", reps=args.reps,
-                        steps=args.steps), flush=True)
+    from ..ui.report import fold
+
+    print(fold(HEADER.format(name=kind, what=what, n=args.nprocs,
+                             model=f"h{args.hidden}·l{args.layers}·s{args.seq_len}",
+                             reps=args.reps, steps=args.steps), indent="  "), flush=True)
     from ..ranks.launch import run_local, threads_per_rank
 
     t0 = time.perf_counter()

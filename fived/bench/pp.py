@@ -159,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--schedules: no torch peer for {', '.join(sorted(unknown))}")
     from ..ranks.launch import run_local
+    from ..ui.report import fold
 
-    print(f"fived bench pp: {a.model} with {a.layers} layers, pp={a.pp}, m={a.micro_batches}, "
-          f"batch {a.global_batch}; "
-          f"fived vs torch.distributed.pipelining, median of {a.reps} reps", flush=True)
+    print(fold(f"fived bench pp: {a.model} with {a.layers} layers, pp={a.pp}, "
+               f"m={a.micro_batches}, batch {a.global_batch}; fived vs "
+               f"torch.distributed.pipelining, median of {a.reps} reps", indent="  "), flush=True)
     args = (a.model, a.layers, a.micro_batches, a.global_batch, a.reps, only)
     rows: Any = run_local(_rank, a.pp, args, timeout=600, collective_timeout=120)[0]
     from rich.console import Console

@@ -246,10 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fived bench tp: DTensor's ColwiseParallel cannot replicate kv heads; use --tp <= "
               f"{cfg.kv_heads} for {cfg.name}", file=sys.stderr)
         return 2
-    print(f"fived bench tp — {cfg.name} (h{cfg.hidden}, {cfg.layers} layers, seq {cfg.seq_len}), "
-          f"batch {args.batch}, tp={args.tp}, {args.reps} reps (+{args.warmup} warmup), "
-          f"fwd+bwd+clip+AdamW per step; fived (overlap {'off' if args.no_overlap else 'on'}) vs "
-          "DTensor parallelize_module (fused AdamW)", flush=True)
+    from ..ui.report import fold
+
+    print(fold(f"fived bench tp — {cfg.name} (h{cfg.hidden}, {cfg.layers} layers, seq "
+               f"{cfg.seq_len}), batch {args.batch}, tp={args.tp}, {args.reps} reps "
+               f"(+{args.warmup} warmup), fwd+bwd+clip+AdamW per step; fived (overlap "
+               f"{'off' if args.no_overlap else 'on'}) vs DTensor parallelize_module (fused "
+               "AdamW)", indent="  "), flush=True)
     t0 = time.perf_counter()
     out = run_local(_rank, args.tp, (cfg, args), timeout=600)
 

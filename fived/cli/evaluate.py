@@ -150,9 +150,12 @@ def main(argv: list[str]) -> int:
     say = sys.stderr if args.json else sys.stdout
     speak = not env or env[0] == 0
     if speak:
-        print(f"fived eval: {ckpt} (step {man['step']}) · {model.name} · {par.describe()} · "
-              f"{world} rank(s) · {batches} batch(es) of {train.global_batch}×{model.seq_len} "
-              f"tokens · --split {args.split} of {args.data}", file=say, flush=True)
+        from ..ui.report import header
+
+        print(header([f"fived eval: {ckpt} (step {man['step']})", model.name, par.describe(),
+                      f"{world} rank(s)", f"{batches} batch(es) of "
+                      f"{train.global_batch}×{model.seq_len} tokens",
+                      f"--split {args.split} of {args.data}"]), file=say, flush=True)
     from ..train.trainer import eval_rank
 
     rank_args = (model, par, train, str(ckpt), args.split, batches,
