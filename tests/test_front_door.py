@@ -245,3 +245,19 @@ def test_figures_schedule_out_folder(tmp_path):
     assert [p.name for p in made] == ["schedule-1f1b-p2-m4.png"], made
     assert f"figure: {made[0]}" in r.stdout
     assert not (tmp_path / "figs.png").exists()
+
+
+def test_a_bpe_tokenizer_exports_for_autotokenizer(tmp_path):
+    """A BPE trained by ``fived data prepare --train-bpe`` written as export writes it: the
+    same ids and EOS through transformers' AutoTokenizer as through fived's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from fived.data.tokenizer import hf_files, train_bpe
+
+    tok = train_bpe([f"def main_{i}(x):\n    return x * {i}\n" for i in range(200)], 300)
+    for name, text in hf_files(tok, 128).items():
+        (tmp_path / name).write_text(text)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    sample = "def main_7(x):\n    return x * 7\n"
+    assert hf(sample)["input_ids"] == tok.encode_batch([sample])[0]
+    assert hf.eos_token_id == tok.eos and hf.eos_token == "<|endoftext|>"
