@@ -21,6 +21,7 @@ stay free of torch.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -351,8 +352,6 @@ class TrainConfig:
 
 def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
-        from .ui.args import did_you_mean
-
         raise ConfigError([f"--model {name}: no such preset{did_you_mean(name, list(PRESETS))} "
                            f"(choose one of {', '.join(PRESETS)})"])
     return PRESETS[name]
@@ -378,6 +377,32 @@ def precision_of(par: ParallelConfig) -> str:
     """The layout's precision where no command resolved ``auto`` (the torch-free ledger's
     Python API, which knows no device): the CPU's, fp32, as ``fived train`` runs here."""
     return auto_precision(False) if par.precision == AUTO else par.precision
+
+
+# ---------------------------------------------------------------- near names
+def suggest(word: str, choices: list[str], n: int = 3) -> list[str]:
+    """The choices closest to ``word`` (difflib's ratio, at least 0.6; prefixes first)."""
+    choices = [str(c) for c in choices]
+    prefix = [c for c in choices if len(word.strip("-")) > 2 and c.startswith(word)]
+    close = difflib.get_close_matches(word, choices, n=n, cutoff=0.6)
+    if close:  # the best, and the others only when nearly as close
+        best = difflib.SequenceMatcher(None, word, close[0]).ratio()
+        close = [c for c in close if difflib.SequenceMatcher(None, word, c).ratio() >= best - 0.05]
+    return list(dict.fromkeys(prefix + close))[:n]
+
+
+def did_you_mean(word: str, choices: list[Any]) -> str:
+    """"; did you mean X?" (or "X or Y"), "" when nothing is close. Integer choices: the
+    nearest value (``--zero 4`` -> 3)."""
+    if choices and all(isinstance(c, int) and not isinstance(c, bool) for c in choices):
+        try:
+            v = int(word)
+        except (TypeError, ValueError):
+            return ""
+        near = min(choices, key=lambda c: (abs(c - v), c))
+        return f"; did you mean {near}?"
+    near = suggest(str(word), [str(c) for c in choices])
+    return f"; did you mean {' or '.join(near)}?" if near else ""
 
 
 # ---------------------------------------------------------------- the flag names

@@ -94,7 +94,7 @@ def _dispatch(package: str, what: str, argv: list[str]) -> int:
         return 0
     name = argv[0].replace("-", "_")
     if argv[0] not in names:
-        from ..ui.args import did_you_mean
+        from ..config import did_you_mean
         from ..ui.report import fold
 
         print(fold(f"fived {what}: no {what} named {argv[0]!r}{did_you_mean(argv[0], names)} "

@@ -152,8 +152,7 @@ def get(name: str, bench_json: str | None = None) -> Hardware:
     if name == "this-machine":
         return this_machine(bench_json)
     if name not in PRESETS:
-        from ..config import ConfigError
-        from ..ui.args import did_you_mean
+        from ..config import ConfigError, did_you_mean
 
         names = list(PRESETS) + ["this-machine"]
         raise ConfigError([f"--gpu {name}: no such GPU{did_you_mean(name, names)} "

@@ -9,34 +9,10 @@ argparse's own errors and ``ConfigError`` (``fived.cli.main``).
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from typing import Any, NoReturn
 
-
-def suggest(word: str, choices: list[str], n: int = 3) -> list[str]:
-    """The choices closest to ``word`` (difflib's ratio, at least 0.6; prefixes first)."""
-    choices = [str(c) for c in choices]
-    prefix = [c for c in choices if len(word.strip("-")) > 2 and c.startswith(word)]
-    close = difflib.get_close_matches(word, choices, n=n, cutoff=0.6)
-    if close:  # the best, and the others only when nearly as close
-        best = difflib.SequenceMatcher(None, word, close[0]).ratio()
-        close = [c for c in close if difflib.SequenceMatcher(None, word, c).ratio() >= best - 0.05]
-    return list(dict.fromkeys(prefix + close))[:n]
-
-
-def did_you_mean(word: str, choices: list[Any]) -> str:
-    """"; did you mean X?" (or "X or Y"), "" when nothing is close. Integer choices: the
-    nearest value (``--zero 4`` -> 3)."""
-    if choices and all(isinstance(c, int) and not isinstance(c, bool) for c in choices):
-        try:
-            v = int(word)
-        except (TypeError, ValueError):
-            return ""
-        near = min(choices, key=lambda c: (abs(c - v), c))
-        return f"; did you mean {near}?"
-    near = suggest(str(word), [str(c) for c in choices])
-    return f"; did you mean {' or '.join(near)}?" if near else ""
+from ..config import did_you_mean, suggest
 
 
 class Parser(argparse.ArgumentParser):
