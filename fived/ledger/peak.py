@@ -74,6 +74,7 @@ from .memory import (
     schedule_actions,
     stage_activation_bytes,
     stage_extra_activations,
+    zero_moments,
 )
 from .params import block_params, layer_kinds, rank_stages, stage_layers
 
@@ -154,6 +155,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     sp = par.sequence_parallel and par.tp > 1
     cb = comm_buffers(m, par, micro_batch, pp_rank)
     zero = cb.get("zero_full_grads", 0.0) + cb.get("zero3_gather", 0.0)
+    moments = zero_moments(m, par, pp_rank) if zero else None
     inflight = {k: cb[k] for k in ("sp_gather", "cp_ring", "ep_a2a") if k in cb}
     recompute = 0.0
     if par.recompute == "full":
@@ -169,8 +171,16 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             live[s] += 1
             saved += per[s]
         t: dict[str, float] = dict(inflight) if kind in ("F", "B") else {}
-        if kind == "F" and par.zero == 3:
-            t["zero_buffers"] = cb.get("zero3_gather", 0.0)
+        nth = 0 if mb == 0 else (-1 if mb == par.micro_batches - 1 else 1)
+        if kind == "F" and zero:  # the loss's moment: the root gathered (ZeRO-3), the
+            # gradient buffers of the earlier micro-batches held
+            if moments is not None and moments[2]:
+                t["zero_buffers"] = float(moments[2][min(nth, len(moments[2]) - 1)
+                                                     if nth >= 0 else -1])
+            elif moments is not None and mb > 0:
+                t["zero_buffers"] = cb.get("zero_full_grads", 0.0)
+            else:
+                t["zero_buffers"] = cb.get("zero3_gather", 0.0) if mb == 0 else zero
         if kind == "B":
             last = s == n_stages - 1
             block = block_backward_bytes(m, par, micro_batch) if stage_layers(m, par)[s] else 0
@@ -188,8 +198,21 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 t["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
             if recompute:
                 t["recompute_block"] = recompute
-            if zero:
-                t["zero_buffers"] = zero
+            if zero:  # the first gradient's moment, or the buffers' peak once this
+                # micro-batch's activations are released, whichever is more
+                start = zero
+                if moments is not None:
+                    starts = moments[0]
+                    start = float(starts[min(nth, len(starts) - 1) if nth >= 0 else -1])
+                end = saved - per[s] + zero
+                if end > saved + sum(t.values()) + start:
+                    out.append(Phase(f"{kind} {mb} {s}", kept, saved - per[s],
+                                     {"zero_buffers": zero}))
+                    if kind == free:
+                        live[s] -= 1
+                        saved -= per[s]
+                    continue
+                t["zero_buffers"] = start
         out.append(Phase(f"{kind} {mb} {s}", kept, saved, t))
         if kind == free:
             live[s] -= 1
@@ -201,7 +224,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         after["tp_last_input"] = tokens * m.hidden * e / (par.tp if sp else 1)
         if sp:
             after["sp_gather"] = inflight["sp_gather"]
-    out.append(Phase("reduce", kept, 0.0, {**after, "zero_buffers": zero} if zero else after))
+    end = float(moments[1]) if moments is not None else zero
+    out.append(Phase("reduce", kept, 0.0, {**after, "zero_buffers": end} if zero else after))
     out.append(Phase("clip", kept, 0.0, {**after, "clip": clip_bytes(m, par, pp_rank)}))
     opt = dict(after)
     if grad_bytes(par) != 4:
