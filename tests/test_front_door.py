@@ -261,3 +261,60 @@ def test_a_bpe_tokenizer_exports_for_autotokenizer(tmp_path):
     sample = "def main_7(x):\n    return x * 7\n"
     assert hf(sample)["input_ids"] == tok.encode_batch([sample])[0]
     assert hf.eos_token_id == tok.eos and hf.eos_token == "<|endoftext|>"
+
+
+# ------------------------------------------------------------------ units and width
+def test_bytes_are_binary_everywhere():
+    """One formatter: the ledger's, the trainer's table and inspect's print the same text for
+    the same bytes (issue 45: 457.18 MiB in train, 479.38 MB in inspect)."""
+    from fived.ledger.memory import fmt_bytes
+    from fived.train.metrics import human_bytes
+    from fived.ui.report import fmt_b
+
+    n = 479_380_000
+    assert fmt_bytes(n) == human_bytes(n) == fmt_b(n) == "457.17 MiB"
+    assert [fmt_bytes(x) for x in (0, 1023, 1024, 3 * 2**30, 5 * 2**40)] == [
+        "0 B", "1023 B", "1.00 KiB", "3.00 GiB", "5.00 TiB"]
+
+
+def test_ledger_validate_fits_80_columns_and_breaks_layouts_between_parts(capsys):
+    """Every line within 80 columns; a layout that wraps breaks just after a "·" (issue 45:
+    "rc-ful" / "l"). Mutation: the layout column with rich's fold wraps inside a part."""
+    from fived.cli.main import main
+
+    assert main(["ledger", "--validate"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(len(x) for x in lines) <= 80, [x for x in lines if len(x) > 80]
+    head = next(x for x in lines if "layout" in x and "pub" in x)
+    a, b = head.index("layout"), head.index("pub") - 1
+    cells: list[list[str]] = []
+    for x in lines[lines.index(head) + 2:]:
+        if not x.strip() or x.startswith("median"):
+            break
+        cell = x[a:b].strip()
+        if x[:a].strip():
+            cells.append([cell])
+        elif cell:
+            cells[-1].append(cell)
+    assert len(cells) >= 20
+    wrapped = [c for c in cells if len(c) > 1]
+    assert wrapped, "no layout wraps at 80 columns: the check checks nothing"
+    for c in wrapped:
+        assert all(piece.endswith("·") for piece in c[:-1]), c
+
+
+def test_train_says_what_it_does_before_step_1(capfd):
+    """Between the first line and step 1: spawning, the ranks up and building, built, the
+    peak being measured (each printed as it starts, by the parent or rank 0).
+
+    Time: a 1-rank, 1-step training from the pool, ~5 s on quiet cores (40 s loaded, when
+    this test starts the pool)."""
+    r = run_cli("train", "--nprocs", "1", "--steps", "1", "--global-batch", "1")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + capfd.readouterr().out
+    said = ["fived train:", "spawning 1 local rank(s)", "1 rank(s) up; building tiny",
+            "built in", "measuring the matmul peak", "matmul peak", "step 1/1"]
+    at = [out.find(s) for s in said]
+    assert all(i >= 0 for i in at) and at == sorted(at), list(zip(said, at))
+    assert all(len(x) <= 80 for x in r.stdout.splitlines()), r.stdout
