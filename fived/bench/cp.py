@@ -121,7 +121,7 @@ def _imbalance(flops: list[float]) -> str:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = Parser(prog="fived bench cp", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_flag(ap, "cp", default=4, help="context-parallel ranks (local gloo processes)")
     ap.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     ap.add_argument("--seq", type=int, default=2048, help="full sequence length")

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..config import ConfigError, ParallelConfig, TrainConfig, preset, validate
 
     ap = Parser(prog="fived bench ep", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_flag(ap, "model", default="tiny-moe", help="a MoE preset")
     ap.add_argument("--eps", default="1,2,4", help="ep degrees to compare (default 1,2,4)")
     flags.add_flag(ap, "steps", default=6, help="optimizer steps per layout")

@@ -29,10 +29,10 @@ from . import schema
 
 def parser() -> argparse.ArgumentParser:
     ap = Parser(prog="fived bench generate", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="example:\n  fived bench generate --model small --tp 2 "
-                                 "--reps 5\n  fived bench generate --hidden 1024 --layers 24 "
-                                 "--heads 16 --kv-heads 8 --ffn 2816 --vocab 32000 --seq-len 256")
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="example:\n  fived bench generate --model small --tp 2 "
+                "--reps 5\n  fived bench generate --hidden 1024 --layers 24 "
+                "--heads 16 --kv-heads 8 --ffn 2816 --vocab 32000 --seq-len 256")
     ap.add_argument("--model", default="small", metavar="PRESET",
                     help="the model preset the shape starts from (default: small)")
     for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq_len"):

@@ -390,7 +390,7 @@ RUN = {"masters": (masters, masters_rows), "moments": (moments, moments_rows),
 
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="fived bench numerics", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=EXPERIMENTS)
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")

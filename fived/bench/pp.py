@@ -136,7 +136,7 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
 @schema.json_stdout
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="fived bench pp", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_flag(ap, "pp", default=4, help="pipeline ranks (local gloo processes)")
     flags.add_flag(ap, "micro_batches", default=8,
                    help="micro-batches per step (interleaved needs a multiple of pp)")

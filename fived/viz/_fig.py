@@ -123,7 +123,7 @@ def part_main(part: str, build: Callable, doc: str | None) -> Callable[[list[str
         import sys
 
         ap = Parser(prog=f"fived figures {part}", description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
         add_args(ap)
         a = ap.parse_args(sys.argv[1:] if argv is None else argv)
         print(f"fived figures {part}: writing to {a.out}/" + (" (quick)" if a.quick else ""),

@@ -197,7 +197,7 @@ def draw_measured(d: dict[str, Any], f: Any) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = Parser(prog="fived report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="report", metavar="DIR",
                     help="folder for index.html and the figure files (default ./report)")
     ap.add_argument("--from", dest="src", default=None, metavar="FIGDIR",

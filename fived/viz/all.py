@@ -78,7 +78,7 @@ def parse_parts(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="fived figures all", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)
     ap.add_argument("--parts", default="", help=f"comma list, a subset of {','.join(PARTS)}")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)

@@ -84,7 +84,7 @@ def out_path(out: str, name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="fived figures schedule", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_flag(ap, "schedule", default="1f1b",
                    help=f"the schedule to draw ({', '.join(schedules.NAMES)})")
     flags.add_flag(ap, "pp", default=4, help="pipeline ranks (one row each)")
