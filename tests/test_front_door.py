@@ -86,6 +86,8 @@ MISTYPES = [
     ("generate --from {ck} --temprature 0", "did you mean --temperature?"),
     ("checkpoint inspekt {ck}", "did you mean inspect?"),
     ("data prepar {file}", "did you mean prepare?"),
+    ("data prepare {file} --outt {tmp}/x", "unknown flag --outt; did you mean --out?"),
+    ("checkpoint inspect {ck} --fils", "unknown flag --fils; did you mean --files?"),
     ("bench comms", "no bench named 'comms'; did you mean comm?"),
     ("figures scheduel", "no figures named 'scheduel'; did you mean schedule?"),
     ("train --model llama-7b", "--model llama-7b: no such preset; did you mean llama2-7b?"),

@@ -36,22 +36,27 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
         argv = sys.argv[1:] if args is None else list(args)
-        if not any(isinstance(a, argparse._SubParsersAction) for a in self._actions):
-            # an unknown flag first: argparse would name a required one it then misses
-            # (`fived eval --form ck`: "--from is required", not "did you mean --from")
-            names = self.option_names()
+        # an unknown flag first: argparse would name a required one it then misses
+        # (`fived eval --form ck`: "--from is required", not "did you mean --from"); under a
+        # subcommand (`fived data prepare`), with that subcommand's flags
+        names = self.option_names()
+        subs = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = next((t for t in argv if subs and t in subs[0].choices), None)
+        if not subs or chosen is not None:
+            if chosen is not None:
+                names += subs[0].choices[chosen].option_names()
             for tok in argv:
                 if tok == "--":
                     break
                 word = tok.split("=", 1)[0]
                 if word.startswith("--") and not any(n.startswith(word) for n in names):
-                    self.error(self.unknown([tok]))
+                    self.error(self.unknown([tok], names))
         ns, rest = self.parse_known_args(argv, namespace)
         if rest:
             self.error(self.unknown(rest))
         return ns
 
-    def unknown(self, rest: list[str]) -> str:
+    def unknown(self, rest: list[str], names: list[str] | None = None) -> str:
         """"unknown flag --stpes; did you mean --steps?" for the first unknown flag (or stray
         value)."""
         flags = [r for r in rest if r.startswith("-")]
@@ -59,7 +64,7 @@ class Parser(argparse.ArgumentParser):
             return (f"unexpected argument(s) {' '.join(rest)} (a value without its flag, or one "
                     "too many)")
         word = flags[0].split("=", 1)[0]
-        near = suggest(word, self.option_names())
+        near = suggest(word, names if names is not None else self.option_names())
         more = f" (and {' '.join(flags[1:])})" if len(flags) > 1 else ""
         hint = f"; did you mean {' or '.join(near)}?" if near else ""
         return f"unknown flag {word}{more}{hint}"
