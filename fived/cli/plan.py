@@ -256,14 +256,14 @@ def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
     con.print("[bold]why the best one wins[/]")
     report.bullets(con, res_.reasons)
     con.print("run the ledger of the winner:")
-    con.print(f"  fived ledger --model {m.name} --gpus {gpus} --gpu {args.gpu} "
+    con.print(report.shell(f"fived ledger --model {m.name} --gpus {gpus} --gpu {args.gpu} "
               + (f"--gpus-per-node {gpn} " if args.gpus_per_node else "") + _flags(top[0])
               + (f" --seq-len {m.seq_len}" if "model.seq_len" in res.given else "")
               + (f" --precision {par.precision}" if "parallel.precision" in res.given else "")
               + (f" --grad-reduce-dtype {par.grad_reduce_dtype}"
                  if par.grad_reduce_dtype != "fp32" else "")
-              + (f" --optimizer {top[0].optimizer}" if top[0].optimizer != "adamw" else ""),
-              soft_wrap=True, markup=False)
+              + (f" --optimizer {top[0].optimizer}" if top[0].optimizer != "adamw" else "")),
+              soft_wrap=True, markup=False)  # 80 columns, continued with \ (issue 45)
     return 0
 
 

@@ -67,6 +67,24 @@ def break_after(text: str, width: int, sep: str = "·") -> str:
     return "\n".join(lines)
 
 
+def shell(cmd: str, width: int = WIDTH, indent: str = "  ") -> str:
+    """A command line in lines of at most ``width`` columns, continued with `` \\`` between a
+    flag and the next (a flag keeps its value), so it still pastes into a shell."""
+    words, groups = cmd.split(), []
+    for w in words:
+        if groups and not w.startswith("-") and groups[-1].startswith("-") \
+                and " " not in groups[-1]:
+            groups[-1] += " " + w
+        else:
+            groups.append(w)
+    lines = [indent]
+    for g in groups:
+        if lines[-1].strip() and len(lines[-1]) + 1 + len(g) + 2 > width:
+            lines.append(indent + "    ")
+        lines[-1] += ("" if not lines[-1].strip() else " ") + g
+    return " \\\n".join(lines)
+
+
 def fmt_n(n: float) -> str:
     for div, s in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if abs(n) >= div:
