@@ -242,6 +242,9 @@ def main(argv: list[str]) -> int:
             raise ConfigError([f"--tensorboard {train.tensorboard}: {str(ancestor)!r} is a file, "
                                "not a directory"])
     if args.dry_run:
+        if train.memory_trace:
+            raise ConfigError(["--memory-trace with --dry-run: the dry run always traces "
+                               "(its metrics hold peak_per_rank); drop --memory-trace"])
         return dry_run(model, par, train, args, precision)
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
         from ..ui.report import header
