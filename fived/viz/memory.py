@@ -345,13 +345,14 @@ def parser() -> argparse.ArgumentParser:
 
 def resolve(a: argparse.Namespace) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     """The layout the flags give, as ``fived train --dry-run`` would run it."""
-    from ..cli.train import train_precision
-    from ..config import fill_dp, validate
+    from ..config import fill_dp, resolve_precision, validate
+    from ..ranks.launch import cuda_expected
     from ..ui import flags
 
     res = flags.configs(a)
     par, world = fill_dp(res.par, res.dp_given, None)
-    par, _ = train_precision(par)
+    gpu = cuda_expected()  # --precision auto as fived train resolves it
+    par, _ = resolve_precision(par, gpu, "cuda" if gpu else "cpu")
     train = res.train
     validate(res.model, par, train, world)
     if a.rank is not None and not 0 <= a.rank < par.world_size:
