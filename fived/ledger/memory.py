@@ -908,14 +908,13 @@ def states_floor(m: ModelConfig, par: ParallelConfig, optimizer: str = "adamw") 
 
 
 def fmt_bytes(n: float) -> str:
-    if n >= 1e12:
-        return f"{n / 1e12:.2f} TB"
-    if n >= 1e9:
-        return f"{n / 1e9:.2f} GB"
-    if n >= 1e6:
-        return f"{n / 1e6:.2f} MB"
-    if n >= 1e3:
-        return f"{n / 1e3:.1f} kB"
-    return f"{n:.0f} B"
+    """Bytes in binary units, the one system of every command (docs/cli.md): B, KiB, MiB, GiB,
+    TiB (powers of 1024), two decimals."""
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(v) < 1024:
+            return f"{v:.0f} B" if unit == "B" else f"{v:.2f} {unit}"
+        v /= 1024
+    return f"{v:.2f} TiB"
 
 
