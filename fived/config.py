@@ -315,6 +315,11 @@ class TrainConfig:
     data: str = spec("", "train on a prepared data directory (`fived data prepare`); the model "
                          "vocab becomes its tokenizer's, padded to a multiple of 128",
                      metavar="DIR", shown="the built-in corpus")
+    doc_mask: bool = spec(False, "attend only within each document of a packed window (needs "
+                                 "--data: the built-in corpus has no documents)")
+    doc_positions: str = spec("continue", "RoPE positions with --doc-mask: continue (the "
+                                          "window's, as torchtitan) or reset at each document",
+                              choices=("continue", "reset"))
     eval_every: int = spec(0, "validation loss and perplexity every N steps and after the last "
                               "(0: never; needs --data)", ge=0)
     eval_batches: int = spec(4, "global batches of the validation split per evaluation", ge=1)

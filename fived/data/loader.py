@@ -40,7 +40,7 @@ from .shards import DataDir
 class Loader:
     def __init__(self, data: DataDir | str, split: str, seq_len: int, batch: int, seed: int,
                  replica: int = 0, replicas: int = 1, shuffle: bool = True, prefetch: int = 2,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, documents: bool = False):
         self.data = data if isinstance(data, DataDir) else DataDir(data)
         self.split, self.seq_len, self.batch_size, self.seed = split, seq_len, batch, seed
         self.replica, self.replicas, self.shuffle = replica, replicas, shuffle
@@ -52,6 +52,8 @@ class Loader:
         if self.windows < 1:
             raise ValueError(f"{split}: {len(self.tokens)} tokens hold no sequence of "
                              f"{seq_len + 1}")
+        # --doc-mask: the split's document offsets (already on disk: no pass over the tokens)
+        self.offsets = self.data.documents(split) if documents else None
         self.prefetch = max(1, prefetch)
         self.device = torch.device(device) if device is not None else None
         self._perms: dict[int, np.ndarray] = {}
@@ -86,14 +88,21 @@ class Loader:
     def local_rows(self) -> slice:
         return slice(self.replica * self.per, (self.replica + 1) * self.per)
 
-    def read(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, targets), each (len(ids), seq_len) int64, of the windows ``ids``."""
+    def read(self, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """(tokens, targets), each (len(ids), seq_len) int64, of the windows ``ids``; with
+        ``documents`` also each input token's document number (the index of the document in
+        the split, from the ``.idx.npy`` offsets: a document's EOS is its last token)."""
         L = self.seq_len
         seqs = np.empty((len(ids), L + 1), dtype=np.int64)
         for r, k in enumerate(ids.tolist()):
             seqs[r] = self.tokens[k * L:k * L + L + 1]
         t = torch.from_numpy(seqs)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        if self.offsets is None:
+            return x, y
+        starts = np.asarray(ids, dtype=np.int64)[:, None] * L + np.arange(L, dtype=np.int64)
+        docs = np.searchsorted(self.offsets, starts, side="right") - 1
+        return x, y, torch.from_numpy(docs.astype(np.int64))
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(self.sequence_ids(step))
@@ -103,7 +112,7 @@ class Loader:
         return self.read(self.sequence_ids(step, self.local_rows()))
 
     # ------------------------------------------------------------------ prefetch
-    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, step: int) -> tuple[torch.Tensor, ...]:
         """``batch(step)`` from the prefetch thread, on ``device``."""
         if self._thread is None or step != self._next:
             self._start(step)
@@ -115,10 +124,9 @@ class Loader:
         self._next = step + 1
         if isinstance(item, BaseException):
             raise item
-        x, y = item
         if self.device is not None and self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        return x, y
+            item = tuple(t.to(self.device, non_blocking=True) for t in item)
+        return item
 
     def _start(self, step: int) -> None:
         self.close()

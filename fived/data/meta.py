@@ -66,6 +66,9 @@ def model_for_data(model: ModelConfig, data: str, vocab_given: bool = False) -> 
 def check_data_run(model: ModelConfig, seq_len: int, train: Any) -> dict[str, Any] | None:
     """Everything a ``--data`` run needs of its directory, before a rank starts."""
     if not train.data:
+        if getattr(train, "doc_mask", False):
+            raise ConfigError(["--doc-mask needs --data DIR (the built-in corpus is one stream "
+                               "of files with no document boundaries)"])
         if train.eval_every:
             raise ConfigError(["--eval-every needs --data DIR (the built-in corpus has no "
                                "validation split)"])

@@ -31,6 +31,7 @@ from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..model import build_model
+from ..model.documents import Documents, micro_positions, reset_positions
 from ..model.init import InitSource
 from ..model.moe import materialize_route_bias, moe_layers, set_aux_grad_scale
 from ..optim import lr_at
@@ -117,7 +118,7 @@ class Trainer:
             raise ConfigError([f"--data {t.data}: the tokenizer has {data.vocab} symbols but "
                                f"the model's vocab is {self.cfg.vocab}"])
         kw = dict(seq_len=self.cfg.seq_len, batch=t.global_batch, seed=t.seed, replica=b.rank,
-                  replicas=b.size, device=self.device)
+                  replicas=b.size, device=self.device, documents=t.doc_mask)
         if eval_split:
             self.eval_loader = Loader(data, eval_split, shuffle=False, prefetch=t.prefetch, **kw)
         else:
@@ -162,18 +163,23 @@ class Trainer:
     def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = self.grid["batch"]
         if self.loader is not None:
-            x, y = self.loader.get(step)
-        else:
-            x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch, self.cfg.seq_len,
-                                 b.rank, b.size, self.tcfg.corpus_mb)
+            return self.shard(*self.loader.get(step))
+        x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch,
+                                        self.cfg.seq_len, b.rank, b.size, self.tcfg.corpus_mb)
         return self.shard(x, y)
 
-    def shard(self, x: torch.Tensor, y: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's part of its batch rows: the cp sequence shard and its positions."""
+    def shard(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """This rank's part of its batch rows: the cp sequence shard and its positions; with
+        document ids (--doc-mask) the positions are a ``Documents`` (per-row RoPE positions of
+        the shard, the whole rows' ids: ``fived.model.documents``)."""
         positions = torch.arange(self.cfg.seq_len)
         if self.par.cp > 1:
             x, y, positions = shard_batch(x, y, self.grid)
+        if docs is not None:
+            rows = (reset_positions(docs) if self.tcfg.doc_positions == "reset"
+                    else torch.arange(self.cfg.seq_len).expand_as(docs))
+            positions = Documents(rows[:, positions.to(rows.device)].contiguous(), docs)
         dev = self.device
         return x.to(dev), y.to(dev), positions.to(dev)
 
@@ -183,9 +189,10 @@ class Trainer:
             return self.executor.run(x, y, positions, scale, self.engine)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         m = self.par.micro_batches
+        ps = micro_positions(positions, m)
         for k, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
             self.engine.set_last_micro(k == m - 1)
-            loss = self.stage(xm, positions, ym)
+            loss = self.stage(xm, ps[k], ym)
             (loss * scale).backward()
             total += loss.detach().float()
         return total
@@ -236,8 +243,8 @@ class Trainer:
             return self.executor.run_forward(x, y, positions, self.engine)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         m = self.par.micro_batches
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            total += self.stage(xm, positions, ym).float()
+        for xm, ym, pm in zip(x.chunk(m), y.chunk(m), micro_positions(positions, m)):
+            total += self.stage(xm, pm, ym).float()
         return total
 
     def evaluate(self, batches: int = 0, on_batch: Any = None) -> dict[str, float]:
