@@ -66,4 +66,4 @@ def unpacked_reference(model_cfg, train, reset: bool) -> dict[str, Any]:
     tokens = train.global_batch * model_cfg.seq_len
     (total / tokens).backward()
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-    return {"loss": float(total) / tokens, "grads": grads, "documents": n_docs}
+    return {"loss": float(total.detach()) / tokens, "grads": grads, "documents": n_docs}
