@@ -73,16 +73,38 @@ LAYOUTS = [ParallelConfig(tp=2, sequence_parallel=True), ParallelConfig(cp=2),
 
 
 def test_world2_layouts_equal_documents_run_unpacked(setup):
-    """tp2+SP, cp2 ring, cp2 Ulysses, pp2 (two micro-batches) in one pool call.
+    """tp2+SP, cp2 ring, cp2 Ulysses, pp2 (two micro-batches), and cp2 ring sharded by
+    ``--cp-balance ptrr``, in one pool call.
 
-    Time: four world-2 layouts in one pool call: 11 s on a quiet machine, 61 s under load."""
+    Time: five world-2 layouts in one pool call: 11 s on a quiet machine, 61 s under load."""
     model, train, ref = setup
-    for p in LAYOUTS:
-        validate(model, p, train, 2)
-    outs = train_runs([(model, p, train) for p in LAYOUTS], timeout=600)
+    runs = [(model, p, train) for p in LAYOUTS]
+    runs.append((model, ParallelConfig(cp=2), replace(train, cp_balance="ptrr")))
+    for _, p, t in runs:
+        validate(model, p, t, 2)
+    outs = train_runs(runs, timeout=600)
     val = val_of(one_rank(model, train))
-    for p, out in zip(LAYOUTS, outs):
-        check_unpacked(out, ref, p.describe(), val)
+    for (_, p, t), out in zip(runs, outs):
+        check_unpacked(out, ref, f"{p.describe()} {p.cp_mode} {t.cp_balance}", val)
+
+
+def test_ptrr_deals_blocks_as_the_torch_free_rule():
+    """The runtime's ``ptrr_chunks`` and the ledger's ``token_ranks`` agree token for token,
+    every rank holds S/cp tokens, and the balance beats zigzag's on a skewed row."""
+    from fived.ledger.context import rank_work, token_ranks
+    from fived.parallel.context import balanced_positions
+
+    lengths = [5, 3, 40, 2, 1, 60, 17, 100]  # 228 tokens: cut to 224 = 8·cp·14
+    lengths[-1] -= 4
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    n = 2
+    want = token_ranks(lengths, n, "ptrr")
+    for r in range(n):
+        pos = balanced_positions(docs, n, r)[0].tolist()
+        assert len(pos) == 224 // n and all(want[t] == r for t in pos)
+    ptrr = rank_work(lengths, want, n)
+    zig = rank_work(lengths, token_ranks(lengths, n, "zigzag"), n)
+    assert max(ptrr) / min(ptrr) < max(zig) / min(zig)
 
 
 def test_3d_layout_equals_documents_run_unpacked(setup):
@@ -124,11 +146,12 @@ def test_ring_plan_skips_pairs_wholly_in_other_documents():
     from fived.parallel.context import doc_plan
 
     c = 4  # cp2 zigzag: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    r0, r1 = torch.tensor([[0, 3]]), torch.tensor([[1, 2]])
     one_doc = torch.zeros(1, 16, dtype=torch.long)
     per_chunk = torch.arange(16).div(4, rounding_mode="floor")[None]  # a document per chunk
-    assert len(doc_plan((0, 3), (0, 3), c, one_doc)) == 3  # 0-0, 3-0, 3-3: causal pairs
-    assert [j for _, j, _ in doc_plan((0, 3), (0, 3), c, per_chunk)] == [0, 1]  # diagonals
-    assert [j for _, j, _ in doc_plan((0, 3), (1, 2), c, per_chunk)] == []  # all skipped
+    assert len(doc_plan(r0, r0, c, one_doc)) == 3  # 0-0, 3-0, 3-3: the causal pairs
+    assert [j for _, j, _ in doc_plan(r0, r0, c, per_chunk)] == [0, 1]  # the diagonals
+    assert [j for _, j, _ in doc_plan(r0, r1, c, per_chunk)] == []  # all skipped
 
 
 def test_loader_ids_follow_the_offsets(data_dir):

@@ -76,6 +76,9 @@ def check_data_run(model: ModelConfig, seq_len: int, train: Any) -> dict[str, An
     meta = read_meta(train.data)
     n = int(meta["vocab"])
     problems = []
+    if getattr(train, "cp_balance", "zigzag") != "zigzag" and not train.doc_mask:
+        problems.append(f"--cp-balance {train.cp_balance} needs --doc-mask (without documents "
+                        "zigzag is balanced)")
     if model.vocab < n:
         problems.append(f"--data {train.data}: the tokenizer has {n} symbols but the model's "
                         f"vocab is {model.vocab}; use a model vocab >= {n}")

@@ -213,28 +213,73 @@ def _masked_backward(q, k, v, mask, lse, do, delta, scale):
     return dq, dk, dv
 
 
-def doc_plan(q_chunks, kv_chunks, c: int, docs: torch.Tensor
+def doc_plan(q_chunks: torch.Tensor, kv_chunks: torch.Tensor, c: int, docs: torch.Tensor
              ) -> list[tuple[slice, int, torch.Tensor]]:
     """The chunk pairs of the local q chunks against one K/V block that document masks leave
-    anything in: (q rows, kv local chunk index, mask (b, c, c)). A pair whose K/V chunk is
-    later, or wholly in other documents than every query of the chunk, is skipped — never
-    computed. ``docs``: the ids of the whole rows (b, S)."""
+    anything in: (q rows, kv local chunk index, mask (b, c, c)). ``q_chunks``/``kv_chunks``:
+    (b, k) global chunk ids of the two ranks' local chunks, per row (zigzag: the same for
+    every row; ``ptrr``: each row's own). A pair is skipped — never computed — when, in every
+    row, its K/V chunk is later than the query chunk or wholly in other documents.
+    ``docs``: the ids of the whole rows (b, S)."""
     out = []
     ar = torch.arange(c, device=docs.device)
-    for a, qc in enumerate(q_chunks):
-        for j, kc in enumerate(kv_chunks):
-            if kc > qc:
+    for a in range(q_chunks.shape[1]):
+        qpos = q_chunks[:, a, None] * c + ar  # (b, c) global positions
+        qd = docs.gather(1, qpos)
+        for j in range(kv_chunks.shape[1]):
+            kpos = kv_chunks[:, j, None] * c + ar
+            live = kv_chunks[:, j] <= q_chunks[:, a]
+            if not bool(live.any()):
                 continue
-            qd, kd = docs[:, qc * c:(qc + 1) * c], docs[:, kc * c:(kc + 1) * c]
-            # documents are contiguous: the chunks share one iff their id ranges overlap
-            if bool(((qd[:, 0] > kd[:, -1]) | (qd[:, -1] < kd[:, 0])).all()):
+            kd = docs.gather(1, kpos)
+            # documents are contiguous: two chunks share one iff their id ranges overlap
+            live &= (qd[:, 0] <= kd[:, -1]) & (qd[:, -1] >= kd[:, 0])
+            if not bool(live.any()):
                 continue
-            mask = qd[:, :, None] == kd[:, None, :]
-            if kc == qc:
-                mask = mask & (ar[:, None] >= ar[None, :])[None]
-            if bool(mask.any()):
-                out.append((slice(a * c, (a + 1) * c), j, mask))
+            mask = ((qd[:, :, None] == kd[:, None, :]) & (qpos[:, :, None] >= kpos[:, None, :])
+                    & live[:, None, None])
+            out.append((slice(a * c, (a + 1) * c), j, mask))
     return out
+
+
+BALANCERS = ("zigzag", "ptrr")
+PTRR_CHUNKS = 8  # chunks per cp rank under ``ptrr`` (blocks of S/(8·cp) tokens)
+
+
+def ptrr_chunks(docs: torch.Tensor, n: int) -> torch.Tensor:
+    """torch's processing-time round robin (``_PTRRLoadBalancer``), per row: the row cut into
+    8·n blocks, each block's work (Σ over its queries of the keys their document lets them
+    see) computed, the blocks sorted by work (descending, ties in order) and dealt to the ranks
+    in snake order 0..n−1, n−1..0, ...; (b, n, 8) chunk ids, each rank's ascending.
+    ``fived.ledger.context.token_ranks(..., "ptrr")`` is the same rule, torch-free."""
+    from ..model.documents import reset_positions
+
+    b, S = docs.shape
+    nb = PTRR_CHUNKS * n
+    work = (reset_positions(docs) + 1).view(b, nb, S // nb).sum(-1)
+    order = torch.sort(work, dim=1, descending=True, stable=True).indices
+    k = torch.arange(nb, device=docs.device)
+    lap, pos = k // n, k % n
+    owner = torch.where(lap % 2 == 0, pos, n - 1 - pos)  # rank of sorted slot k
+    out = torch.empty(b, n, PTRR_CHUNKS, dtype=torch.long, device=docs.device)
+    for r in range(n):
+        out[:, r] = order[:, owner == r].sort(dim=1).values
+    return out
+
+
+def rank_chunks(docs: torch.Tensor, n: int, layout: str, balance: str) -> torch.Tensor:
+    """(b, n, k) global chunk ids of every cp rank's local chunks, per row."""
+    if balance == "ptrr":
+        return ptrr_chunks(docs, n)
+    ids = torch.tensor([chunk_ids(r, n, layout) for r in range(n)], device=docs.device)
+    return ids.expand(docs.shape[0], n, 2)
+
+
+def balanced_positions(docs: torch.Tensor, n: int, rank: int) -> torch.Tensor:
+    """``ptrr``: the global positions (b, S/n) this cp rank holds, per row, in local order."""
+    ch = ptrr_chunks(docs, n)[:, rank]  # (b, k)
+    c = docs.shape[1] // (PTRR_CHUNKS * n)
+    return (ch[:, :, None] * c + torch.arange(c, device=docs.device)).flatten(1)
 
 
 def _kv_rows(t: torch.Tensor, js: list[int], c: int) -> torch.Tensor:
@@ -260,7 +305,7 @@ class RingAttention(torch.autograd.Function):
     """Causal attention over the cp-sharded sequence; q (b, s, h, d), k/v (b, s, g, d) local."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, stats, fused, docs=None):
+    def forward(ctx, q, k, v, group, layout, stats, fused, docs=None, balance="zigzag"):
         n, r = group.size, group.rank
         b, s, h, d = q.shape
         g = k.shape[2]
@@ -271,6 +316,8 @@ class RingAttention(torch.autograd.Function):
         o_acc = torch.zeros_like(qi)
         lse_acc = torch.full(qi.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         q_chunks = chunk_ids(r, n, layout)
+        owned = None if docs is None else rank_chunks(docs, n, layout, balance)
+        cd = c if docs is None else s // owned.shape[2]  # the doc path's chunk length
         cur = kv
         for t in range(n):
             handle, nxt = None, None
@@ -280,8 +327,8 @@ class RingAttention(torch.autograd.Function):
                                       async_op=True)
             src = (r - t) % n
             if docs is not None:  # document masks: the pairs they leave, masked
-                for rows, j, mask in doc_plan(q_chunks, chunk_ids(src, n, layout), c, docs):
-                    kk, vv = _kv_rows(cur[0], [j], c), _kv_rows(cur[1], [j], c)
+                for rows, j, mask in doc_plan(owned[:, r], owned[:, src], cd, docs):
+                    kk, vv = _kv_rows(cur[0], [j], cd), _kv_rows(cur[1], [j], cd)
                     o, lse = _masked_forward(qi[..., rows, :], kk, vv, mask, scale)
                     if stats is not None:
                         stats.count(qi[..., rows, :], kk, 1)
@@ -298,7 +345,7 @@ class RingAttention(torch.autograd.Function):
                 cur = nxt
         out = _from_inner_q(o_acc, q.dtype)
         ctx.group, ctx.layout, ctx.scale, ctx.g = group, layout, scale, g
-        ctx.stats, ctx.fused, ctx.docs = stats, fused, docs
+        ctx.stats, ctx.fused, ctx.docs, ctx.owned = stats, fused, docs, owned
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.save_for_backward(qi, kv, out, lse_acc)
         return out
@@ -307,7 +354,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qi, kv, out, lse = ctx.saved_tensors
         group, layout, scale, g = ctx.group, ctx.layout, ctx.scale, ctx.g
-        stats, fused, docs = ctx.stats, ctx.fused, ctx.docs
+        stats, fused, docs, owned = ctx.stats, ctx.fused, ctx.docs, ctx.owned
         n, r = group.size, group.rank
         c = qi.shape[-2] // 2
         doi = _to_inner_q(dout, g)
@@ -335,16 +382,17 @@ class RingAttention(torch.autograd.Function):
             src = (r - t) % n
             contrib = dkv_own if t == 0 else torch.zeros_like(kv)
             if docs is not None:
-                for rows, j, mask in doc_plan(q_chunks, chunk_ids(src, n, layout), c, docs):
-                    kk, vv = _kv_rows(cur[0], [j], c), _kv_rows(cur[1], [j], c)
+                cd = qi.shape[-2] // owned.shape[2]
+                for rows, j, mask in doc_plan(owned[:, r], owned[:, src], cd, docs):
+                    kk, vv = _kv_rows(cur[0], [j], cd), _kv_rows(cur[1], [j], cd)
                     dqb, dkb, dvb = _masked_backward(qi[..., rows, :], kk, vv, mask,
                                                      lse[..., rows], doi[..., rows, :],
                                                      delta[..., rows], scale)
                     if stats is not None:
                         stats.count(qi[..., rows, :], kk, 2)
                     dq[..., rows, :] += dqb
-                    contrib[0][..., j * c:(j + 1) * c, :] += dkb
-                    contrib[1][..., j * c:(j + 1) * c, :] += dvb
+                    contrib[0][..., j * cd:(j + 1) * cd, :] += dkb
+                    contrib[1][..., j * cd:(j + 1) * cd, :] += dvb
             for rows, js, causal, pairs in ([] if docs is not None else
                                             step_plan(q_chunks, chunk_ids(src, n, layout), c)):
                 kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
@@ -380,19 +428,20 @@ class RingAttention(torch.autograd.Function):
         dq_out = _from_inner_q(dq, ctx.dtypes[0])
         dk = dkv_own[0].transpose(1, 2).to(ctx.dtypes[1])
         dv = dkv_own[1].transpose(1, 2).to(ctx.dtypes[2])
-        return dq_out, dk, dv, None, None, None, None, None
+        return dq_out, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, group: Any, layout: str = "zigzag", *,
                    stats: AttentionStats | None = None, fused: bool = True,
-                   docs: torch.Tensor | None = None) -> torch.Tensor:
+                   docs: torch.Tensor | None = None, balance: str = "zigzag") -> torch.Tensor:
     """``stats``: count the executed blocks' FLOPs there (forward and backward); ``fused``:
     False runs the explicit block math instead of the fused CPU kernel (any device and dtype);
     ``docs``: the document ids of the whole rows (b, S) — document masks: every chunk pair
-    runs masked, a pair wholly in other documents is skipped (``doc_plan``)."""
+    runs masked, a pair wholly in other documents is skipped (``doc_plan``); ``balance``
+    ``ptrr``: the sequence was sharded by ``balanced_positions`` (document masks only)."""
     if group.size == 1:
         return layers.causal_attention(q, k, v) if docs is None else doc_attention(q, k, v, docs)
-    return RingAttention.apply(q, k, v, group, layout, stats, fused, docs)
+    return RingAttention.apply(q, k, v, group, layout, stats, fused, docs, balance)
 
 
 # ---------------------------------------------------------------------------------- Ulysses
@@ -483,12 +532,22 @@ class ContextAttention(nn.Module):
         if mode not in MODES:
             raise ConfigError([f"--cp-mode {mode!r}: choose one of ring, ulysses"])
         self.group, self.mode = group, mode
+        self.balance = "zigzag"  # --cp-balance ptrr (ring, --doc-mask): set by the trainer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 docs: torch.Tensor | None = None) -> torch.Tensor:
         if docs is None:
             return MODES[self.mode](q, k, v, self.group)
+        if self.balance != "zigzag":
+            return ring_attention(q, k, v, self.group, docs=docs, balance=self.balance)
         return MODES[self.mode](q, k, v, self.group, docs=docs)
+
+
+def set_balance(model: nn.Module, balance: str) -> None:
+    """``--cp-balance``: every ring core of ``model`` takes the sharding ``balance``."""
+    for m in model.modules():
+        if isinstance(m, ContextAttention):
+            m.balance = balance
 
 
 def apply_cp(model: nn.Module, group: Any, mode: str = "ring") -> nn.Module:

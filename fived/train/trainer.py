@@ -36,7 +36,7 @@ from ..model.init import InitSource
 from ..model.moe import materialize_route_bias, moe_layers, set_aux_grad_scale
 from ..optim import lr_at
 from ..parallel.balance import RouteBalancer
-from ..parallel.context import shard_batch
+from ..parallel.context import balanced_positions, set_balance, shard_batch
 from ..parallel.expert import collect_stats
 from ..parallel.parallelize import dtype_of, parallelize
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
@@ -91,6 +91,8 @@ class Trainer:
         self.build_cuda = (torch.cuda.max_memory_allocated(self.device)
                            if self.device.type == "cuda" else 0)  # the build's device peak
         self.stage = self.parallel.model
+        if train.cp_balance != "zigzag" and par.cp > 1:
+            set_balance(self.stage, train.cp_balance)
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
         # post-optimizer-step hooks, run before the step's MoE statistics are collected (and
@@ -174,12 +176,19 @@ class Trainer:
         document ids (--doc-mask) the positions are a ``Documents`` (per-row RoPE positions of
         the shard, the whole rows' ids: ``fived.model.documents``)."""
         positions = torch.arange(self.cfg.seq_len)
-        if self.par.cp > 1:
-            x, y, positions = shard_batch(x, y, self.grid)
+        rows = None
         if docs is not None:
             rows = (reset_positions(docs) if self.tcfg.doc_positions == "reset"
                     else torch.arange(self.cfg.seq_len).expand_as(docs))
-            positions = Documents(rows[:, positions.to(rows.device)].contiguous(), docs)
+        if docs is not None and self.par.cp > 1 and self.tcfg.cp_balance == "ptrr":
+            cp = self.grid["cp"]  # each row's own blocks (fived.parallel.context.ptrr_chunks)
+            pos = balanced_positions(docs, cp.size, cp.rank)
+            x, y, rows = x.gather(1, pos), y.gather(1, pos), rows.gather(1, pos)
+        elif self.par.cp > 1:
+            x, y, positions = shard_batch(x, y, self.grid)
+            rows = None if rows is None else rows[:, positions.to(rows.device)]
+        if docs is not None:
+            positions = Documents(rows.contiguous(), docs)
         dev = self.device
         return x.to(dev), y.to(dev), positions.to(dev)
 
