@@ -124,6 +124,7 @@ def main(argv: list[str]) -> int:
                                   "is searched")
     from ..ledger import params, planner
 
+    args.window = m.seq_len  # --doc-len's documents are cut to it (clock_options)
     hw = hardware(args, gpus)
     gpn = args.gpus_per_node or hw.gpus_per_node
     gb = train.global_batch
