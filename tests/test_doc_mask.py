@@ -176,3 +176,21 @@ def test_doc_mask_without_data_exits_2(tmp_path):
 
     cli_exits_2(["train", "--doc-mask", "--nprocs", "1", "--steps", "1", "--metrics-out",
                  str(tmp_path / "m")], "--doc-mask", tmp_path / "m")
+
+
+def test_dry_run_with_doc_mask_exits_2(data_dir, tmp_path):
+    from parity_helpers import cli_exits_2
+
+    cli_exits_2(["train", "--data", data_dir, "--doc-mask", "--dry-run", "--metrics-out",
+                 str(tmp_path / "m")], "--doc-mask", tmp_path / "m")
+
+
+def test_cp_balance_needs_doc_mask_and_ring(data_dir, tmp_path):
+    from parity_helpers import cli_exits_2
+
+    m = tmp_path / "m"
+    cli_exits_2(["train", "--data", data_dir, "--cp", "2", "--nprocs", "2", "--cp-balance",
+                 "ptrr", "--metrics-out", str(m)], "--cp-balance", m)
+    cli_exits_2(["train", "--data", data_dir, "--cp", "2", "--nprocs", "2", "--cp-mode",
+                 "ulysses", "--doc-mask", "--cp-balance", "ptrr", "--metrics-out", str(m)],
+                "--cp-balance", m)

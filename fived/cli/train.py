@@ -149,6 +149,9 @@ def main(argv: list[str]) -> int:
         if not ancestor.is_dir():
             raise ConfigError([f"--tensorboard {train.tensorboard}: {str(ancestor)!r} is a file, "
                                "not a directory"])
+    if args.dry_run and train.doc_mask:
+        raise ConfigError(["--dry-run with --doc-mask: the dry run's fake tensors hold no "
+                           "documents; price masked attention with `fived ledger --doc-len`"])
     if args.dry_run:
         return dry_run(model, par, train, args, precision)
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
