@@ -58,12 +58,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import phases
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..model.moe import set_aux_grad_scale
 from ..optim import lr_at
 from ..parallel.context import shard_positions
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
+from .memtrace import LiveTensors
 from .trainer import Trainer
 
 BACKEND = "cpu:fake,meta:fake"
@@ -333,13 +335,17 @@ class DryTrainer(Trainer):
         set_aux_grad_scale(self.stage, 1.0 / global_tokens)
         with LiveSaved(exclude) as saved:
             self.forward_backward(x, y, positions, 1.0 / global_tokens)
+        phases.enter("reduce")
         self.engine.finish()
+        phases.enter("clip")
         self.engine.unscale()
         self.engine.grad_sq()  # the clip's collectives; the norm itself is a value
         lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
+        phases.enter("optimizer")
         self.engine.step(lr)
         if self.balancer:  # balance = bias: the routed counts' all-reduce (zeros here)
             self.balancer.sync(True)
+        phases.enter("end")
         return {"step": step, "loss": float("nan"), "tokens": global_tokens,
                 "seconds": time.perf_counter() - t0, "lr": lr, "grad_norm": float("nan"),
                 "skipped": False, "activation_peak": saved.peak}
@@ -373,7 +379,7 @@ def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig
     try:
         traffic = Traffic()
         grid = connect_local(par, rank, traffic)
-        with FakeTensorMode(), flash_on_meta():
+        with FakeTensorMode(), flash_on_meta(), LiveTensors() as trace:
             trainer = DryTrainer(model_cfg, par, train, rank, world, grid=grid, device=device,
                                  init=False)
             if model_cfg.is_moe:
@@ -382,6 +388,9 @@ def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig
             rec = trainer.dry_step(0)
             mem = trainer.engine.memory()
             storage = storage_states(trainer.engine)
+        rec["peak"] = trace.peak
+        rec["peak_phase"] = trace.peak_phase
+        rec["phases"] = trace.by_phase()
         rec["memory"] = {k: int(mem.get(k, 0)) for k in
                          ("params", "grads", "master", "optimizer", "buffers", "padding")}
         rec["memory_storage"] = storage
@@ -423,6 +432,9 @@ def dry_run(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, ran
            "traffic_per_rank": [{"bytes": r["traffic"], "ops": r["traffic_ops"]} for r in recs],
            "memory_storage_per_rank": [r["memory_storage"] for r in recs],
            "activation_peak_per_rank": [r["activation_peak"] for r in recs],
+           "peak_per_rank": [r["peak"] for r in recs],
+           "peak_phase_per_rank": [r["peak_phase"] for r in recs],
+           "phases_per_rank": [r["phases"] for r in recs],
            "seconds_per_rank": [r["wall_seconds"] for r in recs],
            "run": {"model": asdict(model_cfg), "parallel": asdict(par),
                    "global_batch": train.global_batch}}

@@ -57,10 +57,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ... import phases, schedules
 from ...comm import ops
 from ...config import ModelConfig, ParallelConfig
 from ...model.documents import micro_positions
-from . import schedules
 from .stage import StageModel
 
 
@@ -297,6 +297,7 @@ class PipelineExecutor:
                 p2p.send(g, schedules.peer(a, sched), [g])
             else:
                 t0 = time.time()
+                phases.compute(a.kind, a.mb, a.stage)
                 begin(c, a.kind)
                 if a.kind == "F":
                     inp = xs[a.mb] if a.stage == 0 else inputs[key]
