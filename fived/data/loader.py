@@ -164,3 +164,89 @@ class Loader:
         return {"source": "data", **self.data.identity(), "split": self.split,
                 "seed": self.seed, "global_batch": self.batch_size, "seq_len": self.seq_len,
                 "next_step": next_step}
+
+
+MIX_STREAM = 0x6D6978  # "mix": the source draw's own stream of (seed, step)
+
+
+class MixtureLoader(Loader):
+    """``--data code=DIR1:0.3,web=DIR2:0.7``: each row of global batch ``step`` comes from one
+    source, drawn by weight from ``numpy.random.default_rng([seed, step, MIX_STREAM])`` (the
+    whole batch's B draws at once, so every rank sees the same draw); the row's window is the
+    one the source's own loader (seed ``seed + 1_000_003·(k+1)``) gives global sequence number
+    ``step·B + j`` — its windows in its own shuffled order, the numbers other sources took
+    skipped. So the batch is a pure function of (seed, step, the sources and weights): resuming
+    at a step, or under another layout, sees the same rows. Validation batch ``k`` draws from
+    ``[seed, k, 1, MIX_STREAM]`` and reads unshuffled windows."""
+
+    def __init__(self, sources, split: str, seq_len: int, batch: int, seed: int,
+                 replica: int = 0, replicas: int = 1, shuffle: bool = True, prefetch: int = 2,
+                 device=None, documents: bool = False):
+        from .shards import DataDir
+
+        self.sources = list(sources)
+        self.parts = [Loader(DataDir(src.path), split, seq_len, batch,
+                             seed + 1_000_003 * (k + 1), replica, replicas, shuffle, prefetch,
+                             None, documents) for k, src in enumerate(self.sources)]
+        w = np.asarray([src.weight for src in self.sources], dtype=np.float64)
+        self.p = w / w.sum()
+        self.data = self.parts[0].data
+        self.split, self.seq_len, self.batch_size, self.seed = split, seq_len, batch, seed
+        self.replica, self.replicas, self.shuffle = replica, replicas, shuffle
+        self.per = batch // replicas
+        self.offsets = self.parts[0].offsets
+        self.prefetch = max(1, prefetch)
+        self.device = torch.device(device) if device is not None else None
+        self._thread = self._stop = self._q = None
+        self._next = -1
+        self.wait_s = 0.0
+
+    def row_sources(self, step: int) -> np.ndarray:
+        """The source index of every row of global batch ``step``."""
+        key = [self.seed, step, MIX_STREAM] if self.shuffle else [self.seed, step, 1, MIX_STREAM]
+        return np.random.default_rng(key).choice(len(self.parts), size=self.batch_size,
+                                                 p=self.p)
+
+    def _rows(self, step: int, rows: slice) -> tuple[torch.Tensor, ...]:
+        src = self.row_sources(step)[rows]
+        out = None
+        for k, part in enumerate(self.parts):
+            sel = np.nonzero(src == k)[0]
+            if not len(sel):
+                continue
+            got = part.read(part.sequence_ids(step, rows)[sel])
+            if out is None:
+                out = [torch.empty((len(src), *t.shape[1:]), dtype=t.dtype) for t in got]
+            for o, t in zip(out, got):
+                o[torch.from_numpy(sel)] = t
+        assert out is not None
+        return tuple(out)
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        return self._rows(step, slice(None))
+
+    def batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        return self._rows(step, self.local_rows())
+
+    def state(self, next_step: int) -> dict[str, Any]:
+        import hashlib
+
+        ident = [p.data.identity() for p in self.parts]
+        h = hashlib.sha256(repr([(s.name, i["data_hash"], s.weight)
+                                 for s, i in zip(self.sources, ident)]).encode()).hexdigest()
+        return {"source": "mixture", "dir": ",".join(i["dir"] for i in ident),
+                "tokenizer_hash": ident[0]["tokenizer_hash"], "data_hash": h,
+                "vocab": ident[0]["vocab"], "split": self.split, "seed": self.seed,
+                "global_batch": self.batch_size, "seq_len": self.seq_len,
+                "next_step": next_step,
+                "sources": [{"name": s.name, "weight": s.weight} for s in self.sources]}
+
+
+def open_loader(spec: str, split: str, **kw: Any) -> Loader:
+    """A ``Loader`` of a prepared directory, or a ``MixtureLoader`` of a mixture spec."""
+    from .meta import parse_mixture
+
+    sources = parse_mixture(spec)
+    if sources is None:
+        return Loader(spec, split, **kw)
+    return MixtureLoader(sources, split, **kw)

@@ -112,22 +112,24 @@ class Trainer:
     def _open_data(self, eval_split: str = "") -> None:
         """--data: the loaders of this rank's rows (the batch group), the padded-logit mask;
         ``eval_split``: only that split's (not shuffled), no training loader."""
-        from ..data.loader import Loader
-        from ..data.shards import DataDir
+        from ..data.loader import open_loader
         from ..data.vocab import mask_padded_logits
 
-        data, t, b = DataDir(self.tcfg.data), self.tcfg, self.grid["batch"]
-        if data.vocab > self.cfg.vocab:
-            raise ConfigError([f"--data {t.data}: the tokenizer has {data.vocab} symbols but "
-                               f"the model's vocab is {self.cfg.vocab}"])
+        t, b = self.tcfg, self.grid["batch"]
         kw = dict(seq_len=self.cfg.seq_len, batch=t.global_batch, seed=t.seed, replica=b.rank,
                   replicas=b.size, device=self.device, documents=t.doc_mask)
         if eval_split:
-            self.eval_loader = Loader(data, eval_split, shuffle=False, prefetch=t.prefetch, **kw)
+            self.eval_loader = open_loader(t.data, eval_split, shuffle=False,
+                                           prefetch=t.prefetch, **kw)
+            data = self.eval_loader.data
         else:
-            self.loader = Loader(data, "train", prefetch=t.prefetch, **kw)
+            self.loader = open_loader(t.data, "train", prefetch=t.prefetch, **kw)
+            data = self.loader.data
             if t.eval_every:
-                self.eval_loader = Loader(data, "val", shuffle=False, **kw)
+                self.eval_loader = open_loader(t.data, "val", shuffle=False, **kw)
+        if data.vocab > self.cfg.vocab:
+            raise ConfigError([f"--data {t.data}: the tokenizer has {data.vocab} symbols but "
+                               f"the model's vocab is {self.cfg.vocab}"])
         masked = mask_padded_logits(self.stage, data.vocab, self.cfg.vocab)
         if data.vocab < self.cfg.vocab and getattr(self.stage, "last", True) and not masked:
             raise RuntimeError("the padded vocabulary rows could not be masked: no loss module")
