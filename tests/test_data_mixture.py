@@ -79,6 +79,17 @@ def test_a_mixture_trains_the_same_on_dp2_as_on_one_rank(dirs):
     out = train_runs([(model, ParallelConfig(dp=2), train)], timeout=600)[0]
     check_parity(out, ref, "dp2 mixture")
 
+    def by_source(run):
+        return [r["val_loss_by_source"] for r in run["ranks"][0]["history"]
+                if "val_loss_by_source" in r]
+
+    want = by_source(ref)
+    assert len(want) == 2 and set(want[0]) == {"code", "web"}  # after step 0 and the last
+    assert abs(want[-1]["code"] - want[-1]["web"]) > 1e-3  # two sources, two losses
+    for got, w in zip(by_source(out), want):
+        for k in w:
+            assert abs(got[k] - w[k]) / w[k] < 1e-5, (k, got, w)
+
 
 def test_the_checkpoint_state_names_the_mixture(dirs):
     st = open_loader(spec(dirs), "train", seq_len=64, batch=8, seed=5).state(4)

@@ -127,6 +127,11 @@ class Trainer:
             data = self.loader.data
             if t.eval_every:
                 self.eval_loader = open_loader(t.data, "val", shuffle=False, **kw)
+        # a mixture: each source's own evaluation split too (the per-source validation loss)
+        self.source_eval = {}
+        for src, part in zip(getattr(self.eval_loader, "sources", []),
+                             getattr(self.eval_loader, "parts", [])):
+            self.source_eval[src.name] = open_loader(src.path, part.split, shuffle=False, **kw)
         if data.vocab > self.cfg.vocab:
             raise ConfigError([f"--data {t.data}: the tokenizer has {data.vocab} symbols but "
                                f"the model's vocab is {self.cfg.vocab}"])
@@ -277,24 +282,33 @@ class Trainer:
         n = batches or self.tcfg.eval_batches
         tokens = self.tcfg.global_batch * self.cfg.seq_len
         stats = [(m, m.stats.snapshot()) for m in moe_layers(self.stage)]
-        total = None  # on whatever device the step's loss is
+        out: dict[str, Any] = {}
         try:
             with torch.no_grad():
-                for k in range(n):
-                    x, y, positions = self.shard(*self.eval_loader.get(k))
-                    loss = self.forward_only(x, y, positions)
-                    total = loss if total is None else total + loss
-                    if on_batch is not None:
-                        on_batch(k, self.global_loss(loss) / tokens)
+                loaders = [("", self.eval_loader, on_batch),
+                           *((name, ld, None) for name, ld in
+                             getattr(self, "source_eval", {}).items())]
+                for name, loader, progress in loaders:
+                    total = None  # on whatever device the step's loss is
+                    for k in range(n):
+                        x, y, positions = self.shard(*loader.get(k))
+                        loss = self.forward_only(x, y, positions)
+                        total = loss if total is None else total + loss
+                        if progress is not None:
+                            progress(k, self.global_loss(loss) / tokens)
+                    loss = self.global_loss(total) / (n * tokens)
+                    if name:  # a mixture's source, alone (its own validation windows)
+                        out.setdefault("val_loss_by_source", {})[name] = loss
+                    else:
+                        out.update(val_loss=loss, val_ppl=math.exp(min(loss, 700.0)))
         finally:
             self.engine.end_forward()
             for m, saved in stats:  # MoE routing statistics belong to training steps
                 m.stats = saved
-        loss = self.global_loss(total) / (n * tokens)
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+        return out
 
     def close(self) -> None:
-        for ld in (self.loader, self.eval_loader):
+        for ld in (self.loader, self.eval_loader, *getattr(self, "source_eval", {}).values()):
             if ld is not None:
                 ld.close()
         self.engine.close()
@@ -433,4 +447,6 @@ def eval_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig
         trainer.close()
     tokens = batches * train.global_batch * model_cfg.seq_len
     return {"loss": res["val_loss"], "ppl": res["val_ppl"], "tokens": tokens,
+            **({"loss_by_source": res["val_loss_by_source"]}
+               if "val_loss_by_source" in res else {}),
             "seconds": seconds, "tokens_per_s": tokens / seconds, "step": step}
