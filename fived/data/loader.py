@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .shards import DataDir
+from .vocab import SOURCE_SHIFT
 
 
 class Loader:
@@ -214,7 +215,8 @@ class MixtureLoader(Loader):
             sel = np.nonzero(src == k)[0]
             if not len(sel):
                 continue
-            got = part.read(part.sequence_ids(step, rows)[sel])
+            got = list(part.read(part.sequence_ids(step, rows)[sel]))
+            got[1] = got[1] + (k << SOURCE_SHIFT)  # the row's source rides on its targets
             if out is None:
                 out = [torch.empty((len(src), *t.shape[1:]), dtype=t.dtype) for t in got]
             for o, t in zip(out, got):

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -138,6 +139,11 @@ class Trainer:
         masked = mask_padded_logits(self.stage, data.vocab, self.cfg.vocab)
         if data.vocab < self.cfg.vocab and getattr(self.stage, "last", True) and not masked:
             raise RuntimeError("the padded vocabulary rows could not be masked: no loss module")
+        mix = self.loader if self.loader is not None else self.eval_loader
+        if hasattr(mix, "sources"):  # a mixture: each step's loss per source too
+            from ..data.vocab import tally_sources
+
+            self.source_losses = tally_sources(self.stage, len(mix.sources))
 
     # -------------------------------------------------------------------- data position
     def data_state(self) -> dict[str, Any]:
@@ -252,6 +258,8 @@ class Trainer:
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped, "bad": bad}
         if self.loader is not None:  # seconds this step waited for the prefetch thread
             rec["data_wait_s"] = self.loader.wait_s - waited
+        if hasattr(self.loader, "sources"):
+            rec["loss_by_source"] = self.loss_by_source(step)
         if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
             rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.parallel.placements,
                                        self.world_metrics, global_tokens, seconds, self.traffic)
@@ -312,6 +320,24 @@ class Trainer:
             if ld is not None:
                 ld.close()
         self.engine.close()
+
+    def loss_by_source(self, step: int) -> dict[str, float | None]:
+        """A mixture's step loss per source (mean CE over the source's rows' tokens; None for a
+        source no row came from): the tallies of this rank's loss modules, summed like
+        ``global_loss`` (one more metrics all-reduce of K values)."""
+        names = [s.name for s in self.loader.sources]
+        t = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        for sl in getattr(self, "source_losses", []):
+            for k, v in enumerate(sl.tally):
+                if v is not None:
+                    t[k] += v.double()
+        t /= self.grid.degrees["tp"]
+        ops.all_reduce(t, replace(self.grid["dense"], name="metrics"))
+        ops.all_reduce(t, replace(self.grid["tp"], name="metrics"))
+        ops.all_reduce(t, self.metrics_group)
+        rows = np.bincount(self.loader.row_sources(step), minlength=len(names))
+        return {n: (float(t[k]) / (int(rows[k]) * self.cfg.seq_len) if rows[k] else None)
+                for k, n in enumerate(names)}
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Σ token losses over the world: each token's loss is counted on one tp rank's copy."""
