@@ -89,6 +89,42 @@ def test_a_mixture_trains_the_same_on_dp2_as_on_one_rank(dirs):
     for got, w in zip(by_source(out), want):
         for k in w:
             assert abs(got[k] - w[k]) / w[k] < 1e-5, (k, got, w)
+    # each step's training loss per source: the rows' means, weighted back to the step's loss
+    for run in (ref, out):
+        for r in run["ranks"][0]["history"]:
+            by = r["loss_by_source"]
+            rows = np.bincount(open_loader(spec(dirs), "train", seq_len=model.seq_len,
+                                           batch=train.global_batch, seed=train.seed)
+                               .row_sources(r["step"]), minlength=2)
+            parts = [v * n for v, n in zip(by.values(), rows) if v is not None]
+            assert abs(sum(parts) / rows.sum() - r["loss"]) < 1e-5 * r["loss"], (by, r["loss"])
+    for a, b in zip(ref["ranks"][0]["history"], out["ranks"][0]["history"]):
+        for k, v in a["loss_by_source"].items():
+            assert v is None or abs(b["loss_by_source"][k] - v) < 1e-5 * v
+    # step 0 recomputed here from the initial weights, source by source
+    from fived.data.vocab import SOURCE_SHIFT, mask_padded_logits
+    from fived.model.documents import Documents
+    from fived.model.llama import build_model
+
+    ld = open_loader(spec(dirs), "train", seq_len=model.seq_len, batch=train.global_batch,
+                     seed=train.seed, documents=True)
+    x, y, docs = ld.global_batch(0)
+    net = build_model(model, train.seed)
+    mask_padded_logits(net, 257, model.vocab)
+    src = (y >> SOURCE_SHIFT)[:, 0]
+    seen = 0
+    for k, name in enumerate(["code", "web"]):
+        rows = (src == k).nonzero().flatten()
+        if not len(rows):
+            continue
+        with torch.no_grad():
+            pos = Documents(torch.arange(model.seq_len).expand(len(rows), -1), docs[rows])
+            want = float(net(x[rows], pos, y[rows] - (k << SOURCE_SHIFT))) / (
+                len(rows) * model.seq_len)
+        got = ref["ranks"][0]["history"][0]["loss_by_source"][name]
+        assert abs(got - want) < 1e-5 * want, (name, got, want)
+        seen += 1
+    assert seen == 2  # step 0 drew from both sources
 
 
 def test_the_checkpoint_state_names_the_mixture(dirs):

@@ -233,6 +233,8 @@ class Trainer:
         self.engine.zero_grad()
         scaler = getattr(self.engine, "scaler", None)  # fp16: the aux losses are scaled too
         set_aux_grad_scale(self.stage, (scaler.scale if scaler else 1.0) / global_tokens)
+        for t in getattr(self, "source_losses", []):  # a mixture: this step's tallies only
+            t.reset()
         local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
         phases.enter("reduce")
         self.engine.finish()
