@@ -2,9 +2,10 @@
 
 The batch of a step is a pure function of (seed, step, sources, weights): the same rows
 whatever reads them (any replica split, a resumed run), the realised proportions follow the
-weights, and bad specs exit 2 naming ``--data``. Mutation seen to fail: drawing the sources
-from ``[seed, step]`` per replica with the local row count (the replicas' rows then differ
-from the global batch's)."""
+weights, each step's loss per source is right (against the step's loss and step 0 recomputed
+source by source), and bad specs exit 2 naming ``--data``. Mutations seen to fail: every
+source's tally booked to source 0; the tallies not reset between steps (step 1's "code" 57.6
+against a step loss of 5.2)."""
 
 import json
 
