@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from doc_helpers import prepared
-from parity_helpers import check_parity, cli_exits_2, one_rank, train_runs
+from parity_helpers import check_parity, cli_exits_2, one_rank, run_cli, train_runs
 
 from fived.config import ParallelConfig, preset
 from fived.data.loader import MixtureLoader, open_loader
@@ -174,3 +174,22 @@ def test_a_missing_token_file_is_refused(dirs, tmp_path):
     err = cli_exits_2(["train", "--data", str(d), "--steps", "1", "--nprocs", "1",
                        "--metrics-out", str(tmp_path / "m")], "--data", tmp_path / "m")
     assert "train.bin" in err
+
+
+def test_fived_eval_of_a_mixture_gives_the_runs_losses_per_source(dirs, tmp_path):
+    """``fived eval --data MIXTURE`` of a ``--doc-mask`` checkpoint: the run's last validation
+    loss and per-source losses (the checkpoint's document masks carried into evaluation).
+
+    Time: a one-rank training run with a save, and the evaluation (in-process)."""
+    m, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    r = run_cli("train", "--data", spec(dirs), "--doc-mask", "--steps", "2", "--nprocs", "1",
+                "--eval-every", "2", "--eval-batches", "1", "--save-dir", str(ck),
+                "--metrics-out", str(m))
+    assert r.returncode == 0, r.stderr
+    last = [json.loads(x) for x in m.read_text().splitlines() if "val_loss" in x][-1]
+    r = run_cli("eval", "--from", str(ck), "--data", spec(dirs), "--batches", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert abs(doc["loss"] - last["val_loss"]) < 1e-5 * last["val_loss"], (doc, last)
+    for k, v in last["val_loss_by_source"].items():
+        assert abs(doc["loss_by_source"][k] - v) < 1e-5 * v, (doc, last)

@@ -126,7 +126,10 @@ def configs(args):
     gb = (res.train.global_batch if "train.global_batch" in res.given
           else int(saved_train.get("global_batch", res.train.global_batch)))
     train = replace(TrainConfig(), model=model.name, global_batch=gb, data=args.data,
-                    eval_batches=batches, seed=int(saved_train.get("seed", 1234)))
+                    eval_batches=batches, seed=int(saved_train.get("seed", 1234)),
+                    # the attention the checkpoint was trained with (--doc-mask: documents)
+                    doc_mask=bool(saved_train.get("doc_mask", False)),
+                    doc_positions=str(saved_train.get("doc_positions", "continue")))
     validate(model, par, train, world)
     from ..config import check_runtime_model
 
