@@ -610,14 +610,35 @@ def zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     """``_zero_buffer_peak`` on a key without what the replay does not read (the planner
     tries each layout with several micro-batch sizes and recompute modes): micro-batches
     count only as 1, 2 or more (it replays the first, the second and the last)."""
-    key = replace(par, recompute="none", sequence_parallel=False, cp_mode="ring",
-                  micro_batches=min(par.micro_batches, 3))
-    return _zero_buffer_peak(m, key, pp_rank)
+    return _zero_buffer_peak(m, _zero_key(par), pp_rank)
+
+
+def _zero_key(par: ParallelConfig) -> ParallelConfig:
+    return replace(par, recompute="none", sequence_parallel=False, cp_mode="ring",
+                   micro_batches=min(par.micro_batches, 3))
 
 
 @lru_cache(maxsize=4096)
 def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                       ) -> tuple[int, int] | None:
+    replay = _zero_replay(m, par, pp_rank)
+    return None if replay is None else replay[:2]
+
+
+@lru_cache(maxsize=4096)
+def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
+                 ) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
+    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at three moments of the
+    replay: the first gradient's arrival in each micro-batch's backward (micro-batches 0, 1
+    and the last; the ones between replay the second's), the end of the last backward (what
+    the reduction phase starts with), and the end of each forward (ZeRO-3 without pp: the
+    root gathered for the loss; else empty). None where the replay does not run."""
+    replay = _zero_replay(m, _zero_key(par), pp_rank)
+    return None if replay is None else (replay[2], replay[3], replay[4])
+
+
+def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
+                 ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...]] | None:
     """(full-gradient bytes, gathered-parameter bytes) at the peak of ZeRO-2/3's transient
     buffers, from a replay of the engine's lifecycle (``fived.parallel.data``: ``Zero2``,
     ``Zero3``) on the ledger's buckets; None where it is not replayed (ZeRO-2/3 with more than
@@ -639,7 +660,7 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
       the rest are released after the backward.
     * ``--no-overlap``: no launch during backward, no prefetch ahead."""
     if par.zero < 2 or max(group_sizes(par).values()) <= 1:
-        return (0, 0)
+        return (0, 0, (0,), 0, ())
     if par.pp > 1 and len(rank_stages(par, pp_rank)) > 1:
         return None
     bks = buckets(m, par, pp_rank)
@@ -663,6 +684,8 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     gathered: set[int] = set()  # gathered units
     live = [0, 0]  # bytes held: gradients, parameters
     peak = [0, 0]
+    starts: list[int] = []  # held at each replayed micro-batch's first gradient
+    fends: list[int] = []  # held at the end of each replayed forward (ZeRO-3 without pp)
 
     def hold(kind: int, n: int) -> None:
         live[kind] += n
@@ -706,6 +729,7 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 gather(u)
                 prefetch(nxt(u, 1))
                 free(u)
+            fends.append(sum(live))  # the loss: the root gathered, the blocks freed
             free(-1)
             gather(-1)  # backward
             prefetch(nblocks[-1] if nblocks else None)
@@ -713,6 +737,7 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         udone: dict[int, int] = {}
         launched = {g: 0 for g in seqs}
         block = None
+        first = True
         for i, k in runs:  # k gradients in a row into bucket i
             u = bks[i].unit
             if zero3_flat and u >= 0 and u != block:  # the block's pre-backward hook
@@ -722,6 +747,9 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
             if i not in grads:
                 grads.add(i)
                 hold(0, bks[i].padded * gb)
+            if first:
+                starts.append(sum(live))
+                first = False
             if zero3_flat:
                 udone[u] = udone.get(u, 0) + k
                 if udone[u] == uparams[u]:
@@ -736,7 +764,7 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 k = launched[bks[i].group]
                 if k > 2:
                     drop(seq[k - 3])
-    return peak[0], peak[1]
+    return peak[0], peak[1], tuple(starts), sum(live), tuple(fends)
 
 
 def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int
@@ -826,6 +854,14 @@ class RankMemory:
     buffers: dict[str, float]
     inflight: float
     terms: dict[str, float] = field(default_factory=dict)
+    peak: float = 0.0  # the step's peak (``fived.ledger.peak``; 0: not computed)
+    peak_phase: str = ""
+    peak_transients: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kept(self) -> float:
+        """Model states and the saved activations at their worst moment."""
+        return self.states_total + self.activations_total
 
     @property
     def states_total(self) -> int:
@@ -847,7 +883,9 @@ class RankMemory:
         return {"pp_rank": self.pp_rank, "states": self.states, "activations": self.activations,
                 "buffers": self.buffers, "inflight_microbatches": self.inflight,
                 "states_total": self.states_total, "activations_total": self.activations_total,
-                "buffers_total": self.buffers_total, "total": self.total}
+                "buffers_total": self.buffers_total, "total": self.total, "kept": self.kept,
+                "peak": self.peak, "peak_phase": self.peak_phase,
+                "peak_transients": self.peak_transients}
 
 
 def rank_memory(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,

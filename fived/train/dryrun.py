@@ -297,6 +297,17 @@ def storage_states(engine: Any) -> dict[str, int]:
     return out
 
 
+def held_tensors(trainer: Any) -> list[torch.Tensor]:
+    """What a built rank holds before its first step: the engine's states (``storage_states``'
+    tensors), the stage's parameters and buffers."""
+    eng = trainer.engine
+    out = [eng.param_state(b) for b in eng.buckets] + [eng.grad_state(b) for b in eng.buckets]
+    out += [b.master for b in eng.buckets if eng.policy.separate_master]
+    out += [b.comp for b in eng.buckets] + _tensors(vars(eng.opt))
+    out += list(trainer.stage.parameters()) + list(trainer.stage.buffers())
+    return [t for t in out if t is not None]
+
+
 def traffic_by_op(traffic: Traffic) -> dict[str, float]:
     """Bytes sent per ``group/op`` (e.g. ``tp/all_gather``), zero entries left out."""
     out: dict[str, float] = {}
@@ -330,6 +341,7 @@ class DryTrainer(Trainer):
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
         if self.executor is not None:
             self.executor.measure = False  # its timing exchange reads values
+            self.executor.instant_sends = True  # fake sends never report completion
         exclude = list(self.stage.parameters()) + [b.param_full for b in self.engine.buckets]
         self.engine.zero_grad()
         set_aux_grad_scale(self.stage, 1.0 / global_tokens)
@@ -379,17 +391,19 @@ def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig
     try:
         traffic = Traffic()
         grid = connect_local(par, rank, traffic)
-        with FakeTensorMode(), flash_on_meta(), LiveTensors() as trace:
+        with FakeTensorMode(), flash_on_meta():
             trainer = DryTrainer(model_cfg, par, train, rank, world, grid=grid, device=device,
                                  init=False)
             if model_cfg.is_moe:
                 uniform_routing(trainer.stage)
             t_build = time.perf_counter() - t0
-            rec = trainer.dry_step(0)
+            trace = LiveTensors()
+            trace.seed(held_tensors(trainer))
+            with trace:
+                rec = trainer.dry_step(0)
             mem = trainer.engine.memory()
             storage = storage_states(trainer.engine)
-        rec["peak"] = trace.peak
-        rec["peak_phase"] = trace.peak_phase
+        rec["peak"], rec["peak_phase"] = trace.step_peak()
         rec["phases"] = trace.by_phase()
         rec["memory"] = {k: int(mem.get(k, 0)) for k in
                          ("params", "grads", "master", "optimizer", "buffers", "padding")}

@@ -53,7 +53,7 @@ class LiveTensors(TorchDispatchMode):
         super().__init__()
         self.detail = detail
         self._origin: dict[int, tuple[str, tuple, str]] = {}
-        self._at_peak: dict[int, int] = {}
+        self._at_peak: dict[int, tuple[int, tuple[str, tuple, str]]] = {}
         self.live = 0
         self.peak = 0
         self.peak_phase = "build"
@@ -71,13 +71,15 @@ class LiveTensors(TorchDispatchMode):
             if self.live > self.peak:
                 self.peak, self.peak_phase = self.live, self.series[-1].name
                 if self.detail:
-                    self._at_peak = dict(self._size)
+                    self._at_peak = {k: (n, self._origin.get(k, ("?", (), "?")))
+                                     for k, n in self._size.items()}
 
     def _freed(self, key: int, _ref: Any) -> None:
         n = self._size.pop(key, None)
         if n is not None:
             self.live -= n
             del self._refs[key]
+            self._origin.pop(key, None)
 
     def see(self, t: torch.Tensor, op: Any = None) -> None:
         st = t.untyped_storage()
@@ -91,6 +93,13 @@ class LiveTensors(TorchDispatchMode):
             return
         self._set(key, n)
 
+    def seed(self, tensors: list[torch.Tensor]) -> None:
+        """Count tensors made before the trace began (the built model and engine), once each
+        storage, as the phase ``build``'s live bytes."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.see(t)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
                            ) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -101,7 +110,7 @@ class LiveTensors(TorchDispatchMode):
 
     def at_peak(self) -> list[tuple[int, str, tuple, str]]:
         """(bytes, op, shape, dtype) of each storage live at the peak (``detail`` only)."""
-        rows = [(n, *self._origin.get(k, ("?", (), "?"))) for k, n in self._at_peak.items()]
+        rows = [(n, *origin) for n, origin in self._at_peak.values()]
         return sorted(rows, key=lambda r: -r[0])
 
     # ------------------------------------------------------------------ phases
@@ -109,6 +118,11 @@ class LiveTensors(TorchDispatchMode):
         last = self.series[-1]
         last.end = self.live
         self.series.append(PhaseRecord(name, self.live, self.live))
+
+    def step_peak(self) -> tuple[int, str]:
+        """The largest live bytes after the build, and the phase that holds it."""
+        best = max(self.series[1:] or self.series, key=lambda p: p.peak)
+        return best.peak, best.name
 
     def by_phase(self) -> list[list]:
         self.series[-1].end = self.live
