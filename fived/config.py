@@ -239,6 +239,13 @@ class ParallelConfig:
     dp: int = spec(1, "data-parallel degree", ge=1,
                    shown="the ranks the other degrees leave of the world")
     pp: int = spec(1, "pipeline-parallel degree", ge=1)
+    dp_shard: int = spec(0, "hybrid sharding (HSDP): ZeRO shards over groups of this many dp "
+                            "ranks (contiguous: one node when it fits) and replicates across "
+                            "them; dp = dp-shard · dp-replicate", ge=0,
+                         shown="dp (flat ZeRO over all of dp)")
+    dp_replicate: int = spec(0, "hybrid sharding: replicas of the shard group (the gradient "
+                                "shards all-reduced across them); dp = dp-shard · dp-replicate",
+                             ge=0, shown="1")
     zero: int = spec(0, "ZeRO stage: 0 plain DDP, 1 shard optimizer state, 2 + gradients, "
                         "3 + parameters", choices=(0, 1, 2, 3))
     zero3_pp_gather: str = spec("step", "ZeRO-3 with pp: all-gather a stage's parameters once "
@@ -283,8 +290,30 @@ class ParallelConfig:
     def degree(self, dim: str) -> int:
         return int(getattr(self, dim))
 
+    @property
+    def shard_degree(self) -> int:
+        """N: the ranks of dp a ZeRO shard group spans (``--dp-shard``; dp when flat)."""
+        if self.dp_shard:
+            return self.dp_shard
+        if self.dp_replicate and self.dp % self.dp_replicate == 0:
+            return self.dp // self.dp_replicate
+        return self.dp
+
+    @property
+    def replicate_degree(self) -> int:
+        """M = dp / N: the replicas of a shard group (1: flat ZeRO, today's layout)."""
+        return max(1, self.dp // max(1, self.shard_degree))
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding: ZeRO inside shard groups, replicas across (M > 1)."""
+        return self.replicate_degree > 1
+
     def describe(self) -> str:
         parts = [f"{d}{self.degree(d)}" for d in DIMS if self.degree(d) > 1] or ["1 rank"]
+        if self.hybrid:
+            parts[parts.index(f"dp{self.dp}")] = (f"dp{self.dp}"
+                                                  f"({self.shard_degree}s×{self.replicate_degree}r)")
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.sequence_parallel:
@@ -329,6 +358,9 @@ class TrainConfig:
     eval_batches: int = spec(4, "global batches of the validation split per evaluation", ge=1)
     prefetch: int = spec(2, "batches the --data loader reads ahead in a background thread", ge=1)
     tensorboard: str = spec("", "write TensorBoard scalars to this directory", metavar="DIR")
+    memory_trace: bool = spec(False, "trace every tensor storage's life in each step and record "
+                                     "each rank's peak live bytes beside the ledger's peak "
+                                     "(slower: every op passes through Python; docs/ledger.md)")
     # checkpoints (fived.checkpoint, docs/checkpoints.md)
     save_dir: str = spec("", "save checkpoints under this directory (DIR/step-N)", metavar="DIR")
     save_every: int = spec(0, "save every N steps and after the last (0: only after the last, "
@@ -508,6 +540,7 @@ def validate(
         _check_recovery(p, train)
         _check_documents(p, model, par, train)
     _check_zero_align(p, par)
+    p += hybrid_problems(par)
     if p:
         raise ConfigError(p)
 
@@ -706,6 +739,34 @@ def _check_zero_align(p: list[str], par: ParallelConfig) -> None:
                  "2 or 3, or drop --zero-align")
 
 
+def hybrid_problems(par: ParallelConfig, need_zero: bool = True) -> list[str]:
+    """What ``--dp-shard`` / ``--dp-replicate`` must satisfy (hybrid sharding, docs/data-parallel.md):
+    N·M = dp, N divides dp, a ZeRO stage to shard with, and tp inside dp in the grid order (a
+    shard group is whole tp groups of contiguous ranks, never a strided cut through them)."""
+    if not (par.dp_shard or par.dp_replicate):
+        return []
+    p: list[str] = []
+    divs = ", ".join(str(d) for d in range(1, par.dp + 1) if par.dp % d == 0)
+    n, m = par.dp_shard, par.dp_replicate
+    if n and par.dp % n:
+        p.append(f"--dp-shard {n}: must divide dp = {par.dp} (the world / pp·ep·cp·tp); valid "
+                 f"values: {divs}")
+    elif m and par.dp % m:
+        p.append(f"--dp-replicate {m}: must divide dp = {par.dp}; valid values: {divs}")
+    elif n and m and n * m != par.dp:
+        p.append(f"--dp-shard {n} × --dp-replicate {m} = {n * m} != dp = {par.dp}; valid "
+                 f"--dp-shard values for dp {par.dp} with --dp-replicate {m}: {par.dp // m}")
+    if need_zero and par.zero == 0:
+        p.append("--dp-shard / --dp-replicate with --zero 0: plain DDP shards nothing; valid "
+                 "--zero values with hybrid sharding: 1, 2, 3 (or drop --dp-shard)")
+    if par.hybrid and "tp" in par.order and "dp" in par.order and \
+            par.order.index("tp") < par.order.index("dp"):
+        p.append(f"--dp-shard {par.shard_degree} with --order {','.join(par.order)}: tp sits "
+                 f"outside dp, so a shard group would split tp groups across its strided ranks; "
+                 f"valid orders put tp after dp (e.g. pp,dp,ep,cp,tp)")
+    return p
+
+
 def check_outputs(train: TrainConfig) -> None:
     """The files the run writes can be written (before any rank starts; nothing is created)."""
     if not train.metrics_out:
@@ -737,6 +798,9 @@ def fill_dp(par: ParallelConfig, dp_given: bool, world: int | None = None
     others = par.tp * par.cp * par.ep * par.pp
     if others < 1:  # an invalid degree: leave it for validate to name
         return par, world
+    if not dp_given and par.dp_shard and par.dp_replicate:  # dp = N·M
+        par = replace(par, dp=par.dp_shard * par.dp_replicate)
+        return par, (world if world is not None else par.world_size)
     if world is None:
         world = par.world_size if dp_given else others * max(1, DEFAULT_WORLD // others)
     if not dp_given:
@@ -822,6 +886,7 @@ __all__ = [
     "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "PRESETS", "DIMS", "AUTO",
     "auto_precision", "resolve_precision", "precision_of",
     "DEFAULT_WORLD", "preset", "validate", "check_values", "check_field", "check_count",
-    "check_outputs", "fill_dp", "flag_of", "read_toml", "load_toml", "dump_toml", "as_dict",
+    "check_outputs", "fill_dp", "hybrid_problems", "flag_of", "read_toml", "load_toml",
+    "dump_toml", "as_dict",
     "field",
 ]

@@ -131,7 +131,8 @@ def fived_runner(name: str, cfg: Any, par: Any, train: Any, rank: int, world: in
         return m["params"] + m["grads"] + m["master"] + m["optimizer"]
 
     def wait() -> tuple[float, float]:
-        s = traffic.seconds_by_dim().get("dense", 0.0)
+        secs = traffic.seconds_by_dim()  # hybrid: the shard and the replicate groups
+        s = sum(secs.get(k, 0.0) for k in ("dense", "dense_shard", "dp_replicate"))
         b = sum(traffic.bytes_by_dim().values())
         traffic.reset()
         return s, b
@@ -262,6 +263,8 @@ def run_rank(rank: int, world: int, build: Callable, args: argparse.Namespace) -
     from ..config import ParallelConfig
 
     par = ParallelConfig(dp=world, bucket_mb=args.bucket_mb)
+    if getattr(args, "hsdp", 0):  # ``fived bench zero --hsdp N``: ZeRO over N, replicas across
+        par = ParallelConfig(dp=world, dp_shard=args.hsdp, zero=3, bucket_mb=args.bucket_mb)
     runners = build(cfg, par, train, args, rank, world, batch)
     for r in runners:
         for i in range(max(1, args.warmup)):
@@ -345,12 +348,23 @@ def report(doc: dict) -> None:
 
 @schema.json_stdout
 def main(argv: list[str], kind: str, build: Callable, hidden: Callable[[list[dict]], dict],
-         peer: str, what: str, description: str, variant: str | None = None) -> int:
-    """Parse the common arguments, run ``build``'s variants on ``--nprocs`` ranks, report
-    against ``peer`` with ``hidden(rows)`` as the comm-hidden column."""
+         peer: str | Callable[[argparse.Namespace], str], what: str, description: str,
+         variant: str | None = None,
+         more_args: Callable[[argparse.ArgumentParser], None] | None = None,
+         check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None
+         ) -> int:
+    """Parse the common arguments (and ``more_args``'s; ``check`` refuses bad values with
+    exit 2), run ``build``'s variants on ``--nprocs`` ranks, report against ``peer`` (or
+    ``peer(args)``) with ``hidden(rows)`` as the comm-hidden column."""
     ap = argparse.ArgumentParser(prog=f"fived bench {kind}", description=description)
     common_args(ap)
+    if more_args is not None:
+        more_args(ap)
     args = flags.parse(ap, argv)
+    if check is not None:
+        check(ap, args)
+    if callable(peer):
+        peer = peer(args)
     print(HEADER.format(name=kind, what=what, n=args.nprocs,
                         model=f"h{args.hidden}·l{args.layers}·s{args.seq_len}", reps=args.reps,
                         steps=args.steps), flush=True)

@@ -308,6 +308,8 @@ def _share(p, keys) -> str:
 def _flags(p) -> str:
     par = p.par
     out = [f"--{d} {par.degree(d)}" for d in ("tp", "cp", "ep", "pp", "dp") if par.degree(d) > 1]
+    if par.hybrid:
+        out.append(f"--dp-shard {par.shard_degree}")
     if par.zero:
         out.append(f"--zero {par.zero}")
     if par.pp > 1 and par.schedule != "1f1b":

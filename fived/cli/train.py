@@ -153,6 +153,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(["--dry-run with --doc-mask: the dry run's fake tensors hold no "
                            "documents; price masked attention with `fived ledger --doc-len`"])
     if args.dry_run:
+        if train.memory_trace:
+            raise ConfigError(["--memory-trace with --dry-run: the dry run always traces "
+                               "(its metrics hold peak_per_rank); drop --memory-trace"])
         return dry_run(model, par, train, args, precision)
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
         print(f"fived train: {precision} · {model.name} · {par.describe()} · {world} rank(s) · "

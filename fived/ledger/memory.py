@@ -124,8 +124,10 @@ def shard_real(numel: int, n: int, index: int) -> int:
 
 
 def group_sizes(par: ParallelConfig) -> dict[str, int]:
-    """Sizes of the derived gradient groups: dense = dp·ep·cp, expert = dp·cp."""
-    return {"dense": par.dp * par.ep * par.cp, "expert": par.dp * par.cp}
+    """Sizes of the groups ZeRO shards over: dense = dp·ep·cp, expert = dp·cp; with hybrid
+    sharding (``--dp-shard N``) their shard parts, N·ep·cp and N·cp (states ÷ N, not dp)."""
+    n = par.shard_degree
+    return {"dense": n * par.ep * par.cp, "expert": n * par.cp}
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,12 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
 * **transients**, each by name, sized from the layout and the runtime code that makes it:
 
   ========================  ==============================================================
-  ``loss_backward``         the last stage's B: the loss's backward makes the fp32 softmax
-                            and its gradient, 2 · tokens · V/tp · 4 (``fived.model.llama``'s
-                            ``vocab_parallel_loss`` / cross-entropy), while every saved
-                            activation is still alive
+  ``loss_forward``          the last stage's F: the loss's fp32 shifted logits and their
+                            exponentials, 2 · tokens · V/tp · 4, beside the saved logits
+  ``loss_backward``         the last stage's B: the fp32 exponentials and the fp32 gradient
+                            of the logits (2 · tokens · V/tp · 4) and, in bf16/fp16, that
+                            gradient cast to the compute dtype (+ e · tokens · V/tp), while
+                            every saved activation is still alive
   ``block_backward``        every B: the first block's backward, its MLP working set: the
                             block output's gradient (tokens · h/sp · e) and four
                             tokens · ffn/tp tensors in the compute dtype (the down
@@ -129,6 +131,14 @@ def step_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> f
     return 2 * 8 * micro_batch * par.micro_batches * s_local + 8 * s_local
 
 
+def loss_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
+    """The loss's backward: the fp32 exponentials and the fp32 gradient of the logits
+    (tokens · V/tp each), and in bf16/fp16 the gradient cast to the compute dtype."""
+    tokens = micro_batch * m.seq_len / par.cp
+    e = act_bytes(par)
+    return tokens * m.vocab / par.tp * (8 + (e if e != 4 else 0))
+
+
 def clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
     """One float64 copy of the largest chunk of a gradient piece the norm reads (a piece is
     one parameter's part of the rank's shard)."""
@@ -166,12 +176,22 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     live = dict.fromkeys(stages, 0)
     saved = 0.0
     out: list[Phase] = []
-    for kind, mb, s in schedule_actions(par, pp_rank):
+    actions = schedule_actions(par, pp_rank)
+    last_b = max(i for i, a in enumerate(actions) if a[0] == "B")
+    for i, (kind, mb, s) in enumerate(actions):
         if kind == "F":
             live[s] += 1
             saved += per[s]
         t: dict[str, float] = dict(inflight) if kind in ("F", "B") else {}
         nth = 0 if mb == 0 else (-1 if mb == par.micro_batches - 1 else 1)
+        if kind == "F" and s == n_stages - 1:
+            t["loss_forward"] = 2 * tokens * m.vocab / par.tp * 4
+        elif kind == "F" and sp:  # a region opens (its gather) before the last one closes
+            t["sp_gather"] = 2 * inflight["sp_gather"] + tokens * m.hidden * e / par.tp
+        if kind == "B" and sp and s != n_stages - 1:  # the last forward's region (until
+            # the step's last backward), the backward's re-gather of x and the full-width
+            # input gradient before its reduce-scatter
+            t["sp_gather"] = (2 + (i < last_b)) * inflight["sp_gather"]
         if kind == "F" and zero:  # the loss's moment: the root gathered (ZeRO-3), the
             # gradient buffers of the earlier micro-batches held
             if moments is not None and moments[2]:
@@ -186,7 +206,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             block = block_backward_bytes(m, par, micro_batch) if stage_layers(m, par)[s] else 0
             t["block_backward"] = block
             if last:  # the loss's saved tensors are gone by the first block's backward
-                t["loss_backward"] = 2 * tokens * m.vocab / par.tp * 4
+                t["loss_backward"] = loss_backward_bytes(m, par, micro_batch)
                 gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
                            for k in ("final_norm", "logits"))
                 t["block_backward"] = max(0.0, block - gone)
@@ -220,10 +240,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     # after the step's last forward: the last column region's input (and under SP its gathered
     # copy) stays referenced until the next forward opens a region (``tensor.Columns``)
     after: dict[str, float] = {}
-    if par.tp > 1:
-        after["tp_last_input"] = tokens * m.hidden * e / (par.tp if sp else 1)
-        if sp:
-            after["sp_gather"] = inflight["sp_gather"]
+    if par.tp > 1:  # under SP the last stage keeps two shards (the final norm's region)
+        shards = 2 if sp and n_stages - 1 in stages else 1
+        after["tp_last_input"] = shards * tokens * m.hidden * e / (par.tp if sp else 1)
     end = float(moments[1]) if moments is not None else zero
     out.append(Phase("reduce", kept, 0.0, {**after, "zero_buffers": end} if zero else after))
     out.append(Phase("clip", kept, 0.0, {**after, "clip": clip_bytes(m, par, pp_rank)}))

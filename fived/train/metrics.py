@@ -135,6 +135,13 @@ def summary_table(history: list[dict[str, Any]], totals: Any = None) -> Table:
         t.add_row("build time (max rank)", f"{max(r.get('build_s', 0) for r in rss):.2f} s")
         t.add_row("peak RSS after build (max rank)", human_bytes(max(r["build"] for r in rss)))
         t.add_row("peak RSS, run (max rank)", human_bytes(max(r["peak"] for r in rss)))
+    traced = history[-1].get("memory_trace_per_rank")
+    if traced:  # measured live tensor bytes (not the process's RSS), against the ledger's peak
+        worst = max(range(len(traced)), key=traced.__getitem__)
+        t.add_row(f"peak live tensors, rank {worst} (traced)", human_bytes(traced[worst]))
+        ledger_peaks = history[-1].get("ledger_peak_per_rank")
+        if ledger_peaks:
+            t.add_row("  the ledger's peak (step), that rank", human_bytes(ledger_peaks[worst]))
     per_dim: dict[str, float] = {}
     for rank_traffic in history[-1]["traffic_per_rank"]:
         for dim, b in rank_traffic["bytes"].items():
@@ -262,6 +269,13 @@ class MetricsProcessor:
         rec["traffic"], rec["traffic_per_rank"] = traffic[0]["bytes"], traffic
         rec["rss_peak"] = max(r["peak"] for r in t.rss)  # VmHWM, the largest rank
         rec["rss_per_rank"] = t.rss
+        if t.trace is not None:  # --memory-trace: every rank's peak live tensor bytes
+            from ..ledger.verify import predict_peak
+
+            rec["memory_trace_per_rank"] = t.traced
+            rec["ledger_peak_per_rank"] = [
+                predict_peak(t.cfg, t.par, self.train.global_batch, r, self.train.optimizer)
+                for r in range(t.world)]
         rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
         rec["mfu"] = mfu_of(self.flops_per_token, rec["tokens_per_s"], self.peak_flops)
         if t.device.type == "cuda":  # measured, next to the ledger's (gpu_check.sh)

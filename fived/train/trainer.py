@@ -72,6 +72,11 @@ class Trainer:
         # the engine then allocates this rank's flat buffers on its device and ``source``
         # fills each piece (drawn from (seed, name) block by block, or read as a slice of the
         # Hugging Face files); resume overwrites them from the checkpoint's slices
+        self.trace = None  # --memory-trace: every storage's life, from the build on
+        if train.memory_trace:
+            from .memtrace import LiveTensors
+
+            self.trace = LiveTensors().__enter__()
         t0 = time.perf_counter()  # the build (after the grid is connected)
         model = build_model(model_cfg, train.seed, dtype_of(par.precision), "meta", init=False)
         source = None
@@ -224,10 +229,16 @@ class Trainer:
 
     def step(self, step: int, on_grads: Any = None) -> dict[str, Any]:
         """One optimizer step; ``on_grads()`` (tests) runs once the gradients are reduced."""
+        if self.trace is not None:
+            self.trace.restart()
         self.traffic.reset()
         t0 = time.perf_counter()
         waited = self.loader.wait_s if self.loader is not None else 0.0
-        x, y, positions = self.local_data(step)
+        if self.trace is not None:
+            with self.trace.untracked():
+                x, y, positions = self.local_data(step)
+        else:
+            x, y, positions = self.local_data(step)
         self.next_step = step + 1
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
         self.engine.zero_grad()
@@ -267,6 +278,9 @@ class Trainer:
                                        self.world_metrics, global_tokens, seconds, self.traffic)
         for extra in after:  # the balancer's: this rank's layers' global counts and biases
             rec["moe"].update(extra)
+        if self.trace is not None:
+            rec["trace_peak"], rec["trace_phase"] = self.trace.step_peak()
+            rec["trace_phases"] = self.trace.by_phase()[1:]
         return rec
 
     def forward_only(self, x, y, positions) -> torch.Tensor:
@@ -322,6 +336,9 @@ class Trainer:
             if ld is not None:
                 ld.close()
         self.engine.close()
+        if self.trace is not None:
+            self.trace.__exit__(None, None, None)
+            self.trace = None
 
     def loss_by_source(self, step: int) -> dict[str, float | None]:
         """A mixture's step loss per source (mean CE over the source's rows' tokens; None for a
@@ -356,6 +373,7 @@ class Trainer:
         row = [float(mem.get(k, 0)) for k in MEMORY_KEYS]
         row += [float(by_dim.get(k, 0.0)) for k in TRAFFIC_KEYS]
         row += [float(secs.get(k, 0.0)) for k in TRAFFIC_KEYS]
+        row += [float(self.trace.step_peak()[0] if self.trace is not None else 0)]
         row += [float(self.build_rss), float(rss_peak()), self.build_seconds]
         vec = torch.tensor(row, dtype=torch.float64, device=self.device)
         out = torch.zeros(self.world * vec.numel(), dtype=torch.float64, device=self.device)
@@ -365,9 +383,10 @@ class Trainer:
         mems = [dict(zip(MEMORY_KEYS, map(int, r[:nm]))) for r in rows]
         traffic = [
             {"bytes": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm:nm + nt]) if v},
-             "seconds": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm + nt:-3]) if v}}
+             "seconds": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm + nt:-4]) if v}}
             for r in rows
         ]
+        self.traced = [int(r[-4]) for r in rows]  # --memory-trace: each rank's step peak
         # peak resident bytes per rank: after the build, and so far (the run's peak)
         self.rss = [{"build": int(r[-3]), "peak": int(r[-2]), "build_s": r[-1]} for r in rows]
         return mems, traffic

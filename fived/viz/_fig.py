@@ -27,7 +27,7 @@ from typing import Any
 
 #: the parts of the series, in reading order (module names under fived.viz)
 PARTS = ("overview", "collectives", "ddp", "zero", "fsdp", "tensor", "context", "bubbles",
-         "numerics", "optimizers")
+         "numerics", "optimizers", "memory")
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3",
           "#8C8C8C", "#CCB974", "#64B5CD"]

@@ -38,6 +38,7 @@ PART_TITLES = {
     "context": "Part 6 — sequence and context parallelism", "bubbles": "Part 7 — bubbles",
     "numerics": "Part 8 — numerics: what bf16 and fp16 lose, what stays fp32",
     "optimizers": "Part 9 — optimizers in a sharded world",
+    "memory": "Part 10 — memory: one step's live bytes, the ledger beside the dry run",
     "layout": "One layout",
 }
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}

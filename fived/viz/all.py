@@ -1,4 +1,4 @@
-"""Every figure of the series: the overview and parts 1–9, in reading order, with a progress bar.
+"""Every figure of the series: the overview and parts 1–10, in reading order, with a progress bar.
 
 ``fived figures all --out DIR [--quick] [--parts overview,zero,...]`` runs each part's module
 (``fived figures PART`` does one) and writes, besides each figure's PNG, SVG and JSON,
