@@ -48,13 +48,26 @@ class Loader:
         if batch % replicas:
             raise ValueError(f"global batch {batch} is not divisible by {replicas} replicas")
         self.per = batch // replicas
-        self.tokens = self.data.tokens(split)
-        self.windows = (len(self.tokens) - 1) // seq_len
+        shards = self.data.shards(split)
+        self.sharded = len(shards) > 1
+        if self.sharded:  # --shard-mb: windows within each shard (fived.data.loader docstring)
+            self.tokens = None
+            self.counts = np.asarray([max(0, (int(sh["tokens"]) - 1) // seq_len)
+                                      for sh in shards], dtype=np.int64)
+            self.base = np.concatenate([[0], np.cumsum(self.counts)])  # shard j's first id
+            self.windows = int(self.counts.sum())
+            self._shard_perms: dict[tuple[int, int], np.ndarray] = {}
+            self._shard_offsets: dict[int, np.ndarray] = {}
+        else:
+            self.tokens = self.data.tokens(split)
+            self.windows = (len(self.tokens) - 1) // seq_len
         if self.windows < 1:
             raise ValueError(f"{split}: {len(self.tokens)} tokens hold no sequence of "
                              f"{seq_len + 1}")
         # --doc-mask: the split's document offsets (already on disk: no pass over the tokens)
-        self.offsets = self.data.documents(split) if documents else None
+        self.documents_on = documents
+        self.offsets = (self.data.documents(split) if documents and not self.sharded
+                        else None)
         self.prefetch = max(1, prefetch)
         self.device = torch.device(device) if device is not None else None
         self._perms: dict[int, np.ndarray] = {}
@@ -74,11 +87,37 @@ class Loader:
             self._perms[epoch] = p
         return p
 
+    def _sharded_window(self, epoch: int, r: int) -> int:
+        """Position ``r`` of epoch ``epoch`` in a sharded split: the shards in the order
+        ``default_rng([seed, epoch]).permutation(shards)``, each shard's windows in the order
+        ``default_rng([seed, epoch, j + 1]).permutation(its windows)`` — a permutation of every
+        window, held one shard at a time. Returns the global window id (shard base + local)."""
+        order = self._shard_order(epoch)
+        ends = np.cumsum(self.counts[order])
+        t = int(np.searchsorted(ends, r, side="right"))
+        j = int(order[t])
+        local = r - (int(ends[t - 1]) if t else 0)
+        key = (epoch, j)
+        p = self._shard_perms.get(key)
+        if p is None:
+            p = np.random.default_rng([self.seed, epoch, j + 1]).permutation(int(self.counts[j]))
+            if len(self._shard_perms) >= 2:
+                self._shard_perms.pop(next(iter(self._shard_perms)))
+            self._shard_perms[key] = p
+        return int(self.base[j]) + int(p[local])
+
+    def _shard_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.counts))
+
     def sequence_ids(self, step: int, rows: slice = slice(None)) -> np.ndarray:
         """The window ids of global batch ``step`` (rows ``rows`` of it)."""
         i = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)[rows]
         if not self.shuffle:
             return i % self.windows
+        if self.sharded:
+            return np.asarray([self._sharded_window(int(x) // self.windows,
+                                                    int(x) % self.windows) for x in i],
+                              dtype=np.int64)
         out = np.empty_like(i)
         epochs = i // self.windows
         for e in np.unique(epochs):
@@ -95,6 +134,8 @@ class Loader:
         the split, from the ``.idx.npy`` offsets: a document's EOS is its last token)."""
         L = self.seq_len
         seqs = np.empty((len(ids), L + 1), dtype=np.int64)
+        if self.sharded:
+            return self._read_sharded(ids, seqs)
         for r, k in enumerate(ids.tolist()):
             seqs[r] = self.tokens[k * L:k * L + L + 1]
         t = torch.from_numpy(seqs)
@@ -104,6 +145,25 @@ class Loader:
         starts = np.asarray(ids, dtype=np.int64)[:, None] * L + np.arange(L, dtype=np.int64)
         docs = np.searchsorted(self.offsets, starts, side="right") - 1
         return x, y, torch.from_numpy(docs.astype(np.int64))
+
+    def _read_sharded(self, ids: np.ndarray, seqs: np.ndarray) -> tuple[torch.Tensor, ...]:
+        L = self.seq_len
+        docs = np.empty((len(ids), L), dtype=np.int64) if self.documents_on else None
+        for r, g in enumerate(ids.tolist()):
+            j = int(np.searchsorted(self.base, g, side="right")) - 1
+            k = g - int(self.base[j])
+            seqs[r] = self.data.shard_tokens(self.split, j)[k * L:k * L + L + 1]
+            if docs is not None:
+                offs = self._shard_offsets.get(j)
+                if offs is None:
+                    offs = self.data.shard_documents(self.split, j)
+                    if len(self._shard_offsets) >= 2:
+                        self._shard_offsets.pop(next(iter(self._shard_offsets)))
+                    self._shard_offsets[j] = offs
+                docs[r] = np.searchsorted(offs, k * L + np.arange(L), side="right") - 1
+        t = torch.from_numpy(seqs)
+        x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        return (x, y) if docs is None else (x, y, torch.from_numpy(docs))
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(self.sequence_ids(step))

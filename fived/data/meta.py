@@ -151,11 +151,12 @@ def check_data_run(model: ModelConfig, seq_len: int, train: Any) -> dict[str, An
     for d in dirs:  # a file the loader would open on every rank, missing: say so here
         m = read_meta(d)
         for split, info in m["splits"].items():
-            for key in ("file", "index"):
-                f = Path(d) / info.get(key, "")
-                if int(info.get("tokens", 0)) and not f.is_file():
-                    problems.append(f"--data {d}: {f} ({split} split) is missing; prepare "
-                                    "the directory again")
+            for sh in info.get("shards", [info]):
+                for key in ("file", "index"):
+                    f = Path(d) / sh.get(key, "")
+                    if int(sh.get("tokens", 0)) and not f.is_file():
+                        problems.append(f"--data {d}: {f} ({split} split) is missing; prepare "
+                                        "the directory again")
     if meta["splits"]["train"]["tokens"] < seq_len + 1:
         problems.append(f"--data {train.data}: {meta['splits']['train']['tokens']} training "
                         f"tokens, fewer than one sequence of {seq_len + 1}; add text")
