@@ -73,7 +73,8 @@ def summary(path: str, meta: dict, note: str = "") -> None:
                                 ("file", "l")])
     for s in ("train", "val"):
         info = meta["splits"][s]
-        t.add_row(s, fmt_n(info["documents"]), fmt_n(info["tokens"]), info["file"])
+        where = info.get("file") or f"{len(info['shards'])} shards"  # --shard-mb
+        t.add_row(s, fmt_n(info["documents"]), fmt_n(info["tokens"]), where)
     show(con, t)
     tok = meta["tokenizer"]
     con.print(f"tokenizer {tok['kind']} {tok['hash'][:12]}: {meta['vocab']} symbols (EOS "
