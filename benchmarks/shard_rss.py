@@ -40,10 +40,10 @@ def corpus(path: Path, mb: int, seed: int = 0) -> None:
 def child_peak(cmd: list[str]) -> tuple[int, float]:
     """(peak RSS in bytes of the command's process, seconds)."""
     code = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-            "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL); "
+            "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=sys.stderr); "
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
             "time.perf_counter() - t, r.returncode)")
-    out = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code, *cmd], stdout=subprocess.PIPE, text=True,
                          check=True).stdout.split()
     assert out[2] == "0", cmd
     return int(out[0]) * 1024, float(out[1])

@@ -62,6 +62,7 @@ def test_an_epoch_visits_every_window_once(sharded):
 
 
 def test_sharded_data_trains_the_same_on_dp2_as_on_one_rank(sharded):
+    """Time: a one-rank and a dp2 run (26 s under load, 9 s quiet)."""
     model = model_for_data(preset("tiny"), sharded[0])
     train = small_train(steps=2, data=sharded[0], doc_mask=True)
     check_parity(train_runs([(model, ParallelConfig(dp=2), train)], timeout=600)[0],
@@ -77,3 +78,9 @@ def test_a_missing_shard_exits_2(sharded, tmp_path):
     err = cli_exits_2(["train", "--data", str(d), "--steps", "1", "--nprocs", "1",
                        "--metrics-out", str(tmp_path / "m")], "--data", tmp_path / "m")
     assert "train-00002.bin" in err
+
+
+def test_a_negative_shard_size_exits_2(tmp_path):
+    src = write_documents(tmp_path / "in", n=20)
+    cli_exits_2(["data", "prepare", str(src), "--out", str(tmp_path / "o"), "--shard-mb", "-1"],
+                "--shard-mb", tmp_path / "o")
