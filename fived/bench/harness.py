@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 HEADER = "fived bench {name}: {what} — {n} ranks, model {model}, {reps} reps × {steps} steps"
@@ -50,7 +51,7 @@ def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reps", type=int, default=5, help="alternating repetitions (median)")
     flags.add_flag(ap, "steps", default=3, help="timed optimizer steps per repetition")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    flags.add_flag(ap, "bucket_mb", default=25.0, help="gradient bucket size in MB, fived and "
+    flags.add_flag(ap, "bucket_mb", default=25.0, help="gradient bucket size in MiB, fived and "
                    "torch alike")
     ap.add_argument("--json", action="store_true", help="print the fived.bench JSON document "
                     "(docs/benchmarks.md) as the last line")
@@ -330,14 +331,14 @@ def report(doc: dict) -> None:
 
     peer = next((r["implementation"] for r in doc["rows"] if r["peer"]), "?")
     t = Table(title=f"medians over the repetitions; ratio = paired median vs {peer}")
-    for c in ("implementation", "step ms", "ratio", "optim ms", "state MB", "sent MB",
+    for c in ("implementation", "step ms", "ratio", "optim ms", "state MiB", "sent MiB",
               "hidden"):
         t.add_column(c, justify="right" if c != "implementation" else "left")
     for r in doc["rows"]:
         h = r["extra"].get("comm_hidden")
         t.add_row(r["implementation"], f"{r['step_s'] * 1e3:.1f}", f"{r['ratio']:.2f}×",
-                  f"{r['optimizer_s'] * 1e3:.2f}", f"{r['state_bytes'] / 1e6:.2f}",
-                  "-" if r["bytes_sent"] is None else f"{r['bytes_sent'] / 1e6:.2f}",
+                  f"{r['optimizer_s'] * 1e3:.2f}", f"{r['state_bytes'] / 2**20:.2f}",
+                  "-" if r["bytes_sent"] is None else f"{r['bytes_sent'] / 2**20:.2f}",
                   "-" if h is None else f"{h:.0%}")
     Console(width=80).print(t)
     print(textwrap.fill("state = params + grads + master + optimizer bytes per rank; sent = bytes one rank "
@@ -356,7 +357,7 @@ def main(argv: list[str], kind: str, build: Callable, hidden: Callable[[list[dic
     """Parse the common arguments (and ``more_args``'s; ``check`` refuses bad values with
     exit 2), run ``build``'s variants on ``--nprocs`` ranks, report against ``peer`` (or
     ``peer(args)``) with ``hidden(rows)`` as the comm-hidden column."""
-    ap = argparse.ArgumentParser(prog=f"fived bench {kind}", description=description)
+    ap = Parser(prog=f"fived bench {kind}", description=description)
     common_args(ap)
     if more_args is not None:
         more_args(ap)
@@ -365,9 +366,11 @@ def main(argv: list[str], kind: str, build: Callable, hidden: Callable[[list[dic
         check(ap, args)
     if callable(peer):
         peer = peer(args)
-    print(HEADER.format(name=kind, what=what, n=args.nprocs,
-                        model=f"h{args.hidden}·l{args.layers}·s{args.seq_len}", reps=args.reps,
-                        steps=args.steps), flush=True)
+    from ..ui.report import fold
+
+    print(fold(HEADER.format(name=kind, what=what, n=args.nprocs,
+                             model=f"h{args.hidden}·l{args.layers}·s{args.seq_len}",
+                             reps=args.reps, steps=args.steps), indent="  "), flush=True)
     from ..ranks.launch import run_local, threads_per_rank
 
     t0 = time.perf_counter()

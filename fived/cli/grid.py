@@ -6,10 +6,11 @@ import argparse
 
 from ..config import DIMS, ConfigError, check_count, check_values, fill_dp, hybrid_problems
 from ..ui import flags, report
+from ..ui.args import Parser
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived grid", description="Print every rank's coordinate in each dimension and "
         "the ranks of its groups; warn when a group crosses a node boundary.",
         epilog="examples:\n  fived grid --tp 2 --pp 2 --dp 2 --gpus-per-node 4\n"

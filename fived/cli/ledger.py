@@ -21,6 +21,7 @@ from ..config import (
     validate,
 )
 from ..ui import flags, report
+from ..ui.args import Parser
 from ..ui.report import fmt_b, fmt_n, fmt_s, parse_count
 
 LEDGER_EXAMPLES = """examples:
@@ -185,7 +186,7 @@ def _given_batch(args: argparse.Namespace, res: flags.Resolved) -> int:
 
 # ------------------------------------------------------------------------ fived ledger
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived ledger", description="The full memory / FLOPs / traffic / time breakdown "
         "of one layout.", epilog=LEDGER_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)

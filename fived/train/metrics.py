@@ -13,11 +13,10 @@ from rich.table import Table
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+    """``fived.ledger.memory.fmt_bytes``: binary units, as every command prints bytes."""
+    from ..ledger.memory import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 class LiveDisplay:
@@ -249,10 +248,12 @@ class MetricsProcessor:
 
             self.tb = TensorBoard(train.tensorboard)
         if peak_flops == MEASURE_PEAK:  # the MFU denominator: every rank's threads, at once
+            if rank == 0 and show:
+                print("measuring the matmul peak (every rank at once, 0.25 s) ...", flush=True)
             peak_flops = measure_world_peak(t.world, t.device)
             if rank == 0 and show:
                 print(f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s ({t.world} rank(s) measured at "
-                      "once, summed: the MFU denominator)", flush=True)
+                      "once, summed:\n  the MFU denominator); step 1 ...", flush=True)
         self.peak_flops = peak_flops
         if rank == 0 and show:
             self.display = LiveDisplay(t.cfg, t.par, train, t.world, peak_flops)

@@ -406,6 +406,10 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     from .resilience import BadSteps, History, Preemption
 
     torch.manual_seed(train.seed)
+    # what rank 0 is doing between `fived train`'s first line and step 1, as it starts each part
+    say = (lambda text: print(text, flush=True)) if show and rank == 0 else (lambda text: None)
+    say(f"{world} rank(s) up; building {model_cfg.name} and its layout on each ...")
+    t0 = time.perf_counter()
     # caught from here on: a signal while the model is built or loaded acts after step one
     preempt = Preemption(train.preempt_signals, rank_device(), world)
     try:
@@ -413,6 +417,8 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     except BaseException:
         preempt.close()
         raise
+    say(f"built in {time.perf_counter() - t0:.1f} s"
+        + (f"; loading {train.resume} ..." if train.resume else ""))
     ckpt, run_hooks = CheckpointManager(trainer, train, show), Hooks(hooks)
     start = ckpt.resume()
     metrics = MetricsProcessor(trainer, train, show, peak_flops, start)

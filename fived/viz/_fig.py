@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..ui.args import Parser
+
 #: the parts of the series, in reading order (module names under fived.viz)
 PARTS = ("overview", "collectives", "ddp", "zero", "fsdp", "tensor", "context", "bubbles",
          "numerics", "optimizers", "memory")
@@ -120,8 +122,8 @@ def part_main(part: str, build: Callable, doc: str | None) -> Callable[[list[str
     def main(argv: list[str] | None = None) -> int:
         import sys
 
-        ap = argparse.ArgumentParser(prog=f"fived figures {part}", description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap = Parser(prog=f"fived figures {part}", description=doc,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
         add_args(ap)
         a = ap.parse_args(sys.argv[1:] if argv is None else argv)
         print(f"fived figures {part}: writing to {a.out}/" + (" (quick)" if a.quick else ""),

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from ._fig import PARTS, Figure, save
 
 PART_TITLES = {
@@ -196,8 +197,8 @@ def draw_measured(d: dict[str, Any], f: Any) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fived report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="fived report", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="report", metavar="DIR",
                     help="folder for index.html and the figure files (default ./report)")
     ap.add_argument("--from", dest="src", default=None, metavar="FIGDIR",

@@ -330,9 +330,10 @@ LAYOUT_FLAGS = ("model", "seq_len", "mlp", "positions", "norm", "bias", "tp", "c
 
 def parser() -> argparse.ArgumentParser:
     from ..ui import flags
+    from ..ui.args import Parser
 
-    ap = argparse.ArgumentParser(prog="fived figures memory", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="fived figures memory", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)
     ap.add_argument("--rank", type=int, default=None, metavar="R",
                     help="the rank drawn (default: the pipeline rank with the highest ledger "
