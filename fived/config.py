@@ -21,6 +21,7 @@ stay free of torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -381,6 +382,7 @@ def precision_of(par: ParallelConfig) -> str:
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
 
 
+@functools.lru_cache(maxsize=None)
 def flag_of(section: str, name: str) -> str:
     """The command-line name of a field ("" for a TOML-only one): ``--global-batch``."""
     f = {f.name: f for f in fields(_SECTIONS[section])}[name]

@@ -189,16 +189,25 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     """The engine's flat buckets, in launch order (``fived.parallel.data``): parameters in
     reverse registration order, split by reduction group, then (ZeRO 0–2) into runs of at most
     ``bucket_mb`` MiB of gradient; ZeRO-3 makes one bucket per (block, group), last block first,
-    then the root (embedding, final norm, head)."""
-    from .params import param_list
-
-    plist = list(reversed(param_list(m, par, pp_rank)))
+    then the root (embedding, final norm, head). The runs (``_bucket_runs``) do not depend on
+    dp, cp or the ZeRO stage below 3: the search shares them."""
     sizes = group_sizes(par)
 
     def shards(g: str) -> int:
         return sizes[g] if par.zero and sizes[g] > 1 else 1
 
-    out: list[Bucket] = []
+    runs = _bucket_runs(m, replace(par, dp=1, cp=1, zero=3 if par.zero == 3 else 0), pp_rank)
+    return tuple(Bucket(g, n, shards(g), u) for g, n, u in runs)
+
+
+@lru_cache(maxsize=1024)
+def _bucket_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
+                 ) -> tuple[tuple[str, int, int], ...]:
+    """(group, elements, ZeRO-3 unit) of each of ``_buckets``' buckets, in launch order."""
+    from .params import param_list
+
+    plist = list(reversed(param_list(m, par, pp_rank)))
+    out: list[tuple[str, int, int]] = []
     if par.zero == 3:
         units: dict[int, list[tuple[str, int, bool]]] = {}
         unit = zero3_unit(m, par)
@@ -210,14 +219,14 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
             for _, n, ex in units[u]:
                 g = "expert" if ex else "dense"
                 by[g] = by.get(g, 0) + n
-            out += [Bucket(g, n, shards(g), u) for g, n in by.items()]
+            out += [(g, n, u) for g, n in by.items()]
         return tuple(out)
     cap = max(1, int(par.bucket_mb * 2**20 / grad_bytes(par)))
     groups: dict[str, list[int]] = {}
     for _, n, ex in plist:
         groups.setdefault("expert" if ex else "dense", []).append(n)
     for g, ns in groups.items():
-        out += [Bucket(g, sum(piece), shards(g)) for piece in split_sizes(ns, cap)]
+        out += [(g, sum(piece), -1) for piece in split_sizes(ns, cap)]
     return tuple(out)
 
 

@@ -58,8 +58,27 @@ from . import bubble as bubble_formulas
 from . import compute as flops
 from . import roofline as roofline_model
 from .hardware import Hardware, collective_seconds
-from .memory import FUSED, ActivationOptions, RankMemory, largest_rank, states_floor
-from .params import layer_kinds, rank_layer_ids, rank_layers, rank_moe_layers, rank_stages
+from .memory import (
+    FUSED,
+    OPTIMIZER_BYTES,
+    ActivationOptions,
+    RankMemory,
+    candidate_ranks,
+    grad_bytes,
+    group_sizes,
+    largest_rank,
+    master_bytes,
+    param_bytes,
+    states_floor,
+)
+from .params import (
+    layer_kinds,
+    rank_layer_ids,
+    rank_layers,
+    rank_moe_layers,
+    rank_params,
+    rank_stages,
+)
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
 GPU_ACTIVATIONS = FUSED
@@ -406,27 +425,63 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                     yield par, b
 
 
+def memory_bound(m: ModelConfig, par: ParallelConfig, micro_batch: int | None = None,
+                 optimizer: str = "adamw", opts: ActivationOptions = GPU_ACTIVATIONS) -> float:
+    """A lower bound on ``memory.largest_rank(...).total`` in closed form: for each compared
+    rank, its parameters (``params.rank_params``) times the bytes per element its ZeRO stage
+    keeps, without the buckets' padding (never negative) and, for an optimizer other than
+    AdamW, without its state; with ``micro_batch``, plus the rank's activations (exact: they
+    do not depend on the buckets); the communication buffers (never negative) left out. The
+    search drops a layout above the device with this alone, before the buckets (tens of
+    thousands of tensors for a large MoE) are cut and the ZeRO buffers replayed."""
+    from .memory import activations
+
+    z = par.zero
+    pb, gb, mb = param_bytes(par), grad_bytes(par), master_bytes(par)
+    ob = OPTIMIZER_BYTES if optimizer == "adamw" else 0
+    sizes = group_sizes(par)
+    best = 0.0
+    for r in candidate_ranks(par):
+        rp = rank_params(m, par, r)
+        total = 0.0
+        for numel, group in ((rp.dense, "dense"), (rp.expert, "expert")):
+            n = sizes[group] if z and sizes[group] > 1 else 1
+            total += numel * (pb * (1 if z < 3 else 1 / n) + gb * (1 if z <= 1 else 1 / n)
+                              + (mb + ob) * (1 if z == 0 else 1 / n))
+        if micro_batch is not None:
+            total += sum(activations(m, par, micro_batch, r, opts).values())
+        best = max(best, total)
+    return best
+
+
 def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
          gpus_per_node: int | None = None, efficiency: float | None = None,
          memory_fraction: float = 0.9, top: int = 10, optimizer: str | tuple[str, ...] = "adamw",
          clock: roofline_model.ClockOptions | None = None,
-         progress: Callable[[int, int], None] | None = None, **space) -> PlanResult:
+         progress: Callable[[int, int | None], None] | None = None, **space
+         ) -> PlanResult:
     """Every layout that fits, fastest first (``ranked``), with what was discarded;
     ``optimizer``: one ``--optimizer`` or several, each layout evaluated with each;
-    ``progress(done, total)``: called as the layouts are evaluated (about every 1 %).
+    ``progress(done, total)``: called as the layouts are enumerated (``total`` None, every
+    500) and as they are evaluated (about every 1 %).
 
-    A layout whose model states alone exceed the device (``memory.states_floor``) is out of
-    memory without its activations, traffic or clock being worked out; only when no layout
-    fits are those evaluated in full, for the smallest that does not fit."""
+    A layout whose model states and activations alone exceed the device (``memory_bound``,
+    then ``memory.states_floor``) is out of memory without its buffers, traffic or clock
+    being worked out: the same answer as evaluating it, since both are lower bounds. Only
+    when no layout fits are those evaluated in full, in the order of their bounds until the
+    bound passes the smallest found, for the smallest that does not fit."""
     optimizers = (optimizer,) if isinstance(optimizer, str) else tuple(optimizer)
     gpn = gpus_per_node or hw.gpus_per_node
     counts: dict[str, int] = {}
     fits: list[Prediction] = []
-    unfit: list[tuple[int, Prediction]] = []  # (place in the search, prediction)
-    floored: list[int] = []
+    floored: list[tuple[float, int]] = []  # out of memory: (bytes or a lower bound, place)
     cap = hw.memory * memory_fraction
-    jobs = [(par, opt) for par, _b in candidates(m, gpus, gpn, global_batch, counts=counts,
-                                                 **space) for opt in optimizers]
+    jobs = []
+    for k, (par, _b) in enumerate(candidates(m, gpus, gpn, global_batch, counts=counts,
+                                             **space)):
+        if progress and k % 500 == 0:
+            progress(k, None)  # still enumerating: the total is not known yet
+        jobs += [(par, opt) for opt in optimizers]
     every = max(1, len(jobs) // 100)
 
     def full(par: ParallelConfig, opt: str) -> Prediction:
@@ -436,20 +491,36 @@ def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
     for i, (par, opt) in enumerate(jobs):
         if progress and i % every == 0:
             progress(i, len(jobs))
-        if states_floor(m, resolve_precision(par, hw.gpu, hw.name)[0], opt) > cap:
-            floored.append(i)
+        # lower bounds first (closed form, then the cut buckets): a layout above the device
+        # by either is out of memory whatever its buffers, traffic or clock
+        rpar = resolve_precision(par, hw.gpu, hw.name)[0]
+        bound = memory_bound(m, rpar, micro_batch_size(rpar, global_batch), opt)
+        if bound <= cap:
+            bound = max(bound, states_floor(m, rpar, opt))
+        if bound > cap:
+            floored.append((bound, i))
             continue
-        pr = full(par, opt)
-        if pr.fits:
-            fits.append(pr)
-        else:
-            unfit.append((i, pr))
+        # the memory before the clock: a layout that does not fit needs no traffic or time
+        mem = largest_rank(m, rpar, micro_batch_size(rpar, global_batch), GPU_ACTIVATIONS, opt)
+        if mem.total > cap:
+            floored.append((mem.total, i))
+            continue
+        fits.append(full(par, opt))
     if progress:
         progress(len(jobs), len(jobs))
     smallest = None
-    if not fits:  # the smallest that does not fit, over every layout (the first of a tie)
-        unfit += [(i, full(*jobs[i])) for i in floored]
-        smallest = min(unfit, key=lambda ip: (ip[1].memory.total, ip[0]), default=(0, None))[1]
+    if not fits:  # the smallest that does not fit, over every layout (the first of a tie):
+        # in the order of their lower bounds until the bound passes the smallest found
+        best: tuple[float, int] | None = None
+        for bound, i in sorted(floored):
+            if best is not None and bound > best[0]:
+                break
+            par, opt = jobs[i]
+            rpar = resolve_precision(par, hw.gpu, hw.name)[0]
+            total = largest_rank(m, rpar, micro_batch_size(rpar, global_batch),
+                                 GPU_ACTIVATIONS, opt).total
+            best = min(best or (total, i), (total, i))
+        smallest = full(*jobs[best[1]]) if best else None
     counts["evaluated"] = len(jobs)
     if len(jobs) > len(fits):
         counts["out_of_memory"] = len(jobs) - len(fits)
