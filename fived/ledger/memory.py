@@ -127,7 +127,7 @@ def group_sizes(par: ParallelConfig) -> dict[str, int]:
     return {"dense": par.dp * par.ep * par.cp, "expert": par.dp * par.cp}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Bucket:
     """One flat buffer of the data-parallel engine: ``numel`` parameters reduced over ``group``,
     padded to ``padded`` (a multiple of ``shards`` = N under ZeRO, else numel)."""
@@ -256,7 +256,9 @@ def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int,
     z = par.zero
     out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "buffers": 0, "padding": 0.0}
     for b in buckets(m, par, pp_rank):
-        full, shard, pad, n = b.padded, b.shard, b.pad, b.shards
+        n = b.shards
+        full = b.padded
+        shard, pad = full // n, full - b.numel
         p_full = z < 3
         g_full = z <= 1
         s_full = z == 0  # master and Adam state
