@@ -382,7 +382,7 @@ def precision_of(par: ParallelConfig) -> str:
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flag_of(section: str, name: str) -> str:
     """The command-line name of a field ("" for a TOML-only one): ``--global-batch``."""
     f = {f.name: f for f in fields(_SECTIONS[section])}[name]

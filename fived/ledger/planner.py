@@ -330,13 +330,20 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
 
 
 # ------------------------------------------------------------------------ the search
-def cluster_batch(gpus: int, default: int, multiple: int = 1) -> int:
+CLUSTER_TOKENS = 4 * 2**20  # a GPU run's global batch when none is given: about 4M tokens
+
+
+def cluster_batch(gpus: int, default: int, multiple: int = 1, seq_len: int | None = None) -> int:
     """The global batch (sequences) of a cluster when none is given: ``fived plan`` and
     ``fived ledger`` alike. The training default (16 sequences) caps data parallelism at 16, so
     on a cluster the batch grows with it: a quarter of the GPUs rounded down to a power of two
-    (8,192 GPUs: 2,048 sequences, Llama 3's), at least ``default``, then rounded up to a
-    ``multiple`` (the ledger's fixed layout: dp·ep·micro-batches; the plan searches it: 1)."""
+    (8,192 GPUs: 2,048 sequences, Llama 3's), at least ``default``; with ``seq_len`` (a GPU
+    preset) at least ``CLUSTER_TOKENS`` tokens as a power of two of sequences (Llama 2's and
+    Llama 3's early batches: 4M tokens); then rounded up to a ``multiple`` (the ledger's fixed
+    layout: dp·ep·micro-batches; the plan searches it: 1)."""
     auto = max(default, 1 << max(0, (max(gpus, 1) // 4).bit_length() - 1))
+    if seq_len:
+        auto = max(auto, 1 << max(0, (CLUSTER_TOKENS // seq_len).bit_length() - 1))
     return -(-auto // multiple) * multiple
 
 
@@ -505,9 +512,11 @@ def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
         if mem.total > cap:
             floored.append((mem.total, i))
             continue
-        fits.append(full(par, opt))
+        fits.append((step_lower_bound(m, rpar, hw, global_batch, mem, efficiency, clock), i))
     if progress:
         progress(len(jobs), len(jobs))
+    fitting = [jobs[i][0] for _, i in fits]
+    fits = _cost(fits, fitting, lambda i: full(*jobs[i]), top)  # type: ignore[assignment]
     smallest = None
     if not fits:  # the smallest that does not fit, over every layout (the first of a tie):
         # in the order of their lower bounds until the bound passes the smallest found
@@ -522,13 +531,75 @@ def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
             best = min(best or (total, i), (total, i))
         smallest = full(*jobs[best[1]]) if best else None
     counts["evaluated"] = len(jobs)
-    if len(jobs) > len(fits):
-        counts["out_of_memory"] = len(jobs) - len(fits)
+    if len(jobs) > len(fitting):
+        counts["out_of_memory"] = len(jobs) - len(fitting)
     fits = rank_layouts(fits)
-    counts["fit"] = len(fits)
+    counts["fit"] = len(fitting)
+    counts["timed"] = len(fits)
     res = PlanResult(fits, counts, smallest)
     res.reasons = explain(fits)
     return res
+
+
+def step_lower_bound(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int,
+                     mem: RankMemory, efficiency: float | None = None,
+                     clock: roofline_model.ClockOptions | None = None) -> float:
+    """A lower bound on ``predict(...).step_seconds`` without the traffic: the slowest
+    pipeline rank's compute, (micro-batches + bubble ticks) times, plus the optimizer step
+    and the runtime's cost (``predict`` adds the exposed communication and the CPU's shared
+    time, never negative)."""
+    clock = clock or roofline_model.ClockOptions(attention=GPU_ACTIVATIONS.attention)
+    b = micro_batch_size(par, global_batch)
+    busy = max(sum(rank_compute(m, par, hw, b, r, efficiency, clock)[k]
+                   for k in ("fwd", "bwd", "recompute"))
+               for r in (range(par.pp) if par.pp <= 64 else (0, par.pp - 1)))
+    t_opt = (roofline_model.optimizer_seconds(mem.states_total, hw) if efficiency is None
+             else 2.0 * mem.states_total / hw.hbm_bw)
+    return ((par.micro_batches + bubble_formulas.bubble_ticks(par)) * busy + t_opt
+            + hw.step_overhead)
+
+
+# what ``explain`` reads beyond the top: the best of each family
+FAMILIES = (lambda p: p.pp == 1, lambda p: p.tp == 1, lambda p: p.recompute == "none")
+
+
+def _cost(bounded: list[tuple[float, int]], fitting: list[ParallelConfig], full, top: int
+          ) -> list[Prediction]:
+    """Predict the layouts that fit in the order of their step-time lower bounds, until the
+    next bound is above every step the answer reads (the ``top``-th fastest, the best of each
+    family ``explain`` names, the best of another shape), widened by ``TIE``: a layout
+    left out is slower than all of them, so the ranking's first ``top`` and ``explain`` are
+    those of predicting every layout (``rank_layouts`` only reorders within a tie)."""
+    order = sorted(range(len(bounded)), key=lambda k: bounded[k])
+    has = [any(f(p) for p in fitting) for f in FAMILIES]
+    shapes = {_shape(p) for p in fitting}
+    out: list[Prediction] = []
+    limit = float("inf")
+    for n, k in enumerate(order):
+        bound, i = bounded[k]
+        if bound > limit:
+            break
+        out.append(full(i))
+        if n % 16 == 15 or n == len(order) - 1 or len(out) >= top:
+            limit = _limit(out, has, len(shapes) > 1, top)
+    return out
+
+
+def _limit(out: list[Prediction], has: list[bool], shapes: bool, top: int) -> float:
+    """The step below which every layout must be predicted (``_cost``)."""
+    steps = sorted(p.step_seconds for p in out)
+    if len(steps) < max(top, 2):
+        return float("inf")
+    need = [steps[max(top, 2) - 1]]
+    for f, h in zip(FAMILIES, has):
+        if h:
+            need.append(min((p.step_seconds for p in out if f(p.par)), default=float("inf")))
+    if shapes:  # the best of another shape than the winner's: at most the second shape's
+        by: dict[tuple, float] = {}
+        for p in out:
+            by[_shape(p.par)] = min(by.get(_shape(p.par), float("inf")), p.step_seconds)
+        need.append(sorted(by.values())[1] if len(by) > 1 else float("inf"))
+    return max(need) * (1 + TIE) ** 2
 
 
 TIE = 0.002  # step times within 0.2 % are a tie for the model
