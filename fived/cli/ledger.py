@@ -120,7 +120,7 @@ def global_batch(args: argparse.Namespace, res: flags.Resolved, gpus: int | None
     """(sequences per step, how they were chosen): --global-batch (or the TOML's) unless
     --global-batch-tokens is given without --global-batch on the command line; with neither,
     ``fived.ledger.planner.cluster_batch`` of ``gpus`` (None: the training default, 16)."""
-    from ..ledger.planner import CLUSTER_TOKENS, cluster_batch
+    from ..ledger.planner import cluster_batch
 
     if not args.global_batch_tokens and "train.global_batch" not in res.given:
         gb = res.train.global_batch
@@ -129,7 +129,7 @@ def global_batch(args: argparse.Namespace, res: flags.Resolved, gpus: int | None
         auto = cluster_batch(gpus, gb, multiple, seq_len)
         if auto == gb:
             return gb, ""
-        rule = (f"{fmt_n(CLUSTER_TOKENS)} tokens or {gpus} GPUs / 4 sequences, the larger, as a "
+        rule = (f"about 4M tokens (4·2^20) or {gpus} GPUs / 4 sequences, the larger, as a "
                 "power of two" if seq_len else f"{gpus} GPUs / 4 as a power of two")
         return auto, (f" (no --global-batch: {rule}, at least {gb}"
                       + (f", a multiple of {multiple}" if multiple > 1 else "") + ")")
@@ -211,7 +211,8 @@ def main(argv: list[str]) -> int:
     par, world = fill_dp(res.par, res.dp_given, args.gpus)
     par, precision = ledger_precision(args, par)
     # a cluster (--gpus on a GPU preset): what the flags leave out is what a GPU run would
-    # pick — a batch of about 4M tokens and one sequence per micro-batch (m >= pp)
+    # pick — for a billion parameters or more a batch of about 4M tokens — and one sequence
+    # per micro-batch (m >= pp)
     cluster = args.gpus is not None and not args.check and args.gpu != "this-machine"
     auto_m = cluster and "parallel.micro_batches" not in res.given and par.world_size >= 1
     replicas = par.dp * par.ep
@@ -219,7 +220,7 @@ def main(argv: list[str]) -> int:
                 ) if par.world_size >= 1 else 1
     gb, batch_note = global_batch(args, res, world if args.gpus is not None and not args.check
                                   else None, max(multiple, 1),
-                                  seq_len=m.seq_len if cluster else None)
+                                  seq_len=m.seq_len if cluster and _large(m) else None)
     if auto_m and gb % replicas == 0:
         par = _auto_micro_batches(m, par, gb)
     train = replace(res.train, global_batch=gb)
@@ -260,9 +261,17 @@ def main(argv: list[str]) -> int:
     if args.json:
         report.print_json(doc)
         return 0
-    print_ledger(doc, m, par, hw, args.wide, precision, batch_note)
+    print_ledger(doc, m, par, hw, args.wide, precision,
+                 " (assumed: see the end)" if batch_note else "")
     print_advice(doc["advice"])
     return 0
+
+
+def _large(m: ModelConfig) -> bool:
+    """A billion parameters or more: the models GPU runs give a batch of millions of tokens."""
+    from ..ledger.params import total_params
+
+    return total_params(m) >= 1e9
 
 
 def _auto_micro_batches(m: ModelConfig, par: ParallelConfig, gb: int) -> ParallelConfig:
@@ -334,8 +343,7 @@ def advice(doc: dict, args: argparse.Namespace, res: flags.Resolved, par: Parall
         plan = (f"fived plan --model {m.name} --gpus {world} --gpu {args.gpu}"
                 + (f" --gpus-per-node {args.gpus_per_node}" if args.gpus_per_node else "")
                 + (f" --seq-len {m.seq_len}" if "model.seq_len" in given else "")
-                + (f" --global-batch {gb}" if "train.global_batch" in given
-                   or args.global_batch_tokens else ""))
+                + f" --global-batch {gb}")
     return {"assumed": assumed, "change": change, "plan": plan}
 
 
@@ -573,7 +581,7 @@ def print_ledger(doc: dict, m: ModelConfig, par: ParallelConfig, hw, wide: bool 
     t.add_row("[bold]step[/]", f"[bold]{fmt_s(tm['step_seconds'])}[/]", "")
     t.add_row("bubble fraction", f"{tm['bubble_fraction']:.2%}", "")
     t.add_row("tokens/s", fmt_n(tm["tokens_per_s"]), "")
-    t.add_row("MFU", f"{tm['mfu']:.1%}", "")
+    t.add_row("MFU", f"{tm['mfu']:.1%}", "" if doc["fits"] else "if it fit")
     report.show(con, t)
     if not wide:
         con.print("[dim]--wide: exact parameter counts and every traffic column; --json: all "
