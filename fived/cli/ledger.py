@@ -335,7 +335,7 @@ def advice(doc: dict, args: argparse.Namespace, res: flags.Resolved, par: Parall
     bubble = doc["time"]["bubble_fraction"]
     if par.pp > 1 and bubble > BUBBLE_LIMIT:
         change.append(f"the pipeline bubble is {bubble:.0%} of the step (pp {par.pp}, "
-                      f"{par.micro_batches} micro-batch(es)): --micro-batches of 4·pp = "
+                      f"m = {par.micro_batches} micro-batches): --micro-batches of 4·pp = "
                       f"{4 * par.pp} or more (with a --global-batch to match), or "
                       "--schedule interleaved --virtual-stages 2")
     plan = ""
