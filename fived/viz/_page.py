@@ -165,7 +165,7 @@ def series_summary(recs: list[dict[str, Any]], parts: dict[str, list[dict[str, A
     src = {"ledger": "computed by the ledger", "run": "measured on local gloo ranks",
            "ledger+run": "a run beside the ledger", "schedule": "the executor's schedule lists"}
     items = "".join(f"<li>{n} {html.escape(src.get(k, k))}</li>" for k, n in by.items())
-    return (f'<section class="summary"><h2>Summary</h2><p>{len(recs)} figures in '
+    return (f'<section class="summary"><h2 id="summary">Summary</h2><p>{len(recs)} figures in '
             f"{len(parts)} parts, from the 16Ψ of model states and the two walls through each "
             f"of the five dimensions to numerics and optimizers. Of the figures:</p>"
             f"<ul>{items}</ul><p>None was typed in: each says which source, how it was made "
@@ -195,7 +195,7 @@ def page(recs: list[dict[str, Any]], folder: str, title: str, meta: dict[str, An
             f"<h1>{html.escape(title)}</h1>\n{head}"
             + (f"<ul class='toc'>{toc}</ul>\n" if len(parts) > 1 else "")
             + "\n".join(body) + tail
-            + f"\n<h2>How this page was made</h2><table>{m}</table>\n</body></html>\n")
+            + f"\n<h2 id='made'>How this page was made</h2><table>{m}</table>\n</body></html>\n")
 
 
 def layout_figures(res: Any, hw: str, gpn: int | None, global_batch: int) -> list[Figure]:

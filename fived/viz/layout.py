@@ -160,7 +160,7 @@ def summary_html(s: dict[str, Any], res: Any) -> str:
     items = "".join(f"<li>{html.escape(c)}</li>" for c in change)
     plan = (f'<p>To search every layout: <code>{html.escape(s["plan"])}</code></p>'
             if s["plan"] and s["change"] else "")
-    return (f'<section class="summary"><h2>Summary</h2><dl>'
+    return (f'<section class="summary"><h2 id="summary">Summary</h2><dl>'
             f"<dt>layout</dt><dd>{html.escape(res.model.name)} on {html.escape(par.describe())}"
             f" · {s['world']}× {html.escape(s['hardware'])} · global batch "
             f"{s['global_batch']} × {s['seq_len']} tokens</dd>"
