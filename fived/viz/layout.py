@@ -216,7 +216,7 @@ def traffic_html(s: dict[str, Any]) -> str:
 def alternatives(res: Any, hw_name: str, gpn: int | None, global_batch: int,
                  top: int = 5) -> tuple[list[Any], dict[str, int], int | None]:
     """The planner's best layouts for the same model, GPUs and batch, and this layout's place
-    among those that fit (None: it does not fit)."""
+    among those that fit (None: it does not fit; 0: after the ``top``)."""
     from ..ledger import planner
     from ..ledger.hardware import PRESETS
 
@@ -225,8 +225,13 @@ def alternatives(res: Any, hw_name: str, gpn: int | None, global_batch: int,
     out = planner.plan(m, par.world_size, hw, global_batch, gpn, top=top,
                        precision=par.precision if par.precision != "auto" else "bf16")
     mine = planner.predict(m, par, hw, global_batch, gpn)
-    place = (sum(1 for p in out.ranked if p.step_seconds < mine.step_seconds) + 1
-             if mine.fits else None)
+    # its place among those that fit: exact up to the top-th (every faster layout is timed
+    # there: planner._cost), else only "after the top"
+    place: int | None = None
+    if mine.fits:
+        place = sum(1 for p in out.ranked if p.step_seconds < mine.step_seconds) + 1
+        if len(out.ranked) >= top and mine.step_seconds > out.ranked[top - 1].step_seconds:
+            place = 0
     return out.ranked[:top], out.counts, place
 
 
@@ -240,7 +245,8 @@ def alternatives_html(ranked: list[Any], counts: dict[str, int], place: int | No
         f"{fmt_n(p.tokens_per_s)}</td><td class='n'>{p.mfu:.1%}</td></tr>"
         for i, p in enumerate(ranked, 1))
     where = (f"This layout would be number {place} of the {counts.get('fit', 0)} that fit."
-             if place else "This layout does not fit; the ones below do.")
+             if place else f"This layout fits but is slower than these {len(ranked)}."
+             if place == 0 else "This layout does not fit; the ones below do.")
     return ("<h3 id='layout-alternatives'>The planner's alternatives (same model, GPUs and "
             f"batch)</h3>\n<p>{where} The planner considered {counts.get('evaluated', 0)} "
             f"layouts of {html.escape(res.model.name)} on {res.par.world_size} GPUs.</p>"
