@@ -88,7 +88,7 @@ def test_overview_numbers_are_the_ledger(tmp_path):
 
 
 def test_gantt_data_is_the_schedule():
-    from fived.parallel.pipeline import schedules
+    from fived import schedules
     from fived.viz.bubbles import gantt_data
 
     p, m = 4, 8
@@ -118,8 +118,8 @@ def test_gantt_data_is_the_schedule():
 
 def test_every_size_the_parts_run_is_valid():
     """The full-size layouts are valid before anything runs (a bad one fails the 10-min run)."""
+    from fived import schedules
     from fived.config import validate
-    from fived.parallel.pipeline import schedules
     from fived.viz import bubbles
 
     for quick in (True, False):
@@ -437,15 +437,17 @@ def test_report_layout_and_bad_input(tmp_path, capsys):
     assert [r["pp_rank"] for r in mem["ranks"]] == [0, 1]
     assert mem["categories"][:3] == ["states", "activations", "buffers"]
     from fived.ledger.memory import FUSED, rank_memory
+    from fived.ledger.peak import with_peak
 
     par = ParallelConfig(tp=2, pp=2, dp=2, precision="bf16")
     for r in mem["ranks"]:  # the ledger's bytes, stacked by its own categories
         want = rank_memory(PRESETS["tiny"], par, 16 // 2, r["pp_rank"], FUSED)
         assert r["total"] == want.total and r["activations"] == want.activations_total
+        assert r["peak"] == with_peak(want, PRESETS["tiny"], par, 8, FUSED).peak > 0
     sched = json.loads((out / "layout-schedule.json").read_text())["data"]
     assert sched["bubble"] == 0.5  # 1F1B, p = 2, m = 1
     # the summary: fits, the peak, the step, where the time goes, what to change
-    assert "fits</span>: peak" in page and "what to change" in page
+    assert "fits</span>: the step peaks at" in page and "what to change" in page
     assert "the pipeline bubble is 50% of the step (pp 2, m = 1 micro-batches)" in page
     assert "The planner considered" in page
     assert re.search(r"This layout (would be number \d+ of the \d+ that fit|fits but is slower "
@@ -469,7 +471,7 @@ def test_report_layout_and_bad_input(tmp_path, capsys):
 # ------------------------------------------------------------------ slow: the other parts
 @pytest.mark.slow
 def test_bubbles_measured_is_the_run():
-    from fived.parallel.pipeline import schedules
+    from fived import schedules
     from fived.viz import bubbles
 
     d = by_name(bubbles.figures(True, quiet))["bubbles-measured"].data

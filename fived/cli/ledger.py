@@ -313,8 +313,8 @@ def advice(doc: dict, args: argparse.Namespace, res: flags.Resolved, par: Parall
     change: list[str] = []
     mem, usable = doc["memory"], doc["usable_memory"]
     if not doc["fits"]:
-        change.append(f"it does not fit: the largest rank needs {fmt_b(mem['total'])} of "
-                      f"{fmt_b(usable)} usable")
+        change.append(f"it does not fit: the largest rank's step peaks at "
+                      f"{fmt_b(mem['peak'] or mem['total'])} of {fmt_b(usable)} usable")
         if mem["states_total"] > usable / 2:
             shard = ("--zero 3 shards them over dp" if par.zero < 3 and par.dp * par.ep > 1
                      else "")
@@ -428,6 +428,16 @@ def _dry_run_activations(m: ModelConfig, par: ParallelConfig, gb: int, path: str
     report.show(report.console(), t)
 
 
+def phase_name(name: str) -> str:
+    """``B 3 1`` -> ``backward of micro-batch 3, stage 1`` (the ledger's phase names)."""
+    kind, _, rest = name.partition(" ")
+    words = {"F": "forward", "B": "backward", "W": "weight gradient"}
+    if kind in words and rest:
+        mb, _, st = rest.partition(" ")
+        return f"{words[kind]} of micro-batch {mb}, stage {st}"
+    return name or "-"
+
+
 def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,
                     gpn: int, efficiency: float | None, mem_fraction: float,
                     opts, train_tokens: float, optimizer: str = "adamw", clock=None) -> dict:
@@ -530,9 +540,11 @@ def print_ledger(doc: dict, m: ModelConfig, par: ParallelConfig, hw, wide: bool 
         t.add_row("model states", k, fmt_b(v))
     for k, v in mem["activations"].items():
         t.add_row("activations", k, fmt_b(v))
-    for k, v in mem["buffers"].items():
-        t.add_row("comm buffers", k, fmt_b(v))
-    t.add_row("[bold]total[/]", "", f"[bold]{fmt_b(mem['total'])}[/]")
+    t.add_row("[bold]kept[/]", "states + saved", f"[bold]{fmt_b(mem['kept'])}[/]")
+    for k, v in mem["peak_transients"].items():
+        t.add_row("transient", k, fmt_b(v))
+    t.add_row("[bold]peak (step)[/]", f"in {phase_name(mem['peak_phase'])}",
+              f"[bold]{fmt_b(mem['peak'])}[/]")
     ok = "[green]fits[/]" if doc["fits"] else "[bold red]does not fit[/]"
     t.add_row("device", f"{hw.name} usable", f"{fmt_b(doc['usable_memory'])} — {ok}")
     report.show(con, t)

@@ -66,7 +66,6 @@ from .memory import (
     candidate_ranks,
     grad_bytes,
     group_sizes,
-    largest_rank,
     master_bytes,
     param_bytes,
     states_floor,
@@ -79,6 +78,7 @@ from .params import (
     rank_params,
     rank_stages,
 )
+from .peak import largest_rank
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
 GPU_ACTIVATIONS = FUSED
@@ -143,7 +143,8 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.device_memory
+        """The step's peak (``fived.ledger.peak``), not only what the rank keeps."""
+        return self.memory.peak <= self.device_memory
 
     def name(self) -> str:
         name = layout_name(self.par, self.micro_batch)
@@ -434,14 +435,15 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
 
 def memory_bound(m: ModelConfig, par: ParallelConfig, micro_batch: int | None = None,
                  optimizer: str = "adamw", opts: ActivationOptions = GPU_ACTIVATIONS) -> float:
-    """A lower bound on ``memory.largest_rank(...).total`` in closed form: for each compared
-    rank, its parameters (``params.rank_params``) times the bytes per element its ZeRO stage
-    keeps, without the buckets' padding (never negative) and, for an optimizer other than
-    AdamW, without its state; with ``micro_batch``, plus the rank's activations (exact: they
-    do not depend on the buckets); the communication buffers (never negative) left out. The
-    search drops a layout above the device with this alone, before the buckets (tens of
-    thousands of tensors for a large MoE) are cut and the ZeRO buffers replayed."""
-    from .memory import activations
+    """A lower bound on the step's peak of the largest rank (``peak.largest_rank(...).peak``)
+    in closed form: for each compared rank, its parameters (``params.rank_params``) times
+    the bytes per element its ZeRO stage keeps, without the buckets' padding (never negative)
+    and, for an optimizer other than AdamW, without its state — at most what the rank keeps
+    through every phase; with ``micro_batch``, plus one micro-batch's saved activations of
+    its largest stage (``memory.stage_activation_bytes``), which that stage's forward and
+    backward phases hold. The search drops a layout above the device with this alone, before
+    the buckets (tens of thousands of tensors for a large MoE) are cut and its step replayed."""
+    from .memory import stage_activation_bytes
 
     z = par.zero
     pb, gb, mb = param_bytes(par), grad_bytes(par), master_bytes(par)
@@ -456,7 +458,8 @@ def memory_bound(m: ModelConfig, par: ParallelConfig, micro_batch: int | None = 
             total += numel * (pb * (1 if z < 3 else 1 / n) + gb * (1 if z <= 1 else 1 / n)
                               + (mb + ob) * (1 if z == 0 else 1 / n))
         if micro_batch is not None:
-            total += sum(activations(m, par, micro_batch, r, opts).values())
+            total += max((stage_activation_bytes(m, par, micro_batch, s, opts)
+                          for s in rank_stages(par, r)), default=0.0)
         best = max(best, total)
     return best
 
@@ -472,8 +475,8 @@ def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
     ``progress(done, total)``: called as the layouts are enumerated (``total`` None, every
     500) and as they are evaluated (about every 1 %).
 
-    A layout whose model states and activations alone exceed the device (``memory_bound``,
-    then ``memory.states_floor``) is out of memory without its buffers, traffic or clock
+    A layout whose kept states and one micro-batch's activations alone exceed the device
+    (``memory_bound``, then ``memory.states_floor``) is out of memory without its buffers, traffic or clock
     being worked out: the same answer as evaluating it, since both are lower bounds. Only
     when no layout fits are those evaluated in full, in the order of their bounds until the
     bound passes the smallest found, for the smallest that does not fit."""
@@ -509,8 +512,8 @@ def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
             continue
         # the memory before the clock: a layout that does not fit needs no traffic or time
         mem = largest_rank(m, rpar, micro_batch_size(rpar, global_batch), GPU_ACTIVATIONS, opt)
-        if mem.total > cap:
-            floored.append((mem.total, i))
+        if mem.peak > cap:
+            floored.append((mem.peak, i))
             continue
         fits.append((step_lower_bound(m, rpar, hw, global_batch, mem, efficiency, clock), i))
     if progress:
@@ -526,9 +529,9 @@ def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
                 break
             par, opt = jobs[i]
             rpar = resolve_precision(par, hw.gpu, hw.name)[0]
-            total = largest_rank(m, rpar, micro_batch_size(rpar, global_batch),
-                                 GPU_ACTIVATIONS, opt).total
-            best = min(best or (total, i), (total, i))
+            peak = largest_rank(m, rpar, micro_batch_size(rpar, global_batch),
+                                GPU_ACTIVATIONS, opt).peak
+            best = min(best or (peak, i), (peak, i))
         smallest = full(*jobs[best[1]]) if best else None
     counts["evaluated"] = len(jobs)
     if len(jobs) > len(fitting):
@@ -615,7 +618,7 @@ def rank_layouts(preds: list[Prediction]) -> list[Prediction]:
         j = i
         while j < len(preds) and preds[j].step_seconds <= preds[i].step_seconds * (1 + TIE):
             j += 1
-        out += sorted(preds[i:j], key=lambda p: (sum(p.traffic.values()), p.memory.total))
+        out += sorted(preds[i:j], key=lambda p: (sum(p.traffic.values()), p.memory.peak))
         i = j
     return out
 
@@ -639,7 +642,7 @@ def explain(ranked: list[Prediction]) -> list[str]:
     best = ranked[0]
     t = best.times
     out = [f"{best.name()} fits: largest rank (pp rank {best.memory.pp_rank}) needs "
-           f"{best.memory.total / 1e9:.1f} GB of {best.device_memory / 1e9:.1f} GB usable."]
+           f"{best.memory.peak / 1e9:.1f} GB of {best.device_memory / 1e9:.1f} GB usable."]
     parts = sorted(((k, v) for k, v in t.items() if v > 0), key=lambda kv: -kv[1])
     share = ", ".join(f"{k} {v / best.step_seconds:.0%}" for k, v in parts[:5])
     out.append(f"its step ({best.step_seconds:.3f} s) is {share}; MFU {best.mfu:.1%}.")
@@ -653,8 +656,8 @@ def explain(ranked: list[Prediction]) -> list[str]:
             saved = sum(run.traffic.values()) - sum(best.traffic.values())
             out.append(f"runner-up {run.name()} ties within {TIE:.1%} of the step time; the "
                        f"winner sends {saved / 1e9:.1f} GB less per rank per step "
-                       f"(memory {best.memory.total / 1e9:.1f} GB against "
-                       f"{run.memory.total / 1e9:.1f} GB).")
+                       f"(memory {best.memory.peak / 1e9:.1f} GB against "
+                       f"{run.memory.peak / 1e9:.1f} GB).")
         else:
             out.append(f"runner-up {run.name()} is "
                        f"{run.step_seconds / best.step_seconds - 1:.1%} slower; the winner saves "
@@ -664,7 +667,7 @@ def explain(ranked: list[Prediction]) -> list[str]:
     if other is not None and other is not ranked[1]:
         out.append(f"best other shape: {other.name()} is "
                    f"{other.step_seconds / best.step_seconds - 1:.1%} slower "
-                   f"(largest rank {other.memory.total / 1e9:.1f} GB).")
+                   f"(largest rank {other.memory.peak / 1e9:.1f} GB).")
     for pred, label in ((lambda p: p.pp == 1, "without pipeline parallelism"),
                         (lambda p: p.tp == 1, "without tensor parallelism"),
                         (lambda p: p.recompute == "none", "without recompute")):

@@ -8,7 +8,8 @@ ledger`` and ``fived train`` read them:
   (``fived.cli.ledger.advice``, the ledger's own sentences);
 * ``layout-memory``: memory per pipeline rank stacked by category — every ``*_total`` of
   ``fived.ledger.memory.rank_memory`` (states, activations, buffers, and whatever category
-  the ledger adds), against the device's usable memory;
+  the ledger adds) — and the step's peak (``fived.ledger.peak.with_peak``: what decides
+  whether it fits), against the device's usable memory;
 * ``layout-schedule``: the pipeline schedule's timeline (pp > 1);
 * ``layout-iron``: bytes and link seconds per group (``fived.ledger.planner.predict``);
 * HTML tables: the grid (every rank's coordinates, by node), the traffic per group, and the
@@ -39,21 +40,24 @@ def _gb(x: float) -> str:
 def memory_data(m: Any, par: Any, micro_batch: int, usable: float) -> dict[str, Any]:
     """Per pipeline rank: every ``*_total`` category of the ledger's ``rank_memory``."""
     from ..ledger.memory import FUSED, rank_memory
+    from ..ledger.peak import with_peak
 
     ranks = []
     for r in range(par.pp):
-        d = rank_memory(m, par, micro_batch, r, FUSED).as_dict()
-        ranks.append({"pp_rank": r, "total": d["total"],
+        d = with_peak(rank_memory(m, par, micro_batch, r, FUSED), m, par, micro_batch,
+                      FUSED).as_dict()
+        ranks.append({"pp_rank": r, "total": d["total"], "peak": d["peak"],
+                      "peak_phase": d["peak_phase"],
                       **{k[:-len("_total")]: v for k, v in d.items()
                          if k.endswith("_total") and isinstance(v, (int, float))}})
-    cats = [k for k in ranks[0] if k not in ("pp_rank", "total")]
+    cats = [k for k in ranks[0] if k not in ("pp_rank", "total", "peak", "peak_phase")]
     return {"ranks": ranks, "categories": cats, "usable": usable}
 
 
 def draw_memory(d: dict[str, Any], f: Any) -> None:
     ax = f.add_subplot(111)
     xs = [r["pp_rank"] for r in d["ranks"]]
-    peak = max(r["total"] for r in d["ranks"])
+    peak = max(max(r["total"], r["peak"]) for r in d["ranks"])
     unit, div = next((u, v) for u, v in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3),
                                          ("B", 1.0)) if peak >= v or v == 1.0)
     bottom = [0.0] * len(xs)
@@ -62,10 +66,13 @@ def draw_memory(d: dict[str, Any], f: Any) -> None:
         ax.bar(xs, v, bottom=bottom, color=COLORS[i % len(COLORS)], label=c, width=0.6,
                edgecolor="black", linewidth=0.3)
         bottom = [b + x for b, x in zip(bottom, v)]
-    for x, t in zip(xs, bottom):
-        ax.text(x, t, f"{t:,.1f} {unit}", ha="center", va="bottom", fontsize=8)
+    peaks = [r["peak"] / div for r in d["ranks"]]
+    ax.scatter(xs, peaks, marker="_", s=900, linewidths=2.5, color="black", zorder=3,
+               label="the step's peak (kept + saved + transients)")
+    for x, t in zip(xs, peaks):
+        ax.text(x + 0.33, t, f"peak {t:,.1f} {unit}", ha="left", va="center", fontsize=8)
     usable = d["usable"] / div
-    top = max(bottom)
+    top = max(max(bottom), max(peaks))
     if usable <= 3 * top:  # the device's line where it can be read beside the bars
         ax.axhline(usable, color="black", ls="--", lw=0.9, label="usable device memory")
         top = max(top, usable)
@@ -76,11 +83,11 @@ def draw_memory(d: dict[str, Any], f: Any) -> None:
     ax.set_ylim(0, top * 1.15)
     ax.set_xticks(xs, [f"pp rank {x}" for x in xs])
     ax.set(ylabel=f"{unit} per rank", xlabel="pipeline rank (every tp/cp/ep/dp rank alike)")
-    legend_below(f, ncol=5, room=0.1)
+    legend_below(f, ncol=3, room=0.1)
 
 
 def schedule_data(par: Any) -> dict[str, Any]:
-    from ..parallel.pipeline import schedules
+    from .. import schedules
 
     v = max(1, par.virtual_stages)
     sched = schedules.build(par.schedule, par.pp, par.micro_batches, v)
@@ -90,7 +97,7 @@ def schedule_data(par: Any) -> dict[str, Any]:
 
 
 def draw_schedule(d: dict[str, Any], f: Any) -> None:
-    from ..parallel.pipeline import schedules
+    from .. import schedules
     from .schedule import draw_on
 
     sched = schedules.build(d["schedule"], d["pp"], d["micro_batches"], d["virtual"])
@@ -140,7 +147,7 @@ def summary(res: Any, hw_name: str, gpn: int | None, global_batch: int) -> dict[
     adv = advice(doc, args, res, par, par.world_size, global_batch, "", False)
     tm = doc["time"]
     parts = sorted(((k, v) for k, v in tm["components"].items() if v > 0), key=lambda kv: -kv[1])
-    return {"fits": doc["fits"], "peak": doc["memory"]["total"], "usable": doc["usable_memory"],
+    return {"fits": doc["fits"], "peak": doc["memory"]["peak"], "usable": doc["usable_memory"],
             "peak_rank": doc["memory"]["pp_rank"], "step": tm["step_seconds"], "mfu": tm["mfu"],
             "bubble": tm["bubble_fraction"], "tokens_per_s": tm["tokens_per_s"],
             "where": [(TIME_NAMES.get(k, k), v / tm["step_seconds"]) for k, v in parts[:4]],
@@ -164,8 +171,8 @@ def summary_html(s: dict[str, Any], res: Any) -> str:
             f"<dt>layout</dt><dd>{html.escape(res.model.name)} on {html.escape(par.describe())}"
             f" · {s['world']}× {html.escape(s['hardware'])} · global batch "
             f"{s['global_batch']} × {s['seq_len']} tokens</dd>"
-            f"<dt>memory</dt><dd>{verdict}: peak {_gb(s['peak'])} per rank (pp rank "
-            f"{s['peak_rank']}) of {_gb(s['usable'])} usable</dd>"
+            f"<dt>memory</dt><dd>{verdict}: the step peaks at {_gb(s['peak'])} per rank "
+            f"(pp rank {s['peak_rank']}) of {_gb(s['usable'])} usable</dd>"
             f"<dt>step</dt><dd>{fmt_s(s['step'])} · {fmt_n(s['tokens_per_s'])} tokens/s · MFU "
             f"{s['mfu']:.1%} (predicted, roofline clock)</dd>"
             f"<dt>where time goes</dt><dd>{where}</dd>"
@@ -241,7 +248,7 @@ def alternatives_html(ranked: list[Any], counts: dict[str, int], place: int | No
 
     rows = "".join(
         f"<tr><td class='n'>{i}</td><td>{html.escape(p.name())}</td><td class='n'>"
-        f"{_gb(p.memory.total)}</td><td class='n'>{fmt_s(p.step_seconds)}</td><td class='n'>"
+        f"{_gb(p.memory.peak)}</td><td class='n'>{fmt_s(p.step_seconds)}</td><td class='n'>"
         f"{fmt_n(p.tokens_per_s)}</td><td class='n'>{p.mfu:.1%}</td></tr>"
         for i, p in enumerate(ranked, 1))
     where = (f"This layout would be number {place} of the {counts.get('fit', 0)} that fit."
