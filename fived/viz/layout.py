@@ -67,10 +67,10 @@ def draw_memory(d: dict[str, Any], f: Any) -> None:
                edgecolor="black", linewidth=0.3)
         bottom = [b + x for b, x in zip(bottom, v)]
     peaks = [r["peak"] / div for r in d["ranks"]]
-    ax.scatter(xs, peaks, marker="_", s=900, linewidths=2.5, color="black", zorder=3,
-               label="the step's peak (kept + saved + transients)")
+    ax.hlines(peaks, [x - 0.3 for x in xs], [x + 0.3 for x in xs], colors="black", lw=2.5,
+              zorder=3, label="step peak (kept + saved + transients)")
     for x, t in zip(xs, peaks):
-        ax.text(x + 0.33, t, f"peak {t:,.1f} {unit}", ha="left", va="center", fontsize=8)
+        ax.text(x, t, f"peak {t:,.1f} {unit}", ha="center", va="bottom", fontsize=8)
     usable = d["usable"] / div
     top = max(max(bottom), max(peaks))
     if usable <= 3 * top:  # the device's line where it can be read beside the bars
@@ -83,7 +83,7 @@ def draw_memory(d: dict[str, Any], f: Any) -> None:
     ax.set_ylim(0, top * 1.15)
     ax.set_xticks(xs, [f"pp rank {x}" for x in xs])
     ax.set(ylabel=f"{unit} per rank", xlabel="pipeline rank (every tp/cp/ep/dp rank alike)")
-    legend_below(f, ncol=3, room=0.1)
+    legend_below(f, ncol=5, room=0.1)
 
 
 def schedule_data(par: Any) -> dict[str, Any]:
