@@ -193,13 +193,14 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     reverse registration order, split by reduction group, then (ZeRO 0–2) into runs of at most
     ``bucket_mb`` MiB of gradient; ZeRO-3 makes one bucket per (block, group), last block first,
     then the root (embedding, final norm, head). The runs (``_bucket_runs``) do not depend on
-    dp, cp or the ZeRO stage below 3: the search shares them."""
+    dp, cp, hybrid sharding or the ZeRO stage below 3: the search shares them."""
     sizes = group_sizes(par)
 
     def shards(g: str) -> int:
         return sizes[g] if par.zero and sizes[g] > 1 else 1
 
-    runs = _bucket_runs(m, replace(par, dp=1, cp=1, zero=3 if par.zero == 3 else 0), pp_rank)
+    runs = _bucket_runs(m, replace(par, dp=1, cp=1, dp_shard=0, dp_replicate=0,
+                                   zero=3 if par.zero == 3 else 0), pp_rank)
     return tuple(Bucket(g, n, shards(g), u) for g, n, u in runs)
 
 
