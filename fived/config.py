@@ -346,6 +346,15 @@ class TrainConfig:
     data: str = spec("", "train on a prepared data directory (`fived data prepare`); the model "
                          "vocab becomes its tokenizer's, padded to a multiple of 128",
                      metavar="DIR", shown="the built-in corpus")
+    doc_mask: bool = spec(False, "attend only within each document of a packed window (needs "
+                                 "--data: the built-in corpus has no documents)")
+    doc_positions: str = spec("continue", "RoPE positions with --doc-mask: continue (the "
+                                          "window's, as torchtitan) or reset at each document",
+                              choices=("continue", "reset"))
+    cp_balance: str = spec("zigzag", "ring context parallelism's sharding with --doc-mask: "
+                                     "zigzag (two chunks per rank) or ptrr (torch's processing-"
+                                     "time round robin over 8·cp blocks, by each row's "
+                                     "documents)", choices=("zigzag", "ptrr"))
     eval_every: int = spec(0, "validation loss and perplexity every N steps and after the last "
                               "(0: never; needs --data)", ge=0)
     eval_batches: int = spec(4, "global batches of the validation split per evaluation", ge=1)
@@ -578,6 +587,7 @@ def validate(
     if train is not None:
         _check_batch(p, par, train)
         _check_recovery(p, train)
+        _check_documents(p, model, par, train)
     _check_zero_align(p, par)
     p += hybrid_problems(par)
     if p:
@@ -706,6 +716,16 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
         p.append("--pp > 1 with tied embeddings: the embedding (first stage) and the head (last "
                  "stage) would need their gradients all-reduced between stages; use an untied "
                  "model (tied_embeddings = false)")
+
+
+def _check_documents(p: list[str], model: ModelConfig, par: ParallelConfig,
+                     train: TrainConfig) -> None:
+    if train.cp_balance == "ptrr" and par.cp > 1:
+        if par.cp_mode != "ring":
+            p.append(f"--cp-balance ptrr is ring attention's sharding; --cp-mode {par.cp_mode} "
+                     "is balanced without it")
+        _divides(p, 8 * par.cp, model.seq_len, "seq_len over 8·cp (--cp-balance ptrr)",
+                 "pick seq_len")
 
 
 def _check_cp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None) -> None:

@@ -47,7 +47,10 @@ def test_dry_run_peak_is_the_ledgers(m, par, gb, rank):
             assert abs(peak - led[name]) <= 0.02 * peak, (name, peak, led[name])
 
 
-def _traced_gap(hook, par: ParallelConfig = ParallelConfig(), gb: int = 2) -> list[str]:
+ONE_RANK = ParallelConfig()
+
+
+def _traced_gap(hook, par: ParallelConfig = ONE_RANK, gb: int = 2) -> list[str]:
     """The ledger's peak against the dry run's of tiny (rank 0), with ``hook`` listening to
     the step's phases (a mutation of the runtime's memory): the check's complaints."""
     phases.LISTENERS.append(hook)

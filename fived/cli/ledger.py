@@ -72,6 +72,11 @@ def cluster_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default="flash", choices=["flash", "materialised"],
                    help="attention kernel: flash (saves log-sum-exp) or materialised scores "
                         "(default: flash)")
+    g.add_argument("--doc-len", default=None, metavar="N|DIR",
+                   help="document masks (--doc-mask): attention FLOPs follow the documents, "
+                        "Σ Lᵢ²/S per token instead of S — N: the mean document length in "
+                        "tokens; DIR: a prepared data directory (its training documents' "
+                        "lengths) (default: no mask)")
     g = ap.add_argument_group("output")
     g.add_argument("--wide", action="store_true",
                    help="every column (the default tables fit 80 columns)")
@@ -113,7 +118,35 @@ def clock_options(args: argparse.Namespace):
     eager = args.gpu == "this-machine"  # the fived runtime's attention: scores in memory
     return ClockOptions(attention="materialised" if eager or args.attention == "materialised"
                         else "flash", tp_overlap=args.tp_overlap, fused=not eager,
-                        comm_overlap=not eager)
+                        comm_overlap=not eager, attn_context=doc_context_of(args))
+
+
+def doc_context_of(args: argparse.Namespace) -> float:
+    """``--doc-len``: the attended keys per token (``compute.doc_context``); 0 without it."""
+    spec = getattr(args, "doc_len", None)
+    if not spec:
+        return 0.0
+    from ..ledger.compute import doc_context
+
+    seq = getattr(args, "window", 0)
+    try:
+        mean = float(spec)
+    except ValueError:
+        mean = None
+    if mean is not None:
+        if not mean > 0:
+            raise ConfigError([f"--doc-len {spec}: give a mean document length > 0 or a "
+                               "prepared data directory"])
+        return doc_context(seq, mean=mean)
+    from pathlib import Path
+
+    import numpy as np
+
+    from ..data.meta import read_meta
+
+    meta = read_meta(spec, "--doc-len")
+    idx = np.load(Path(spec) / meta["splits"]["train"]["index"])
+    return doc_context(seq, lengths=np.diff(idx).tolist())
 
 
 def global_batch(args: argparse.Namespace, res: flags.Resolved, gpus: int | None = None,
@@ -226,6 +259,7 @@ def main(argv: list[str]) -> int:
         par = _auto_micro_batches(m, par, gb)
     train = replace(res.train, global_batch=gb)
     validate(m, par, train, world)
+    args.window = m.seq_len  # --doc-len's documents are cut to it (clock_options)
     if args.print_config:
         return flags.print_config(replace(res, par=par, train=train),
                                   f"fived ledger: {world} GPUs · {precision}")

@@ -136,6 +136,7 @@ def main(argv: list[str]) -> int:
                                   "is searched")
     from ..ledger import params, planner
 
+    args.window = m.seq_len  # --doc-len's documents are cut to it (clock_options)
     hw = hardware(args, gpus)
     gpn = args.gpus_per_node or hw.gpus_per_node
     check_whole_nodes(gpus, gpn, args.gpus_per_node is not None)  # issue 45 item 2

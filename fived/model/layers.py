@@ -149,7 +149,11 @@ causal_attention = flash_attention  # the name context parallelism and the bench
 class CausalAttention(nn.Module):
     """The attention core over the whole sequence (context parallelism replaces it)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        if docs is not None:  # --doc-mask: per-document varlen (fived.model.documents)
+            from .documents import doc_attention
+            return doc_attention(q, k, v, docs)
         return causal_attention(q, k, v)  # the one name every caller (and a test's patch) uses
 
 

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -32,11 +33,12 @@ from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..model import build_model
+from ..model.documents import Documents, micro_positions, reset_positions
 from ..model.init import InitSource
 from ..model.moe import materialize_route_bias, moe_layers, set_aux_grad_scale
 from ..optim import lr_at
 from ..parallel.balance import RouteBalancer
-from ..parallel.context import shard_batch
+from ..parallel.context import balanced_positions, set_balance, shard_batch
 from ..parallel.expert import collect_stats
 from ..parallel.parallelize import dtype_of, parallelize
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
@@ -96,6 +98,8 @@ class Trainer:
         self.build_cuda = (torch.cuda.max_memory_allocated(self.device)
                            if self.device.type == "cuda" else 0)  # the build's device peak
         self.stage = self.parallel.model
+        if train.cp_balance != "zigzag" and par.cp > 1:
+            set_balance(self.stage, train.cp_balance)
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
         # post-optimizer-step hooks, run before the step's MoE statistics are collected (and
@@ -114,25 +118,37 @@ class Trainer:
     def _open_data(self, eval_split: str = "") -> None:
         """--data: the loaders of this rank's rows (the batch group), the padded-logit mask;
         ``eval_split``: only that split's (not shuffled), no training loader."""
-        from ..data.loader import Loader
-        from ..data.shards import DataDir
+        from ..data.loader import open_loader
         from ..data.vocab import mask_padded_logits
 
-        data, t, b = DataDir(self.tcfg.data), self.tcfg, self.grid["batch"]
+        t, b = self.tcfg, self.grid["batch"]
+        kw = dict(seq_len=self.cfg.seq_len, batch=t.global_batch, seed=t.seed, replica=b.rank,
+                  replicas=b.size, device=self.device, documents=t.doc_mask)
+        if eval_split:
+            self.eval_loader = open_loader(t.data, eval_split, shuffle=False,
+                                           prefetch=t.prefetch, **kw)
+            data = self.eval_loader.data
+        else:
+            self.loader = open_loader(t.data, "train", prefetch=t.prefetch, **kw)
+            data = self.loader.data
+            if t.eval_every:
+                self.eval_loader = open_loader(t.data, "val", shuffle=False, **kw)
+        # a mixture: each source's own evaluation split too (the per-source validation loss)
+        self.source_eval = {}
+        for src, part in zip(getattr(self.eval_loader, "sources", []),
+                             getattr(self.eval_loader, "parts", [])):
+            self.source_eval[src.name] = open_loader(src.path, part.split, shuffle=False, **kw)
         if data.vocab > self.cfg.vocab:
             raise ConfigError([f"--data {t.data}: the tokenizer has {data.vocab} symbols but "
                                f"the model's vocab is {self.cfg.vocab}"])
-        kw = dict(seq_len=self.cfg.seq_len, batch=t.global_batch, seed=t.seed, replica=b.rank,
-                  replicas=b.size, device=self.device)
-        if eval_split:
-            self.eval_loader = Loader(data, eval_split, shuffle=False, prefetch=t.prefetch, **kw)
-        else:
-            self.loader = Loader(data, "train", prefetch=t.prefetch, **kw)
-            if t.eval_every:
-                self.eval_loader = Loader(data, "val", shuffle=False, **kw)
         masked = mask_padded_logits(self.stage, data.vocab, self.cfg.vocab)
         if data.vocab < self.cfg.vocab and getattr(self.stage, "last", True) and not masked:
             raise RuntimeError("the padded vocabulary rows could not be masked: no loss module")
+        mix = self.loader if self.loader is not None else self.eval_loader
+        if hasattr(mix, "sources"):  # a mixture: each step's loss per source too
+            from ..data.vocab import tally_sources
+
+            self.source_losses = tally_sources(self.stage, len(mix.sources))
 
     # -------------------------------------------------------------------- data position
     def data_state(self) -> dict[str, Any]:
@@ -168,18 +184,30 @@ class Trainer:
     def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = self.grid["batch"]
         if self.loader is not None:
-            x, y = self.loader.get(step)
-        else:
-            x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch, self.cfg.seq_len,
-                                 b.rank, b.size, self.tcfg.corpus_mb)
+            return self.shard(*self.loader.get(step))
+        x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch,
+                                        self.cfg.seq_len, b.rank, b.size, self.tcfg.corpus_mb)
         return self.shard(x, y)
 
-    def shard(self, x: torch.Tensor, y: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's part of its batch rows: the cp sequence shard and its positions."""
+    def shard(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """This rank's part of its batch rows: the cp sequence shard and its positions; with
+        document ids (--doc-mask) the positions are a ``Documents`` (per-row RoPE positions of
+        the shard, the whole rows' ids: ``fived.model.documents``)."""
         positions = torch.arange(self.cfg.seq_len)
-        if self.par.cp > 1:
+        rows = None
+        if docs is not None:
+            rows = (reset_positions(docs) if self.tcfg.doc_positions == "reset"
+                    else torch.arange(self.cfg.seq_len).expand_as(docs))
+        if docs is not None and self.par.cp > 1 and self.tcfg.cp_balance == "ptrr":
+            cp = self.grid["cp"]  # each row's own blocks (fived.parallel.context.ptrr_chunks)
+            pos = balanced_positions(docs, cp.size, cp.rank)
+            x, y, rows = x.gather(1, pos), y.gather(1, pos), rows.gather(1, pos)
+        elif self.par.cp > 1:
             x, y, positions = shard_batch(x, y, self.grid)
+            rows = None if rows is None else rows[:, positions.to(rows.device)]
+        if docs is not None:
+            positions = Documents(rows.contiguous(), docs)
         dev = self.device
         return x.to(dev), y.to(dev), positions.to(dev)
 
@@ -189,10 +217,11 @@ class Trainer:
             return self.executor.run(x, y, positions, scale, self.engine)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         m = self.par.micro_batches
+        ps = micro_positions(positions, m)
         for k, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
             self.engine.set_last_micro(k == m - 1)
             phases.compute("F", k, 0)
-            loss = self.stage(xm, positions, ym)
+            loss = self.stage(xm, ps[k], ym)
             phases.compute("B", k, 0)
             (loss * scale).backward()
             total += loss.detach().float()
@@ -215,6 +244,8 @@ class Trainer:
         self.engine.zero_grad()
         scaler = getattr(self.engine, "scaler", None)  # fp16: the aux losses are scaled too
         set_aux_grad_scale(self.stage, (scaler.scale if scaler else 1.0) / global_tokens)
+        for t in getattr(self, "source_losses", []):  # a mixture: this step's tallies only
+            t.reset()
         local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
         phases.enter("reduce")
         self.engine.finish()
@@ -240,6 +271,8 @@ class Trainer:
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped, "bad": bad}
         if self.loader is not None:  # seconds this step waited for the prefetch thread
             rec["data_wait_s"] = self.loader.wait_s - waited
+        if hasattr(self.loader, "sources"):
+            rec["loss_by_source"] = self.loss_by_source(step)
         if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
             rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.parallel.placements,
                                        self.world_metrics, global_tokens, seconds, self.traffic)
@@ -257,8 +290,8 @@ class Trainer:
             return self.executor.run_forward(x, y, positions, self.engine)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         m = self.par.micro_batches
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            total += self.stage(xm, positions, ym).float()
+        for xm, ym, pm in zip(x.chunk(m), y.chunk(m), micro_positions(positions, m)):
+            total += self.stage(xm, pm, ym).float()
         return total
 
     def evaluate(self, batches: int = 0, on_batch: Any = None) -> dict[str, float]:
@@ -273,30 +306,57 @@ class Trainer:
         n = batches or self.tcfg.eval_batches
         tokens = self.tcfg.global_batch * self.cfg.seq_len
         stats = [(m, m.stats.snapshot()) for m in moe_layers(self.stage)]
-        total = None  # on whatever device the step's loss is
+        out: dict[str, Any] = {}
         try:
             with torch.no_grad():
-                for k in range(n):
-                    x, y, positions = self.shard(*self.eval_loader.get(k))
-                    loss = self.forward_only(x, y, positions)
-                    total = loss if total is None else total + loss
-                    if on_batch is not None:
-                        on_batch(k, self.global_loss(loss) / tokens)
+                loaders = [("", self.eval_loader, on_batch),
+                           *((name, ld, None) for name, ld in
+                             getattr(self, "source_eval", {}).items())]
+                for name, loader, progress in loaders:
+                    total = None  # on whatever device the step's loss is
+                    for k in range(n):
+                        x, y, positions = self.shard(*loader.get(k))
+                        loss = self.forward_only(x, y, positions)
+                        total = loss if total is None else total + loss
+                        if progress is not None:
+                            progress(k, self.global_loss(loss) / tokens)
+                    loss = self.global_loss(total) / (n * tokens)
+                    if name:  # a mixture's source, alone (its own validation windows)
+                        out.setdefault("val_loss_by_source", {})[name] = loss
+                    else:
+                        out.update(val_loss=loss, val_ppl=math.exp(min(loss, 700.0)))
         finally:
             self.engine.end_forward()
             for m, saved in stats:  # MoE routing statistics belong to training steps
                 m.stats = saved
-        loss = self.global_loss(total) / (n * tokens)
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+        return out
 
     def close(self) -> None:
-        for ld in (self.loader, self.eval_loader):
+        for ld in (self.loader, self.eval_loader, *getattr(self, "source_eval", {}).values()):
             if ld is not None:
                 ld.close()
         self.engine.close()
         if self.trace is not None:
             self.trace.__exit__(None, None, None)
             self.trace = None
+
+    def loss_by_source(self, step: int) -> dict[str, float | None]:
+        """A mixture's step loss per source (mean CE over the source's rows' tokens; None for a
+        source no row came from): the tallies of this rank's loss modules, summed like
+        ``global_loss`` (one more metrics all-reduce of K values)."""
+        names = [s.name for s in self.loader.sources]
+        t = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        for sl in getattr(self, "source_losses", []):
+            for k, v in enumerate(sl.tally):
+                if v is not None:
+                    t[k] += v.double()
+        t /= self.grid.degrees["tp"]
+        ops.all_reduce(t, replace(self.grid["dense"], name="metrics"))
+        ops.all_reduce(t, replace(self.grid["tp"], name="metrics"))
+        ops.all_reduce(t, self.metrics_group)
+        rows = np.bincount(self.loader.row_sources(step), minlength=len(names))
+        return {n: (float(t[k]) / (int(rows[k]) * self.cfg.seq_len) if rows[k] else None)
+                for k, n in enumerate(names)}
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Σ token losses over the world: each token's loss is counted on one tp rank's copy."""
@@ -440,4 +500,6 @@ def eval_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig
         trainer.close()
     tokens = batches * train.global_batch * model_cfg.seq_len
     return {"loss": res["val_loss"], "ppl": res["val_ppl"], "tokens": tokens,
+            **({"loss_by_source": res["val_loss_by_source"]}
+               if "val_loss_by_source" in res else {}),
             "seconds": seconds, "tokens_per_s": tokens / seconds, "step": step}
