@@ -5,7 +5,7 @@ seq 2048, batch 1, fp32, for mean document lengths S, S/4, S/16 (documents of ex
 length, so Σ Lᵢ² = S·L). Kernels:
 
 * ``causal``   — no mask (the unmasked baseline: S²/2 work);
-* ``varlen``   — per-document SDPA calls (``fived.model.documents.doc_attention``: Σ Lᵢ²/2);
+* ``varlen``   — per-document SDPA calls (``fived.model.layers.doc_attention``: Σ Lᵢ²/2);
 * ``sdpa-mask``— one SDPA call with the (S, S) boolean same-document-causal mask (S² work,
   the masked blocks computed and zeroed);
 * ``flex``     — ``torch.nn.attention.flex_attention`` with a document block mask, eager
@@ -25,8 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fived.model.documents import doc_attention, doc_mask
-from fived.model.layers import causal_attention
+from fived.model.documents import doc_mask
+from fived.model.layers import causal_attention, doc_attention
 
 
 def timed(fn, rounds: int) -> float:

@@ -133,7 +133,7 @@ def dense_reference(q, k, v, docs):
 
 
 def test_varlen_core_equals_a_dense_masked_softmax():
-    from fived.model.documents import doc_attention
+    from fived.model.layers import doc_attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 20, 4, 8, generator=g, dtype=torch.float64)

@@ -61,7 +61,8 @@ from ..ledger.context import (  # noqa: F401 - the torch-free formulas, re-expor
     ulysses_kv_heads,
 )
 from ..model import layers
-from ..model.documents import doc_attention, doc_mask
+from ..model.documents import doc_mask
+from ..model.layers import doc_attention
 from ..model.moe import moe_layers
 from .counts import add_count_reduction
 
