@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -450,6 +451,7 @@ def did_you_mean(word: str, choices: list[Any]) -> str:
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
 
 
+@functools.cache
 def flag_of(section: str, name: str) -> str:
     """The command-line name of a field ("" for a TOML-only one): ``--global-batch``."""
     f = {f.name: f for f in fields(_SECTIONS[section])}[name]
@@ -509,6 +511,29 @@ def check_field(section: str, name: str, value: Any) -> str | None:
     return _bound_problem(section, f, value)
 
 
+def _field_problems(section: str, obj: Any) -> list[str]:
+    out = []
+    for f in fields(obj):
+        if section == "train" and f.name == "model":
+            continue  # the preset name: checked by ``preset``
+        p = _bound_problem(section, f, getattr(obj, f.name))
+        if p:
+            out.append(p)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _model_problems_cached(model: ModelConfig) -> tuple[str, ...]:
+    return tuple(_field_problems("model", model))
+
+
+def _model_problems(model: ModelConfig) -> list[str]:
+    try:
+        return list(_model_problems_cached(model))
+    except TypeError:  # unhashable field values (a list from a TOML): check it as it is
+        return _field_problems("model", model)
+
+
 def check_values(model: ModelConfig | None = None, par: ParallelConfig | None = None,
                  train: TrainConfig | None = None) -> list[str]:
     """Every field against its own bounds and choices (``spec``), one line per problem."""
@@ -516,12 +541,8 @@ def check_values(model: ModelConfig | None = None, par: ParallelConfig | None = 
     for section, obj in (("model", model), ("parallel", par), ("train", train)):
         if obj is None:
             continue
-        for f in fields(obj):
-            if section == "train" and f.name == "model":
-                continue  # the preset name: checked by ``preset``
-            p = _bound_problem(section, f, getattr(obj, f.name))
-            if p:
-                out.append(p)
+        # a model is checked once (the planner validates thousands of layouts of one model)
+        out += _model_problems(obj) if section == "model" else _field_problems(section, obj)
     if par is not None:
         if sorted(par.order) != sorted(DIMS):
             out.append(f"--order {','.join(par.order)}: give a permutation of {','.join(DIMS)}")
