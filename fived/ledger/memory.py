@@ -809,6 +809,12 @@ def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
     exact in the dry run except ZeRO-3 per micro-batch, where it bounds from above
     (``verify.buffers_check_skipped``). Grouped expert matmuls add one MoE layer's stacked
     expert weights (``expert_stack``, ``expert_stack_bytes``)."""
+    return dict(_comm_buffers(m, par, micro_batch, pp_rank))
+
+
+@lru_cache(maxsize=8192)
+def _comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int
+                  ) -> tuple[tuple[str, float], ...]:
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
@@ -834,7 +840,7 @@ def comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
             m.is_moe_layer(i) for st in rank_stages(par, pp_rank)
             for i in stage_layers(m, par)[st]):
         out["expert_stack"] = expert_stack_bytes(m, par)
-    return out
+    return tuple(out.items())
 
 
 def expert_stack_bytes(m: ModelConfig, par: ParallelConfig) -> float:

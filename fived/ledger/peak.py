@@ -71,6 +71,7 @@ from .memory import (
     EAGER,
     ActivationOptions,
     RankMemory,
+    _state_key,
     act_bytes,
     buckets,
     candidate_ranks,
@@ -161,6 +162,11 @@ def loss_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -
 def clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
     """One float64 copy of the largest chunk of a gradient piece the norm reads (a piece is
     one parameter's part of the rank's shard)."""
+    return _clip_bytes(m, _state_key(par), pp_rank)
+
+
+@lru_cache(maxsize=8192)
+def _clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
     cut = [v / par.tp for v in block_params(m).values()] + [m.vocab * m.hidden / par.tp]
     if m.is_moe:
         cut.append(m.expert_ffn * m.hidden)
