@@ -190,8 +190,9 @@ class Trainer:
             total += loss.detach().float()
         return total
 
-    def step(self, step: int, on_grads: Any = None) -> dict[str, Any]:
-        """One optimizer step; ``on_grads()`` (tests) runs once the gradients are reduced."""
+    def step(self, step: int, on_grads: Any = None, preempt: Any = None) -> dict[str, Any]:
+        """One optimizer step; ``on_grads()`` (tests) runs once the gradients are reduced;
+        ``preempt`` (``resilience.Preemption``): its vote rides on the loss all-reduce."""
         self.traffic.reset()
         t0 = time.perf_counter()
         waited = self.loader.wait_s if self.loader is not None else 0.0
@@ -210,7 +211,7 @@ class Trainer:
         # the loss before the update: both it and the norm are global, so every rank sees the
         # same bad step (fived.train.resilience) and skips it (the engine's overflow skip
         # covers a non-finite norm; a non-finite loss alone is skipped here)
-        loss = self.global_loss(local_loss) / global_tokens
+        loss = self.global_loss(local_loss, preempt) / global_tokens
         bad = non_finite(loss, grad_norm, self.par.precision == "fp16")
         stepped = (self.engine.step(lr) if math.isfinite(loss)
                    or getattr(self.engine, "overflow", False) else False)
@@ -274,13 +275,20 @@ class Trainer:
                 ld.close()
         self.engine.close()
 
-    def global_loss(self, local: torch.Tensor) -> float:
-        """Σ token losses over the world: each token's loss is counted on one tp rank's copy."""
+    def global_loss(self, local: torch.Tensor, preempt: Any = None) -> float:
+        """Σ token losses over the world: each token's loss is counted on one tp rank's copy.
+        dense × tp × pp is the world, so an active ``preempt``'s vote, a second element beside
+        the loss, is summed over every rank and handed back (``preempt.count``): the preemption
+        agreement costs no collective of its own (fived.train.resilience)."""
         t = local.double().reshape(1) / self.grid.degrees["tp"]
+        if preempt is not None and preempt.active:
+            t = torch.cat([t, t.new_tensor([preempt.vote()])])
         ops.all_reduce(t, replace(self.grid["dense"], name="metrics"))
         ops.all_reduce(t, replace(self.grid["tp"], name="metrics"))
         ops.all_reduce(t, self.metrics_group)  # only the last stage holds a loss
-        return float(t)
+        if t.numel() > 1:
+            preempt.count(float(t[1]))
+        return float(t[0])
 
     def gather_stats(self, mem: dict[str, int]) -> tuple[list[dict], list[dict]]:
         """Every rank's memory and traffic, on every rank (a metrics-only collective)."""
@@ -321,7 +329,7 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
 
     torch.manual_seed(train.seed)
     # caught from here on: a signal while the model is built or loaded acts after step one
-    preempt = Preemption(train.preempt_signals, rank_device(), world)
+    preempt = Preemption(train.preempt_signals)
     try:
         trainer = Trainer(model_cfg, par, train, rank, world)
     except BaseException:
@@ -335,7 +343,7 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     try:
         for step in range(start, end):
             run_hooks.step_start(trainer, step)
-            rec = trainer.step(step, run_hooks.grads(trainer, step))
+            rec = trainer.step(step, run_hooks.grads(trainer, step), preempt)
             mems = metrics.measure(rec)
             evaluator.after_step(rec, step, metrics)
             bad.update(rec, rank)
