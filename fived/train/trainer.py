@@ -30,13 +30,12 @@ import torch.distributed as dist
 from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ..ledger.context import positions as cp_positions
 from ..model import build_model
 from ..model.init import InitSource
-from ..model.moe import materialize_route_bias, moe_layers, set_aux_grad_scale
+from ..model.moe import moe_layers
 from ..optim import lr_at
-from ..parallel.balance import RouteBalancer
-from ..parallel.context import shard_batch
-from ..parallel.expert import collect_stats
+from ..parallel.balance import RouteBalancer, RoutingStatistics
 from ..parallel.parallelize import dtype_of, parallelize
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
 from ..ranks.launch import rank_device
@@ -59,7 +58,8 @@ class Trainer:
         of this rank lives (default: ``rank_device()``, cuda under nccl); ``init=False`` skips
         drawing the weights (fake tensors in the dry run); ``eval_split`` (``fived eval``):
         open only the loader of this split of --data, for ``evaluate``, no training loader."""
-        self.cfg, self.par, self.tcfg = model_cfg, par, train
+        self.cfg, self.tcfg = model_cfg, train
+        self.par = par
         self.rank, self.world = rank, world
         self.device = torch.device(device) if device is not None else rank_device()
         self.traffic = grid.groups["tp"].traffic if grid is not None else Traffic()
@@ -82,9 +82,21 @@ class Trainer:
             for blk in model.layers.values():
                 blk.compile()
         self.parallel = parallelize(model, self.grid, par, train, source, self.device)
+        self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
+                                      dist.group.WORLD if world > 1 else None, self.traffic)
+        # the step's hooks: before it, a MoE model's aux-loss gradient scale; after the optimizer
+        # step, balance = bias's route balancer (its counts' all-reduce and the update; it makes
+        # each bias as zeros on the device, resume loads them); then the record's MoE statistics
+        # (collected, and reset, after the balancer read them)
+        routing = RoutingStatistics(self.parallel.model, model_cfg, par, self.parallel.placements,
+                                    self.world_metrics, self.traffic)
+        self.balancer = RouteBalancer(self.parallel.model, self.grid["batch"], self.device,
+                                      model_cfg.bias_update_rate)
+        self.pre_step = [routing.before_step] if model_cfg.is_moe else []
+        self.post_step = [self.balancer.after_step] if self.balancer else []
+        self.on_record = [routing.record] if model_cfg.is_moe else []
         for moe in moe_layers(self.parallel.model):  # its statistics were made on meta
             moe.reset_stats()
-        materialize_route_bias(self.parallel.model, self.device)  # zeros; resume loads it
         self.build_rss = rss_peak()  # the build's peak (VmHWM): this rank's pieces, no more
         self.build_seconds = time.perf_counter() - t0
         self.build_cuda = (torch.cuda.max_memory_allocated(self.device)
@@ -92,15 +104,14 @@ class Trainer:
         self.stage = self.parallel.model
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
-        # post-optimizer-step hooks, run before the step's MoE statistics are collected (and
-        # reset): balance = bias's route balancer (its counts' all-reduce and the update)
-        self.balancer = RouteBalancer(self.stage, self.grid["batch"], self.device,
-                                      model_cfg.bias_update_rate)
-        self.post_step = [self.balancer.after_step] if self.balancer else []
         self.metrics_group = replace(self.grid["pp"], name="metrics")
-        self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
-                                      dist.group.WORLD if world > 1 else None, self.traffic)
+        # the loss's all-reduces: over dense, tp, then pp (dense × tp × pp is the world)
+        self.loss_groups = [replace(self.grid[name], name="metrics") for name in ("dense", "tp")]
+        self.loss_groups.append(self.metrics_group)
         self.next_step = 0  # the data position: the step the next batch belongs to
+        cp = self.grid["cp"]  # with cp, the token positions of this rank's sequence shard
+        self.cp_positions = (torch.tensor(cp_positions(model_cfg.seq_len, cp.size, cp.rank))
+                             if par.cp > 1 else None)
         self.loader = self.eval_loader = None
         if train.data:
             self._open_data(eval_split)
@@ -160,22 +171,20 @@ class Trainer:
 
     # -------------------------------------------------------------------- one step
     def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's rows of step ``step``'s batch, its columns of them (``shard``) and their
+        positions, on its device."""
         b = self.grid["batch"]
         if self.loader is not None:
             x, y = self.loader.get(step)
         else:
-            x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch, self.cfg.seq_len,
-                                 b.rank, b.size, self.tcfg.corpus_mb)
-        return self.shard(x, y)
+            x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch,
+                                            self.cfg.seq_len, b.rank, b.size, self.tcfg.corpus_mb)
+        return builtin_data.shard(x, y, self.cp_positions, self.device)
 
     def shard(self, x: torch.Tensor, y: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's part of its batch rows: the cp sequence shard and its positions."""
-        positions = torch.arange(self.cfg.seq_len)
-        if self.par.cp > 1:
-            x, y, positions = shard_batch(x, y, self.grid)
-        dev = self.device
-        return x.to(dev), y.to(dev), positions.to(dev)
+        return builtin_data.shard(x, y, self.cp_positions, self.device)
 
     def forward_backward(self, x, y, positions, scale: float) -> torch.Tensor:
         """All micro-batches of this step; returns this rank's summed token loss (detached)."""
@@ -201,7 +210,8 @@ class Trainer:
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
         self.engine.zero_grad()
         scaler = getattr(self.engine, "scaler", None)  # fp16: the aux losses are scaled too
-        set_aux_grad_scale(self.stage, (scaler.scale if scaler else 1.0) / global_tokens)
+        for hook in self.pre_step:  # MoE: d(step loss)/d(local aux sum)
+            hook((scaler.scale if scaler else 1.0) / global_tokens)
         local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
         self.engine.finish()
         if on_grads is not None:
@@ -223,9 +233,8 @@ class Trainer:
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped, "bad": bad}
         if self.loader is not None:  # seconds this step waited for the prefetch thread
             rec["data_wait_s"] = self.loader.wait_s - waited
-        if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
-            rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.parallel.placements,
-                                       self.world_metrics, global_tokens, seconds, self.traffic)
+        for record in self.on_record:  # MoE: tokens per expert, dropped, aux losses, a2a share
+            record(rec, seconds)
         for extra in after:  # the balancer's: this rank's layers' global counts and biases
             rec["moe"].update(extra)
         return rec
@@ -283,9 +292,8 @@ class Trainer:
         t = local.double().reshape(1) / self.grid.degrees["tp"]
         if preempt is not None and preempt.active:
             t = torch.cat([t, t.new_tensor([preempt.vote()])])
-        ops.all_reduce(t, replace(self.grid["dense"], name="metrics"))
-        ops.all_reduce(t, replace(self.grid["tp"], name="metrics"))
-        ops.all_reduce(t, self.metrics_group)  # only the last stage holds a loss
+        for group in self.loss_groups:  # dense, tp, pp: only the last stage holds a loss
+            ops.all_reduce(t, group)
         if t.numel() > 1:
             preempt.count(float(t[1]))
         return float(t[0])
