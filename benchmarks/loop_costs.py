@@ -1,7 +1,8 @@
-"""The training loop's fixed costs, and the loop against a PyTorch peer (docs/engine.md, "The
-loop's fixed costs").
+"""The training loop's fixed costs, and the loop against a PyTorch peer (docs/benchmarks.md,
+"The loop's fixed costs").
 
 ``python benchmarks/loop_costs.py [--nprocs 4 --zero 3] [--model small] [--global-batch 8]``
+``python benchmarks/loop_costs.py --fold [--nprocs 4]``
 
 Every rank runs ``train_rank`` itself — the loop ``fived train`` runs, rank 0's live line on
 (written to /dev/null), the default ``--preempt-signals`` and ``--log-every 1`` — with a run hook
@@ -19,6 +20,10 @@ piece's cost is its median per call over the steps, the largest over the ranks (
 ends with its slowest rank). The table gives each piece in µs per step and as a share of the
 loop's median step; the last line is the loop's median step over the peer's (ratio of medians,
 the two alternating in one run). ``--json`` prints the numbers as one JSON line.
+
+``--fold``: what carrying the preemption vote in the loss all-reduce costs — a 1-element
+all-reduce (the loss alone), a 2-element one (loss and vote) and two 1-element ones (the loss,
+then an agreement of its own) over the world, alternated, 10 calls per repetition, medians.
 """
 
 from __future__ import annotations
@@ -180,6 +185,23 @@ def _rank(rank: int, world: int, opts: argparse.Namespace) -> dict[str, Any]:
             "paired_ratio": statistics.median(ratios)}
 
 
+def _fold_rank(rank: int, world: int, reps: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    one, two = torch.zeros(1, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    runs = {"loss alone (1 element)": lambda: dist.all_reduce(one),
+            "loss + vote (2 elements)": lambda: dist.all_reduce(two),
+            "loss, then the agreement (2 x 1 element)": lambda: (dist.all_reduce(one),
+                                                                 dist.all_reduce(one))}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for rep in range(reps):
+        for name in (list(runs) if rep % 2 == 0 else list(reversed(runs))):
+            dist.barrier()
+            times[name].append(_timed(runs[name], 10))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4)
@@ -191,8 +213,18 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls of each piece per step")
     ap.add_argument("--peer-adamw", choices=("foreach", "fused"), default="foreach")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--fold", action="store_true", help="time the loss all-reduce with and "
+                    "without the preemption vote (below)")
     opts = ap.parse_args()
     from fived.ranks.launch import run_local
+
+    if opts.fold:
+        res = run_local(_fold_rank, opts.nprocs, (40,), timeout=600)
+        print(f"{opts.nprocs} ranks, 40 alternated repetitions of 10 calls: µs per call, median "
+              "(ranks 0..n-1)")
+        for name in res[0]:
+            print(f"| {name} | " + " | ".join(f"{r[name] * 1e6:.0f}" for r in res) + " |")
+        return
 
     res = run_local(_rank, opts.nprocs, (opts,), timeout=1800)[0]
     loop = res["loop_s"]

@@ -104,10 +104,10 @@ class Trainer:
         self.stage = self.parallel.model
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
-        self.metrics_group = replace(self.grid["pp"], name="metrics")
-        # the loss's all-reduces: over dense, tp, then pp (dense × tp × pp is the world)
-        self.loss_groups = [replace(self.grid[name], name="metrics") for name in ("dense", "tp")]
-        self.loss_groups.append(self.metrics_group)
+        # the loss's all-reduces, charged to metrics: over dense, tp, then pp (dense × tp × pp
+        # is the world; only the last pipeline stage holds a loss)
+        self.loss_groups = [replace(self.grid[name], name="metrics")
+                            for name in ("dense", "tp", "pp")]
         self.next_step = 0  # the data position: the step the next batch belongs to
         cp = self.grid["cp"]  # with cp, the token positions of this rank's sequence shard
         self.cp_positions = (torch.tensor(cp_positions(model_cfg.seq_len, cp.size, cp.rank))
@@ -292,7 +292,7 @@ class Trainer:
         t = local.double().reshape(1) / self.grid.degrees["tp"]
         if preempt is not None and preempt.active:
             t = torch.cat([t, t.new_tensor([preempt.vote()])])
-        for group in self.loss_groups:  # dense, tp, pp: only the last stage holds a loss
+        for group in self.loss_groups:
             ops.all_reduce(t, group)
         if t.numel() > 1:
             preempt.count(float(t[1]))

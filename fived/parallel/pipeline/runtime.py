@@ -215,7 +215,7 @@ class StageModel(nn.Module):
 
 
 class PipelineExecutor:
-    """Runs this rank's schedule over its stage model (``stage.split``'s chunks in a ``StageModel``)."""
+    """Runs this rank's schedule over its ``StageModel`` (``stage.split``'s chunks)."""
 
     def __init__(self, cfg: ModelConfig, par: ParallelConfig, grid: Any, stage: StageModel,
                  dtype: torch.dtype, sched: schedules.Schedule | None = None):
