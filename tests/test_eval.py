@@ -155,7 +155,7 @@ def test_two_rank_layouts_no_grad_eval_equals_the_old_path_and_one_rank(data_dir
 
 
 def test_forward_only_schedule_keeps_the_forward_half_and_checks():
-    from fived.parallel.pipeline import schedules
+    from fived import schedules
 
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2),
                     ("dualpipe-v", 2)):

@@ -87,7 +87,7 @@ def test_overview_numbers_are_the_ledger(tmp_path):
 
 
 def test_gantt_data_is_the_schedule():
-    from fived.parallel.pipeline import schedules
+    from fived import schedules
     from fived.viz.bubbles import gantt_data
 
     p, m = 4, 8
@@ -117,8 +117,8 @@ def test_gantt_data_is_the_schedule():
 
 def test_every_size_the_parts_run_is_valid():
     """The full-size layouts are valid before anything runs (a bad one fails the 10-min run)."""
+    from fived import schedules
     from fived.config import validate
-    from fived.parallel.pipeline import schedules
     from fived.viz import bubbles
 
     for quick in (True, False):
@@ -427,7 +427,7 @@ def test_report_layout_and_bad_input(tmp_path, capsys):
 # ------------------------------------------------------------------ slow: the other parts
 @pytest.mark.slow
 def test_bubbles_measured_is_the_run():
-    from fived.parallel.pipeline import schedules
+    from fived import schedules
     from fived.viz import bubbles
 
     d = by_name(bubbles.figures(True, quiet))["bubbles-measured"].data

@@ -23,9 +23,9 @@ from fractions import Fraction
 
 import pytest
 
+from fived import schedules as pipeline_schedules
 from fived.config import ParallelConfig, preset
 from fived.ledger.bubble import bubble_fraction as ledger_bubble_fraction
-from fived.parallel.pipeline import schedules as pipeline_schedules
 from fived.parallel.pipeline.stage import stage_ids
 from fived.testing import assemble_grads, grad_rel_diff, run_ranks, small_train
 

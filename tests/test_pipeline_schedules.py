@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from fived import schedules
 from fived.config import ConfigError, ParallelConfig, preset
 from fived.model import build_model
 from fived.parallel.parallelize import parallelize_parts
-from fived.parallel.pipeline import schedules
 from fived.parallel.pipeline.runtime import StageModel
 from fived.parallel.pipeline.stage import balanced_split, partition, stage_ids
 

@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
+from fived import schedules
 from fived.config import ParallelConfig, preset, validate
 from fived.ledger import traffic, verify
-from fived.parallel.pipeline import schedules
 from fived.testing import run_ranks, small_train
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -318,6 +318,16 @@ def _dry_run_activations(m: ModelConfig, par: ParallelConfig, gb: int, path: str
     report.show(report.console(), t)
 
 
+def phase_name(name: str) -> str:
+    """``B 3 1`` -> ``backward of micro-batch 3, stage 1`` (the ledger's phase names)."""
+    kind, _, rest = name.partition(" ")
+    words = {"F": "forward", "B": "backward", "W": "weight gradient"}
+    if kind in words and rest:
+        mb, _, st = rest.partition(" ")
+        return f"{words[kind]} of micro-batch {mb}, stage {st}"
+    return name or "-"
+
+
 def ledger_document(m: ModelConfig, par: ParallelConfig, hw, global_batch: int,
                     gpn: int, efficiency: float | None, mem_fraction: float,
                     opts, train_tokens: float, optimizer: str = "adamw", clock=None) -> dict:
@@ -420,9 +430,11 @@ def print_ledger(doc: dict, m: ModelConfig, par: ParallelConfig, hw, wide: bool 
         t.add_row("model states", k, fmt_b(v))
     for k, v in mem["activations"].items():
         t.add_row("activations", k, fmt_b(v))
-    for k, v in mem["buffers"].items():
-        t.add_row("comm buffers", k, fmt_b(v))
-    t.add_row("[bold]total[/]", "", f"[bold]{fmt_b(mem['total'])}[/]")
+    t.add_row("[bold]kept[/]", "states + saved", f"[bold]{fmt_b(mem['kept'])}[/]")
+    for k, v in mem["peak_transients"].items():
+        t.add_row("transient", k, fmt_b(v))
+    t.add_row("[bold]peak (step)[/]", f"in {phase_name(mem['peak_phase'])}",
+              f"[bold]{fmt_b(mem['peak'])}[/]")
     ok = "[green]fits[/]" if doc["fits"] else "[bold red]does not fit[/]"
     t.add_row("device", f"{hw.name} usable", f"{fmt_b(doc['usable_memory'])} — {ok}")
     report.show(con, t)

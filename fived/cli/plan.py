@@ -236,7 +236,7 @@ def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
     if not top:
         s = res_.smallest_unfit
         con.print("[bold red]no layout fits[/]" + (
-            f": the smallest needs {fmt_b(s.memory.total)} ({s.name()})" if s else ""))
+            f": the smallest needs {fmt_b(s.memory.peak)} ({s.name()})" if s else ""))
         return 1
     _print_top(con, top, args.wide)
     _print_time_split(con, top[:3])
@@ -256,14 +256,14 @@ def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
 
 def _print_top(con, top, wide: bool) -> None:
     """The table of the best layouts (80 columns; more with ``--wide``) and its legend."""
-    cols = [("#", "r"), ("layout", "l"), ("mem/rank", "r")]
+    cols = [("#", "r"), ("layout", "l"), ("peak/rank", "r")]
     if wide:
         cols += [("m", "r"), ("bubble", "r"), ("tp", "r"), ("cp", "r"), ("ep", "r"), ("pp", "r"),
                  ("dense", "r")]
     cols += [("step", "r")] + ([("tokens/s", "r")] if wide else []) + [("MFU", "r")]
     t = report.table(f"top {len(top)} layouts by predicted step time", cols, wrap=("layout",))
     for i, p in enumerate(top, 1):
-        row = [str(i), p.name(), fmt_b(p.memory.total)]
+        row = [str(i), p.name(), fmt_b(p.memory.peak)]
         if wide:
             tr = p.traffic
             row += [str(p.par.micro_batches), f"{p.bubble:.1%}",

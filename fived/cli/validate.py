@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
             row = [c.run.name] + ([str(c.run.gpus)] if args.wide else [])
             row += [c.pred.name(), f"{c.run.mfu:.0%}", f"{c.mfu_pred:.1%}",
                     f"{c.error_points:+.1f}", f"{c.ratio:.2f}×"]
-            row += [report.fmt_b(c.pred.memory.total)] if args.wide else []
+            row += [report.fmt_b(c.pred.memory.peak)] if args.wide else []
             t.add_row(*row)
         report.show(con, t)
         con.print(f"median |error| {summ['median_abs_error_points']:.1f} points (target ≤ 3), "
@@ -66,7 +66,7 @@ def _row(c) -> dict:
     return {"run": c.run.name, "family": c.run.family, "gpu": c.run.gpu, "gpus": c.run.gpus,
             "layout": c.pred.name(), "published_mfu": c.run.mfu, "predicted_mfu": c.mfu_pred,
             "error_points": c.error_points, "throughput_ratio": c.ratio,
-            "predicted_memory": c.pred.memory.total, "flops_convention": c.run.flops,
+            "predicted_memory": c.pred.memory.peak, "flops_convention": c.run.flops,
             "times": c.pred.times, "source": c.run.source}
 
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from .. import schedules
 from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, precision_of
 from .context import ulysses_kv_heads
 from .optimizers import opt_buckets
@@ -422,6 +423,23 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
     return out
 
 
+def stage_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, stage: int,
+                           opts: ActivationOptions = EAGER) -> float:
+    """What one micro-batch leaves saved on (virtual) stage ``stage`` after its forward: its
+    blocks (by the recompute mode) and the stage's extras (token ids, RoPE tables, the last
+    stage's final norm, logits and targets)."""
+    n_stages = par.pp * max(1, par.virtual_stages)
+    ids = stage_layers(m, par)[stage]
+    if par.recompute == "full":
+        total = len(ids) * block_input_bytes(m, par, micro_batch)
+    else:
+        fn = selective_layer if par.recompute == "selective" else layer_activations
+        total = sum(n * sum(fn(c, par, micro_batch, opts).values())
+                    for c, n in layer_kinds(m, ids) if n)
+    extra = stage_extra_activations(m, par, micro_batch, stage == 0, stage == n_stages - 1, opts)
+    return total + sum(extra.values())
+
+
 def inflight_microbatches(par: ParallelConfig, pp_rank: int = 0) -> float:
     """Micro-batches whose activations pipeline rank ``pp_rank`` holds at its peak."""
     p, mb = par.pp, par.micro_batches
@@ -459,6 +477,52 @@ def inflight_by_chunk(par: ParallelConfig, pp_rank: int = 0) -> list[float]:
     return counts
 
 
+@lru_cache(maxsize=1024)
+def _compute_orders(name: str, pp: int, m: int, v: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    sched = schedules.build(name, pp, m, v)
+    return tuple(tuple((a.kind, a.mb, a.stage) for a in sched.compute(r)) for r in range(pp))
+
+
+def schedule_actions(par: ParallelConfig, pp_rank: int = 0) -> list[tuple[str, int, int]]:
+    """The compute actions (kind, micro-batch, stage) pipeline rank ``pp_rank`` runs in one
+    step, in order: the executor's own lists (``fived.schedules``); without pp, F and B of
+    each micro-batch in turn."""
+    if par.pp == 1:
+        return [(k, i, 0) for i in range(par.micro_batches) for k in ("F", "B")]
+    v = 2 if par.schedule in V_SCHEDULES else max(1, par.virtual_stages)
+    name = "interleaved" if v > 1 and par.schedule not in V_SCHEDULES else par.schedule
+    return list(_compute_orders(name, par.pp, par.micro_batches, v)[pp_rank])
+
+
+def releases_at(par: ParallelConfig) -> str:
+    """The action after which a micro-batch's saved activations are gone: B, or W for the
+    V-shaped zero-bubble schedules (their B keeps what W needs). ZB-H1's B frees the graph;
+    the inputs and output gradients its W needs are a transient of the peak
+    (``fived.ledger.peak``)."""
+    return "W" if par.schedule in V_SCHEDULES and par.pp > 1 else "B"
+
+
+def inflight_by_stage(par: ParallelConfig, pp_rank: int, stage_bytes: dict[int, float]
+                      ) -> dict[int, int]:
+    """Micro-batches holding activations on each of the rank's stages at the moment their sum
+    (weighted by ``stage_bytes``) is largest, replaying the rank's schedule: a forward adds a
+    micro-batch to its stage, its release (``releases_at``) removes it. With stages of unequal
+    size (405B interleaved, last rank: 4 + 3 layers and the logits) the worst moment is not the
+    end of the warm-up."""
+    free = releases_at(par)
+    live = dict.fromkeys(stage_bytes, 0)
+    best, at = -1.0, dict(live)
+    for kind, _, st in schedule_actions(par, pp_rank):
+        if kind == "F":
+            live[st] += 1
+            total = sum(stage_bytes[k] * n for k, n in live.items())
+            if total > best:
+                best, at = total, dict(live)
+        elif kind == free:
+            live[st] -= 1
+    return at
+
+
 def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
                 opts: ActivationOptions = EAGER) -> dict[str, float]:
     """Activation bytes at the peak of one pipeline rank, by term (in-flight factor applied)."""
@@ -467,12 +531,12 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     split = stage_layers(m, par)
     layers = sum(len(split[k]) for k in stages)
     first, last = 0 in stages, n_stages - 1 in stages
-    k = inflight_microbatches(par, pp_rank)
-    k_first = k_last = k
-    weights = [k] * len(stages)  # micro-batches in flight per chunk
-    if par.pp > 1 and n_stages > par.pp:  # interleaved: each chunk its own count and layers
-        weights = inflight_by_chunk(par, pp_rank)
-        k_first, k_last = weights[0], weights[-1]
+    counts = inflight_by_stage(par, pp_rank, {
+        st: stage_activation_bytes(m, par, micro_batch, st, opts) for st in stages})
+    weights = [float(counts[st]) for st in stages]  # micro-batches in flight per chunk
+    k = sum(weights) / len(stages)
+    k_first = counts.get(0, k)
+    k_last = counts.get(n_stages - 1, k)
     # micro-batch × layers held, by block shape (first_dense_layers: dense and MoE blocks)
     kinds: dict[ModelConfig, int] = {}
     for w, st in zip(weights, stages):
@@ -496,8 +560,8 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             out[name] = k_last * v  # held by the last (virtual) stage
         elif name == "token_ids":
             out[name] = k_first * v
-        else:
-            out[name] = k * v
+        else:  # the RoPE tables: one pair per chunk forward in flight
+            out[name] = sum(weights) * v
     return out
 
 
@@ -546,14 +610,35 @@ def zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     """``_zero_buffer_peak`` on a key without what the replay does not read (the planner
     tries each layout with several micro-batch sizes and recompute modes): micro-batches
     count only as 1, 2 or more (it replays the first, the second and the last)."""
-    key = replace(par, recompute="none", sequence_parallel=False, cp_mode="ring",
-                  micro_batches=min(par.micro_batches, 3))
-    return _zero_buffer_peak(m, key, pp_rank)
+    return _zero_buffer_peak(m, _zero_key(par), pp_rank)
+
+
+def _zero_key(par: ParallelConfig) -> ParallelConfig:
+    return replace(par, recompute="none", sequence_parallel=False, cp_mode="ring",
+                   micro_batches=min(par.micro_batches, 3))
 
 
 @lru_cache(maxsize=4096)
 def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                       ) -> tuple[int, int] | None:
+    replay = _zero_replay(m, par, pp_rank)
+    return None if replay is None else replay[:2]
+
+
+@lru_cache(maxsize=4096)
+def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
+                 ) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
+    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at three moments of the
+    replay: the first gradient's arrival in each micro-batch's backward (micro-batches 0, 1
+    and the last; the ones between replay the second's), the end of the last backward (what
+    the reduction phase starts with), and the end of each forward (ZeRO-3 without pp: the
+    root gathered for the loss; else empty). None where the replay does not run."""
+    replay = _zero_replay(m, _zero_key(par), pp_rank)
+    return None if replay is None else (replay[2], replay[3], replay[4])
+
+
+def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
+                 ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...]] | None:
     """(full-gradient bytes, gathered-parameter bytes) at the peak of ZeRO-2/3's transient
     buffers, from a replay of the engine's lifecycle (``fived.parallel.data``: ``Zero2``,
     ``Zero3``) on the ledger's buckets; None where it is not replayed (ZeRO-2/3 with more than
@@ -575,7 +660,7 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
       the rest are released after the backward.
     * ``--no-overlap``: no launch during backward, no prefetch ahead."""
     if par.zero < 2 or max(group_sizes(par).values()) <= 1:
-        return (0, 0)
+        return (0, 0, (0,), 0, ())
     if par.pp > 1 and len(rank_stages(par, pp_rank)) > 1:
         return None
     bks = buckets(m, par, pp_rank)
@@ -599,6 +684,8 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     gathered: set[int] = set()  # gathered units
     live = [0, 0]  # bytes held: gradients, parameters
     peak = [0, 0]
+    starts: list[int] = []  # held at each replayed micro-batch's first gradient
+    fends: list[int] = []  # held at the end of each replayed forward (ZeRO-3 without pp)
 
     def hold(kind: int, n: int) -> None:
         live[kind] += n
@@ -642,6 +729,7 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 gather(u)
                 prefetch(nxt(u, 1))
                 free(u)
+            fends.append(sum(live))  # the loss: the root gathered, the blocks freed
             free(-1)
             gather(-1)  # backward
             prefetch(nblocks[-1] if nblocks else None)
@@ -649,6 +737,7 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         udone: dict[int, int] = {}
         launched = {g: 0 for g in seqs}
         block = None
+        first = True
         for i, k in runs:  # k gradients in a row into bucket i
             u = bks[i].unit
             if zero3_flat and u >= 0 and u != block:  # the block's pre-backward hook
@@ -658,6 +747,9 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
             if i not in grads:
                 grads.add(i)
                 hold(0, bks[i].padded * gb)
+            if first:
+                starts.append(sum(live))
+                first = False
             if zero3_flat:
                 udone[u] = udone.get(u, 0) + k
                 if udone[u] == uparams[u]:
@@ -672,7 +764,7 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 k = launched[bks[i].group]
                 if k > 2:
                     drop(seq[k - 3])
-    return peak[0], peak[1]
+    return peak[0], peak[1], tuple(starts), sum(live), tuple(fends)
 
 
 def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int
@@ -762,6 +854,14 @@ class RankMemory:
     buffers: dict[str, float]
     inflight: float
     terms: dict[str, float] = field(default_factory=dict)
+    peak: float = 0.0  # the step's peak (``fived.ledger.peak``; 0: not computed)
+    peak_phase: str = ""
+    peak_transients: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kept(self) -> float:
+        """Model states and the saved activations at their worst moment."""
+        return self.states_total + self.activations_total
 
     @property
     def states_total(self) -> int:
@@ -783,7 +883,9 @@ class RankMemory:
         return {"pp_rank": self.pp_rank, "states": self.states, "activations": self.activations,
                 "buffers": self.buffers, "inflight_microbatches": self.inflight,
                 "states_total": self.states_total, "activations_total": self.activations_total,
-                "buffers_total": self.buffers_total, "total": self.total}
+                "buffers_total": self.buffers_total, "total": self.total, "kept": self.kept,
+                "peak": self.peak, "peak_phase": self.peak_phase,
+                "peak_transients": self.peak_transients}
 
 
 def rank_memory(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,

@@ -58,8 +58,9 @@ from . import bubble as bubble_formulas
 from . import compute as flops
 from . import roofline as roofline_model
 from .hardware import Hardware, collective_seconds
-from .memory import FUSED, ActivationOptions, RankMemory, largest_rank, states_floor
+from .memory import FUSED, ActivationOptions, RankMemory, states_floor
 from .params import layer_kinds, rank_layer_ids, rank_layers, rank_moe_layers, rank_stages
+from .peak import largest_rank
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
 GPU_ACTIVATIONS = FUSED
@@ -124,7 +125,8 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.device_memory
+        """The step's peak (``fived.ledger.peak``), not only what the rank keeps."""
+        return self.memory.peak <= self.device_memory
 
     def name(self) -> str:
         name = layout_name(self.par, self.micro_batch)
@@ -449,7 +451,7 @@ def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
     smallest = None
     if not fits:  # the smallest that does not fit, over every layout (the first of a tie)
         unfit += [(i, full(*jobs[i])) for i in floored]
-        smallest = min(unfit, key=lambda ip: (ip[1].memory.total, ip[0]), default=(0, None))[1]
+        smallest = min(unfit, key=lambda ip: (ip[1].memory.peak, ip[0]), default=(0, None))[1]
     counts["evaluated"] = len(jobs)
     if len(jobs) > len(fits):
         counts["out_of_memory"] = len(jobs) - len(fits)
@@ -473,7 +475,7 @@ def rank_layouts(preds: list[Prediction]) -> list[Prediction]:
         j = i
         while j < len(preds) and preds[j].step_seconds <= preds[i].step_seconds * (1 + TIE):
             j += 1
-        out += sorted(preds[i:j], key=lambda p: (sum(p.traffic.values()), p.memory.total))
+        out += sorted(preds[i:j], key=lambda p: (sum(p.traffic.values()), p.memory.peak))
         i = j
     return out
 
@@ -497,7 +499,7 @@ def explain(ranked: list[Prediction]) -> list[str]:
     best = ranked[0]
     t = best.times
     out = [f"{best.name()} fits: largest rank (pp rank {best.memory.pp_rank}) needs "
-           f"{best.memory.total / 1e9:.1f} GB of {best.device_memory / 1e9:.1f} GB usable."]
+           f"{best.memory.peak / 1e9:.1f} GB of {best.device_memory / 1e9:.1f} GB usable."]
     parts = sorted(((k, v) for k, v in t.items() if v > 0), key=lambda kv: -kv[1])
     share = ", ".join(f"{k} {v / best.step_seconds:.0%}" for k, v in parts[:5])
     out.append(f"its step ({best.step_seconds:.3f} s) is {share}; MFU {best.mfu:.1%}.")
@@ -511,8 +513,8 @@ def explain(ranked: list[Prediction]) -> list[str]:
             saved = sum(run.traffic.values()) - sum(best.traffic.values())
             out.append(f"runner-up {run.name()} ties within {TIE:.1%} of the step time; the "
                        f"winner sends {saved / 1e9:.1f} GB less per rank per step "
-                       f"(memory {best.memory.total / 1e9:.1f} GB against "
-                       f"{run.memory.total / 1e9:.1f} GB).")
+                       f"(memory {best.memory.peak / 1e9:.1f} GB against "
+                       f"{run.memory.peak / 1e9:.1f} GB).")
         else:
             out.append(f"runner-up {run.name()} is "
                        f"{run.step_seconds / best.step_seconds - 1:.1%} slower; the winner saves "
@@ -522,7 +524,7 @@ def explain(ranked: list[Prediction]) -> list[str]:
     if other is not None and other is not ranked[1]:
         out.append(f"best other shape: {other.name()} is "
                    f"{other.step_seconds / best.step_seconds - 1:.1%} slower "
-                   f"(largest rank {other.memory.total / 1e9:.1f} GB).")
+                   f"(largest rank {other.memory.peak / 1e9:.1f} GB).")
     for pred, label in ((lambda p: p.pp == 1, "without pipeline parallelism"),
                         (lambda p: p.tp == 1, "without tensor parallelism"),
                         (lambda p: p.recompute == "none", "without recompute")):

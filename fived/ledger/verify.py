@@ -89,7 +89,7 @@ def buffers_check_skipped(m: ModelConfig, par: ParallelConfig) -> str | None:
     if par.zero == 3 and chunks and par.zero3_pp_gather == "micro":
         return ("zero3 --zero3-pp-gather micro with several chunks per rank: which chunk is "
                 "whole while the gradient buffers grow follows the schedule's order of F and B "
-                "actions (fived.parallel.pipeline.schedules, which the torch-free ledger does "
+                "actions (fived.schedules, which the torch-free ledger does "
                 "not import); the ledger bounds it from above (every gradient buffer + the "
                 "largest chunk; tiny pp2·dp2 interleaved v2 m2, last stage: ledger 686,080 vs "
                 "620,288 bytes; open)")

@@ -37,7 +37,7 @@ class FlatAdamW:
 
     def step(self, grads: list[torch.Tensor], lr: float) -> None:
         self.t += 1
-        fusable = bool(self.params) and self.params[0].device.type in ("cpu", "cuda")
+        fusable = bool(self.params) and self.params[0].device.type in ("cpu", "cuda", "meta")
         if self.params and (self.fused if self.fused is not None else fusable):
             return self._fused_step(grads, lr)
         b1, b2 = self.beta1, self.beta2

@@ -39,6 +39,7 @@ def accumulate_sq(acc: torch.Tensor, pieces: Iterable[tuple[torch.Tensor, float]
         for c in g.reshape(-1).split(SQ_CHUNK):
             d = c.double()
             s += torch.dot(d, d)
+            del d  # one float64 chunk alive at a time (the ledger's clip transient)
         acc += s * w
     return acc
 

@@ -58,12 +58,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import phases
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..model.moe import set_aux_grad_scale
 from ..optim import lr_at
 from ..parallel.context import shard_positions
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
+from .memtrace import LiveTensors
 from .trainer import Trainer
 
 BACKEND = "cpu:fake,meta:fake"
@@ -295,6 +297,17 @@ def storage_states(engine: Any) -> dict[str, int]:
     return out
 
 
+def held_tensors(trainer: Any) -> list[torch.Tensor]:
+    """What a built rank holds before its first step: the engine's states (``storage_states``'
+    tensors), the stage's parameters and buffers."""
+    eng = trainer.engine
+    out = [eng.param_state(b) for b in eng.buckets] + [eng.grad_state(b) for b in eng.buckets]
+    out += [b.master for b in eng.buckets if eng.policy.separate_master]
+    out += [b.comp for b in eng.buckets] + _tensors(vars(eng.opt))
+    out += list(trainer.stage.parameters()) + list(trainer.stage.buffers())
+    return [t for t in out if t is not None]
+
+
 def traffic_by_op(traffic: Traffic) -> dict[str, float]:
     """Bytes sent per ``group/op`` (e.g. ``tp/all_gather``), zero entries left out."""
     out: dict[str, float] = {}
@@ -328,18 +341,23 @@ class DryTrainer(Trainer):
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
         if self.executor is not None:
             self.executor.measure = False  # its timing exchange reads values
+            self.executor.instant_sends = True  # fake sends never report completion
         exclude = list(self.stage.parameters()) + [b.param_full for b in self.engine.buckets]
         self.engine.zero_grad()
         set_aux_grad_scale(self.stage, 1.0 / global_tokens)
         with LiveSaved(exclude) as saved:
             self.forward_backward(x, y, positions, 1.0 / global_tokens)
+        phases.enter("reduce")
         self.engine.finish()
+        phases.enter("clip")
         self.engine.unscale()
         self.engine.grad_sq()  # the clip's collectives; the norm itself is a value
         lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
+        phases.enter("optimizer")
         self.engine.step(lr)
         if self.balancer:  # balance = bias: the routed counts' all-reduce (zeros here)
             self.balancer.sync(True)
+        phases.enter("end")
         return {"step": step, "loss": float("nan"), "tokens": global_tokens,
                 "seconds": time.perf_counter() - t0, "lr": lr, "grad_norm": float("nan"),
                 "skipped": False, "activation_peak": saved.peak}
@@ -379,9 +397,14 @@ def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig
             if model_cfg.is_moe:
                 uniform_routing(trainer.stage)
             t_build = time.perf_counter() - t0
-            rec = trainer.dry_step(0)
+            trace = LiveTensors()
+            trace.seed(held_tensors(trainer))
+            with trace:
+                rec = trainer.dry_step(0)
             mem = trainer.engine.memory()
             storage = storage_states(trainer.engine)
+        rec["peak"], rec["peak_phase"] = trace.step_peak()
+        rec["phases"] = trace.by_phase()
         rec["memory"] = {k: int(mem.get(k, 0)) for k in
                          ("params", "grads", "master", "optimizer", "buffers", "padding")}
         rec["memory_storage"] = storage
@@ -423,6 +446,9 @@ def dry_run(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, ran
            "traffic_per_rank": [{"bytes": r["traffic"], "ops": r["traffic_ops"]} for r in recs],
            "memory_storage_per_rank": [r["memory_storage"] for r in recs],
            "activation_peak_per_rank": [r["activation_peak"] for r in recs],
+           "peak_per_rank": [r["peak"] for r in recs],
+           "peak_phase_per_rank": [r["peak_phase"] for r in recs],
+           "phases_per_rank": [r["phases"] for r in recs],
            "seconds_per_rank": [r["wall_seconds"] for r in recs],
            "run": {"model": asdict(model_cfg), "parallel": asdict(par),
                    "global_batch": train.global_batch}}

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import phases
 from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
@@ -194,7 +195,9 @@ class Trainer:
         m = self.par.micro_batches
         for k, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
             self.engine.set_last_micro(k == m - 1)
+            phases.compute("F", k, 0)
             loss = self.stage(xm, positions, ym)
+            phases.compute("B", k, 0)
             (loss * scale).backward()
             total += loss.detach().float()
         return total
@@ -213,9 +216,11 @@ class Trainer:
         for hook in self.pre_step:  # MoE: d(step loss)/d(local aux sum)
             hook((scaler.scale if scaler else 1.0) / global_tokens)
         local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
+        phases.enter("reduce")
         self.engine.finish()
         if on_grads is not None:
             on_grads()
+        phases.enter("clip")
         grad_norm = self.engine.clip(self.tcfg.grad_clip)
         lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
         # the loss before the update: both it and the norm are global, so every rank sees the
@@ -223,8 +228,10 @@ class Trainer:
         # covers a non-finite norm; a non-finite loss alone is skipped here)
         loss = self.global_loss(local_loss, preempt) / global_tokens
         bad = non_finite(loss, grad_norm, self.par.precision == "fp16")
+        phases.enter("optimizer")
         stepped = (self.engine.step(lr) if math.isfinite(loss)
                    or getattr(self.engine, "overflow", False) else False)
+        phases.enter("end")
         if self.engine.skip_reason and self.rank == 0:
             print(self.engine.skip_reason, flush=True)
         after = [hook(stepped) for hook in self.post_step]

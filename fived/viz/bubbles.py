@@ -1,6 +1,6 @@
 """Part 7, bubbles: the Gantt chart of every schedule and the measured bubble against the formula.
 
-* ``bubbles-gantt``     the executor's own action lists (``fived.parallel.pipeline.schedules``)
+* ``bubbles-gantt``     the executor's own action lists (``fived.schedules``)
   simulated with unit costs, one panel per schedule (the picture ``fived figures schedule`` draws);
 * ``bubbles-measured``  for each schedule and a growing number of micro-batches m, the bubble a
   real pipeline run measured on spawned gloo ranks (``PipelineExecutor`` stats: 1 − compute /
@@ -18,8 +18,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from .. import schedules as pipeline_schedules
 from ..config import ModelConfig, ParallelConfig, TrainConfig
-from ..parallel.pipeline import schedules as pipeline_schedules
 from ._fig import COLORS, Figure, part_main
 
 
@@ -145,7 +145,7 @@ def figures(quick: bool, tick) -> list[Figure]:
     data = measure(quick, tick)
     return [
         Figure("bubbles-gantt", f"Pipeline schedules, p={pp}, m={m} (the executor's lists)",
-               "bubbles", "schedule", "fived.parallel.pipeline.schedules.build + simulate "
+               "bubbles", "schedule", "fived.schedules.build + simulate "
                "(unit F, B = 2F; F = B = W for ZB-H1)", gantt_data(pp, m), draw_gantt,
                size=(9.0, 2.0 * len(pipeline_schedules.NAMES))),
         Figure("bubbles-measured", "Measured pipeline bubble vs the formula", "bubbles",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from .. import schedules
 from ..config import ModelConfig, ParallelConfig, validate
-from ..parallel.pipeline import schedules
 from ..ui import flags
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}

@@ -1,1 +1,2 @@
-"""Pipeline parallelism: partition (stage.py), schedules as data (schedules.py), executor (runtime.py)."""
+"""Pipeline parallelism: partition (stage.py) and executor (runtime.py); the schedules as data
+are ``fived.schedules`` (torch-free: the ledger replays them too)."""

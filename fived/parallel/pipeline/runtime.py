@@ -59,10 +59,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ... import phases, schedules
 from ...comm import ops
 from ...config import ModelConfig, ParallelConfig
 from ...model.llama import Transformer
-from . import schedules
 
 
 class _SplitLinear(TorchFunctionMode):
@@ -113,8 +113,9 @@ class _P2P:
     """Activation/gradient messages on the pp group; FIFO per peer, one receive in flight."""
 
     def __init__(self, group: Any, sched: schedules.Schedule, rank: int, shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, instant: bool = False):
         self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
+        self.instant = instant  # every send counts as done once posted (fake backend)
         self.expected: dict[int, list[tuple]] = defaultdict(list)
         for src, acts in enumerate(sched.ranks):
             for a in acts:
@@ -164,7 +165,7 @@ class _P2P:
         """Free the storage of the sends that have completed, oldest first per peer (the wire
         is FIFO per peer: the first one still in flight ends the check for that peer)."""
         for pending in self.sends.values():
-            while pending and _done(pending[0][0]):
+            while pending and (self.instant or _done(pending[0][0])):
                 _free(*pending.popleft())
 
     def drain(self) -> None:
@@ -231,6 +232,7 @@ class PipelineExecutor:
         self.chunk_of = {s: c for c, s in enumerate(self.stage.stage_ids)}
         self.split = self.schedule.split_backward
         self.measure = True
+        self.instant_sends = False  # the dry run: a fake backend's send is done when posted
         self.delay: dict[str, float] = {}  # test knob: extra seconds slept per F/B/W action
         self.stats: dict[str, Any] = {}
         # the final accumulation of each chunk's parameters (set_last_micro True there)
@@ -283,7 +285,8 @@ class PipelineExecutor:
         p2p = getattr(self, "_p2p", None)
         if p2p is None:
             p2p = self._p2p = _P2P(self.group, self.schedule, self.rank,
-                                   self.activation_shape(mbs), self.dtype, x.device)
+                                   self.activation_shape(mbs), self.dtype, x.device,
+                                   self.instant_sends)
         p2p.reset()
         S_, sched = self.num_stages, self.schedule
         local: dict[tuple, torch.Tensor] = {}  # hand-offs between two stages of this rank
@@ -328,6 +331,7 @@ class PipelineExecutor:
                 p2p.send(g, schedules.peer(a, sched), [g])
             else:
                 t0 = time.time()
+                phases.compute(a.kind, a.mb, a.stage)
                 begin(c, a.kind)
                 if a.kind == "F":
                     inp = xs[a.mb] if a.stage == 0 else inputs[key]

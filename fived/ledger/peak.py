@@ -1,0 +1,259 @@
+"""The step's peak: what a rank keeps plus what each phase of the step touches at its worst
+moment, phase by phase — the number that decides whether a layout fits.
+
+``step_phases`` walks one step of one pipeline rank in the order the runtime runs it: the
+rank's compute actions from its schedule (``fived.schedules``; without pp, F and B of each
+micro-batch), then the gradient reduction, the clip and the optimizer step. At each phase
+
+    live = kept + saved + Σ transients
+
+* **kept**: the model states (``memory.model_states``: params, grads, master, optimizer)
+  and the step's inputs (token ids, targets, positions: ``step_input_bytes``);
+* **saved**: the activations of every micro-batch whose forward has run on one of the rank's
+  stages and whose backward has not yet released them (``memory.stage_activation_bytes`` per
+  stage, the schedule replayed as in ``memory.inflight_by_stage``); a forward's phase already
+  holds its own micro-batch, a backward's still does;
+* **transients**, each by name, sized from the layout and the runtime code that makes it:
+
+  ========================  ==============================================================
+  ``loss_backward``         the last stage's B: the loss's backward makes the fp32 softmax
+                            and its gradient, 2 · tokens · V/tp · 4 (``fived.model.llama``'s
+                            ``vocab_parallel_loss`` / cross-entropy), while every saved
+                            activation is still alive
+  ``block_backward``        every B: the first block's backward, its MLP working set: the
+                            block output's gradient (tokens · h/sp · e) and four
+                            tokens · ffn/tp tensors in the compute dtype (the down
+                            projection's input gradient, SiLU recomputed, its backward, the
+                            up gradient: ``fived.model.layers.SwiGLU``); GELU: three; MoE:
+                            top_k · expert_ffn per token in place of ffn/tp
+  ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
+                            bytes (``memory.layer_activations``)
+  ``grad_recv``             pp, every B but the last stage's: the received output gradient
+                            (tokens · h/sp · e)
+  ``sp_gather``, ``cp_ring``, ``ep_a2a``  F and B: the collectives' in-flight buffers
+                            (``memory.comm_buffers``)
+  ``zero_buffers``          ZeRO-2/3, every B and the reduction: the full-gradient buckets
+                            and gathered units at their peak (``memory.zero_buffer_peak``);
+                            ZeRO-3's gathered units in every F too
+  ``tp_last_input``         tp, after the last forward: the last column region's input
+                            (tokens · h/sp · e; under SP also its gathered copy,
+                            ``sp_gather``), referenced until the next forward
+  ``clip``                  one float64 chunk of the largest gradient piece
+                            (8 · min(piece, ``SQ_CHUNK``), ``fived.optim.clip``)
+  ``optimizer``             fused AdamW works in place; with gradients kept in bf16 the
+                            step upcasts each owned gradient (4 bytes per owned element)
+  ========================  ==============================================================
+
+What is not modelled (the dry run's ``ledger --check`` gap says how much it matters): the
+zero-bubble schedules' stash between B and W (inputs and output gradients kept for the weight
+gradient), the build (a step's peak is what is compared: the dry run builds the whole plain
+model on fake tensors before cutting it, which a real run does not), the attention kernel's
+own workspace, autograd's order of frees inside a block (the block term is its largest set,
+not a replay of every op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from ..config import ModelConfig, ParallelConfig
+from .memory import (
+    EAGER,
+    ActivationOptions,
+    RankMemory,
+    act_bytes,
+    buckets,
+    candidate_ranks,
+    comm_buffers,
+    grad_bytes,
+    layer_activations,
+    model_states,
+    rank_memory,
+    releases_at,
+    schedule_actions,
+    stage_activation_bytes,
+    stage_extra_activations,
+    zero_moments,
+)
+from .params import block_params, layer_kinds, rank_stages, stage_layers
+
+SQ_CHUNK = 1 << 18  # fived.optim.clip.SQ_CHUNK (the ledger imports no torch)
+KEPT = ("params", "grads", "master", "optimizer")
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str  # "F mb s", "B mb s", "W mb s", "reduce", "clip", "optimizer"
+    kept: float
+    saved: float
+    transients: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def transient(self) -> float:
+        return sum(self.transients.values())
+
+    @property
+    def total(self) -> float:
+        return self.kept + self.saved + self.transient
+
+    @property
+    def largest(self) -> str:
+        """The transient that weighs most here ('' when there is none)."""
+        t = {k: v for k, v in self.transients.items() if v}
+        return max(t, key=t.get) if t else ""
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "kept": self.kept, "saved": self.saved,
+                "transients": self.transients, "total": self.total}
+
+
+def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
+    """The first block's backward at its worst moment (SwiGLU's backward, as the trace shows
+    it): the block output's gradient and three ffn-wide tensors — the down projection's input
+    gradient, SiLU recomputed, and the up gradient being made; GELU: two."""
+    e = act_bytes(par)
+    tokens = micro_batch * m.seq_len / par.cp
+    sp = par.sequence_parallel and par.tp > 1
+    grad_out = tokens * m.hidden * e / (par.tp if sp else 1)
+    width = 3 if m.mlp == "swiglu" else 2
+    if m.is_moe:
+        return grad_out + tokens * m.top_k * width * m.expert_ffn * e / (par.tp if sp else 1)
+    return grad_out + tokens * width * m.ffn * e / par.tp
+
+
+def step_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
+    """The step's token ids and targets (int64, every micro-batch of the rank's batch rows,
+    its sequence shard) and the positions (int64), held through the step."""
+    s_local = m.seq_len / par.cp
+    return 2 * 8 * micro_batch * par.micro_batches * s_local + 8 * s_local
+
+
+def clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
+    """One float64 copy of the largest chunk of a gradient piece the norm reads (a piece is
+    one parameter's part of the rank's shard)."""
+    cut = [v / par.tp for v in block_params(m).values()] + [m.vocab * m.hidden / par.tp]
+    if m.is_moe:
+        cut.append(m.expert_ffn * m.hidden)
+    largest = max(cut)
+    if par.zero >= 1:
+        largest = min(largest, max((b.shard for b in buckets(m, par, pp_rank)), default=0))
+    return 8.0 * min(largest, SQ_CHUNK)
+
+
+def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+                opts: ActivationOptions = EAGER, optimizer: str = "adamw",
+                dense_index: int = 0, expert_index: int = 0) -> list[Phase]:
+    """Every phase of one step of pipeline rank ``pp_rank``, in the runtime's order."""
+    states = model_states(m, par, pp_rank, dense_index, expert_index, optimizer)
+    kept = float(sum(states.get(k, 0) for k in KEPT)) + step_input_bytes(m, par, micro_batch)
+    stages = rank_stages(par, pp_rank)
+    n_stages = par.pp * max(1, par.virtual_stages)
+    per = {s: stage_activation_bytes(m, par, micro_batch, s, opts) for s in stages}
+    e = act_bytes(par)
+    tokens = micro_batch * m.seq_len / par.cp
+    sp = par.sequence_parallel and par.tp > 1
+    cb = comm_buffers(m, par, micro_batch, pp_rank)
+    zero = cb.get("zero_full_grads", 0.0) + cb.get("zero3_gather", 0.0)
+    moments = zero_moments(m, par, pp_rank) if zero else None
+    inflight = {k: cb[k] for k in ("sp_gather", "cp_ring", "ep_a2a") if k in cb}
+    recompute = 0.0
+    if par.recompute == "full":
+        recompute = max((sum(layer_activations(c, par, micro_batch, opts).values())
+                         for s in stages for c, n in layer_kinds(m, stage_layers(m, par)[s])
+                         if n), default=0.0)
+    free = releases_at(par)
+    live = dict.fromkeys(stages, 0)
+    saved = 0.0
+    out: list[Phase] = []
+    for kind, mb, s in schedule_actions(par, pp_rank):
+        if kind == "F":
+            live[s] += 1
+            saved += per[s]
+        t: dict[str, float] = dict(inflight) if kind in ("F", "B") else {}
+        nth = 0 if mb == 0 else (-1 if mb == par.micro_batches - 1 else 1)
+        if kind == "F" and zero:  # the loss's moment: the root gathered (ZeRO-3), the
+            # gradient buffers of the earlier micro-batches held
+            if moments is not None and moments[2]:
+                t["zero_buffers"] = float(moments[2][min(nth, len(moments[2]) - 1)
+                                                     if nth >= 0 else -1])
+            elif moments is not None and mb > 0:
+                t["zero_buffers"] = cb.get("zero_full_grads", 0.0)
+            else:
+                t["zero_buffers"] = cb.get("zero3_gather", 0.0) if mb == 0 else zero
+        if kind == "B":
+            last = s == n_stages - 1
+            block = block_backward_bytes(m, par, micro_batch) if stage_layers(m, par)[s] else 0
+            t["block_backward"] = block
+            if last:  # the loss's saved tensors are gone by the first block's backward
+                t["loss_backward"] = 2 * tokens * m.vocab / par.tp * 4
+                gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
+                           for k in ("final_norm", "logits"))
+                t["block_backward"] = max(0.0, block - gone)
+                if t["loss_backward"] > t["block_backward"]:  # one moment or the other
+                    t["block_backward"] = 0.0
+                else:
+                    t["loss_backward"] = 0.0
+            elif par.pp > 1:
+                t["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
+            if recompute:
+                t["recompute_block"] = recompute
+            if zero:  # the first gradient's moment, or the buffers' peak once this
+                # micro-batch's activations are released, whichever is more
+                start = zero
+                if moments is not None:
+                    starts = moments[0]
+                    start = float(starts[min(nth, len(starts) - 1) if nth >= 0 else -1])
+                end = saved - per[s] + zero
+                if end > saved + sum(t.values()) + start:
+                    out.append(Phase(f"{kind} {mb} {s}", kept, saved - per[s],
+                                     {"zero_buffers": zero}))
+                    if kind == free:
+                        live[s] -= 1
+                        saved -= per[s]
+                    continue
+                t["zero_buffers"] = start
+        out.append(Phase(f"{kind} {mb} {s}", kept, saved, t))
+        if kind == free:
+            live[s] -= 1
+            saved -= per[s]
+    # after the step's last forward: the last column region's input (and under SP its gathered
+    # copy) stays referenced until the next forward opens a region (``tensor.Columns``)
+    after: dict[str, float] = {}
+    if par.tp > 1:
+        after["tp_last_input"] = tokens * m.hidden * e / (par.tp if sp else 1)
+        if sp:
+            after["sp_gather"] = inflight["sp_gather"]
+    end = float(moments[1]) if moments is not None else zero
+    out.append(Phase("reduce", kept, 0.0, {**after, "zero_buffers": end} if zero else after))
+    out.append(Phase("clip", kept, 0.0, {**after, "clip": clip_bytes(m, par, pp_rank)}))
+    opt = dict(after)
+    if grad_bytes(par) != 4:
+        opt["optimizer"] = 4.0 * sum(b.shard if par.zero >= 1 else b.padded
+                                     for b in buckets(m, par, pp_rank))
+    out.append(Phase("optimizer", kept, 0.0, opt))
+    return out
+
+
+@lru_cache(maxsize=8192)
+def step_peak(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
+              opts: ActivationOptions = EAGER, optimizer: str = "adamw") -> Phase:
+    """The phase whose live bytes are largest (the first of equals)."""
+    return max(step_phases(m, par, micro_batch, pp_rank, opts, optimizer),
+               key=lambda p: p.total)
+
+
+def with_peak(mem: RankMemory, m: ModelConfig, par: ParallelConfig, micro_batch: int,
+              opts: ActivationOptions = EAGER, optimizer: str = "adamw") -> RankMemory:
+    """``mem`` (``memory.rank_memory``) with its step peak filled in."""
+    p = step_peak(m, par, micro_batch, mem.pp_rank, opts, optimizer)
+    return replace(mem, peak=p.total, peak_phase=p.name,
+                   peak_transients={k: v for k, v in p.transients.items() if v})
+
+
+def largest_rank(m: ModelConfig, par: ParallelConfig, micro_batch: int,
+                 opts: ActivationOptions = EAGER, optimizer: str = "adamw") -> RankMemory:
+    """The pipeline rank whose step peaks highest (ties: the lowest rank)."""
+    return max((with_peak(rank_memory(m, par, micro_batch, r, opts, optimizer), m, par,
+                          micro_batch, opts, optimizer)
+                for r in candidate_ranks(par)), key=lambda r: r.peak)
