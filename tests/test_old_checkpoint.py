@@ -30,6 +30,8 @@ LOSSES = ["0x1.62b4850000000p+2", "0x1.5ff9eb0000000p+2"]
 
 
 def test_a_checkpoint_from_before_resumes_to_the_recorded_losses_bit_for_bit(tmp_path):
+    """Time: two gloo ranks load the checkpoint and train two steps (about 10 s on a quiet
+    machine, up to 30 s under load)."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(FIXTURE, ckpt)  # the fixture stays untouched whatever the loader writes
     runs = train_layout(MODEL, PAR, replace(TRAIN, resume=str(ckpt)))
