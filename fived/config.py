@@ -21,6 +21,7 @@ stay free of torch.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -239,6 +240,13 @@ class ParallelConfig:
     dp: int = spec(1, "data-parallel degree", ge=1,
                    shown="the ranks the other degrees leave of the world")
     pp: int = spec(1, "pipeline-parallel degree", ge=1)
+    dp_shard: int = spec(0, "hybrid sharding (HSDP): ZeRO shards over groups of this many dp "
+                            "ranks (contiguous: one node when it fits) and replicates across "
+                            "them; dp = dp-shard · dp-replicate", ge=0,
+                         shown="dp (flat ZeRO over all of dp)")
+    dp_replicate: int = spec(0, "hybrid sharding: replicas of the shard group (the gradient "
+                                "shards all-reduced across them); dp = dp-shard · dp-replicate",
+                             ge=0, shown="1")
     zero: int = spec(0, "ZeRO stage: 0 plain DDP, 1 shard optimizer state, 2 + gradients, "
                         "3 + parameters", choices=(0, 1, 2, 3))
     zero3_pp_gather: str = spec("step", "ZeRO-3 with pp: all-gather a stage's parameters once "
@@ -265,7 +273,7 @@ class ParallelConfig:
                                     "or tokens (one row per token and ep rank it reaches, "
                                     "combined there: DeepSeek-V3's)", choices=EP_DISPATCHES)
     order: tuple[str, ...] = spec(DIMS, "grid order, outermost first", metavar="pp,dp,ep,cp,tp")
-    bucket_mb: float = spec(25.0, "gradient bucket size in MB", gt=0)
+    bucket_mb: float = spec(25.0, "gradient bucket size in MiB", gt=0)
     overlap: bool = spec(True, "reduce gradients during backward (--no-overlap: after it)")
     collectives: str = spec("backend", "data-parallel gradient reduction (and ZeRO-1/2's "
                             "parameter all-gather): the backend's collective, or fived's "
@@ -283,8 +291,30 @@ class ParallelConfig:
     def degree(self, dim: str) -> int:
         return int(getattr(self, dim))
 
+    @property
+    def shard_degree(self) -> int:
+        """N: the ranks of dp a ZeRO shard group spans (``--dp-shard``; dp when flat)."""
+        if self.dp_shard:
+            return self.dp_shard
+        if self.dp_replicate and self.dp % self.dp_replicate == 0:
+            return self.dp // self.dp_replicate
+        return self.dp
+
+    @property
+    def replicate_degree(self) -> int:
+        """M = dp / N: the replicas of a shard group (1: flat ZeRO, today's layout)."""
+        return max(1, self.dp // max(1, self.shard_degree))
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding: ZeRO inside shard groups, replicas across (M > 1)."""
+        return self.replicate_degree > 1
+
     def describe(self) -> str:
         parts = [f"{d}{self.degree(d)}" for d in DIMS if self.degree(d) > 1] or ["1 rank"]
+        if self.hybrid:
+            parts[parts.index(f"dp{self.dp}")] = (f"dp{self.dp}"
+                                                  f"({self.shard_degree}s×{self.replicate_degree}r)")
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.sequence_parallel:
@@ -307,7 +337,7 @@ class TrainConfig:
     eps: float = spec(1e-8, "Adam epsilon", gt=0)
     grad_clip: float = spec(1.0, "clip the global gradient norm to this (0: off)", ge=0)
     seed: int = spec(1234, "seed of the initial weights and the data order")
-    corpus_mb: float = spec(4.0, "MB of the built-in corpus (this Python's stdlib source)", gt=0)
+    corpus_mb: float = spec(4.0, "MiB of the built-in corpus (this Python's stdlib source)", gt=0)
     metrics_out: str = spec("", "write one JSON line per step to this file", metavar="FILE")
     log_every: int = spec(1, "update the live line and write the metrics file every N steps "
                                "(and always the first, the last, an evaluation, a bad step)",
@@ -320,6 +350,9 @@ class TrainConfig:
     eval_batches: int = spec(4, "global batches of the validation split per evaluation", ge=1)
     prefetch: int = spec(2, "batches the --data loader reads ahead in a background thread", ge=1)
     tensorboard: str = spec("", "write TensorBoard scalars to this directory", metavar="DIR")
+    memory_trace: bool = spec(False, "trace every tensor storage's life in each step and record "
+                                     "each rank's peak live bytes beside the ledger's peak "
+                                     "(slower: every op passes through Python; docs/ledger.md)")
     # checkpoints (fived.checkpoint, docs/checkpoints.md)
     save_dir: str = spec("", "save checkpoints under this directory (DIR/step-N)", metavar="DIR")
     save_every: int = spec(0, "save every N steps and after the last (0: only after the last, "
@@ -351,7 +384,8 @@ class TrainConfig:
 
 def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ConfigError([f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"])
+        raise ConfigError([f"--model {name}: no such preset{did_you_mean(name, list(PRESETS))} "
+                           f"(choose one of {', '.join(PRESETS)})"])
     return PRESETS[name]
 
 
@@ -375,6 +409,32 @@ def precision_of(par: ParallelConfig) -> str:
     """The layout's precision where no command resolved ``auto`` (the torch-free ledger's
     Python API, which knows no device): the CPU's, fp32, as ``fived train`` runs here."""
     return auto_precision(False) if par.precision == AUTO else par.precision
+
+
+# ---------------------------------------------------------------- near names
+def suggest(word: str, choices: list[str], n: int = 3) -> list[str]:
+    """The choices closest to ``word`` (difflib's ratio, at least 0.6; prefixes first)."""
+    choices = [str(c) for c in choices]
+    prefix = [c for c in choices if len(word.strip("-")) > 2 and c.startswith(word)]
+    close = difflib.get_close_matches(word, choices, n=n, cutoff=0.6)
+    if close:  # the best, and the others only when nearly as close
+        best = difflib.SequenceMatcher(None, word, close[0]).ratio()
+        close = [c for c in close if difflib.SequenceMatcher(None, word, c).ratio() >= best - 0.05]
+    return list(dict.fromkeys(prefix + close))[:n]
+
+
+def did_you_mean(word: str, choices: list[Any]) -> str:
+    """"; did you mean X?" (or "X or Y"), "" when nothing is close. Integer choices: the
+    nearest value (``--zero 4`` -> 3)."""
+    if choices and all(isinstance(c, int) and not isinstance(c, bool) for c in choices):
+        try:
+            v = int(word)
+        except (TypeError, ValueError):
+            return ""
+        near = min(choices, key=lambda c: (abs(c - v), c))
+        return f"; did you mean {near}?"
+    near = suggest(str(word), [str(c) for c in choices])
+    return f"; did you mean {' or '.join(near)}?" if near else ""
 
 
 # ---------------------------------------------------------------- the flag names
@@ -498,6 +558,7 @@ def validate(
         _check_batch(p, par, train)
         _check_recovery(p, train)
     _check_zero_align(p, par)
+    p += hybrid_problems(par)
     if p:
         raise ConfigError(p)
 
@@ -517,8 +578,13 @@ def _check_world(p: list[str], model: ModelConfig, par: ParallelConfig, world: i
                  ) -> None:
     if world is not None and world != par.world_size:
         rest = par.world_size // par.dp
-        hint = (f"use --dp {world // rest}" if world % rest == 0
-                else f"choose degrees whose product is {world}")
+        named = " ".join(f"--{d} {par.degree(d)}" for d in DIMS if d != "dp" and par.degree(d) > 1)
+        if world % rest == 0:
+            hint = f"use --dp {world // rest}"
+        else:
+            tps = [t for t in range(1, world + 1) if world % t == 0 and not _tp_problems(model, t)]
+            hint = (f"{named} does not divide {world} ranks; choose degrees whose product is "
+                    f"{world} (--tp {', '.join(map(str, tps))} fit {model.name} and {world} ranks)")
         p.append(f"world size {world} != pp·dp·ep·cp·tp = {par.pp}·{par.dp}·{par.ep}·{par.cp}·"
                  f"{par.tp} = {par.world_size}; {hint}")
 
@@ -541,20 +607,43 @@ def _check_shapes(p: list[str], model: ModelConfig, par: ParallelConfig, world: 
         p.append(f"--mlp {model.mlp} with experts: MoE experts are SwiGLU; use --mlp swiglu")
 
 
+def _tp_problems(model: ModelConfig, tp: int) -> list[str]:
+    """What ``tp`` does not divide in ``model`` ("attention heads 4" ...); [] when it fits."""
+    out = []
+    if tp <= 1:
+        return out
+    if model.heads % tp:
+        out.append(f"attention heads {model.heads}")
+    if tp > model.kv_heads and tp % model.kv_heads:
+        out.append(f"kv_heads {model.kv_heads} (a tp above kv_heads must be a multiple of kv_heads)")
+    elif tp <= model.kv_heads and model.kv_heads % tp:
+        out.append(f"kv_heads {model.kv_heads}")
+    if model.ffn % tp:
+        out.append(f"ffn {model.ffn}")
+    if model.vocab % tp:
+        out.append(f"vocab {model.vocab}")
+    if model.is_moe and model.shared_expert and model.shared_ffn % tp:
+        out.append(f"shared expert ffn {model.shared_ffn}")
+    return out
+
+
+def tp_choices(model: ModelConfig, world: int | None = None, upto: int = 64) -> list[int]:
+    """The tensor-parallel degrees ``model`` takes (dividing ``world`` when it is given)."""
+    top = world if world else upto
+    return [t for t in range(1, top + 1) if (not world or world % t == 0)
+            and not _tp_problems(model, t)]
+
+
 def _check_tp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None) -> None:
     tp = par.tp
-    if tp > 1:
-        _divides(p, tp, model.heads, "attention heads over tp", "pick a tp that divides the heads")
-        if tp > model.kv_heads:
-            _divides(p, model.kv_heads, tp, "tp over kv_heads (replicated kv heads)",
-                     "tp must be a multiple of kv_heads when it exceeds them")
-        else:
-            _divides(p, tp, model.kv_heads, "kv heads over tp", "pick a tp dividing kv_heads")
-        _divides(p, tp, model.ffn, "ffn over tp", "pick a tp dividing the ffn width")
-        _divides(p, tp, model.vocab, "vocab over tp (vocab-parallel embedding)", "pad the vocab")
-        if model.is_moe and model.shared_expert:  # the routed experts are whole on each tp rank
-            _divides(p, tp, model.shared_ffn, "shared expert ffn over tp",
-                     "pick a tp dividing it")
+    bad = _tp_problems(model, tp)
+    if bad:
+        ok = tp_choices(model, None, max(world or 1, 8))
+        what = ", ".join(bad[:-1]) + (" and " if len(bad) > 1 else "") + bad[-1]
+        p.append(f"--tp {tp}{f' ({world} rank(s))' if world else ''}: {model.name}'s {what} "
+                 f"{'are' if len(bad) > 1 else 'is'} not divisible by {tp}; --tp can be "
+                 f"{', '.join(map(str, ok[:-1]))}{' or ' if len(ok) > 1 else ''}{ok[-1]} "
+                 f"for {model.name}")
     if par.sequence_parallel and tp == 1:
         p.append("--sequence-parallel needs --tp > 1")
     if par.sequence_parallel:
@@ -583,6 +672,9 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
                      f"(got {par.micro_batches})")
     elif par.virtual_stages > 1 and par.schedule != "interleaved":
         p.append("--virtual-stages > 1 needs --schedule interleaved")
+    elif par.virtual_stages > 1 and par.pp == 1:
+        p.append(f"--virtual-stages {par.virtual_stages} with --pp 1: model chunks per pipeline "
+                 "rank need a pipeline; add --pp 2 or more (or drop --virtual-stages)")
     if par.schedule == "interleaved" and par.pp > 1:
         if par.virtual_stages < 2:
             p.append("--schedule interleaved needs --virtual-stages >= 2")
@@ -597,7 +689,13 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
 
 def _check_cp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None) -> None:
     if par.cp > 1:
-        _divides(p, 2 * par.cp, model.seq_len, "seq_len over 2·cp (zigzag)", "pick seq_len")
+        if model.seq_len % (2 * par.cp):
+            step = 2 * par.cp
+            lo, hi = model.seq_len // step * step, (model.seq_len // step + 1) * step
+            near = " or ".join(str(x) for x in (lo, hi) if x > 0)
+            p.append(f"--seq-len {model.seq_len} with --cp {par.cp}: context parallelism's "
+                     f"zigzag split cuts each sequence into 2·cp = {step} equal chunks, so "
+                     f"seq_len must be divisible by {step}; use --seq-len {near}")
         if par.cp_mode == "ulysses":
             _divides(p, par.cp, model.heads // max(par.tp, 1),
                      "heads per tp rank over cp (ulysses)",
@@ -686,6 +784,34 @@ def _check_zero_align(p: list[str], par: ParallelConfig) -> None:
                  "2 or 3, or drop --zero-align")
 
 
+def hybrid_problems(par: ParallelConfig, need_zero: bool = True) -> list[str]:
+    """What ``--dp-shard`` / ``--dp-replicate`` must satisfy (hybrid sharding, docs/data-parallel.md):
+    N·M = dp, N divides dp, a ZeRO stage to shard with, and tp inside dp in the grid order (a
+    shard group is whole tp groups of contiguous ranks, never a strided cut through them)."""
+    if not (par.dp_shard or par.dp_replicate):
+        return []
+    p: list[str] = []
+    divs = ", ".join(str(d) for d in range(1, par.dp + 1) if par.dp % d == 0)
+    n, m = par.dp_shard, par.dp_replicate
+    if n and par.dp % n:
+        p.append(f"--dp-shard {n}: must divide dp = {par.dp} (the world / pp·ep·cp·tp); valid "
+                 f"values: {divs}")
+    elif m and par.dp % m:
+        p.append(f"--dp-replicate {m}: must divide dp = {par.dp}; valid values: {divs}")
+    elif n and m and n * m != par.dp:
+        p.append(f"--dp-shard {n} × --dp-replicate {m} = {n * m} != dp = {par.dp}; valid "
+                 f"--dp-shard values for dp {par.dp} with --dp-replicate {m}: {par.dp // m}")
+    if need_zero and par.zero == 0:
+        p.append("--dp-shard / --dp-replicate with --zero 0: plain DDP shards nothing; valid "
+                 "--zero values with hybrid sharding: 1, 2, 3 (or drop --dp-shard)")
+    if par.hybrid and "tp" in par.order and "dp" in par.order and \
+            par.order.index("tp") < par.order.index("dp"):
+        p.append(f"--dp-shard {par.shard_degree} with --order {','.join(par.order)}: tp sits "
+                 f"outside dp, so a shard group would split tp groups across its strided ranks; "
+                 f"valid orders put tp after dp (e.g. pp,dp,ep,cp,tp)")
+    return p
+
+
 def check_outputs(train: TrainConfig) -> None:
     """The files the run writes can be written (before any rank starts; nothing is created)."""
     if not train.metrics_out:
@@ -717,6 +843,9 @@ def fill_dp(par: ParallelConfig, dp_given: bool, world: int | None = None
     others = par.tp * par.cp * par.ep * par.pp
     if others < 1:  # an invalid degree: leave it for validate to name
         return par, world
+    if not dp_given and par.dp_shard and par.dp_replicate:  # dp = N·M
+        par = replace(par, dp=par.dp_shard * par.dp_replicate)
+        return par, (world if world is not None else par.world_size)
     if world is None:
         world = par.world_size if dp_given else others * max(1, DEFAULT_WORLD // others)
     if not dp_given:
@@ -802,6 +931,7 @@ __all__ = [
     "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "PRESETS", "DIMS", "AUTO",
     "auto_precision", "resolve_precision", "precision_of",
     "DEFAULT_WORLD", "preset", "validate", "check_values", "check_field", "check_count",
-    "check_outputs", "fill_dp", "flag_of", "read_toml", "load_toml", "dump_toml", "as_dict",
+    "check_outputs", "fill_dp", "hybrid_problems", "flag_of", "read_toml", "load_toml",
+    "dump_toml", "as_dict",
     "field",
 ]

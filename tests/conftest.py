@@ -17,6 +17,26 @@ PRELOAD = ("torch", "torch.distributed", "fived.testing", "fived.train.trainer",
 use_forkserver(PRELOAD)
 
 
+# ------------------------------------------------------------------ messages folded at 80 columns
+# fived folds its messages between words at 80 columns (fived.ui.report.fold); what capsys
+# reads is ``parity_helpers.Words``, where ``phrase in err`` matches across those line breaks
+# (the same words in the same order), as ``run_cli``'s streams do.
+def _words_readouterr():
+    import _pytest.capture as capture
+    from parity_helpers import Words
+
+    plain = capture.CaptureFixture.readouterr
+
+    def readouterr(self):
+        r = plain(self)
+        return capture.CaptureResult(Words(r.out), Words(r.err))
+
+    capture.CaptureFixture.readouterr = readouterr
+
+
+_words_readouterr()
+
+
 # ------------------------------------------------------------------ the suite's time budget
 # A default-suite test over BUDGET_S (setup + call) says why in its docstring, in a line that
 # starts with "Time:", or moves to `slow` with a fast sibling. Printed in the summary, not an

@@ -113,11 +113,23 @@ class SessionRuns:
         return [self.cache[mp] for mp in pairs]
 
 
+class Words(str):
+    """A command's output, where ``phrase in out`` also matches across the line breaks the
+    command folds its messages at (80 columns, ``fived.ui.report.fold``): the same words in
+    the same order, any whitespace between them."""
+
+    def __contains__(self, phrase: object) -> bool:
+        if not isinstance(phrase, str):
+            return False
+        return (str.__contains__(self, phrase)
+                or " ".join(phrase.split()) in " ".join(self.split()))
+
+
 class CliResult:
-    """What ``run_cli`` saw: the exit status and the two streams."""
+    """What ``run_cli`` saw: the exit status and the two streams (``Words``)."""
 
     def __init__(self, returncode: int, stdout: str, stderr: str):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        self.returncode, self.stdout, self.stderr = returncode, Words(stdout), Words(stderr)
 
 
 def run_cli(*argv: str, no_rank: bool = False) -> CliResult:

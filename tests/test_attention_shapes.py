@@ -187,8 +187,8 @@ def test_dry_run_matches_the_ledger_tp2_cp2_and_tp2_pp2(tmp_path):
 @pytest.mark.parametrize("change,par,words", [
     (dict(head_size=11), ParallelConfig(), "head_size 11 must be even for RoPE"),
     (dict(head_size=0, hidden=30), ParallelConfig(), "hidden 30 is not divisible by heads 4"),
-    (dict(), ParallelConfig(tp=3), "attention heads over tp"),
-    (dict(kv_heads=3, heads=6), ParallelConfig(tp=2), "kv heads over tp"),
+    (dict(), ParallelConfig(tp=3), "--tp 3: attn-shapes's attention heads 4"),
+    (dict(kv_heads=3, heads=6), ParallelConfig(tp=2), "kv_heads 3 is not divisible by 2"),
     (dict(bias=True), ParallelConfig(), "qkv_bias with bias = true"),
 ])
 def test_bad_shapes_are_one_clear_error(change, par, words):

@@ -35,7 +35,7 @@ def test_bad_layout_is_one_clean_error():
 
 def test_unknown_model_is_clean():
     r = fived("train", "--model", "gpt-17")
-    assert r.returncode == 2 and "unknown model preset" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "no such preset" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_help_teaches():
@@ -156,10 +156,20 @@ def test_precedence_defaults_toml_flags(capsys, tmp_path):
     f.write_text('[model]\nname = "tiny"\nlayers = 2\n[train]\nsteps = 7\nlr = 0.01\n')
     doc = _config(capsys, ["train", "--config", str(f), "--steps", "3"])
     assert doc["train"]["steps"] == 3 and doc["train"]["lr"] == 0.01 and doc["model"]["layers"] == 2
-    # --model picks another preset; the TOML's own [model] overrides stay on top of it
-    doc = _config(capsys, ["train", "--config", str(f), "--model", "small"])
+    # --model with a TOML whose [model] sets the shape: an error naming both (issue 45: it ran
+    # the TOML's shape labelled with --model's name); the TOML's name = "small" does it
+    from parity_helpers import cli_exits_2
+
+    err = cli_exits_2(["train", "--config", str(f), "--model", "small"], "--model small")
+    assert str(f) in err and "layers 2" in err
+    f.write_text('[model]\nname = "small"\nlayers = 2\n')
+    doc = _config(capsys, ["train", "--config", str(f)])
     assert doc["model"]["name"] == "small" and doc["model"]["hidden"] == 128
     assert doc["model"]["layers"] == 2 and doc["train"]["model"] == "small"
+    # a [model] of the name alone: the flag overrides it (flags over TOML)
+    f.write_text('[model]\nname = "tiny"\n')
+    doc = _config(capsys, ["train", "--config", str(f), "--model", "small"])
+    assert doc["model"]["name"] == "small" and doc["model"]["layers"] == 8
     # --virtual-stages alone picks the interleaved schedule
     doc = _config(capsys, ["train", "--pp", "2", "--virtual-stages", "2", "--micro-batches", "2",
                            "--global-batch", "8"])

@@ -233,7 +233,7 @@ def test_fived_eval_bad_input_exits_2_naming_the_flag(trained, data_dir, tmp_pat
         (["--from", ck, "--data", data_dir, "--split", "test"], "--split"),
         (["--from", ck], "--data"),
         (["--from", ck, "--data", str(tmp_path / "nodata")], "--data"),
-        (["--from", ck, "--data", data_dir, "--tp", "3"], "over tp"),  # validate's words
+        (["--from", ck, "--data", data_dir, "--tp", "3"], "--tp can be 1, 2 or 4"),  # validate
     ]
     for args, flag in cases:
         r = run_cli("eval", *args, no_rank=True)

@@ -368,9 +368,9 @@ def test_the_series_is_every_part():
     from fived.viz._page import PART_TITLES
     from fived.viz.all import parse_parts
 
-    assert parse_parts("") == list(PARTS) and PARTS[-2:] == ("numerics", "optimizers")
+    assert parse_parts("") == list(PARTS) and PARTS[-3:] == ("numerics", "optimizers", "memory")
     assert [PART_TITLES[p].split(" —")[0] for p in PARTS[1:]] == [
-        f"Part {i}" for i in range(1, 10)]
+        f"Part {i}" for i in range(1, 11)]
 
 
 # ------------------------------------------------------------------ the command and the page

@@ -66,7 +66,8 @@ def test_group_names_are_listed_once():
     from fived.ranks.grid import DERIVED, GROUP_NAMES
 
     assert GROUP_NAMES == (*DIMS, *DERIVED)
-    assert set(DERIVED) == {"dense", "expert", "batch"}
+    assert set(DERIVED) == {"dense", "expert", "batch",  # + hybrid sharding's (test_hybrid.py)
+                            "dense_shard", "expert_shard", "dp_replicate"}
     assert Grid.from_config(ParallelConfig()).group_names() == list(GROUP_NAMES)
     with pytest.raises(KeyError, match="no group named 'metrics'"):
         Grid.named_dims("metrics")

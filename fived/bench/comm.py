@@ -40,6 +40,7 @@ from ..comm.bench import (
     size_sweep,
 )
 from ..comm.volume import busbw_factor
+from ..ui.args import Parser
 from . import schema
 
 
@@ -56,7 +57,7 @@ class Settings:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived bench comm",
         description="Sweep collectives over sizes like nccl-tests: time, algbw, busbw per size and "
         "an alpha-beta fit per collective, for the backend's collectives and fived's ring.",
@@ -109,10 +110,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _console(json_mode: bool):
     from rich.console import Console
 
-    con = Console(stderr=json_mode, highlight=False)
-    if not con.is_terminal:  # a log or a pipe: wide enough for the per-impl columns
-        con = Console(stderr=json_mode, highlight=False, width=max(con.width, 140))
-    return con
+    # 80 columns, a terminal's or a log's (fived.ui.report.WIDTH): the tables are built to fit
+    return Console(stderr=json_mode, highlight=False, width=80)
 
 
 # ---------------------------------------------------------------------------------- every rank
@@ -190,29 +189,29 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
     for op in doc["ops"]:
         mine = [r for r in rows if r.op == op]
         have = [i for i in impls if any(r.impl == i for r in mine)]
-        t = Table(title=f"{op} · {n} ranks · {doc['backend']} · busbw = algbw × "
-                        f"{busbw_factor('send' if op == 'sendrecv' else op, n):.3g}",
-                  title_justify="left")
-        for c in ("size (B)", "count", "type"):
-            t.add_column(c, justify="right")
+        dtype = mine[0].dtype if mine else doc.get("dtype", "")
+        t = Table(title=f"{op} · {n} ranks · {doc['backend']} · {dtype} · busbw = algbw × "
+                        f"{busbw_factor('send' if op == 'sendrecv' else op, n):.3g}; time in "
+                        "µs, bandwidth in GB/s", title_justify="left")
+        t.add_column("size (B)", justify="right", no_wrap=True)
         for impl in have:
-            for c in ("time (us)", "algbw (GB/s)", "busbw (GB/s)"):
-                t.add_column(f"{impl}\n{c}", justify="right")
+            for c in ("time", "algbw", "busbw"):
+                t.add_column(f"{impl}\n{c}", justify="right", no_wrap=True)
         for size in sorted({r.size_bytes for r in mine}):
             at = {r.impl: r for r in mine if r.size_bytes == size}
-            first = next(iter(at.values()))
-            cells = [str(size), str(first.count), first.dtype]
+            cells = [str(size)]
             for impl in have:
                 r = at.get(impl)
                 cells += ([_num(r.time_us, 1), _num(r.algbw_GBps), _num(r.busbw_GBps)] if r
                           else ["-", "-", "-"])
             t.add_row(*cells)
         console.print(t)
-    s = Table(title="alpha-beta fit: time = alpha + bus_bytes / beta  (bus_bytes = "
-                    "volume.bytes_sent, weighted least squares)", title_justify="left")
-    for c in ("collective", "impl", "alpha (us)", "beta (GB/s)", "max fit err", "busbw @ largest",
-              "largest"):
-        s.add_column(c, justify="right" if c not in ("collective", "impl") else "left")
+    s = Table(title="alpha-beta fit: time = alpha + bus_bytes / beta (bus_bytes = "
+                    "volume.bytes_sent, weighted least squares); alpha in µs, beta and busbw "
+                    "in GB/s", title_justify="left")
+    for c in ("collective", "impl", "alpha", "beta", "max err", "busbw at", "largest"):
+        s.add_column(c, justify="right" if c not in ("collective", "impl") else "left",
+                     no_wrap=True)
     for impl, fits in doc["fits_by_impl"].items():
         for op, f in fits.items():
             last = max((r for r in rows if r.op == op and r.impl == impl), key=lambda r: r.size_bytes)
@@ -265,10 +264,15 @@ def main(argv: list[str]) -> int:
     if quiet_rank:
         cfg.progress = False
     else:
-        con.print(f"[bold]fived bench comm[/] · {world} ranks ({'torchrun' if torchrun else 'local'}) · "
-                  f"{cfg.dtype} · {format_size(cfg.sizes[0])}..{format_size(cfg.sizes[-1])} "
-                  f"×{args.stepfactor:g} ({len(cfg.sizes)} sizes) · {cfg.iters} iters + {cfg.warmup} "
-                  f"warm-up · {', '.join(f'{o}/{i}' for o, i in cfg.pairs)}")
+        from ..ui.report import fold, header
+
+        con.print(header([f"fived bench comm · {world} ranks "
+                          f"({'torchrun' if torchrun else 'local'})", cfg.dtype,
+                          f"{format_size(cfg.sizes[0])}..{format_size(cfg.sizes[-1])} "
+                          f"×{args.stepfactor:g} ({len(cfg.sizes)} sizes)",
+                          f"{cfg.iters} iters + {cfg.warmup} warm-up"]), markup=False)
+        con.print(fold("collectives: " + ", ".join(f"{o}/{i}" for o, i in cfg.pairs),
+                       indent="  "), markup=False)
     if env:
         if env[0] == 0:
             dev, backend = launch.device_and_backend(cfg.cpu, env[2])

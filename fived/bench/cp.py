@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 MODES = ("ring", "ulysses", "allgather", "ring-contiguous")
@@ -119,8 +120,8 @@ def _imbalance(flops: list[float]) -> str:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="fived bench cp", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="fived bench cp", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_flag(ap, "cp", default=4, help="context-parallel ranks (local gloo processes)")
     ap.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     ap.add_argument("--seq", type=int, default=2048, help="full sequence length")

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived bench data", description="Loader tokens/s against the trainer's tokens/s "
         "(one process); the loader must be --min-ratio times faster.",
         epilog="example: fived bench data --model small --batches 300 --steps 4")
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         tmp = tempfile.TemporaryDirectory(prefix="fived-bench-data-")
         src = Path(tmp.name) / "corpus.txt"
         src.write_bytes(corpus_bytes(args.corpus_mb))
-        log(f"preparing {args.corpus_mb:g} MB of the built-in corpus (byte tokenizer) ...")
+        log(f"preparing {args.corpus_mb:g} MiB of the built-in corpus (byte tokenizer) ...")
         prepare(Options((str(src),), str(Path(tmp.name) / "data"), val_fraction=0.0),
                 lambda s: None)
         data = str(Path(tmp.name) / "data")

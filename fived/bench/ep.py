@@ -34,6 +34,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 
@@ -204,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..config import ConfigError, ParallelConfig, TrainConfig, preset, validate
 
-    ap = argparse.ArgumentParser(prog="fived bench ep", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="fived bench ep", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_flag(ap, "model", default="tiny-moe", help="a MoE preset")
     ap.add_argument("--eps", default="1,2,4", help="ep degrees to compare (default 1,2,4)")
     flags.add_flag(ap, "steps", default=6, help="optimizer steps per layout")

@@ -23,15 +23,16 @@ import tempfile
 import time
 from typing import Any
 
+from ..ui.args import Parser
 from . import schema
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fived bench generate", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="example:\n  fived bench generate --model small --tp 2 "
-                                 "--reps 5\n  fived bench generate --hidden 1024 --layers 24 "
-                                 "--heads 16 --kv-heads 8 --ffn 2816 --vocab 32000 --seq-len 256")
+    ap = Parser(prog="fived bench generate", description=__doc__.splitlines()[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="example:\n  fived bench generate --model small --tp 2 "
+                "--reps 5\n  fived bench generate --hidden 1024 --layers 24 "
+                "--heads 16 --kv-heads 8 --ffn 2816 --vocab 32000 --seq-len 256")
     ap.add_argument("--model", default="small", metavar="PRESET",
                     help="the model preset the shape starts from (default: small)")
     for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
@@ -164,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     cfg = bench_config(args)
-    print(f"fived bench generate: {cfg.name} (hidden {cfg.hidden}, {cfg.layers} layers, vocab "
-          f"{cfg.vocab}) tp{args.tp}, batch {args.batch} × {args.prompt_len} prompt tokens, "
-          f"{args.new_tokens} new, {args.reps} reps vs transformers generate",
-          file=sys.stderr, flush=True)
+    from ..ui.report import fold
+
+    print(fold(f"fived bench generate: {cfg.name} (hidden {cfg.hidden}, {cfg.layers} layers, "
+               f"vocab {cfg.vocab}) tp{args.tp}, batch {args.batch} × {args.prompt_len} prompt "
+               f"tokens, {args.new_tokens} new, {args.reps} reps vs transformers generate",
+               indent="  "), file=sys.stderr, flush=True)
     import os
 
     import torch

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 HEADER = "fived bench {name}: {what} — {n} ranks, model {model}, {reps} reps × {steps} steps"
@@ -50,7 +51,7 @@ def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reps", type=int, default=5, help="alternating repetitions (median)")
     flags.add_flag(ap, "steps", default=3, help="timed optimizer steps per repetition")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    flags.add_flag(ap, "bucket_mb", default=25.0, help="gradient bucket size in MB, fived and "
+    flags.add_flag(ap, "bucket_mb", default=25.0, help="gradient bucket size in MiB, fived and "
                    "torch alike")
     ap.add_argument("--json", action="store_true", help="print the fived.bench JSON document "
                     "(docs/benchmarks.md) as the last line")
@@ -131,7 +132,8 @@ def fived_runner(name: str, cfg: Any, par: Any, train: Any, rank: int, world: in
         return m["params"] + m["grads"] + m["master"] + m["optimizer"]
 
     def wait() -> tuple[float, float]:
-        s = traffic.seconds_by_dim().get("dense", 0.0)
+        secs = traffic.seconds_by_dim()  # hybrid: the shard and the replicate groups
+        s = sum(secs.get(k, 0.0) for k in ("dense", "dense_shard", "dp_replicate"))
         b = sum(traffic.bytes_by_dim().values())
         traffic.reset()
         return s, b
@@ -262,6 +264,8 @@ def run_rank(rank: int, world: int, build: Callable, args: argparse.Namespace) -
     from ..config import ParallelConfig
 
     par = ParallelConfig(dp=world, bucket_mb=args.bucket_mb)
+    if getattr(args, "hsdp", 0):  # ``fived bench zero --hsdp N``: ZeRO over N, replicas across
+        par = ParallelConfig(dp=world, dp_shard=args.hsdp, zero=3, bucket_mb=args.bucket_mb)
     runners = build(cfg, par, train, args, rank, world, batch)
     for r in runners:
         for i in range(max(1, args.warmup)):
@@ -327,14 +331,14 @@ def report(doc: dict) -> None:
 
     peer = next((r["implementation"] for r in doc["rows"] if r["peer"]), "?")
     t = Table(title=f"medians over the repetitions; ratio = paired median vs {peer}")
-    for c in ("implementation", "step ms", "ratio", "optim ms", "state MB", "sent MB",
+    for c in ("implementation", "step ms", "ratio", "optim ms", "state MiB", "sent MiB",
               "hidden"):
         t.add_column(c, justify="right" if c != "implementation" else "left")
     for r in doc["rows"]:
         h = r["extra"].get("comm_hidden")
         t.add_row(r["implementation"], f"{r['step_s'] * 1e3:.1f}", f"{r['ratio']:.2f}×",
-                  f"{r['optimizer_s'] * 1e3:.2f}", f"{r['state_bytes'] / 1e6:.2f}",
-                  "-" if r["bytes_sent"] is None else f"{r['bytes_sent'] / 1e6:.2f}",
+                  f"{r['optimizer_s'] * 1e3:.2f}", f"{r['state_bytes'] / 2**20:.2f}",
+                  "-" if r["bytes_sent"] is None else f"{r['bytes_sent'] / 2**20:.2f}",
                   "-" if h is None else f"{h:.0%}")
     Console(width=80).print(t)
     print(textwrap.fill("state = params + grads + master + optimizer bytes per rank; sent = bytes one rank "
@@ -345,15 +349,28 @@ def report(doc: dict) -> None:
 
 @schema.json_stdout
 def main(argv: list[str], kind: str, build: Callable, hidden: Callable[[list[dict]], dict],
-         peer: str, what: str, description: str, variant: str | None = None) -> int:
-    """Parse the common arguments, run ``build``'s variants on ``--nprocs`` ranks, report
-    against ``peer`` with ``hidden(rows)`` as the comm-hidden column."""
-    ap = argparse.ArgumentParser(prog=f"fived bench {kind}", description=description)
+         peer: str | Callable[[argparse.Namespace], str], what: str, description: str,
+         variant: str | None = None,
+         more_args: Callable[[argparse.ArgumentParser], None] | None = None,
+         check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None
+         ) -> int:
+    """Parse the common arguments (and ``more_args``'s; ``check`` refuses bad values with
+    exit 2), run ``build``'s variants on ``--nprocs`` ranks, report against ``peer`` (or
+    ``peer(args)``) with ``hidden(rows)`` as the comm-hidden column."""
+    ap = Parser(prog=f"fived bench {kind}", description=description)
     common_args(ap)
+    if more_args is not None:
+        more_args(ap)
     args = flags.parse(ap, argv)
-    print(HEADER.format(name=kind, what=what, n=args.nprocs,
-                        model=f"h{args.hidden}·l{args.layers}·s{args.seq_len}", reps=args.reps,
-                        steps=args.steps), flush=True)
+    if check is not None:
+        check(ap, args)
+    if callable(peer):
+        peer = peer(args)
+    from ..ui.report import fold
+
+    print(fold(HEADER.format(name=kind, what=what, n=args.nprocs,
+                             model=f"h{args.hidden}·l{args.layers}·s{args.seq_len}",
+                             reps=args.reps, steps=args.steps), indent="  "), flush=True)
     from ..ranks.launch import run_local, threads_per_rank
 
     t0 = time.perf_counter()

@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..config import ParallelConfig, TrainConfig, preset
+from ..ui.args import Parser
 
 if TYPE_CHECKING:  # torch is imported where it runs: --help stays fast
     import torch
@@ -388,8 +389,8 @@ RUN = {"masters": (masters, masters_rows), "moments": (moments, moments_rows),
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fived bench numerics", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="fived bench numerics", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=EXPERIMENTS)
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")

@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 PAIRS = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
@@ -134,8 +135,8 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
 
 @schema.json_stdout
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fived bench pp", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="fived bench pp", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_flag(ap, "pp", default=4, help="pipeline ranks (local gloo processes)")
     flags.add_flag(ap, "micro_batches", default=8,
                    help="micro-batches per step (interleaved needs a multiple of pp)")
@@ -158,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--schedules: no torch peer for {', '.join(sorted(unknown))}")
     from ..ranks.launch import run_local
+    from ..ui.report import fold
 
-    print(f"fived bench pp: {a.model} with {a.layers} layers, pp={a.pp}, m={a.micro_batches}, "
-          f"batch {a.global_batch}; "
-          f"fived vs torch.distributed.pipelining, median of {a.reps} reps", flush=True)
+    print(fold(f"fived bench pp: {a.model} with {a.layers} layers, pp={a.pp}, "
+               f"m={a.micro_batches}, batch {a.global_batch}; fived vs "
+               f"torch.distributed.pipelining, median of {a.reps} reps", indent="  "), flush=True)
     args = (a.model, a.layers, a.micro_batches, a.global_batch, a.reps, only)
     rows: Any = run_local(_rank, a.pp, args, timeout=600, collective_timeout=120)[0]
     from rich.console import Console

@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from . import schema
 
 if TYPE_CHECKING:  # torch is imported where it runs: --help stays fast
@@ -37,7 +38,7 @@ VARIANTS = ("fived", "dtensor")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="fived bench tp", description=__doc__.split("\n")[0])
+    ap = Parser(prog="fived bench tp", description=__doc__.split("\n")[0])
     flags.add_flag(ap, "tp", default=2, help="tensor-parallel ranks (local processes)")
     flags.add_flag(ap, "model", default="small")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
@@ -245,10 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fived bench tp: DTensor's ColwiseParallel cannot replicate kv heads; use --tp <= "
               f"{cfg.kv_heads} for {cfg.name}", file=sys.stderr)
         return 2
-    print(f"fived bench tp — {cfg.name} (h{cfg.hidden}, {cfg.layers} layers, seq {cfg.seq_len}), "
-          f"batch {args.batch}, tp={args.tp}, {args.reps} reps (+{args.warmup} warmup), "
-          f"fwd+bwd+clip+AdamW per step; fived (overlap {'off' if args.no_overlap else 'on'}) vs "
-          "DTensor parallelize_module (fused AdamW)", flush=True)
+    from ..ui.report import fold
+
+    print(fold(f"fived bench tp — {cfg.name} (h{cfg.hidden}, {cfg.layers} layers, seq "
+               f"{cfg.seq_len}), batch {args.batch}, tp={args.tp}, {args.reps} reps "
+               f"(+{args.warmup} warmup), fwd+bwd+clip+AdamW per step; fived (overlap "
+               f"{'off' if args.no_overlap else 'on'}) vs DTensor parallelize_module (fused "
+               "AdamW)", indent="  "), flush=True)
     t0 = time.perf_counter()
     out = run_local(_rank, args.tp, (cfg, args), timeout=600)
 

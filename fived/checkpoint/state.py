@@ -287,18 +287,23 @@ def tensor_table(ckpt: Path) -> dict[str, dict[str, Any]]:
 
 # ------------------------------------------------------------------ load
 def check_compatible(man: dict[str, Any], expected: dict[str, tuple[int, ...]],
-                     is_moe: bool, flag: str = "--resume", whole: bool = True) -> None:
+                     is_moe: bool, flag: str = "--resume", whole: bool = True,
+                     model: Any = None) -> None:
     """Same model family and every expected parameter saved with the same global shape; else
     one ConfigError listing each mismatched tensor (name, saved shape, expected shape).
-    ``whole``: ``expected`` is the whole model (not one rank's part): extra tensors count too."""
+    ``whole``: ``expected`` is the whole model (not one rank's part): extra tensors count too.
+    ``model`` (this run's ModelConfig): named with its shape before the mismatches (at most 5
+    listed, then "and N more")."""
     saved_moe = bool(man["config"]["model"].get("experts", 0))
     if saved_moe != is_moe:
         kind = {True: "a Mixtral-style MoE", False: "a Llama-style dense"}
-        raise ConfigError([f"{flag}: the checkpoint holds {kind[saved_moe]} model "
-                           f"({man['config']['model'].get('name')}), this run is {kind[is_moe]} "
-                           "model; pick the matching --model"])
+        this = f" {shape_words(model)}" if model is not None else ""
+        raise ConfigError([f"{flag}: the checkpoint holds {kind[saved_moe]} model, "
+                           f"{shape_words(man['config']['model'])}; this run builds "
+                           f"{kind[is_moe]} model{this}; give the checkpoint's --model "
+                           f"{man['config']['model'].get('name')} or no model flags"])
     tensors = man["tensors"]
-    bad = []
+    bad: list[str] = []
     for name, shape in sorted(expected.items()):
         got = tensors.get(f"model.{name}")
         if got is None:
@@ -309,8 +314,22 @@ def check_compatible(man: dict[str, Any], expected: dict[str, tuple[int, ...]],
                    and k[6:] not in expected)
     bad += [f"{name}: in the checkpoint, not in this model" for name in extra]
     if bad:
-        raise ConfigError([f"{flag}: the checkpoint's model does not match this run's "
-                           f"({len(bad)} tensor(s)):"] + bad[:40])
+        saved = man["config"]["model"]
+        head = (f"{flag}: the checkpoint holds {shape_words(saved)}; this run builds "
+                f"{shape_words(model)}" if model is not None else
+                f"{flag}: the checkpoint holds {shape_words(saved)}, another model than this run's")
+        shown = bad[:5] + ([f"and {len(bad) - 5} more"] if len(bad) > 5 else [])
+        raise ConfigError([f"{head} ({len(bad)} tensor(s) differ; give the checkpoint's "
+                           f"--model {saved.get('name')} or no model flags)"] + shown)
+
+
+def shape_words(m: Any) -> str:
+    """"tiny (hidden 64, 2 layers, 4 heads, ffn 176, vocab 256)" of a ModelConfig or its dict."""
+    get = m.get if isinstance(m, dict) else (lambda k, d=None: getattr(m, k, d))
+    experts = get("experts", 0)
+    return (f"{get('name')} (hidden {get('hidden')}, {get('layers')} layers, {get('heads')} heads, "
+            f"ffn {get('ffn')}, vocab {get('vocab')}" + (f", {experts} experts" if experts else "")
+            + ")")
 
 
 def _zeros(b: Any) -> torch.Tensor:
@@ -327,7 +346,7 @@ def load(trainer: Any, ckpt: str | Path, weights_only: bool = False) -> int:
     ckpt = Path(ckpt)
     man = storage.read_manifest(ckpt)
     expected = {pl.name: tuple(pl.shape) for pl in t.parallel.placements.values()}
-    check_compatible(man, expected, t.cfg.is_moe, whole=False)
+    check_compatible(man, expected, t.cfg.is_moe, whole=False, model=t.cfg)
     tensors = man["tensors"]
     opt_man = man.get("optimizer") or {}
     same_opt = opt_man.get("type") == type(eng.opt).__name__  # else: a fresh optimizer state

@@ -175,6 +175,7 @@ def verify(ckpt: Path, flag: str = "--resume", checksums: bool = True) -> dict[s
                                "(truncated or corrupted)"])
         if checksums and sha256(p) != want["sha256"]:
             raise ConfigError([f"{flag}: {p} fails its sha256 check (corrupted)"])
+    check_metadata(ckpt, flag)
     return man
 
 
@@ -193,6 +194,67 @@ ALLOWED = {
     ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
 }
+
+
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING",
+               "BINSTRING", "SHORT_BINSTRING"}
+
+
+def unsafe_globals(data: bytes) -> list[str]:
+    """The globals a pickle would import that the restricted unpickler refuses, read from its
+    opcodes without running any of them (and without importing torch): [] when every one is
+    allowed. A pickle that does not parse, or names a global in a way this reading cannot
+    follow, raises ``ValueError`` with the reason."""
+    import pickletools
+
+    pushed: list[Any] = []  # what each opcode pushed (a str, or None for anything else)
+    memo: dict[int, Any] = {}
+    bad = []
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        if name in _STRING_OPS:
+            pushed.append(arg)
+        elif name == "MEMOIZE":
+            memo[len(memo)] = pushed[-1] if pushed else None
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[arg] = pushed[-1] if pushed else None
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            pushed.append(memo.get(arg))
+        elif name in ("GLOBAL", "STACK_GLOBAL", "INST"):
+            if name == "STACK_GLOBAL":
+                mod, attr = (pushed[-2], pushed[-1]) if len(pushed) >= 2 else (None, None)
+            else:
+                mod, _, attr = str(arg).partition(" ")
+            if not isinstance(mod, str) or not isinstance(attr, str):
+                raise ValueError("it names an object this reader cannot follow")
+            if (mod, attr) not in ALLOWED:
+                bad.append(f"{mod}.{attr}")
+            pushed.append(None)
+        elif name in ("EXT1", "EXT2", "EXT4", "OBJ"):
+            raise ValueError(f"it uses the {name} opcode, never in checkpoint metadata")
+        else:
+            pushed.append(None)
+    return bad
+
+
+def check_metadata(ckpt: Path, flag: str = "--resume") -> None:
+    """DCP's ``.metadata`` of checkpoint ``ckpt`` would load with the restricted unpickler (every
+    global it names is allowed) and parses; else one ConfigError naming the file and the reason,
+    before any rank starts (the ranks would refuse it too, each with a traceback)."""
+    path = Path(ckpt) / ".metadata"
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError([f"{flag}: {path} is unreadable ({e.strerror or e})"]) from None
+    try:
+        bad = unsafe_globals(data)
+    except ValueError as e:
+        raise ConfigError([f"{flag}: {path} does not parse as checkpoint metadata ({e}); the "
+                           "checkpoint is refused, nothing was loaded"]) from None
+    if bad:
+        raise ConfigError([f"{flag}: {path} would run or import {', '.join(sorted(set(bad)))} "
+                           "when loaded (not checkpoint metadata: tampered?); refused, nothing "
+                           "was loaded or run"])
 
 
 class _Restricted(pickle.Unpickler):

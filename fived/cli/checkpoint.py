@@ -15,12 +15,13 @@ from typing import Any
 
 from ..config import ConfigError, ModelConfig, ParallelConfig
 from ..ui import report
+from ..ui.args import Parser
 
 KEYS = ("params", "grads", "master", "optimizer", "padding")
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived checkpoint", description="Inspect a fived checkpoint (fived train "
         "--save-dir DIR). DIR: a save directory (its newest complete checkpoint) or DIR/step-N.",
         epilog="example:\n  fived checkpoint inspect runs/ck\n  fived checkpoint inspect "
@@ -66,12 +67,13 @@ def ledger_rows(man: dict[str, Any]) -> list[tuple[int, float, float]]:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    from ..checkpoint.storage import read_manifest, resolve, verify
+    from ..checkpoint.storage import check_metadata, read_manifest, resolve, verify
 
     print(f"fived checkpoint inspect {args.dir} ...", flush=True,
           file=sys.stderr if args.json else sys.stdout)  # --json: stdout is the document
     ckpt = resolve(args.dir, "fived checkpoint inspect")
     man = (verify if args.files else read_manifest)(ckpt, "fived checkpoint inspect")
+    check_metadata(ckpt, "fived checkpoint inspect")
     if args.json:
         report.print_json(man)
         return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ..data.meta import padded_vocab, read_meta
+from ..ui.args import Parser
 from ..ui.report import console, fmt_n, print_json, show, table
 
 EXAMPLES = """examples:
@@ -26,7 +27,7 @@ EXAMPLES = """examples:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived data", description="Prepare text for `fived train --data DIR`.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="sub", required=True, metavar="{prepare,info}")
@@ -78,7 +79,7 @@ def summary(path: str, meta: dict, note: str = "") -> None:
               f"{padded_vocab(meta['vocab'])}")
     if "seconds" in meta and not note:
         mb = meta.get("inputs", {}).get("bytes", 0) / 2**20
-        con.print(f"{meta['inputs']['files']} file(s), {mb:.1f} MB in {meta['seconds']:.1f} s: "
+        con.print(f"{meta['inputs']['files']} file(s), {mb:.1f} MiB in {meta['seconds']:.1f} s: "
                   f"{meta['tokens'] / max(meta['seconds'], 1e-9):,.0f} tokens/s")
 
 

@@ -23,6 +23,7 @@ from dataclasses import fields, replace
 
 from ..config import ConfigError, ModelConfig, TrainConfig, fill_dp, validate
 from ..ui import flags
+from ..ui.args import Parser
 
 EPILOG = """examples:
   fived train --data data/notes --eval-every 10 --save-dir ck --steps 50
@@ -37,7 +38,7 @@ def layout_flags() -> tuple[str, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived eval", description="Evaluate a fived checkpoint: loss and perplexity on a\n"
         "split of a prepared data directory, forward only, at any layout.", epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,9 +150,12 @@ def main(argv: list[str]) -> int:
     say = sys.stderr if args.json else sys.stdout
     speak = not env or env[0] == 0
     if speak:
-        print(f"fived eval: {ckpt} (step {man['step']}) · {model.name} · {par.describe()} · "
-              f"{world} rank(s) · {batches} batch(es) of {train.global_batch}×{model.seq_len} "
-              f"tokens · --split {args.split} of {args.data}", file=say, flush=True)
+        from ..ui.report import header
+
+        print(header([f"fived eval: {ckpt} (step {man['step']})", model.name, par.describe(),
+                      f"{world} rank(s)", f"{batches} batch(es) of "
+                      f"{train.global_batch}×{model.seq_len} tokens",
+                      f"--split {args.split} of {args.data}"]), file=say, flush=True)
     from ..train.trainer import eval_rank
 
     rank_args = (model, par, train, str(ckpt), args.split, batches,

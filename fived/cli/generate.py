@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
+from ..ui.args import Parser
 
 EXAMPLES = """examples:
   fived train --save-dir runs/ck --steps 200 && fived generate --from runs/ck --prompt "def "
@@ -26,7 +27,7 @@ EXAMPLES = """examples:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived generate", description="Sample text from a trained model with a KV cache, "
         "on one rank or tensor-parallel (--tp N local ranks, or under torchrun). Each rank "
         "reads only its slices of the weights.", epilog=EXAMPLES,
@@ -79,7 +80,8 @@ def _tokenizer(spec: str, flag: str = "--tokenizer") -> Any:
     return tokenize.load(spec)
 
 
-def _checkpoint_tokenizer(man: dict[str, Any], given: str | None, ckpt: Path) -> Any:
+def _checkpoint_tokenizer(man: dict[str, Any], given: str | None, ckpt: Path,
+                          flag: str = "--from") -> Any:
     if given:
         return _tokenizer(given)
     data = man.get("data") or {}
@@ -95,10 +97,10 @@ def _checkpoint_tokenizer(man: dict[str, Any], given: str | None, ckpt: Path) ->
             dd = DataDir(d)
             if dd.tokenizer_hash == data.get("tokenizer_hash"):
                 return dd.tokenizer()
-        raise ConfigError([f"--from {ckpt}: it was trained on --data {d}, whose tokenizer is "
+        raise ConfigError([f"{flag} {ckpt}: it was trained on --data {d}, whose tokenizer is "
                            "not there (or changed); give --tokenizer (that directory, or its "
                            "tokenizer.json)"])
-    raise ConfigError([f"--from {ckpt}: the checkpoint records no tokenizer (an imported "
+    raise ConfigError([f"{flag} {ckpt}: the checkpoint records no tokenizer (an imported "
                        "model?); give --tokenizer SPEC (a tokenizer.json, a data directory or "
                        "'byte')"])
 
@@ -106,10 +108,11 @@ def _checkpoint_tokenizer(man: dict[str, Any], given: str | None, ckpt: Path) ->
 def resolve_model(args) -> tuple[str, str, ModelConfig, Any, str]:
     """(kind, path, model config, tokenizer, dtype name) of --from / --hf."""
     if args.ckpt:
-        from ..checkpoint.storage import read_manifest, resolve
+        from ..checkpoint.storage import check_metadata, read_manifest, resolve
 
         ckpt = resolve(args.ckpt, "--from")
         man = read_manifest(ckpt, "--from")
+        check_metadata(ckpt, "--from")
         cfg = ModelConfig(**man["config"]["model"])
         tok = _checkpoint_tokenizer(man, args.tokenizer, ckpt)
         dtype = args.dtype or man["config"]["parallel"].get("precision", "fp32")

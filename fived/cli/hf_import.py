@@ -12,10 +12,11 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..ui import report
+from ..ui.args import Parser
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived import", description="Import a local Hugging Face Llama/Qwen2/Qwen3/Mixtral directory "
         "into a fived checkpoint.", epilog="example:\n  fived import runs/hf --save-dir runs/ck"
         "\n  fived train --resume runs/ck --tp 2 --pp 2 --steps 10",

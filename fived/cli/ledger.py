@@ -21,6 +21,7 @@ from ..config import (
     validate,
 )
 from ..ui import flags, report
+from ..ui.args import Parser
 from ..ui.report import fmt_b, fmt_n, fmt_s, parse_count
 
 LEDGER_EXAMPLES = """examples:
@@ -152,7 +153,7 @@ def _given_batch(args: argparse.Namespace, res: flags.Resolved) -> int:
 
 # ------------------------------------------------------------------------ fived ledger
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived ledger", description="The full memory / FLOPs / traffic / time breakdown "
         "of one layout.", epilog=LEDGER_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,9 +273,12 @@ def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: boo
     source = "recorded in the file" if from_file else "from the flags"
 
     bad = compare_file(m, par, gb, path)
+    rows, peak_bad = _peaks(m, par, gb, path)
     if as_json:
         report.print_json({"metrics": path, "layout": par.describe(), "layout_source": source,
-                           "exact": not bad, "mismatches": bad})
+                           "exact": not bad, "mismatches": bad, "peak": rows,
+                           "peak_mismatches": peak_bad,
+                           "peak_skipped": "" if rows else PEAK_SKIPPED})
     else:
         con = report.console()
         if bad:
@@ -290,7 +294,46 @@ def _check(m: ModelConfig, par: ParallelConfig, gb: int, path: str, as_json: boo
                       f"{path} equal the ledger's ({m.name}, {par.describe()}, "
                       f"{par.precision}, global batch {gb}; layout {source})")
         _dry_run_activations(m, par, gb, path)
-    return 1 if bad else 0
+        _print_peaks(rows, peak_bad)
+    return 1 if bad or peak_bad else 0
+
+
+PEAK_SKIPPED = ("this file holds no traced peak (a run without --memory-trace, or recorded "
+                "before the trace existed): the step peak is not compared")
+
+
+def _peaks(m: ModelConfig, par: ParallelConfig, gb: int, path: str
+           ) -> tuple[list[dict], list[str]]:
+    """The traced step peaks of the file's last record against the ledger's."""
+    import json
+
+    from ..ledger.verify import check_peak, peak_rows
+
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    if not lines:
+        return [], []
+    optimizer = (json.loads(lines[0]).get("run") or {}).get("optimizer", "adamw")
+    rows = peak_rows(m, par, gb, json.loads(lines[-1]), optimizer)
+    return rows, check_peak(rows)
+
+
+def _print_peaks(rows: list[dict], bad: list[str]) -> None:
+    from ..ledger.verify import PEAK_TOLERANCE
+
+    con = report.console()
+    if not rows:
+        con.print(PEAK_SKIPPED, markup=False, highlight=False)
+        return
+    for line in bad:
+        con.print(f"  {line}", markup=False, highlight=False)
+    t = report.table(f"step peak per rank: ledger vs traced (target {PEAK_TOLERANCE:.1%})",
+                     [("rank", "r"), ("ledger", "r"), ("measured", "r"), ("diff", "r"),
+                      ("ledger's phase", "l")], wrap=("ledger's phase",))
+    for r in rows:
+        t.add_row(str(r["rank"]), report.fmt_b(r["ledger"]), report.fmt_b(r["measured"]),
+                  f"{r['diff']:+.2%}", f"{r['ledger_phase']} ({r['transient'] or '-'})")
+    report.show(con, t)
 
 
 def _dry_run_activations(m: ModelConfig, par: ParallelConfig, gb: int, path: str) -> None:

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 
 from ..config import ConfigError
+from ..ui.args import Parser
 
 EXAMPLES = """examples:
   fived train                                  # tiny model, 4 local ranks (dp=4), 50 steps
@@ -72,7 +73,12 @@ def run(cmd: str, fn: Callable[[list[str]], int | None], argv: list[str]) -> int
     try:
         return int(fn(argv) or 0)
     except ConfigError as e:
-        print(f"fived {cmd}: ConfigError: {e}", file=sys.stderr)
+        from ..ui.report import fold
+
+        lines = [f"fived {cmd}: ConfigError: invalid configuration "
+                 f"({len(e.problems)} problem(s)):"]
+        lines += [fold(f"  - {p}") for p in e.problems]
+        print("\n".join(lines), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -88,8 +94,11 @@ def _dispatch(package: str, what: str, argv: list[str]) -> int:
         return 0
     name = argv[0].replace("-", "_")
     if argv[0] not in names:
-        print(f"fived {what}: no {what} named {argv[0]!r}; choose one of {', '.join(names)}",
-              file=sys.stderr)
+        from ..config import did_you_mean
+        from ..ui.report import fold
+
+        print(fold(f"fived {what}: no {what} named {argv[0]!r}{did_you_mean(argv[0], names)} "
+                   f"(choose one of {', '.join(names)})", indent="  "), file=sys.stderr)
         return 2
     try:
         mod = importlib.import_module(f"{package}.{name}")
@@ -103,7 +112,7 @@ def _dispatch(package: str, what: str, argv: list[str]) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived", description="Train transformers with data, tensor, pipeline, context and "
         "expert parallelism, and account for every byte. Every command takes the same model, "
         "layout and run flags (and --config FILE.toml, --print-config); see `fived CMD --help`.",

@@ -25,6 +25,7 @@ from ..config import (
     validate,
 )
 from ..ui import flags, report
+from ..ui.args import Parser
 from ..ui.report import fmt_b, fmt_n, fmt_s
 from .ledger import check_cluster, clock_options, cluster_flags, global_batch, hardware
 
@@ -45,7 +46,7 @@ data-parallel comm + optimizer; MFU = model FLOPs · tokens/s / (GPUs · peak).
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived plan", description="Search the layouts of a model on a cluster and rank "
         "those that fit by predicted step time.", epilog=PLAN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,6 +94,17 @@ def _ints(flag: str, text: str, least: int, most: int | None = None) -> tuple[in
     return out
 
 
+def check_whole_nodes(gpus: int, gpn: int, gpn_given: bool) -> None:
+    """A cluster of more than one node is whole nodes: --gpus a multiple of --gpus-per-node
+    (the layouts place tp and cp inside a node), else a ConfigError saying so."""
+    if gpus > gpn and gpus % gpn:
+        whence = "--gpus-per-node" if gpn_given else "--gpus-per-node (the --gpu's default)"
+        lo, hi = gpus // gpn * gpn, (gpus // gpn + 1) * gpn
+        raise ConfigError([f"--gpus {gpus} is not a multiple of {whence} {gpn}: "
+                           f"{gpus // gpn} full node(s) and {gpus % gpn} GPU(s) over; use "
+                           f"--gpus {lo} or {hi}, or the --gpus-per-node of your nodes"])
+
+
 def main(argv: list[str]) -> int:
     from dataclasses import replace
 
@@ -126,6 +138,7 @@ def main(argv: list[str]) -> int:
 
     hw = hardware(args, gpus)
     gpn = args.gpus_per_node or hw.gpus_per_node
+    check_whole_nodes(gpus, gpn, args.gpus_per_node is not None)  # issue 45 item 2
     gb = train.global_batch
     con = None
     if not args.json:
@@ -243,14 +256,14 @@ def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
     con.print("[bold]why the best one wins[/]")
     report.bullets(con, res_.reasons)
     con.print("run the ledger of the winner:")
-    con.print(f"  fived ledger --model {m.name} --gpus {gpus} --gpu {args.gpu} "
+    con.print(report.shell(f"fived ledger --model {m.name} --gpus {gpus} --gpu {args.gpu} "
               + (f"--gpus-per-node {gpn} " if args.gpus_per_node else "") + _flags(top[0])
               + (f" --seq-len {m.seq_len}" if "model.seq_len" in res.given else "")
               + (f" --precision {par.precision}" if "parallel.precision" in res.given else "")
               + (f" --grad-reduce-dtype {par.grad_reduce_dtype}"
                  if par.grad_reduce_dtype != "fp32" else "")
-              + (f" --optimizer {top[0].optimizer}" if top[0].optimizer != "adamw" else ""),
-              soft_wrap=True, markup=False)
+              + (f" --optimizer {top[0].optimizer}" if top[0].optimizer != "adamw" else "")),
+              soft_wrap=True, markup=False)  # 80 columns, continued with \ (issue 45)
     return 0
 
 
@@ -307,6 +320,8 @@ def _share(p, keys) -> str:
 def _flags(p) -> str:
     par = p.par
     out = [f"--{d} {par.degree(d)}" for d in ("tp", "cp", "ep", "pp", "dp") if par.degree(d) > 1]
+    if par.hybrid:
+        out.append(f"--dp-shard {par.shard_degree}")
     if par.zero:
         out.append(f"--zero {par.zero}")
     if par.pp > 1 and par.schedule != "1f1b":

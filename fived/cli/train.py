@@ -24,11 +24,12 @@ from ..config import (
 from ..data.meta import check_data_run, model_for_data
 from ..ranks.launch import torchrun_env
 from ..ui import flags
+from ..ui.args import Parser
 from .main import EXAMPLES
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fived train", description="Train a model with any layout of the five dimensions, "
         "on local ranks (gloo on CPU) or under torchrun.", epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,6 +52,44 @@ def parser() -> argparse.ArgumentParser:
                    help="device of the fake tensors (default: meta, which catches a tensor "
                         "left on the cpu)")
     return ap
+
+
+def unused_flags(args, res) -> None:
+    """A flag given on the command line that would change nothing in this combination: a
+    ConfigError naming it (nothing is silently ignored). Only flags: a TOML written by
+    --print-config holds every key, used or not."""
+    cli = {f.name for f in flags.table() if getattr(args, f.name, None) is not None}
+    train, par = res.train, res.par
+    p = []
+    if not train.save_dir:
+        for key, flag in (("save_every", "--save-every"), ("keep", "--keep"),
+                          ("async_save", "--async-save")):
+            if key in cli:
+                p.append(f"{flag} {flags.shown(getattr(train, key))}: checkpoints go to "
+                         "--save-dir, and none is given; add --save-dir DIR (or drop "
+                         f"{flag})")
+    needs = (("schedule", par.pp > 1, "orders a pipeline's micro-batches; add --pp 2 or more"),
+             ("cp_mode", par.cp > 1, "is how context parallelism splits attention; add --cp 2 "
+              "or more"),
+             ("ep_dispatch", par.ep > 1, "is how expert parallelism sends tokens; add --ep 2 or "
+              "more"),
+             ("zero3_pp_gather", par.zero == 3 and par.pp > 1, "is when ZeRO-3 gathers under a "
+              "pipeline; it needs --zero 3 and --pp 2 or more"),
+             ("eval_batches", train.eval_every > 0, "sizes the evaluation of --eval-every; add "
+              "--eval-every N"))
+    for key, used, why in needs:
+        if key in cli and not used:
+            f = flags.FLAGS[key]
+            p.append(f"{f.flag} {flags.shown(getattr(args, key))}: {why} (or drop {f.flag})")
+    if not args.dry_run:
+        if args.ranks != "distinct":
+            p.append(f"--ranks {args.ranks}: picks the ranks of a --dry-run; add --dry-run (or "
+                     "drop --ranks)")
+        if args.dry_run_device != "meta":
+            p.append(f"--dry-run-device {args.dry_run_device}: only a --dry-run uses it; add "
+                     "--dry-run (or drop it)")
+    if p:
+        raise ConfigError(p)
 
 
 def checkpoint_inputs(model, train, given):
@@ -82,11 +121,51 @@ def checkpoint_inputs(model, train, given):
                                                and k != "model.seq_len"}:
             model = replace(model_of(man), seq_len=model.seq_len if "model.seq_len" in given
                             else model_of(man).seq_len)
-        check_compatible(man, param_shapes(model), model.is_moe)
+        check_compatible(man, param_shapes(model), model.is_moe, model=model)
+        check_resume_data(man, model, train, ckpt)
         train = replace(train, resume=str(ckpt))  # every rank loads this very step
     if train.save_dir and Path(train.save_dir).exists() and not Path(train.save_dir).is_dir():
         raise ConfigError([f"--save-dir {train.save_dir}: exists and is not a directory"])
     return model, train
+
+
+def check_resume_data(man, model, train, ckpt) -> None:
+    """The data a checkpoint was trained on against this run's, before any rank starts: each
+    side named (the ranks would refuse the same resume, later and with a traceback)."""
+    saved = man.get("data") or {}
+    if not saved:  # `fived import`: weights only, any data
+        return
+    here = f"--resume {ckpt}"
+    if saved.get("source") == "builtin":
+        if train.data:
+            raise ConfigError([f"{here}: trained on the built-in corpus (vocab "
+                               f"{man['config']['model'].get('vocab')}), but --data {train.data} "
+                               "is other data; resume without --data, or start a fresh run on "
+                               "it"])
+        mine = {"corpus_mb": train.corpus_mb, "seed": train.seed,
+                "global_batch": train.global_batch, "seq_len": model.seq_len}
+    else:
+        if not train.data:
+            raise ConfigError([f"{here}: trained on --data {saved.get('dir')}; give that --data "
+                               "(without it this run would read the built-in corpus)"])
+        from ..data.meta import read_meta
+
+        meta = read_meta(train.data)
+        if int(meta["vocab"]) != int(saved.get("vocab", meta["vocab"])) or (
+                saved.get("data_hash") not in (None, meta.get("data_hash"))):
+            raise ConfigError([f"{here}: trained on --data {saved.get('dir')} (a tokenizer of "
+                               f"{saved.get('vocab')} symbols); --data {train.data} is other "
+                               f"data (a tokenizer of {meta['vocab']} symbols); resume with "
+                               f"--data {saved.get('dir')}"])
+        mine = {"seed": train.seed, "global_batch": train.global_batch,
+                "seq_len": model.seq_len}
+    flag = {"corpus_mb": "--corpus-mb", "seed": "--seed", "global_batch": "--global-batch",
+            "seq_len": "--seq-len"}
+    bad = [f"{flag[k]} {v:g}: the checkpoint was trained with {flag[k]} {saved[k]:g}; give "
+           f"{flag[k]} {saved[k]:g} to resume it" for k, v in mine.items()
+           if k in saved and saved[k] != v]
+    if bad:
+        raise ConfigError(bad)
 
 
 def resume_auto(train):
@@ -128,6 +207,7 @@ def main(argv: list[str]) -> int:
         world = args.nprocs
     if args.timeout <= 0:
         raise ConfigError([f"--timeout must be > 0 seconds (got {args.timeout:g})"])
+    unused_flags(args, res)
     par, world = fill_dp(res.par, res.dp_given, world)
     par, precision = train_precision(par)
     res = replace(res, par=par)
@@ -139,6 +219,18 @@ def main(argv: list[str]) -> int:
     if args.print_config:
         return flags.print_config(res, f"fived train: {world} rank(s) · {precision}")
     check_outputs(train)
+    if train.resume and not args.dry_run:
+        from pathlib import Path
+
+        from ..checkpoint.storage import read_manifest
+
+        done = int(read_manifest(Path(train.resume))["step"])
+        if done >= train.steps:
+            if not env or env[0] == 0:
+                print(f"fived train: {train.resume} is at step {done}, --steps {train.steps} is "
+                      f"reached already: nothing to train (give --steps above {done} to go on)",
+                      flush=True)
+            return 0
     if train.tensorboard:
         from pathlib import Path
 
@@ -150,11 +242,18 @@ def main(argv: list[str]) -> int:
             raise ConfigError([f"--tensorboard {train.tensorboard}: {str(ancestor)!r} is a file, "
                                "not a directory"])
     if args.dry_run:
+        if train.memory_trace:
+            raise ConfigError(["--memory-trace with --dry-run: the dry run always traces "
+                               "(its metrics hold peak_per_rank); drop --memory-trace"])
         return dry_run(model, par, train, args, precision)
     if not env or env[0] == 0:  # under torchrun, rank 0 speaks
-        print(f"fived train: {precision} · {model.name} · {par.describe()} · {world} rank(s) · "
-              f"{train.steps} steps · global batch {train.global_batch}×{model.seq_len} tokens"
-              + (f" · data {train.data} (vocab {model.vocab})" if train.data else ""), flush=True)
+        from ..ui.report import header
+
+        print(header([f"fived train: {precision}", model.name, par.describe(),
+                      f"{world} rank(s)", f"{train.steps} steps",
+                      f"global batch {train.global_batch}×{model.seq_len} tokens"]
+                     + ([f"data {train.data} (vocab {model.vocab})"] if train.data else [])),
+              flush=True)
         if train.resume:
             print(f"resuming from {train.resume} (any layout: fived.checkpoint, global names)",
                   flush=True)
@@ -164,6 +263,9 @@ def main(argv: list[str]) -> int:
 
         warn_if_too_big(model, par, train,
                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env else world)
+    if not env:  # said before torch is imported here (seconds) and the ranks start (more)
+        print(f"spawning {world} local rank(s) on gloo (each starts Python and imports torch) "
+              "...", flush=True)
     from ..ranks.launch import RankFailure, run_local
     from ..train.metrics import MEASURE_PEAK
     from ..train.trainer import train_rank
@@ -176,7 +278,6 @@ def main(argv: list[str]) -> int:
 
         out = run_torchrun(train_rank, (model, par, train, True, peak), args.timeout)
         return end_status(out)
-    print(f"starting {world} local rank(s) on gloo ...", flush=True)
     from ..config import preempt_signal_names
 
     try:
@@ -218,9 +319,11 @@ def end_status(summary) -> int:
 def available_per_rank(local_ranks: int) -> tuple[float, str]:
     """(bytes one rank can have, what that is): a GPU's memory where torch sees one, else this
     machine's available memory (``MemAvailable``) shared by its ``local_ranks``."""
-    import torch
+    from ..ranks.launch import cuda_expected
 
-    if torch.cuda.is_available():
+    if cuda_expected():  # without importing torch where plainly no GPU is here (the cpu)
+        import torch
+
         return float(torch.cuda.get_device_properties(0).total_memory), "one GPU's memory"
     try:
         with open("/proc/meminfo") as f:
@@ -255,10 +358,13 @@ def dry_run(model, par, train, args: argparse.Namespace, precision: str = "") ->
     from ..train.dryrun import parse_ranks
 
     ranks = parse_ranks(args.ranks, par)  # a ConfigError (exit 2) before torch is imported
-    print(f"fived train --dry-run: {precision or par.precision} · {model.name} · "
-          f"{par.describe()} · {par.world_size} rank(s) · "
-          f"global batch {train.global_batch}×{model.seq_len} tokens · "
-          f"ranks {','.join(map(str, ranks))} on fake {args.dry_run_device} tensors", flush=True)
+    from ..ui.report import header
+
+    print(header([f"fived train --dry-run: {precision or par.precision}", model.name,
+                  par.describe(), f"{par.world_size} rank(s)",
+                  f"global batch {train.global_batch}×{model.seq_len} tokens",
+                  f"ranks {','.join(map(str, ranks))} on fake {args.dry_run_device} tensors"]),
+          flush=True)
     t0 = time.perf_counter()
     from ..train.dryrun import dry_run as run
 

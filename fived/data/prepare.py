@@ -228,8 +228,8 @@ class Progress:
             return
         self.last = now
         dt = max(now - self.t0, 1e-9)
-        line = (f"{self.what}: {docs:,} documents, {tokens:,} tokens, {chars / 2**20:.1f} MB "
-                f"of text ({chars / 2**20 / dt:.1f} MB/s, {dt:.0f} s)")
+        line = (f"{self.what}: {docs:,} documents, {tokens:,} tokens, {chars / 2**20:.1f} MiB "
+                f"of text ({chars / 2**20 / dt:.1f} MiB/s, {dt:.0f} s)")
         self.stream.write(("\r" + line) if self.tty else line + "\n")
         self.stream.flush()
 
@@ -242,9 +242,11 @@ class Progress:
 # ---------------------------------------------------------------------------- prepare
 def check_out(out: Path) -> bool:
     """True when ``out`` exists as a fived data directory that may be replaced."""
-    if not out.parent.is_dir():
-        raise ConfigError([f"--out {out}: directory {str(out.parent)!r} does not exist"])
-    if not out.exists():
+    ancestor = next(p for p in (out.parent.resolve(), *out.parent.resolve().parents)
+                    if p.exists())
+    if not ancestor.is_dir():
+        raise ConfigError([f"--out {out}: {str(ancestor)!r} is a file, not a folder"])
+    if not out.exists():  # missing parent folders are made when the inputs are read
         return False
     if out.is_dir() and (out / "meta.json").is_file():
         return True
@@ -262,8 +264,8 @@ def prepare(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]
     if opts.train_bpe and opts.tokenizer != "byte":
         raise ConfigError(["--train-bpe and --tokenizer FILE exclude each other; give one"])
     out = Path(opts.out)
+    sources = find_sources(opts.inputs, opts.glob, opts.exclude)  # a missing INPUT first
     exists = check_out(out)
-    sources = find_sources(opts.inputs, opts.glob, opts.exclude)
     tok: tokenize.Tokenizer | None = None
     if opts.train_bpe:
         if not tokenize.MIN_BPE <= opts.train_bpe <= tokenize.MAX_BPE:
@@ -287,6 +289,7 @@ def prepare(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]
         tok = tokenize.train_bpe(training_documents(docs, opts.val_fraction), opts.train_bpe)
         log(f"BPE trained in {time.perf_counter() - t0:.1f} s (tokenizer {tok.hash[:12]})")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

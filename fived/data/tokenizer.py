@@ -80,6 +80,53 @@ class HFTokenizer(Tokenizer):
         path.write_text(self.spec)
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what ``tokenizers``' ByteLevel uses)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def hf_json(tok: Tokenizer) -> str:
+    """``tok`` as a ``tokenizer.json`` that ``tokenizers`` (and transformers' AutoTokenizer)
+    load with the same ids: the byte vocabulary as a byte-level BPE without merges, where id
+    ``b`` is byte ``b`` and 256 is ``<|endoftext|>``; a tokenizer.json one as it is."""
+    if not isinstance(tok, ByteTokenizer):
+        return tok.spec
+    from tokenizers import Tokenizer as T
+    from tokenizers import decoders, models, pre_tokenizers
+
+    table = _bytes_to_unicode()
+    hf = T(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([EOS_NAMES[0]])  # id 256, the byte vocabulary's EOS
+    return hf.to_str()
+
+
+def hf_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
+    """What transformers' ``AutoTokenizer.from_pretrained(DIR)`` reads, by file name:
+    ``tokenizer.json``, ``tokenizer_config.json`` (a fast tokenizer, its EOS, the model's
+    length) and ``special_tokens_map.json``."""
+    import json
+
+    spec = hf_json(tok)
+    from tokenizers import Tokenizer as T
+
+    eos = T.from_str(spec).id_to_token(tok.eos)  # None: an EOS appended after the vocabulary
+    special = {"eos_token": eos} if eos else {}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False, "add_bos_token": False, **special}
+    return {"tokenizer.json": spec, "tokenizer_config.json": json.dumps(config, indent=1),
+            "special_tokens_map.json": json.dumps(special, indent=1)}
+
+
 def from_spec(spec: str) -> Tokenizer:
     """Rebuild a tokenizer from its ``spec`` (in a worker process, or from a data directory)."""
     if spec == BYTE_SPEC:

@@ -152,10 +152,11 @@ def get(name: str, bench_json: str | None = None) -> Hardware:
     if name == "this-machine":
         return this_machine(bench_json)
     if name not in PRESETS:
-        from ..config import ConfigError
+        from ..config import ConfigError, did_you_mean
 
-        raise ConfigError([f"unknown --gpu {name!r}; choose one of "
-                           f"{', '.join(list(PRESETS) + ['this-machine'])}"])
+        names = list(PRESETS) + ["this-machine"]
+        raise ConfigError([f"--gpu {name}: no such GPU{did_you_mean(name, names)} "
+                           f"(choose one of {', '.join(names)})"])
     return PRESETS[name]
 
 

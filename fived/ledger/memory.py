@@ -124,8 +124,10 @@ def shard_real(numel: int, n: int, index: int) -> int:
 
 
 def group_sizes(par: ParallelConfig) -> dict[str, int]:
-    """Sizes of the derived gradient groups: dense = dp·ep·cp, expert = dp·cp."""
-    return {"dense": par.dp * par.ep * par.cp, "expert": par.dp * par.cp}
+    """Sizes of the groups ZeRO shards over: dense = dp·ep·cp, expert = dp·cp; with hybrid
+    sharding (``--dp-shard N``) their shard parts, N·ep·cp and N·cp (states ÷ N, not dp)."""
+    n = par.shard_degree
+    return {"dense": n * par.ep * par.cp, "expert": n * par.cp}
 
 
 @dataclass(frozen=True)
@@ -458,25 +460,6 @@ def inflight_microbatches(par: ParallelConfig, pp_rank: int = 0) -> float:
     return float(min(p - pp_rank, mb))
 
 
-def inflight_by_chunk(par: ParallelConfig, pp_rank: int = 0) -> list[float]:
-    """Interleaved: micro-batches in flight on each of the rank's v chunks at its peak. The
-    warm-up runs forwards in groups of p micro-batches per chunk (chunk 0, 1, ..., v−1, then
-    chunk 0 again) until 2(p−r−1) + (v−1)p + 1 are in flight; the last rank thus holds p on
-    every chunk but the last, which holds 1. With equal layers per chunk only the sum matters;
-    an uneven split (405B: 4 + 3 layers on the last rank) needs the split."""
-    p, m, v = par.pp, par.micro_batches, max(1, par.virtual_stages)
-    want = min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, m * v)
-    counts = [0.0] * v
-    for start in range(0, m, p):
-        for c in range(v):
-            for _ in range(start, min(start + p, m)):
-                if want <= 0:
-                    return counts
-                counts[c] += 1
-                want -= 1
-    return counts
-
-
 @lru_cache(maxsize=1024)
 def _compute_orders(name: str, pp: int, m: int, v: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     sched = schedules.build(name, pp, m, v)
@@ -627,18 +610,20 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
 
 @lru_cache(maxsize=4096)
 def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
-                 ) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
-    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at three moments of the
+                 ) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]] | None:
+    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at four moments of the
     replay: the first gradient's arrival in each micro-batch's backward (micro-batches 0, 1
     and the last; the ones between replay the second's), the end of the last backward (what
-    the reduction phase starts with), and the end of each forward (ZeRO-3 without pp: the
-    root gathered for the loss; else empty). None where the replay does not run."""
+    the reduction phase starts with), the end of each forward (ZeRO-3 without pp: the root
+    gathered for the loss; else empty) and the start of each backward (before any gradient:
+    the loss's backward). None where the replay does not run."""
     replay = _zero_replay(m, _zero_key(par), pp_rank)
-    return None if replay is None else (replay[2], replay[3], replay[4])
+    return None if replay is None else (replay[2], replay[3], replay[4], replay[5])
 
 
 def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
-                 ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...]] | None:
+                 ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...], tuple[int, ...]
+                            ] | None:
     """(full-gradient bytes, gathered-parameter bytes) at the peak of ZeRO-2/3's transient
     buffers, from a replay of the engine's lifecycle (``fived.parallel.data``: ``Zero2``,
     ``Zero3``) on the ledger's buckets; None where it is not replayed (ZeRO-2/3 with more than
@@ -660,7 +645,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
       the rest are released after the backward.
     * ``--no-overlap``: no launch during backward, no prefetch ahead."""
     if par.zero < 2 or max(group_sizes(par).values()) <= 1:
-        return (0, 0, (0,), 0, ())
+        return (0, 0, (0,), 0, (), (0,))
     if par.pp > 1 and len(rank_stages(par, pp_rank)) > 1:
         return None
     bks = buckets(m, par, pp_rank)
@@ -686,6 +671,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     peak = [0, 0]
     starts: list[int] = []  # held at each replayed micro-batch's first gradient
     fends: list[int] = []  # held at the end of each replayed forward (ZeRO-3 without pp)
+    pres: list[int] = []  # held as each replayed backward begins
 
     def hold(kind: int, n: int) -> None:
         live[kind] += n
@@ -738,6 +724,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         launched = {g: 0 for g in seqs}
         block = None
         first = True
+        pres.append(sum(live))  # the backward begins: nothing of it arrived yet
         for i, k in runs:  # k gradients in a row into bucket i
             u = bks[i].unit
             if zero3_flat and u >= 0 and u != block:  # the block's pre-backward hook
@@ -764,7 +751,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 k = launched[bks[i].group]
                 if k > 2:
                     drop(seq[k - 3])
-    return peak[0], peak[1], tuple(starts), sum(live), tuple(fends)
+    return peak[0], peak[1], tuple(starts), sum(live), tuple(fends), tuple(pres)
 
 
 def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int
@@ -921,14 +908,13 @@ def states_floor(m: ModelConfig, par: ParallelConfig, optimizer: str = "adamw") 
 
 
 def fmt_bytes(n: float) -> str:
-    if n >= 1e12:
-        return f"{n / 1e12:.2f} TB"
-    if n >= 1e9:
-        return f"{n / 1e9:.2f} GB"
-    if n >= 1e6:
-        return f"{n / 1e6:.2f} MB"
-    if n >= 1e3:
-        return f"{n / 1e3:.1f} kB"
-    return f"{n:.0f} B"
+    """Bytes in binary units, the one system of every command (docs/cli.md): B, KiB, MiB, GiB,
+    TiB (powers of 1024), two decimals."""
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(v) < 1024:
+            return f"{v:.0f} B" if unit == "B" else f"{v:.2f} {unit}"
+        v /= 1024
+    return f"{v:.2f} TiB"
 
 

@@ -16,10 +16,16 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
 * **transients**, each by name, sized from the layout and the runtime code that makes it:
 
   ========================  ==============================================================
-  ``loss_backward``         the last stage's B: the loss's backward makes the fp32 softmax
-                            and its gradient, 2 · tokens · V/tp · 4 (``fived.model.llama``'s
-                            ``vocab_parallel_loss`` / cross-entropy), while every saved
-                            activation is still alive
+  ``loss_forward``          the last stage's F, beyond what the loss saves: an fp32 copy of
+                            the logits (bf16/fp16; tokens · V · 4), or under tp the
+                            vocab-parallel loss's fp32 shifted logits and exponentials
+                            (2 · tokens · V/tp · 4)
+  ``tp_regions``            tp without SP, F of a stage before the last: the previous
+                            column region's input and the new one's (2 · tokens · h · e)
+  ``loss_backward``         the last stage's B: the fp32 exponentials and the fp32 gradient
+                            of the logits (2 · tokens · V/tp · 4) and, in bf16/fp16, that
+                            gradient cast to the compute dtype (+ e · tokens · V/tp), while
+                            every saved activation is still alive
   ``block_backward``        every B: the first block's backward, its MLP working set: the
                             block output's gradient (tokens · h/sp · e) and four
                             tokens · ffn/tp tensors in the compute dtype (the down
@@ -129,6 +135,21 @@ def step_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> f
     return 2 * 8 * micro_batch * par.micro_batches * s_local + 8 * s_local
 
 
+def loss_forward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
+    """The loss's forward beyond what it saves: an fp32 copy of the logits in bf16/fp16, and
+    under tp the vocab-parallel loss's shifted logits (tokens · V/tp · 4 each)."""
+    tokens = micro_batch * m.seq_len / par.cp
+    return (2 if par.tp > 1 else int(act_bytes(par) != 4)) * tokens * m.vocab / par.tp * 4
+
+
+def loss_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
+    """The loss's backward: the fp32 exponentials and the fp32 gradient of the logits
+    (tokens · V/tp each), and in bf16/fp16 the gradient cast to the compute dtype."""
+    tokens = micro_batch * m.seq_len / par.cp
+    e = act_bytes(par)
+    return tokens * m.vocab / par.tp * (8 + (e if e != 4 else 0))
+
+
 def clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
     """One float64 copy of the largest chunk of a gradient piece the norm reads (a piece is
     one parameter's part of the rank's shard)."""
@@ -166,12 +187,55 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     live = dict.fromkeys(stages, 0)
     saved = 0.0
     out: list[Phase] = []
-    for kind, mb, s in schedule_actions(par, pp_rank):
+    def zero_at(which: int, nth: int) -> float:
+        """ZeRO's buffers at a backward's start (3) or at its first gradient (0)."""
+        if not zero:
+            return 0.0
+        if moments is None:
+            return zero
+        seq = moments[which]
+        return float(seq[min(nth, len(seq) - 1) if nth >= 0 else -1])
+
+    def backward_moment(t: dict[str, float], last: bool, s: int, mb: int, nth: int
+                        ) -> dict[str, float]:
+        """The B's worst moment: the loss's backward (last stage: every saved tensor alive,
+        no gradient arrived) or the first block's (the loss's saved tensors gone)."""
+        block = block_backward_bytes(m, par, micro_batch) if stage_layers(m, par)[s] else 0
+        blk = dict(t, block_backward=block)
+        if not last and par.pp > 1:
+            blk["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
+        if recompute:
+            blk["recompute_block"] = recompute
+        if zero:
+            blk["zero_buffers"] = zero_at(0, nth)
+        if not last:
+            return blk
+        gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
+                   for k in ("final_norm", "logits"))
+        blk["block_backward"] = max(0.0, block - gone)
+        loss = dict(t, loss_backward=loss_backward_bytes(m, par, micro_batch))
+        if zero:
+            loss["zero_buffers"] = zero_at(3, nth)
+        return loss if sum(loss.values()) >= sum(blk.values()) else blk
+
+    actions = schedule_actions(par, pp_rank)
+    last_b = max(i for i, a in enumerate(actions) if a[0] == "B")
+    for i, (kind, mb, s) in enumerate(actions):
         if kind == "F":
             live[s] += 1
             saved += per[s]
         t: dict[str, float] = dict(inflight) if kind in ("F", "B") else {}
         nth = 0 if mb == 0 else (-1 if mb == par.micro_batches - 1 else 1)
+        if kind == "F" and s == n_stages - 1:
+            t["loss_forward"] = loss_forward_bytes(m, par, micro_batch)
+        elif kind == "F" and sp:  # a region opens (its gather) before the last one closes
+            t["sp_gather"] = 2 * inflight["sp_gather"] + tokens * m.hidden * e / par.tp
+        elif kind == "F" and par.tp > 1:  # the last region's input and the new one's
+            t["tp_regions"] = 2 * tokens * m.hidden * e
+        if kind == "B" and sp and s != n_stages - 1:  # the last forward's region (until
+            # the step's last backward), the backward's re-gather of x and the full-width
+            # input gradient before its reduce-scatter
+            t["sp_gather"] = (2 + (i < last_b)) * inflight["sp_gather"]
         if kind == "F" and zero:  # the loss's moment: the root gathered (ZeRO-3), the
             # gradient buffers of the earlier micro-batches held
             if moments is not None and moments[2]:
@@ -182,37 +246,15 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             else:
                 t["zero_buffers"] = cb.get("zero3_gather", 0.0) if mb == 0 else zero
         if kind == "B":
-            last = s == n_stages - 1
-            block = block_backward_bytes(m, par, micro_batch) if stage_layers(m, par)[s] else 0
-            t["block_backward"] = block
-            if last:  # the loss's saved tensors are gone by the first block's backward
-                t["loss_backward"] = 2 * tokens * m.vocab / par.tp * 4
-                gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
-                           for k in ("final_norm", "logits"))
-                t["block_backward"] = max(0.0, block - gone)
-                if t["loss_backward"] > t["block_backward"]:  # one moment or the other
-                    t["block_backward"] = 0.0
-                else:
-                    t["loss_backward"] = 0.0
-            elif par.pp > 1:
-                t["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
-            if recompute:
-                t["recompute_block"] = recompute
-            if zero:  # the first gradient's moment, or the buffers' peak once this
-                # micro-batch's activations are released, whichever is more
-                start = zero
-                if moments is not None:
-                    starts = moments[0]
-                    start = float(starts[min(nth, len(starts) - 1) if nth >= 0 else -1])
-                end = saved - per[s] + zero
-                if end > saved + sum(t.values()) + start:
-                    out.append(Phase(f"{kind} {mb} {s}", kept, saved - per[s],
-                                     {"zero_buffers": zero}))
-                    if kind == free:
-                        live[s] -= 1
-                        saved -= per[s]
-                    continue
-                t["zero_buffers"] = start
+            t = backward_moment(t, s == n_stages - 1, s, mb, nth)
+            if zero and saved - per[s] + zero > saved + sum(t.values()):  # the buffers' peak
+                # once this micro-batch's activations are released
+                out.append(Phase(f"{kind} {mb} {s}", kept, saved - per[s],
+                                 {"zero_buffers": zero}))
+                if kind == free:
+                    live[s] -= 1
+                    saved -= per[s]
+                continue
         out.append(Phase(f"{kind} {mb} {s}", kept, saved, t))
         if kind == free:
             live[s] -= 1
@@ -220,10 +262,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     # after the step's last forward: the last column region's input (and under SP its gathered
     # copy) stays referenced until the next forward opens a region (``tensor.Columns``)
     after: dict[str, float] = {}
-    if par.tp > 1:
-        after["tp_last_input"] = tokens * m.hidden * e / (par.tp if sp else 1)
-        if sp:
-            after["sp_gather"] = inflight["sp_gather"]
+    if par.tp > 1:  # under SP the last stage keeps two shards (the final norm's region)
+        shards = 2 if sp and n_stages - 1 in stages else 1
+        after["tp_last_input"] = shards * tokens * m.hidden * e / (par.tp if sp else 1)
     end = float(moments[1]) if moments is not None else zero
     out.append(Phase("reduce", kept, 0.0, {**after, "zero_buffers": end} if zero else after))
     out.append(Phase("clip", kept, 0.0, {**after, "clip": clip_bytes(m, par, pp_rank)}))

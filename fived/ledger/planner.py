@@ -65,33 +65,44 @@ from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
 GPU_ACTIVATIONS = FUSED
 
-_GROUP_DIMS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp"), "batch": ("dp", "ep")}
+_GROUP_DIMS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp"), "batch": ("dp", "ep"),
+               # hybrid sharding (fived.ranks.grid): dp = dp_replicate·N + dp_shard
+               "dense_shard": ("dp_shard", "ep", "cp"), "expert_shard": ("dp_shard", "cp"),
+               "dp_replicate": ("dp_replicate",)}
 
 
 def group_dims(name: str) -> tuple[str, ...]:
     return _GROUP_DIMS.get(name, (name,))
 
 
-def inside_node(par: ParallelConfig, group: str, gpus_per_node: int) -> bool:
-    """Whether the group over ``group``'s dims (grid order ``par.order``) stays on one node:
-    the span of rank 0's group, Σ stride·(degree−1), is below ``gpus_per_node``."""
+def _strides(par: ParallelConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """(stride, degree) of every dimension in the grid order, and of dp's two sub-dimensions:
+    dp_shard (stride of dp, degree N) inside dp_replicate (stride N·dp's, degree M)."""
     stride, strides = 1, {}
     for d in reversed(par.order):
         strides[d] = stride
         stride *= par.degree(d)
-    span = sum(strides[d] * (par.degree(d) - 1) for d in group_dims(group))
+    degrees = {d: par.degree(d) for d in par.order}
+    n = par.shard_degree if par.hybrid else par.dp
+    strides["dp_shard"], strides["dp_replicate"] = strides["dp"], strides["dp"] * n
+    degrees["dp_shard"], degrees["dp_replicate"] = n, par.dp // n
+    return strides, degrees
+
+
+def inside_node(par: ParallelConfig, group: str, gpus_per_node: int) -> bool:
+    """Whether the group over ``group``'s dims (grid order ``par.order``) stays on one node:
+    the span of rank 0's group, Σ stride·(degree−1), is below ``gpus_per_node``."""
+    strides, degrees = _strides(par)
+    span = sum(strides[d] * (degrees[d] - 1) for d in group_dims(group))
     return span < gpus_per_node
 
 
 def ranks_per_node(par: ParallelConfig, group: str, gpus_per_node: int) -> int:
     """How many of rank 0's ``group`` sit on rank 0's node (ranks 0 .. gpus_per_node−1)."""
-    stride, strides = 1, {}
-    for d in reversed(par.order):
-        strides[d] = stride
-        stride *= par.degree(d)
+    strides, degrees = _strides(par)
     ranks = [0]
     for d in group_dims(group):
-        ranks = [r + i * strides[d] for r in ranks for i in range(par.degree(d))]
+        ranks = [r + i * strides[d] for r in ranks for i in range(degrees[d])]
     return max(1, sum(1 for r in ranks if r < gpus_per_node))
 
 
@@ -138,7 +149,8 @@ class Prediction:
             "layout": self.name(),
             "parallel": {"tp": p.tp, "cp": p.cp, "ep": p.ep, "dp": p.dp, "pp": p.pp,
                          "virtual_stages": p.virtual_stages, "schedule": p.schedule,
-                         "zero": p.zero, "sequence_parallel": p.sequence_parallel,
+                         "zero": p.zero, "dp_shard": p.shard_degree,
+                         "dp_replicate": p.replicate_degree, "sequence_parallel": p.sequence_parallel,
                          "recompute": p.recompute, "precision": p.precision,
                          "grad_reduce_dtype": p.grad_reduce_dtype, "cp_mode": p.cp_mode,
                          "bucket_mb": p.bucket_mb, "overlap": p.overlap, "order": list(p.order),
@@ -155,6 +167,8 @@ class Prediction:
 
 def layout_name(par: ParallelConfig, micro_batch: int) -> str:
     parts = [f"{d}{par.degree(d)}" for d in ("tp", "cp", "ep", "pp", "dp") if par.degree(d) > 1]
+    if par.hybrid:  # dp = N shard × M replicate
+        parts[-1] += f"({par.shard_degree}s×{par.replicate_degree}r)"
     if par.pp > 1 and par.schedule == "interleaved":
         parts.append(f"v{par.virtual_stages}")
     elif par.pp > 1 and par.schedule != "1f1b":
@@ -264,7 +278,7 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
     cp = sum(v for (g, _), v in per.items() if g == "cp") / mb
     cp = max(0.0, cp - 3 * attn_core) if clock.comm_overlap else cp
     pp = sum(v for (g, _), v in per.items() if g == "pp") / mb
-    dp_groups = ("dense", "expert")
+    dp_groups = ("dense", "expert", "dense_shard", "expert_shard", "dp_replicate")
     overlap = par.overlap and clock.comm_overlap
     zero_mb = 0.0
     dp_step = 0.0
@@ -335,6 +349,23 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def shard_degrees(dp: int, others_in_node: int, gpus_per_node: int, zero: int,
+                  ep_cp: int = 1) -> list[int]:
+    """The ``--dp-shard`` values the search tries for one layout (hybrid sharding): 0 (flat:
+    ZeRO over all of dp), and N < dp dividing dp among 1, the node size (the largest N whose
+    shard group of N·tp·cp·ep ranks fits in a node) and twice it (a shard group over two nodes).
+    Larger multiples are not tried: each doubles the layouts the search evaluates for a
+    memory × dp/N the flat layout already beats (docs/ledger.md). N = 1 with ``ep_cp`` (= ep·cp)
+    1 is left out: a shard group of one rank is DDP's memory and all-reduce, which ZeRO-0
+    already covers. ZeRO-0 shards nothing: only flat."""
+    if zero == 0 or dp <= 1:
+        return [0]
+    fit = max(1, gpus_per_node // max(1, others_in_node))
+    node = max(k for k in _divisors(dp) if k <= fit)
+    want = {node, 2 * node} | ({1} if ep_cp > 1 else set())
+    return [0] + sorted(k for k in want if k < dp and dp % k == 0)
+
+
 @dataclass
 class PlanResult:
     ranked: list[Prediction]
@@ -349,10 +380,12 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
                recomputes: tuple[str, ...] = ("none", "selective", "full"),
                zeros: tuple[int, ...] = (0, 1, 2, 3), max_virtual: int = 4,
-               counts: dict[str, int] | None = None, fixed: dict | None = None):
+               counts: dict[str, int] | None = None, fixed: dict | None = None,
+               hybrid: bool = True):
     """Yield every (ParallelConfig, micro-batch size) the search considers; ``counts`` tallies
     what is discarded before any prediction (invalid, iron rule); ``fixed``: fields every
-    layout keeps (a --config's cp_mode, bucket_mb, overlap, order)."""
+    layout keeps (a --config's cp_mode, bucket_mb, overlap, order); ``hybrid``: also try
+    hybrid sharding's shard degrees (``shard_degrees``) for every ZeRO stage."""
     fixed = fixed or {}
     counts = counts if counts is not None else {}
     tps = _pow2_upto(min(gpus, max(gpus_per_node, 1) * 2))
@@ -392,10 +425,14 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                             if per_replica % b:
                                 continue
                             mbs = per_replica // b
-                            for zero in zeros if dp * ep * cp > 1 else (0,):
+                            for zero, shard in [
+                                    (z, k) for z in (zeros if dp * ep * cp > 1 else (0,))
+                                    for k in (shard_degrees(dp, tp * cp * ep, gpus_per_node, z, ep * cp)
+                                              if hybrid else [0])]:
                                 for rc in recomputes:
                                     par = ParallelConfig(
                                         tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, zero=zero,
+                                        dp_shard=shard,
                                         schedule=sched, virtual_stages=v, micro_batches=mbs,
                                         sequence_parallel=tp > 1, recompute=rc,
                                         precision=precision, grad_reduce_dtype=grad_reduce_dtype,
@@ -492,6 +529,28 @@ def _family_best(ranked: list[Prediction], pred, label: str) -> str | None:
     return f"no layout {label} fits"
 
 
+def _shard_reason(ranked: list[Prediction]) -> list[str]:
+    """Why the winner's shard degree (hybrid sharding): the same layout with each other shard
+    degree the search tried, its step time and memory, or why none fits."""
+    from dataclasses import replace
+
+    best = ranked[0]
+    if not best.par.zero:
+        return []
+    flat = replace(best.par, dp_shard=0)
+    alts = [p for p in ranked if p is not best and replace(p.par, dp_shard=0) == flat
+            and p.micro_batch == best.micro_batch and p.optimizer == best.optimizer]
+    what = (f"dp-shard {best.par.shard_degree} × dp-replicate {best.par.replicate_degree}"
+            if best.par.hybrid else f"flat ZeRO over dp {best.par.dp}")
+    if not alts:
+        return [f"shard degree: {what}; no other shard degree of this layout fits (states "
+                f"÷ N grow as N shrinks)."]
+    bits = [f"{'flat' if not p.par.hybrid else f'dp-shard {p.par.shard_degree}'} "
+            f"{p.step_seconds:.3f} s, {p.memory.peak / 1e9:.1f} GB" for p in alts[:3]]
+    return [f"shard degree: {what} ({best.step_seconds:.3f} s, "
+            f"{best.memory.peak / 1e9:.1f} GB) against {'; '.join(bits)}."]
+
+
 def explain(ranked: list[Prediction]) -> list[str]:
     """Why the best layout wins, in sentences built from the time components."""
     if not ranked:
@@ -525,6 +584,7 @@ def explain(ranked: list[Prediction]) -> list[str]:
         out.append(f"best other shape: {other.name()} is "
                    f"{other.step_seconds / best.step_seconds - 1:.1%} slower "
                    f"(largest rank {other.memory.peak / 1e9:.1f} GB).")
+    out += _shard_reason(ranked)
     for pred, label in ((lambda p: p.pp == 1, "without pipeline parallelism"),
                         (lambda p: p.tp == 1, "without tensor parallelism"),
                         (lambda p: p.recompute == "none", "without recompute")):

@@ -139,6 +139,21 @@ def dp_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Co
 @lru_cache(maxsize=8192)
 def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
                 ) -> tuple[Collective, ...]:
+    out = list(_dp_flat(m, par, mb, pp_rank))
+    if not par.hybrid:
+        return tuple(out)
+    # hybrid sharding: ZeRO's collectives run on the shard part of each group, and each
+    # bucket's reduced shard is all-reduced across the replicas (after its reduce-scatter)
+    out = [Collective(f"{c.group}_shard", c.op, c.size, c.n, c.count, c.what, c.phase)
+           for c in out]
+    gb = grad_bytes(par)
+    out += [Collective("dp_replicate", "all_reduce", gb * b.shard, par.replicate_degree, 1,
+                       "shard's gradient across replicas", "bwd")
+            for b in buckets(m, par, pp_rank)]
+    return tuple(out)
+
+
+def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int) -> list[Collective]:
     gb, pb = grad_bytes(par), param_bytes(par)
     out: list[Collective] = []
     bks = [b for b in buckets(m, par, pp_rank) if group_sizes(par)[b.group] > 1]
@@ -154,7 +169,7 @@ def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
     if par.zero == 3:
         out += [Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1, "gradients",
                            "bwd") for b in bks]
-        return tuple(out)
+        return out
     n = group_sizes(par)
     for b in bks:
         if par.zero == 0:
@@ -166,7 +181,7 @@ def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
     if par.zero in (1, 2):
         out += [Collective(b.group, "all_gather", pb * b.padded, b.shards, 1, "updated params",
                            "step") for b in bks]
-    return tuple(out)
+    return out
 
 
 # ------------------------------------------------------------------------ tensor parallel
@@ -442,7 +457,9 @@ def optimizer_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0,
     if optimizer == "adamw":
         return []
     obs = opt_buckets(m, _state_key(par), pp_rank, tuple(buckets(m, par, pp_rank)))
-    return [Collective(g, op, float(size), n, 1, f"{optimizer} state", "step")
+    shard = "_shard" if par.hybrid else ""  # ZeRO's groups are the shard parts when hybrid
+    return [Collective(g + shard if g in ("dense", "expert") else g, op, float(size), n, 1,
+                       f"{optimizer} state", "step")
             for g, op, size, n in optimizer_traffic_of(obs, par, optimizer)]
 
 

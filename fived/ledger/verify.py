@@ -30,6 +30,7 @@ import json
 from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, _coerce
 from ..ranks.grid import Grid
 from .memory import act_bytes, activations, comm_buffers, model_states
+from .peak import step_phases
 from .traffic import ep_routed_bytes, micro_batch_size, step_bytes, step_traffic
 
 
@@ -57,8 +58,9 @@ def predict_rank(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: i
                  optimizer: str = "adamw") -> tuple[dict[str, int], dict[str, float]]:
     """(engine.memory() bytes, traffic bytes by group) the ledger predicts for one rank."""
     c = coords(par, rank)
-    mem = model_states(m, par, c["pp"], group_index(par, "dense", rank),
-                       group_index(par, "expert", rank), optimizer)
+    grid = Grid.from_config(par)  # hybrid: the rank's place in the shard parts
+    mem = model_states(m, par, c["pp"], group_index(par, grid.shard_group("dense"), rank),
+                       group_index(par, grid.shard_group("expert"), rank), optimizer)
     return mem, step_bytes(m, par, micro_batch_size(par, global_batch), c["pp"], optimizer)
 
 
@@ -217,6 +219,54 @@ def check_activations(m: ModelConfig, par: ParallelConfig, global_batch: int, ra
     return [f"rank {rank} activation peak: ledger {pred:.0f} vs measured {measured:.0f} "
             f"({(measured - pred) / max(pred, 1):+.2%}, tolerance {ACTIVATION_TOLERANCE:.1%} "
             f"or {ACTIVATION_SLACK} bytes)"]
+
+
+# The step's peak (``fived.ledger.peak``) against a trace of every storage's life (the dry run's
+# ``peak_per_rank``, a real run's ``memory_trace_per_rank``): the target is 0.5 % (issue 40);
+# what the ledger does not yet model is listed in ``fived.ledger.peak``'s docstring and the
+# measured gaps in docs/ledger.md.
+PEAK_TOLERANCE = 0.005
+
+
+def predict_peak(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
+                 optimizer: str = "adamw") -> float:
+    """The ledger's step peak of ``rank`` (its pipeline rank's phases; its place in its dense
+    and expert groups for the optimizer states)."""
+    return step_phase_peak(m, par, global_batch, rank, optimizer).total
+
+
+def step_phase_peak(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
+                    optimizer: str = "adamw"):
+    phases = step_phases(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"],
+                         optimizer=optimizer, dense_index=group_index(par, "dense", rank),
+                         expert_index=group_index(par, "expert", rank))
+    return max(phases, key=lambda p: p.total)
+
+
+def peak_rows(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,
+              optimizer: str = "adamw") -> list[dict]:
+    """Per rank of a record that traced its step (dry run or ``--memory-trace``): the ledger's
+    peak and phase, the measured peak (and phase, where the dry run records it)."""
+    got = rec.get("peak_per_rank") or rec.get("memory_trace_per_rank")
+    if not got:
+        return []
+    ranks = rec.get("ranks") or range(len(got))
+    phases = rec.get("peak_phase_per_rank") or [""] * len(got)
+    out = []
+    for r, measured, phase in zip(ranks, got, phases):
+        p = step_phase_peak(m, par, global_batch, r, optimizer)
+        out.append({"rank": r, "ledger": p.total, "ledger_phase": p.name,
+                    "transient": p.largest, "measured": measured, "measured_phase": phase,
+                    "diff": (p.total - measured) / max(measured, 1)})
+    return out
+
+
+def check_peak(rows: list[dict]) -> list[str]:
+    """One line per rank whose ledger peak is off the measured one by more than the
+    tolerance."""
+    return [f"rank {r['rank']} step peak: ledger {r['ledger']:.0f} vs measured "
+            f"{r['measured']:.0f} ({r['diff']:+.2%}, target {PEAK_TOLERANCE:.1%})"
+            for r in rows if abs(r["diff"]) > PEAK_TOLERANCE]
 
 
 def run_of_file(path: str) -> tuple[ModelConfig, ParallelConfig, int] | None:

@@ -14,6 +14,17 @@ Besides one group per dimension, fived uses derived groups:
 * ``expert`` = dp·cp    — the ranks that hold the same experts; expert gradients reduce there;
 * ``batch``  = dp·ep    — the ranks that read different sequences of the global batch.
 
+Hybrid sharding (``--dp-shard N --dp-replicate M``, dp = N·M) splits dp's coordinate into two
+sub-dimensions, dp = dp_replicate·N + dp_shard (shard inside replicate, so a shard group is
+contiguous ranks), and adds:
+
+* ``dense_shard``  = dp_shard·ep·cp — ZeRO's group for dense parameters;
+* ``expert_shard`` = dp_shard·cp    — ZeRO's group for expert parameters;
+* ``dp_replicate`` = dp_replicate   — the replicas, over which each reduced shard is summed.
+
+Without it (M = 1) they are ``dense``, ``expert`` and one rank, and ``connect`` makes no new
+process group for them (``--dp`` alone: today's groups exactly).
+
 ``DERIVED`` is the one list of derived groups and ``GROUP_NAMES`` (dimensions, then derived) the
 one list of every group name: code that needs the names (traffic keys, tables) imports them.
 
@@ -37,8 +48,16 @@ DERIVED: dict[str, tuple[str, ...]] = {
     "dense": ("dp", "ep", "cp"),
     "expert": ("dp", "cp"),
     "batch": ("dp", "ep"),
+    # hybrid sharding (``--dp-shard N --dp-replicate M``): dp's coordinate is split as
+    # dp = dp_replicate·N + dp_shard (shard inside replicate), and ZeRO shards over the shard
+    # part of its group while the replicate part all-reduces the shard's piece
+    "dense_shard": ("dp_shard", "ep", "cp"),
+    "expert_shard": ("dp_shard", "cp"),
+    "dp_replicate": ("dp_replicate",),
 }
 GROUP_NAMES: tuple[str, ...] = (*DIMS, *DERIVED)
+HYBRID_GROUPS: tuple[str, ...] = ("dense_shard", "expert_shard", "dp_replicate")
+SUB_DIMS = ("dp_shard", "dp_replicate")  # dp's two sub-dimensions (hybrid sharding)
 
 
 class NotConnected(RuntimeError):
@@ -69,10 +88,32 @@ class Grid:
     order: tuple[str, ...] = DIMS
     rank: int = 0
     groups: dict[str, DimGroup] = field(default_factory=dict)
+    dp_shard: int = 0  # N, the shard part of dp (0: all of dp, flat ZeRO)
 
     @classmethod
     def from_config(cls, par: ParallelConfig, rank: int = 0) -> Grid:
-        return cls({d: par.degree(d) for d in DIMS}, tuple(par.order), rank)
+        shard = par.shard_degree if par.hybrid else 0
+        return cls({d: par.degree(d) for d in DIMS}, tuple(par.order), rank, dp_shard=shard)
+
+    # ------------------------------------------------------------ hybrid sharding
+    def sub_degrees(self) -> dict[str, int]:
+        """dp's sub-dimensions: {dp_shard: N, dp_replicate: M}, N·M = dp (M = 1: flat)."""
+        n = self.dp_shard or self.degrees["dp"]
+        return {"dp_shard": n, "dp_replicate": self.degrees["dp"] // n}
+
+    @property
+    def hybrid(self) -> bool:
+        """ZeRO over the shard part of each group, replicas across (``--dp-replicate`` > 1)."""
+        return self.sub_degrees()["dp_replicate"] > 1
+
+    def shard_group(self, name: str) -> str:
+        """The group ZeRO shards a ``name`` (dense | expert) bucket over: ``name_shard`` when
+        hybrid, else ``name`` itself (today's flat layout)."""
+        return f"{name}_shard" if self.hybrid and f"{name}_shard" in DERIVED else name
+
+    def group_names_used(self) -> list[str]:
+        """The group names of this layout: the hybrid ones only when hybrid."""
+        return [n for n in GROUP_NAMES if self.hybrid or n not in HYBRID_GROUPS]
 
     @property
     def world_size(self) -> int:
@@ -97,13 +138,21 @@ class Grid:
         return sum(base[d] * st[d] for d in DIMS)
 
     def members(self, dims: tuple[str, ...], rank: int | None = None) -> tuple[int, ...]:
-        """Ranks sharing every coordinate of ``rank`` outside ``dims``, in rank order."""
+        """Ranks sharing every coordinate of ``rank`` outside ``dims``, in rank order (``dims``
+        may name dp's sub-dimensions dp_shard, dp_replicate: dp = dp_replicate·N + dp_shard)."""
         c = self.coords(rank)
         st = self.strides()
+        sub = self.sub_degrees()
+        n = sub["dp_shard"]
+        c["dp_shard"], c["dp_replicate"] = c["dp"] % n, c["dp"] // n
+        deg = {**self.degrees, **sub}
+        split = any(d in SUB_DIMS for d in dims)
         out = []
-        for combo in itertools.product(*(range(self.degrees[d]) for d in dims)):
+        for combo in itertools.product(*(range(deg[d]) for d in dims)):
             cc = dict(c)
             cc.update(zip(dims, combo))
+            if split:
+                cc["dp"] = cc["dp_replicate"] * n + cc["dp_shard"]
             out.append(sum(cc[d] * st[d] for d in DIMS))
         return tuple(sorted(out))
 
@@ -125,6 +174,10 @@ class Grid:
 
     def group_names(self) -> list[str]:
         return list(GROUP_NAMES)
+
+    def shard_partition_crosses_node(self, gpus_per_node: int) -> bool:
+        """True when a hybrid shard group (dense_shard) spans more than one node."""
+        return self.crosses_node(DERIVED["dense_shard"], gpus_per_node)
 
     def members_of(self, name: str, rank: int | None = None) -> tuple[int, ...]:
         """The ranks of the group ``name`` (a dimension or a derived group) that ``rank`` is in."""
@@ -152,6 +205,10 @@ class Grid:
                 pg = None
             elif len(mine) == self.world_size:
                 pg = dist.group.WORLD
+            elif name in HYBRID_GROUPS and not self.hybrid:
+                # flat: dense_shard is dense, expert_shard is expert (the same ranks); no new
+                # process group, so ``--dp`` alone creates exactly today's groups
+                pg = self.groups[name.removesuffix("_shard")].pg
             else:
                 pg, _ = dist.new_subgroups_by_enumeration(
                     [list(p) for p in parts], backend=backend

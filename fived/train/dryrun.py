@@ -416,7 +416,22 @@ def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig
         rec["coords"] = grid.coords()
         return rec
     finally:
-        dist.destroy_process_group()
+        quiet_destroy()
+
+
+def quiet_destroy() -> None:
+    """``destroy_process_group`` without torch's C++ warning "No backend of type 0 found ...
+    Assuming no hooks are registered": torch sets a multi-backend group's default backend only
+    when a plugin's registered name equals the map's value ("FAKE" against "fake"), so its
+    ``_has_hooks`` check at teardown warns on every rank. The fake backend registers no hooks;
+    naming it the default (CUSTOM) is what torch would have done."""
+    pg = dist.group.WORLD
+    if pg is not None and hasattr(pg, "_set_default_backend"):
+        try:
+            pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+        except RuntimeError:  # not a backend of this group: leave torch's own path
+            pass
+    dist.destroy_process_group()
 
 
 def dry_run(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, ranks: list[int],

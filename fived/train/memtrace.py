@@ -17,17 +17,22 @@ is the largest anywhere, with the phase that holds it.
 It runs on real tensors (``fived train --memory-trace``; every op pays the Python dispatch, the
 cost is measured in docs/ledger.md) and on fake ones (the dry run: fake storages have sizes and
 lifetimes like real ones). What it does not see: memory that is not a tensor storage (the
-allocator's cache, the interpreter, gloo's own buffers) — the process's RSS says those.
+allocator's cache, the interpreter, gloo's own buffers) — the process's RSS says those — nor
+what the data source holds while it makes a batch (``untracked``: the built-in corpus, the
+loader's buffers); the batch itself is counted from its first use by the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -61,6 +66,7 @@ class LiveTensors(TorchDispatchMode):
         self._size: dict[int, int] = {}
         self._refs: dict[int, Any] = {}
         self._resize: Any = None
+        self.paused = False
 
     # ------------------------------------------------------------------ counting
     def _set(self, key: int, n: int) -> None:
@@ -82,6 +88,8 @@ class LiveTensors(TorchDispatchMode):
             self._origin.pop(key, None)
 
     def see(self, t: torch.Tensor, op: Any = None) -> None:
+        if t.is_meta and not isinstance(t, FakeTensor):  # a shape only (the born-sharded
+            return  # model before its pieces are made): no memory; the dry run's are fake
         st = t.untyped_storage()
         key = st._cdata
         n = st.nbytes()
@@ -103,6 +111,8 @@ class LiveTensors(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
                            ) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         for t in tree_flatten((out, args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 self.see(t, func)
@@ -118,6 +128,22 @@ class LiveTensors(TorchDispatchMode):
         last = self.series[-1]
         last.end = self.live
         self.series.append(PhaseRecord(name, self.live, self.live))
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Ops here are not looked at (the data source: the built-in corpus or the loader's
+        host-side buffers are not the model's memory); what they return is counted once the
+        step's ops use it."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+    def restart(self) -> None:
+        """A new step: the series and the peak start again from what is live now."""
+        self.series = [PhaseRecord("start", self.live, self.live)]
+        self.peak, self.peak_phase = self.live, "start"
 
     def step_peak(self) -> tuple[int, str]:
         """The largest live bytes after the build, and the phase that holds it."""

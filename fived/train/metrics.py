@@ -13,11 +13,10 @@ from rich.table import Table
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+    """``fived.ledger.memory.fmt_bytes``: binary units, as every command prints bytes."""
+    from ..ledger.memory import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 class LiveDisplay:
@@ -131,6 +130,13 @@ def summary_table(history: list[dict[str, Any]], totals: Any = None) -> Table:
         t.add_row("build time (max rank)", f"{max(r.get('build_s', 0) for r in rss):.2f} s")
         t.add_row("peak RSS after build (max rank)", human_bytes(max(r["build"] for r in rss)))
         t.add_row("peak RSS, run (max rank)", human_bytes(max(r["peak"] for r in rss)))
+    traced = history[-1].get("memory_trace_per_rank")
+    if traced:  # measured live tensor bytes (not the process's RSS), against the ledger's peak
+        worst = max(range(len(traced)), key=traced.__getitem__)
+        t.add_row(f"peak live tensors, rank {worst} (traced)", human_bytes(traced[worst]))
+        ledger_peaks = history[-1].get("ledger_peak_per_rank")
+        if ledger_peaks:
+            t.add_row("  the ledger's peak (step), that rank", human_bytes(ledger_peaks[worst]))
     per_dim: dict[str, float] = {}
     for rank_traffic in history[-1]["traffic_per_rank"]:
         for dim, b in rank_traffic["bytes"].items():
@@ -238,10 +244,12 @@ class MetricsProcessor:
 
             self.tb = TensorBoard(train.tensorboard)
         if peak_flops == MEASURE_PEAK:  # the MFU denominator: every rank's threads, at once
+            if rank == 0 and show:
+                print("measuring the matmul peak (every rank at once, 0.25 s) ...", flush=True)
             peak_flops = measure_world_peak(t.world, t.device)
             if rank == 0 and show:
                 print(f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s ({t.world} rank(s) measured at "
-                      "once, summed: the MFU denominator)", flush=True)
+                      "once, summed:\n  the MFU denominator); step 1 ...", flush=True)
         self.peak_flops = peak_flops
         if rank == 0 and show:
             self.display = LiveDisplay(t.cfg, t.par, train, t.world, peak_flops)
@@ -258,6 +266,13 @@ class MetricsProcessor:
         rec["traffic"], rec["traffic_per_rank"] = traffic[0]["bytes"], traffic
         rec["rss_peak"] = max(r["peak"] for r in t.rss)  # VmHWM, the largest rank
         rec["rss_per_rank"] = t.rss
+        if t.trace is not None:  # --memory-trace: every rank's peak live tensor bytes
+            from ..ledger.verify import predict_peak
+
+            rec["memory_trace_per_rank"] = t.traced
+            rec["ledger_peak_per_rank"] = [
+                predict_peak(t.cfg, t.par, self.train.global_batch, r, self.train.optimizer)
+                for r in range(t.world)]
         rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
         rec["mfu"] = mfu_of(self.flops_per_token, rec["tokens_per_s"], self.peak_flops)
         if t.device.type == "cuda":  # measured, next to the ledger's (gpu_check.sh)

@@ -70,6 +70,11 @@ class Trainer:
         # the engine then allocates this rank's flat buffers on its device and ``source``
         # fills each piece (drawn from (seed, name) block by block, or read as a slice of the
         # Hugging Face files); resume overwrites them from the checkpoint's slices
+        self.trace = None  # --memory-trace: every storage's life, from the build on
+        if train.memory_trace:
+            from .memtrace import LiveTensors
+
+            self.trace = LiveTensors().__enter__()
         t0 = time.perf_counter()  # the build (after the grid is connected)
         model = build_model(model_cfg, train.seed, dtype_of(par.precision), "meta", init=False)
         source = None
@@ -205,10 +210,16 @@ class Trainer:
     def step(self, step: int, on_grads: Any = None, preempt: Any = None) -> dict[str, Any]:
         """One optimizer step; ``on_grads()`` (tests) runs once the gradients are reduced;
         ``preempt`` (``resilience.Preemption``): its vote rides on the loss all-reduce."""
+        if self.trace is not None:
+            self.trace.restart()
         self.traffic.reset()
         t0 = time.perf_counter()
         waited = self.loader.wait_s if self.loader is not None else 0.0
-        x, y, positions = self.local_data(step)
+        if self.trace is not None:
+            with self.trace.untracked():
+                x, y, positions = self.local_data(step)
+        else:
+            x, y, positions = self.local_data(step)
         self.next_step = step + 1
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
         self.engine.zero_grad()
@@ -244,6 +255,9 @@ class Trainer:
             record(rec, seconds)
         for extra in after:  # the balancer's: this rank's layers' global counts and biases
             rec["moe"].update(extra)
+        if self.trace is not None:
+            rec["trace_peak"], rec["trace_phase"] = self.trace.step_peak()
+            rec["trace_phases"] = self.trace.by_phase()[1:]
         return rec
 
     def forward_only(self, x, y, positions) -> torch.Tensor:
@@ -290,6 +304,9 @@ class Trainer:
             if ld is not None:
                 ld.close()
         self.engine.close()
+        if self.trace is not None:
+            self.trace.__exit__(None, None, None)
+            self.trace = None
 
     def global_loss(self, local: torch.Tensor, preempt: Any = None) -> float:
         """Σ token losses over the world: each token's loss is counted on one tp rank's copy.
@@ -312,6 +329,7 @@ class Trainer:
         row = [float(mem.get(k, 0)) for k in MEMORY_KEYS]
         row += [float(by_dim.get(k, 0.0)) for k in TRAFFIC_KEYS]
         row += [float(secs.get(k, 0.0)) for k in TRAFFIC_KEYS]
+        row += [float(self.trace.step_peak()[0] if self.trace is not None else 0)]
         row += [float(self.build_rss), float(rss_peak()), self.build_seconds]
         vec = torch.tensor(row, dtype=torch.float64, device=self.device)
         out = torch.zeros(self.world * vec.numel(), dtype=torch.float64, device=self.device)
@@ -321,9 +339,10 @@ class Trainer:
         mems = [dict(zip(MEMORY_KEYS, map(int, r[:nm]))) for r in rows]
         traffic = [
             {"bytes": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm:nm + nt]) if v},
-             "seconds": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm + nt:-3]) if v}}
+             "seconds": {k: v for k, v in zip(TRAFFIC_KEYS, r[nm + nt:-4]) if v}}
             for r in rows
         ]
+        self.traced = [int(r[-4]) for r in rows]  # --memory-trace: each rank's step peak
         # peak resident bytes per rank: after the build, and so far (the run's peak)
         self.rss = [{"build": int(r[-3]), "peak": int(r[-2]), "build_s": r[-1]} for r in rows]
         return mems, traffic
@@ -343,6 +362,10 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     from .resilience import BadSteps, History, Preemption
 
     torch.manual_seed(train.seed)
+    # what rank 0 is doing between `fived train`'s first line and step 1, as it starts each part
+    say = (lambda text: print(text, flush=True)) if show and rank == 0 else (lambda text: None)
+    say(f"{world} rank(s) up; building {model_cfg.name} and its layout on each ...")
+    t0 = time.perf_counter()
     # caught from here on: a signal while the model is built or loaded acts after step one
     preempt = Preemption(train.preempt_signals)
     try:
@@ -350,6 +373,8 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     except BaseException:
         preempt.close()
         raise
+    say(f"built in {time.perf_counter() - t0:.1f} s"
+        + (f"; loading {train.resume} ..." if train.resume else ""))
     ckpt, run_hooks = CheckpointManager(trainer, train, show), Hooks(hooks)
     start = ckpt.resume()
     metrics = MetricsProcessor(trainer, train, show, peak_flops, start)

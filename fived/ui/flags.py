@@ -202,6 +202,19 @@ def configs(args: argparse.Namespace) -> Resolved:
             vals[f.section][f.name] = v
             given.add(f"{f.section}.{f.name}")
     name = vals["train"].get("model")
+    toml_shape = sorted(k.split(".", 1)[1] for k in given
+                        if k.startswith("model.") and k not in ("model.name", "model.seq_len"))
+    if name is not None and path and toml_shape and name != model.name:
+        from ..config import ConfigError
+
+        keys = [k for k in ("hidden", "layers", "heads", "ffn", "vocab") if k in toml_shape]
+        keys = keys or toml_shape[:4]
+        shape = ", ".join(f"{k} {getattr(model, k)}" for k in keys)
+        shape += ", ..." if len(toml_shape) > len(keys) else ""
+        raise ConfigError([f"--model {name} and --config {path}: the TOML's [model] section "
+                           f"sets {model.name}'s shape ({shape}), which would be laid over "
+                           f"{name}'s; drop --model, or write name = \"{name}\" in the TOML's "
+                           "[model] (its fields then override that preset)"])
     if name is not None and name != model.name:
         # a new preset, with the TOML's own [model] overrides kept on top of it
         model = preset(name)

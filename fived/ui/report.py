@@ -30,6 +30,61 @@ def fmt_b(n: float) -> str:
     return fmt_bytes(n)
 
 
+WIDTH = 80  # every plain line a command prints fits this (tables: ``table``; --wide is wider)
+
+
+def header(parts: list[str], width: int = WIDTH, sep: str = " · ") -> str:
+    """``parts`` joined by `` · `` in lines of at most ``width`` columns, broken only between
+    parts (never inside one); the lines after the first are indented by two spaces."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(part if not lines else "  " + part)
+    return "\n".join(lines)
+
+
+def fold(text: str, width: int = WIDTH, indent: str = "    ") -> str:
+    """One paragraph in lines of at most ``width`` columns, broken between words only (a word
+    longer than the line stays whole); the lines after the first are indented."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent=indent,
+                                   break_long_words=False, break_on_hyphens=False)) or text
+
+
+def break_after(text: str, width: int, sep: str = "·") -> str:
+    """``text`` in lines of at most ``width`` columns, broken just after a ``sep`` (a layout
+    name such as tp8·pp16·dp64·v4·zero2 wraps between its parts, never inside one)."""
+    parts = text.split(sep)
+    lines = [""]
+    for i, part in enumerate(parts):
+        piece = part + (sep if i < len(parts) - 1 else "")
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines.append("")
+        lines[-1] += piece
+    return "\n".join(lines)
+
+
+def shell(cmd: str, width: int = WIDTH, indent: str = "  ") -> str:
+    """A command line in lines of at most ``width`` columns, continued with `` \\`` between a
+    flag and the next (a flag keeps its value), so it still pastes into a shell."""
+    words, groups = cmd.split(), []
+    for w in words:
+        if groups and not w.startswith("-") and groups[-1].startswith("-") \
+                and " " not in groups[-1]:
+            groups[-1] += " " + w
+        else:
+            groups.append(w)
+    lines = [indent]
+    for g in groups:
+        if lines[-1].strip() and len(lines[-1]) + 1 + len(g) + 2 > width:
+            lines.append(indent + "    ")
+        lines[-1] += ("" if not lines[-1].strip() else " ") + g
+    return " \\\n".join(lines)
+
+
 def fmt_n(n: float) -> str:
     for div, s in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if abs(n) >= div:

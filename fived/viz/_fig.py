@@ -25,9 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..ui.args import Parser
+
 #: the parts of the series, in reading order (module names under fived.viz)
 PARTS = ("overview", "collectives", "ddp", "zero", "fsdp", "tensor", "context", "bubbles",
-         "numerics", "optimizers")
+         "numerics", "optimizers", "memory")
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3",
           "#8C8C8C", "#CCB974", "#64B5CD"]
@@ -120,8 +122,8 @@ def part_main(part: str, build: Callable, doc: str | None) -> Callable[[list[str
     def main(argv: list[str] | None = None) -> int:
         import sys
 
-        ap = argparse.ArgumentParser(prog=f"fived figures {part}", description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap = Parser(prog=f"fived figures {part}", description=doc,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
         add_args(ap)
         a = ap.parse_args(sys.argv[1:] if argv is None else argv)
         print(f"fived figures {part}: writing to {a.out}/" + (" (quick)" if a.quick else ""),

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from ..ui import flags
+from ..ui.args import Parser
 from ._fig import PARTS, Figure, save
 
 PART_TITLES = {
@@ -38,6 +39,7 @@ PART_TITLES = {
     "context": "Part 6 — sequence and context parallelism", "bubbles": "Part 7 — bubbles",
     "numerics": "Part 8 — numerics: what bf16 and fp16 lose, what stays fp32",
     "optimizers": "Part 9 — optimizers in a sharded world",
+    "memory": "Part 10 — memory: one step's live bytes, the ledger beside the dry run",
     "layout": "One layout",
 }
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
@@ -195,8 +197,8 @@ def draw_measured(d: dict[str, Any], f: Any) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fived report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="fived report", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="report", metavar="DIR",
                     help="folder for index.html and the figure files (default ./report)")
     ap.add_argument("--from", dest="src", default=None, metavar="FIGDIR",

@@ -1,4 +1,4 @@
-"""Every figure of the series: the overview and parts 1–9, in reading order, with a progress bar.
+"""Every figure of the series: the overview and parts 1–10, in reading order, with a progress bar.
 
 ``fived figures all --out DIR [--quick] [--parts overview,zero,...]`` runs each part's module
 (``fived figures PART`` does one) and writes, besides each figure's PNG, SVG and JSON,
@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from ..ui.args import Parser
 from ._fig import PARTS, add_args, progress, run_part, summary
 
 
@@ -76,8 +77,8 @@ def parse_parts(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fived figures all", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="fived figures all", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)
     ap.add_argument("--parts", default="", help=f"comma list, a subset of {','.join(PARTS)}")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)

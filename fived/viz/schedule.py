@@ -14,6 +14,7 @@ import argparse
 from .. import schedules
 from ..config import ModelConfig, ParallelConfig, validate
 from ..ui import flags
+from ..ui.args import Parser
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
@@ -58,9 +59,32 @@ def draw_on(ax, sched: schedules.Schedule, t: schedules.Timeline) -> None:
               fontsize=7)
 
 
+def out_path(out: str, name: str) -> str:
+    """--out: a file (.png, .svg, .pdf) as given, else a folder (made if missing, its parent
+    must exist) with ``name`` in it; "" is ``name`` here. A ConfigError before anything is
+    drawn."""
+    from pathlib import Path
+
+    from ..config import ConfigError
+
+    if not out:
+        return name
+    path = Path(out)
+    if path.suffix.lower() in (".png", ".svg", ".pdf") and not path.is_dir():
+        folder = path.parent
+    else:
+        folder, path = path, path / name
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError([f"--out {out}: {str(folder)!r} is a file, not a folder"])
+    if not folder.parent.is_dir():
+        raise ConfigError([f"--out {out}: the folder {str(folder.parent)!r} does not exist"])
+    folder.mkdir(exist_ok=True)
+    return str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fived figures schedule", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="fived figures schedule", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_flag(ap, "schedule", default="1f1b",
                    help=f"the schedule to draw ({', '.join(schedules.NAMES)})")
     flags.add_flag(ap, "pp", default=4, help="pipeline ranks (one row each)")
@@ -68,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     flags.add_flag(ap, "virtual_stages", default=2,
                    help="model chunks per rank (--schedule interleaved; zb-v and dualpipe-v "
                    "always run 2)")
-    ap.add_argument("--out", default="", metavar="FILE.png",
-                    help="where to write the figure (default: schedule-NAME-pP-mM.png here)")
+    ap.add_argument("--out", default="", metavar="FILE.png|DIR",
+                    help="where to write the figure: a .png/.svg file, or a folder to write "
+                    "schedule-NAME-pP-mM.png into (default: that name, here)")
     a = flags.parse(ap, argv)
     v = a.virtual_stages if a.schedule == "interleaved" else 2 if a.schedule in schedules.V_SHAPED else 1
     # what the schedule needs, worded as `fived train` words it (ConfigError: exit 2)
@@ -77,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         pp=a.pp, schedule=a.schedule, virtual_stages=v, micro_batches=a.micro_batches))
     sched = schedules.build(a.schedule, a.pp, a.micro_batches, v)
     schedules.check(sched)
-    out = a.out or f"schedule-{a.schedule}-p{a.pp}-m{a.micro_batches}.png"
+    out = out_path(a.out, f"schedule-{a.schedule}-p{a.pp}-m{a.micro_batches}.png")
     t = draw(sched, out)
     print(f"{a.schedule}: p={a.pp} m={a.micro_batches} v={v}: idle slots {sum(t.idle):g} of "
           f"{a.pp * t.makespan:g} → bubble {t.bubble_fraction():.4f} "

@@ -3,7 +3,8 @@ filling each buffer with this rank's pieces (born sharded).
 
 Order: runs of parameters in launch order — reverse registration order (≈ the order backward
 produces their gradients) — each split by reduction group (``Placement.grad_group``: ``dense``
-dp·ep·cp, ``expert`` dp·cp), then cut into buckets of at most ``par.bucket_mb`` of gradient
+dp·ep·cp, ``expert`` dp·cp; hybrid sharding: their shard parts ``dense_shard``, ``expert_shard``,
+``Grid.shard_group``), then cut into buckets of at most ``par.bucket_mb`` of gradient
 (``buckets.split_buckets``, the ledger's cut). ZeRO-3 lays out per gather unit instead
 (``zero3.UnitLayout``: one bucket per (unit, group), the last unit first, the root last).
 
@@ -54,7 +55,8 @@ class Layout:
         buckets: list[Bucket] = []
         for unit, run in self.runs(named, units):
             for name, items in by_group(run, self.placements).items():
-                group = self.grid[name]
+                # hybrid sharding: ZeRO over the group's shard part (dense_shard, expert_shard)
+                group = self.grid[self.grid.shard_group(name)]
                 for piece in self.split(items):
                     buckets.append(Bucket(piece, [self.placements[n] for n, _ in piece], name,
                                           group, self.sharding.shard_count(group),

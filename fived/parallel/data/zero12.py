@@ -45,13 +45,46 @@ from .buckets import Bucket
 from .grads import FullGrads, ShardGrads
 
 
+class Replicated:
+    """Hybrid sharding's second half: bucket ``b``'s reduce-scatter over its shard group, then
+    the all-reduce of the shard's piece across the replicas (``dp_replicate``). ``advance``
+    starts the all-reduce once the reduce-scatter is done; every replica starts them in launch
+    order (``ReduceScatter.pending``), so the replicate group's collectives match."""
+
+    def __init__(self, rs: Any, b: Bucket, replicate: Any, owner: ReduceScatter):
+        self.rs, self.b, self.replicate, self.owner = rs, b, replicate, owner
+        self.ar: Any = None
+
+    def rs_done(self) -> bool:
+        work = getattr(self.rs, "work", None)
+        return work is None or work.is_completed()
+
+    def advance(self) -> None:
+        if self.ar is None:
+            self.rs.wait()
+            self.ar = ops.all_reduce(self.b.grad[self.b.lo:self.b.hi], self.replicate,
+                                     async_op=True)
+
+    def wait(self) -> Any:
+        self.owner.advance_all()  # the earlier buckets' all-reduces first, in launch order
+        self.ar.wait()
+
+
 class ReduceScatter:
     """ZeRO-1/2's ``Sharding``: N shards per bucket; the gradient reduce-scattered in place (the
     member's reduced shard lands in its own slice), the updated parameters all-gathered in place
-    after the step; the global norm sums the members' Σg² (under ``metrics``)."""
+    after the step; the global norm sums the members' Σg² (under ``metrics``).
+
+    Hybrid sharding (``--dp-replicate`` M > 1): N is the shard group's size (``b.group``:
+    dense_shard, expert_shard); after a bucket's reduce-scatter the owned piece is all-reduced
+    across the M replicas (``dp_replicate``), so it holds the sum over all of dp. The all-reduce
+    of bucket k starts when bucket k+1's reduce-scatter is launched and k's is complete (or at
+    the wait), so it overlaps the reduce-scatters after it."""
 
     def __init__(self, grid: Any, par: Any, device: torch.device):
         self.grid, self.collectives, self.device = grid, par.collectives, device
+        self.replicate = grid["dp_replicate"] if getattr(grid, "hybrid", False) else None
+        self.pending: list[Replicated] = []  # launched, all-reduce not yet started
 
     def shard_count(self, group: Any) -> int:
         return group.size
@@ -59,12 +92,27 @@ class ReduceScatter:
     def start_reduce(self, b: Bucket) -> Any:
         if self.collectives == "ring":  # fived.comm.ring, synchronous (padded: exact bytes)
             b.grad[b.lo:b.hi].copy_(ring.ring_reduce_scatter(b.grad, b.group))
+            if self.replicate is not None:
+                ring.ring_all_reduce(b.grad[b.lo:b.hi], self.replicate)  # in place
             return ops.Handle(None, b.group, "reduce_scatter")
-        return ops.reduce_scatter(b.grad, b.group, async_op=True, out=b.grad[b.lo:b.hi])
+        h = ops.reduce_scatter(b.grad, b.group, async_op=True, out=b.grad[b.lo:b.hi])
+        if self.replicate is None:
+            return h
+        while self.pending and self.pending[0].rs_done():  # never blocks: overlap
+            self.pending.pop(0).advance()
+        chained = Replicated(h, b, self.replicate, self)
+        self.pending.append(chained)
+        return chained
+
+    def advance_all(self) -> None:
+        while self.pending:
+            self.pending.pop(0).advance()
 
     def sum_over_shards(self, sums: dict[str, torch.Tensor]) -> None:
         for name, s in sums.items():
-            ops.all_reduce(s, replace(self.grid[name], name="metrics"))
+            group = self.grid[self.grid.shard_group(name)] if hasattr(
+                self.grid, "shard_group") else self.grid[name]
+            ops.all_reduce(s, replace(group, name="metrics"))
 
     def gather_grad(self, b: Bucket) -> torch.Tensor:
         flat = torch.empty(b.padded, dtype=b.grad_shard.dtype, device=self.device)
