@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -345,6 +346,15 @@ class TrainConfig:
     data: str = spec("", "train on a prepared data directory (`fived data prepare`); the model "
                          "vocab becomes its tokenizer's, padded to a multiple of 128",
                      metavar="DIR", shown="the built-in corpus")
+    doc_mask: bool = spec(False, "attend only within each document of a packed window (needs "
+                                 "--data: the built-in corpus has no documents)")
+    doc_positions: str = spec("continue", "RoPE positions with --doc-mask: continue (the "
+                                          "window's, as torchtitan) or reset at each document",
+                              choices=("continue", "reset"))
+    cp_balance: str = spec("zigzag", "ring context parallelism's sharding with --doc-mask: "
+                                     "zigzag (two chunks per rank) or ptrr (torch's processing-"
+                                     "time round robin over 8·cp blocks, by each row's "
+                                     "documents)", choices=("zigzag", "ptrr"))
     eval_every: int = spec(0, "validation loss and perplexity every N steps and after the last "
                               "(0: never; needs --data)", ge=0)
     eval_batches: int = spec(4, "global batches of the validation split per evaluation", ge=1)
@@ -441,6 +451,7 @@ def did_you_mean(word: str, choices: list[Any]) -> str:
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
 
 
+@functools.cache
 def flag_of(section: str, name: str) -> str:
     """The command-line name of a field ("" for a TOML-only one): ``--global-batch``."""
     f = {f.name: f for f in fields(_SECTIONS[section])}[name]
@@ -500,6 +511,29 @@ def check_field(section: str, name: str, value: Any) -> str | None:
     return _bound_problem(section, f, value)
 
 
+def _field_problems(section: str, obj: Any) -> list[str]:
+    out = []
+    for f in fields(obj):
+        if section == "train" and f.name == "model":
+            continue  # the preset name: checked by ``preset``
+        p = _bound_problem(section, f, getattr(obj, f.name))
+        if p:
+            out.append(p)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _model_problems_cached(model: ModelConfig) -> tuple[str, ...]:
+    return tuple(_field_problems("model", model))
+
+
+def _model_problems(model: ModelConfig) -> list[str]:
+    try:
+        return list(_model_problems_cached(model))
+    except TypeError:  # unhashable field values (a list from a TOML): check it as it is
+        return _field_problems("model", model)
+
+
 def check_values(model: ModelConfig | None = None, par: ParallelConfig | None = None,
                  train: TrainConfig | None = None) -> list[str]:
     """Every field against its own bounds and choices (``spec``), one line per problem."""
@@ -507,12 +541,8 @@ def check_values(model: ModelConfig | None = None, par: ParallelConfig | None = 
     for section, obj in (("model", model), ("parallel", par), ("train", train)):
         if obj is None:
             continue
-        for f in fields(obj):
-            if section == "train" and f.name == "model":
-                continue  # the preset name: checked by ``preset``
-            p = _bound_problem(section, f, getattr(obj, f.name))
-            if p:
-                out.append(p)
+        # a model is checked once (the planner validates thousands of layouts of one model)
+        out += _model_problems(obj) if section == "model" else _field_problems(section, obj)
     if par is not None:
         if sorted(par.order) != sorted(DIMS):
             out.append(f"--order {','.join(par.order)}: give a permutation of {','.join(DIMS)}")
@@ -557,6 +587,7 @@ def validate(
     if train is not None:
         _check_batch(p, par, train)
         _check_recovery(p, train)
+        _check_documents(p, model, par, train)
     _check_zero_align(p, par)
     p += hybrid_problems(par)
     if p:
@@ -685,6 +716,16 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
         p.append("--pp > 1 with tied embeddings: the embedding (first stage) and the head (last "
                  "stage) would need their gradients all-reduced between stages; use an untied "
                  "model (tied_embeddings = false)")
+
+
+def _check_documents(p: list[str], model: ModelConfig, par: ParallelConfig,
+                     train: TrainConfig) -> None:
+    if train.cp_balance == "ptrr" and par.cp > 1:
+        if par.cp_mode != "ring":
+            p.append(f"--cp-balance ptrr is ring attention's sharding; --cp-mode {par.cp_mode} "
+                     "is balanced without it")
+        _divides(p, 8 * par.cp, model.seq_len, "seq_len over 8·cp (--cp-balance ptrr)",
+                 "pick seq_len")
 
 
 def _check_cp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None) -> None:

@@ -27,17 +27,60 @@ def first_line(capsys, argv):
 
 
 def test_ledger_70b_on_64_h100_is_bf16_with_a_cluster_batch(capsys):
-    """The first thing a planning user types: accepted, bf16, a batch dp 64 divides."""
+    """The first thing a planning user types: accepted, bf16, a GPU run's 4M-token batch in
+    micro-batches of one sequence, and — plain dp64 does not fit — what was assumed, what to
+    change and the plan command that finds a layout (issue 45, item 4)."""
     assert main(["ledger", "--model", "llama3-70b", "--gpus", "64", "--gpu", "h100-sxm",
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["precision_note"] == "precision bf16 (auto: h100-sxm)"
-    assert doc["layout"]["precision"] == "bf16" and doc["global_batch"] == 64
-    assert "dp·ep·micro-batches = 64" in doc["global_batch_note"]
+    assert doc["layout"]["precision"] == "bf16" and doc["global_batch"] == 512  # 4M tokens
+    assert doc["layout"]["micro_batches"] == 8 and doc["micro_batch_size"] == 1
+    assert "about 4M tokens" in doc["global_batch_note"]
+    adv = doc["advice"]
+    assert not doc["fits"]
+    assert adv["assumed"][0] == "dp 64: the GPUs left of --gpus 64 by tp·cp·ep·pp = 1 (no --dp)"
+    assert any(a.startswith("8 micro-batches of 1 sequence(s)") for a in adv["assumed"])
+    from fived.ui.report import fmt_b
+
+    mem = doc["memory"]
+    assert adv["change"][0] == (f"it does not fit: the largest rank's step peaks at "
+                                f"{fmt_b(mem['peak'])} of {fmt_b(doc['usable_memory'])} usable")
+    assert mem["peak"] > 1e12  # plain dp64: every rank holds 18Ψ of 70B
+    assert adv["change"][1].startswith(f"model states are {fmt_b(mem['states_total'])}: "
+                                       "--zero 3 shards them")
+    assert adv["plan"] == ("fived plan --model llama3-70b --gpus 64 --gpu h100-sxm "
+                           "--global-batch 512")
     assert main(["ledger", "--model", "llama3-70b", "--gpus", "64", "--gpu", "h100-sxm"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("fived ledger: precision bf16 (auto: h100-sxm)")
-    assert "global batch 64" in out
+    assert "global batch 512" in out and "what to change" in out
+    assert out.rstrip().endswith(adv["plan"])
+
+
+def test_ledger_pipeline_gets_micro_batches_and_its_bubble_named(capsys):
+    """pp 16 without --micro-batches: one sequence each (32 per replica, not 1 and a 93.75 %
+    bubble); the 32 % left is over the 25 % line, so the ledger says how to shrink it."""
+    assert main(["ledger", "--model", "llama3-405b", "--gpus", "8192", "--tp", "8", "--pp",
+                 "16", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["global_batch"] == 2048 and doc["layout"]["micro_batches"] == 32
+    assert 0.25 < doc["time"]["bubble_fraction"] < 0.33
+    bubble = [c for c in doc["advice"]["change"] if "bubble" in c]
+    assert bubble and "--micro-batches of 4·pp = 64" in bubble[0]
+
+
+def test_ledger_of_a_given_layout_that_fits_has_nothing_to_change(capsys):
+    assert main(["ledger", "--model", "llama3-70b", "--gpus", "64", "--gpu", "h100-sxm",
+                 "--tp", "2", "--cp", "4", "--pp", "8", "--zero", "1", "--sequence-parallel",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] and doc["advice"]["change"] == []
+    assert doc["time"]["bubble_fraction"] < 0.25
+    # without --gpus: the ledger of what `fived train` runs, nothing assumed for a cluster
+    assert main(["ledger", "--model", "tiny", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["advice"] == {"assumed": [], "change": [], "plan": ""}
 
 
 def test_auto_is_fp32_on_this_machine_and_explicit_is_kept(capsys):
@@ -70,6 +113,9 @@ def test_cluster_batch_is_plans_rule():
     assert cluster_batch(64, 16) == 16 and cluster_batch(64, 16, 64) == 64
     assert cluster_batch(8192, 16) == 2048  # Llama 3's
     assert cluster_batch(128, 16, 24) == 48
+    # the ledger on a GPU preset: about 4M tokens, or the GPUs' rule where that is more
+    assert cluster_batch(64, 16, 1, 8192) == 512 and cluster_batch(64, 16, 1, 4096) == 1024
+    assert cluster_batch(8192, 16, 1, 8192) == 2048 and cluster_batch(64, 16, 3, 8192) == 513
     assert TrainConfig().global_batch == 16
 
 

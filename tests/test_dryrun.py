@@ -109,8 +109,20 @@ RECORDED = sorted((Path(__file__).parent.parent / "docs" / "dryrun")
                   .glob("*.jsonl"))
 
 
+# The step peak's known gaps on the recorded runs (docs/ledger.md, "The step's peak"): the
+# ledger's largest |ledger - traced| / traced per file. Ring context parallelism's and MoE's
+# backward transients are not modelled yet; a file recorded before the trace has none.
+PEAK_GAP = {"405b_pp16": 0.005, "405b_v2": 0.006, "mixtral": 0.025, "405b_cp16": 0.22,
+            "qwen3_235b": 0.05}
+
+
 @pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
-def test_recorded_full_scale_dry_runs_still_match_the_ledger(path):
+def test_recorded_full_scale_dry_runs_still_match_the_ledger(path, capsys):
     """The dry runs of docs/fullscale.md (405B at 8,192 and 16,384 GPUs, interleaved, Mixtral
-    ep8), recorded: any change to the ledger is checked against them at full scale."""
-    assert main(["ledger", "--check", str(path)]) == 0
+    ep8, Qwen3-235B), recorded: any change to the ledger is checked against them at full scale
+    — states, traffic and saved activations exact, the step's peak within its known gap."""
+    main(["ledger", "--check", str(path), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exact"], doc["mismatches"]
+    for row in doc["peak"]:
+        assert abs(row["diff"]) <= PEAK_GAP[path.stem], row

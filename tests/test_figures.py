@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import statistics
 from html.parser import HTMLParser
 
@@ -188,11 +189,14 @@ class PageChecker(HTMLParser):
         super().__init__()
         self.stack, self.errors = [], []
         self.sections, self.h3, self.imgs, self.captions = {}, [], [], []
+        self.figures = 0
         self._text: list[str] | None = None
         self._h2: str | None = None
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
+        if tag == "figure":
+            self.figures += 1
         if tag == "img":
             self.imgs.append({"alt": a.get("alt"), "src": a.get("src") or "",
                               "in_figure": "figure" in self.stack})
@@ -234,7 +238,13 @@ def check_page(text: str) -> PageChecker:
         head = "data:image/png;base64,"
         assert img["src"].startswith(head), img["src"][:40]
         assert base64.b64decode(img["src"][len(head):])[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(p.captions) == len(p.imgs)
+    assert len(p.captions) == p.figures >= len(p.imgs)  # a figure shown as a table too
+    # a reader's page: a stylesheet, a summary first, no JSON paths outside the folded record
+    assert "<style>" in text and "font:16px/1.55 system-ui" in text
+    assert list(p.sections)[0] == "summary" and list(p.sections)[-1] == "made"
+    outside = re.sub(r"<pre>.*?</pre>", "", text, flags=re.S)
+    assert not re.search(r"\w\[\d+\]\.\w", outside), re.search(r".{30}\w\[\d+\]\.\w.{30}",
+                                                                  outside)
     return p
 
 
@@ -390,24 +400,58 @@ def test_figures_all_and_report_page(tmp_path, capsys):
     out = tmp_path / "page"
     assert main(["report", "--out", str(out), "--from", str(figs), "--parts", "overview"]) == 0
     page = (out / "index.html").read_text()
-    assert page.count("data:image/png;base64,") == 5
-    assert check_page(page).sections == {"part-overview": PART_TITLES["overview"]}
+    assert page.count("data:image/png;base64,") == 4  # the 5D map is a table
+    p = check_page(page)
+    assert p.sections["part-overview"] == PART_TITLES["overview"]
+    assert list(p.sections) == ["summary", "part-overview", "made"]
+    assert p.h3[2] == "overview-map" and "<th>collectives (ledger)</th>" in page
+    assert "5 figures in 1 parts" in page and "5 computed by the ledger" in page
     assert "http://" not in page and "https://" not in page and "<script" not in page
     assert "fived figures overview --out" in page
     assert "report" in capsys.readouterr().out
 
 
 def test_report_layout_and_bad_input(tmp_path, capsys):
+    """The one-layout page (its figures, tables and summary), --measure, and bad input.
+
+    Time: two pages each run the planner for their alternatives, and --measure trains two
+    gloo ranks for two steps."""
     from fived.cli.main import main
     from fived.ranks.grid import Grid
 
     out = tmp_path / "lay"
     assert main(["report", "--out", str(out), "--tp", "2", "--pp", "2", "--dp", "2",
                  "--gpus-per-node", "4"]) == 0
-    rec = json.loads((out / "layout-grid.json").read_text())
+    page = (out / "index.html").read_text()
+    p = check_page(page)
+    # memory per rank, the schedule, the traffic per group as figures; the grid a table
+    assert p.h3 == ["layout-memory", "layout-schedule", "layout-iron", "layout-grid",
+                    "layout-traffic", "layout-alternatives"]
+    assert page.count("data:image/png") == 3
     g = Grid.from_config(ParallelConfig(tp=2, pp=2, dp=2))
-    assert [tuple(x) for x in rec["data"]["groups"]["tp"]] == g.partition(("tp",))
-    assert (out / "index.html").read_text().count("data:image/png") == 2
+    for d in ("tp", "pp", "dp"):  # every group of the grid, as the page lists it
+        groups = "; ".join("{" + ", ".join(map(str, m)) + "}" for m in g.partition((d,)))
+        assert f"<b>{d}</b> (2): {groups}" in page
+    assert "<th>node 1</th>" in page  # 4 GPUs per node: two rows
+    mem = json.loads((out / "layout-memory.json").read_text())["data"]
+    assert [r["pp_rank"] for r in mem["ranks"]] == [0, 1]
+    assert mem["categories"][:3] == ["states", "activations", "buffers"]
+    from fived.ledger.memory import FUSED, rank_memory
+    from fived.ledger.peak import with_peak
+
+    par = ParallelConfig(tp=2, pp=2, dp=2, precision="bf16")
+    for r in mem["ranks"]:  # the ledger's bytes, stacked by its own categories
+        want = rank_memory(PRESETS["tiny"], par, 16 // 2, r["pp_rank"], FUSED)
+        assert r["total"] == want.total and r["activations"] == want.activations_total
+        assert r["peak"] == with_peak(want, PRESETS["tiny"], par, 8, FUSED).peak > 0
+    sched = json.loads((out / "layout-schedule.json").read_text())["data"]
+    assert sched["bubble"] == 0.5  # 1F1B, p = 2, m = 1
+    # the summary: fits, the peak, the step, where the time goes, what to change
+    assert "fits</span>: the step peaks at" in page and "what to change" in page
+    assert "the pipeline bubble is 50% of the step (pp 2, m = 1 micro-batches)" in page
+    assert "The planner considered" in page
+    assert re.search(r"This layout (would be number \d+ of the \d+ that fit|fits but is slower "
+                     r"than these 5)\.", page)
     # --measure: a 2-step run of the layout, every rank's bytes equal to the ledger's
     out = tmp_path / "meas"
     assert main(["report", "--out", str(out), "--dp", "2", "--zero", "2", "--measure"]) == 0

@@ -300,31 +300,85 @@ def test_planner_never_returns_a_layout_that_does_not_fit():
     assert res.reasons and "fits" in res.reasons[0]
 
 
-def _plan_summary(res):
-    return ([(p.name(), p.optimizer, p.step_seconds, p.memory.total) for p in res.ranked],
-            res.counts, res.smallest_unfit and (res.smallest_unfit.name(),
-                                                res.smallest_unfit.memory.total), res.reasons)
+def _plan_summary(res, top=10):
+    counts = {k: v for k, v in res.counts.items() if k != "timed"}
+    return ([(p.name(), p.optimizer, p.step_seconds, p.memory.total) for p in res.ranked[:top]],
+            counts, res.smallest_unfit and (res.smallest_unfit.name(),
+                                            res.smallest_unfit.memory.total), res.reasons)
+
+
+def exhaustive(monkeypatch):
+    """The planner with every shortcut off: no memory bound, no floor, every layout timed."""
+    monkeypatch.setattr(planner, "states_floor", lambda *a, **k: 0.0)
+    monkeypatch.setattr(planner, "memory_bound", lambda *a, **k: 0.0)
+    monkeypatch.setattr(planner, "step_lower_bound", lambda *a, **k: 0.0)
 
 
 @pytest.mark.parametrize("model,gpus,gpu", [
-    ("mixtral-8x7b", 16, "h100-sxm"),  # some fit, most are dropped by the floor
+    ("mixtral-8x7b", 16, "h100-sxm"),  # some fit, most are dropped by the bounds
     ("llama3-70b", 8, "rtx-pro-6000"),  # none fits: the smallest is found over every layout
 ])
-def test_planner_floor_drops_only_what_cannot_fit(monkeypatch, model, gpus, gpu):
-    """The search with the model-states floor returns what the exhaustive one returns: the
-    same ranked layouts, counts, reasons and smallest unfit layout."""
+def test_planner_bounds_drop_only_what_cannot_fit_or_win(monkeypatch, model, gpus, gpu):
+    """The search with its memory bounds and its step-time bound returns what the exhaustive
+    one returns: the same first layouts, counts, reasons and smallest unfit layout."""
     m = preset(model)
     hw = hardware.PRESETS[gpu]
     space = dict(micro_batch_sizes=(1,), recomputes=("full",), zeros=(1, 3),
                  schedules=("1f1b",), optimizer=("adamw", "muon"))
     seen: list[tuple[int, int]] = []
     fast = planner.plan(m, gpus, hw, 32, 8, progress=lambda d, t: seen.append((d, t)), **space)
-    monkeypatch.setattr(planner, "states_floor", lambda *a, **k: 0.0)
+    exhaustive(monkeypatch)
     slow = planner.plan(m, gpus, hw, 32, 8, **space)
     assert _plan_summary(fast) == _plan_summary(slow)
     assert bool(fast.ranked) == (model == "mixtral-8x7b")
     n = fast.counts["evaluated"]
-    assert seen[0] == (0, n) and seen[-1] == (n, n) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert seen[0] == (0, None) and seen[-1] == (n, n)
+    costed = [d for d, t in seen if t is not None]
+    assert costed[0] == 0 and costed == sorted(costed)
+
+
+@pytest.mark.parametrize("model,gpus,top", [
+    ("mixtral-8x7b", 16, 10),  # MoE: expert buckets, ZeRO-2/3 buffer replays
+    ("llama3-8b", 8, 3),
+])
+def test_plan_is_the_exhaustive_search_on_a_full_space(monkeypatch, model, gpus, top):
+    """Every search dimension (ZeRO stages, recompute, 1F1B and interleaved, micro-batch
+    sizes; every degree, ep too) on a small cluster: the bounded search times only some
+    layouts, yet its top, counts and reasons are the exhaustive search's."""
+    m = preset(model)
+    hw = hardware.PRESETS["h100-sxm"]
+    space = dict(micro_batch_sizes=(1, 2) if model == "llama3-8b" else (1,),
+                 zeros=(0, 1, 2, 3) if model == "llama3-8b" else (2, 3),
+                 recomputes=("none", "full"), top=top)
+    fast = planner.plan(m, gpus, hw, 32, 8, **space)
+    assert 0 < fast.counts["timed"] < fast.counts["fit"], fast.counts
+    exhaustive(monkeypatch)
+    slow = planner.plan(m, gpus, hw, 32, 8, **space)
+    assert slow.counts["timed"] == slow.counts["fit"]
+    assert _plan_summary(fast, top) == _plan_summary(slow, top)
+
+
+def test_bounds_are_below_what_they_bound():
+    """memory_bound <= the largest rank's step peak; step_lower_bound <= the predicted step."""
+    from fived.ledger import peak
+
+    m = preset("qwen3-30b-a3b")
+    hw = hardware.PRESETS["h100-sxm"]
+    for par in (ParallelConfig(tp=2, ep=4, pp=4, dp=2, zero=1, precision="bf16",
+                               micro_batches=4),
+                ParallelConfig(ep=8, pp=4, dp=2, zero=2, precision="bf16", virtual_stages=2,
+                               schedule="interleaved", micro_batches=8, recompute="full"),
+                ParallelConfig(tp=4, cp=2, dp=2, zero=3, precision="bf16", micro_batches=2,
+                               recompute="selective")):
+        gb = par.dp * par.ep * par.micro_batches * 2
+        for opt in ("adamw", "muon"):
+            b = 2
+            mem = peak.largest_rank(m, par, b, planner.GPU_ACTIVATIONS, opt)
+            assert 0 < planner.memory_bound(m, par, None, opt) <= mem.peak
+            assert planner.memory_bound(m, par, None, opt) < planner.memory_bound(
+                m, par, b, opt) <= mem.peak
+            pr = planner.predict(m, par, hw, gb, 8, optimizer=opt)
+            assert 0 < planner.step_lower_bound(m, par, hw, gb, mem) <= pr.step_seconds
 
 
 @pytest.mark.parametrize("par", [

@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
                    help="documents held out for validation, evenly spread (default: 0.01)")
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="tokenizing processes (default 0: every core)")
+    p.add_argument("--shard-mb", type=float, default=0.0, metavar="MB",
+                   help="write each split as shards of at most MB megabytes (default 0: one "
+                        "file per split)")
     p.add_argument("--json", action="store_true", help="print meta.json instead of a table")
     i = sub.add_parser("info", help="describe a prepared directory")
     i.add_argument("dir", metavar="DIR")
@@ -71,7 +74,8 @@ def summary(path: str, meta: dict, note: str = "") -> None:
                                 ("file", "l")])
     for s in ("train", "val"):
         info = meta["splits"][s]
-        t.add_row(s, fmt_n(info["documents"]), fmt_n(info["tokens"]), info["file"])
+        where = info.get("file") or f"{len(info['shards'])} shards"  # --shard-mb
+        t.add_row(s, fmt_n(info["documents"]), fmt_n(info["tokens"]), where)
     show(con, t)
     tok = meta["tokenizer"]
     con.print(f"tokenizer {tok['kind']} {tok['hash'][:12]}: {meta['vocab']} symbols (EOS "
@@ -99,7 +103,8 @@ def main(argv: list[str]) -> int:
     opts = Options(inputs=tuple(args.inputs), out=args.out, tokenizer=args.tokenizer,
                    train_bpe=args.train_bpe, field=args.field, column=args.column,
                    glob=args.glob, val_fraction=args.val_fraction, workers=args.workers,
-                   exclude=tuple(e.strip() for e in args.exclude.split(",") if e.strip()))
+                   exclude=tuple(e.strip() for e in args.exclude.split(",") if e.strip()),
+                   shard_mb=args.shard_mb)
     meta = prepare(opts, log=(lambda s: None) if args.json else print)
     if args.json:
         print_json(meta)

@@ -18,6 +18,7 @@ imports torch before the ranks do (``--help`` is fast).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import fields, replace
 
@@ -72,7 +73,7 @@ def _checkpoint(src: str):
 
 def _data(args, model: ModelConfig, man: dict, batches_default: int) -> int:
     """Every check of --data, --split and --batches against the checkpoint; the batches."""
-    from ..data.meta import read_meta
+    from ..data.meta import read_data_meta
 
     if args.batches is not None and args.batches < 1:
         raise ConfigError([f"--batches {args.batches}: give the number of global batches to "
@@ -83,13 +84,13 @@ def _data(args, model: ModelConfig, man: dict, batches_default: int) -> int:
                 if saved.get("source") == "data" else "")
         raise ConfigError([f"--data DIR is needed: the built-in corpus has no validation "
                            f"split{hint}"])
-    meta = read_meta(args.data, "--data")
+    meta = read_data_meta(args.data, "--data")  # a directory, or a mixture of them
     mine = meta["tokenizer"]["hash"]
     if saved.get("source") == "builtin":
         raise ConfigError([f"--data {args.data}: the checkpoint was trained on the built-in "
                            "corpus (raw bytes, no tokenizer); its tokenizer is not this "
                            "data's"])
-    if saved.get("source") == "data" and saved.get("tokenizer_hash") != mine:
+    if saved.get("source") in ("data", "mixture") and saved.get("tokenizer_hash") != mine:
         raise ConfigError([f"--data {args.data}: its tokenizer (hash {mine[:12]}) is not the "
                            f"checkpoint's (hash {str(saved.get('tokenizer_hash'))[:12]}, "
                            f"trained on {saved.get('dir')}); evaluate on data prepared with "
@@ -126,7 +127,10 @@ def configs(args):
     gb = (res.train.global_batch if "train.global_batch" in res.given
           else int(saved_train.get("global_batch", res.train.global_batch)))
     train = replace(TrainConfig(), model=model.name, global_batch=gb, data=args.data,
-                    eval_batches=batches, seed=int(saved_train.get("seed", 1234)))
+                    eval_batches=batches, seed=int(saved_train.get("seed", 1234)),
+                    # the attention the checkpoint was trained with (--doc-mask: documents)
+                    doc_mask=bool(saved_train.get("doc_mask", False)),
+                    doc_positions=str(saved_train.get("doc_positions", "continue")))
     validate(model, par, train, world)
     from ..config import check_runtime_model
 
@@ -182,7 +186,8 @@ def main(argv: list[str]) -> int:
     doc = {"checkpoint": str(ckpt), "step": int(man["step"]), "model": model.name,
            "layout": par.describe(), "world": world, "data": args.data, "split": args.split,
            "batches": batches, "global_batch": train.global_batch, "seq_len": model.seq_len,
-           **{k: out[k] for k in ("loss", "ppl", "tokens", "seconds", "tokens_per_s")}}
+           **{k: out[k] for k in ("loss", "ppl", "tokens", "seconds", "tokens_per_s")},
+           **({"loss_by_source": out["loss_by_source"]} if "loss_by_source" in out else {})}
     if args.json:
         from ..ui.report import print_json
 
@@ -197,4 +202,6 @@ def main(argv: list[str]) -> int:
     t.add_row(f"{doc['loss']:.4f}", f"{doc['ppl']:.2f}", f"{doc['tokens']:,}",
               f"{doc['seconds']:.2f}", report.fmt_n(doc["tokens_per_s"]))
     report.show(con, t)
+    for name, v in doc.get("loss_by_source", {}).items():  # a mixture: each source alone
+        print(f"source {name}: loss {v:.4f}, perplexity {math.exp(min(v, 700.0)):.2f}")
     return 0

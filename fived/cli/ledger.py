@@ -72,6 +72,11 @@ def cluster_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default="flash", choices=["flash", "materialised"],
                    help="attention kernel: flash (saves log-sum-exp) or materialised scores "
                         "(default: flash)")
+    g.add_argument("--doc-len", default=None, metavar="N|DIR",
+                   help="document masks (--doc-mask): attention FLOPs follow the documents, "
+                        "Σ Lᵢ²/S per token instead of S — N: the mean document length in "
+                        "tokens; DIR: a prepared data directory (its training documents' "
+                        "lengths) (default: no mask)")
     g = ap.add_argument_group("output")
     g.add_argument("--wide", action="store_true",
                    help="every column (the default tables fit 80 columns)")
@@ -113,11 +118,39 @@ def clock_options(args: argparse.Namespace):
     eager = args.gpu == "this-machine"  # the fived runtime's attention: scores in memory
     return ClockOptions(attention="materialised" if eager or args.attention == "materialised"
                         else "flash", tp_overlap=args.tp_overlap, fused=not eager,
-                        comm_overlap=not eager)
+                        comm_overlap=not eager, attn_context=doc_context_of(args))
+
+
+def doc_context_of(args: argparse.Namespace) -> float:
+    """``--doc-len``: the attended keys per token (``compute.doc_context``); 0 without it."""
+    spec = getattr(args, "doc_len", None)
+    if not spec:
+        return 0.0
+    from ..ledger.compute import doc_context
+
+    seq = getattr(args, "window", 0)
+    try:
+        mean = float(spec)
+    except ValueError:
+        mean = None
+    if mean is not None:
+        if not mean > 0:
+            raise ConfigError([f"--doc-len {spec}: give a mean document length > 0 or a "
+                               "prepared data directory"])
+        return doc_context(seq, mean=mean)
+    from pathlib import Path
+
+    import numpy as np
+
+    from ..data.meta import read_meta
+
+    meta = read_meta(spec, "--doc-len")
+    idx = np.load(Path(spec) / meta["splits"]["train"]["index"])
+    return doc_context(seq, lengths=np.diff(idx).tolist())
 
 
 def global_batch(args: argparse.Namespace, res: flags.Resolved, gpus: int | None = None,
-                 multiple: int = 1) -> tuple[int, str]:
+                 multiple: int = 1, seq_len: int | None = None) -> tuple[int, str]:
     """(sequences per step, how they were chosen): --global-batch (or the TOML's) unless
     --global-batch-tokens is given without --global-batch on the command line; with neither,
     ``fived.ledger.planner.cluster_batch`` of ``gpus`` (None: the training default, 16)."""
@@ -127,12 +160,13 @@ def global_batch(args: argparse.Namespace, res: flags.Resolved, gpus: int | None
         gb = res.train.global_batch
         if gpus is None:
             return gb, ""
-        auto = cluster_batch(gpus, gb, multiple)
+        auto = cluster_batch(gpus, gb, multiple, seq_len)
         if auto == gb:
             return gb, ""
-        return auto, (f" (no --global-batch: {gpus} GPUs / 4 as a power of two, at least {gb}"
-                      + (f", a multiple of dp·ep·micro-batches = {multiple}" if multiple > 1
-                         else "") + ")")
+        rule = (f"about 4M tokens (4·2^20) or {gpus} GPUs / 4 sequences, the larger, as a "
+                "power of two" if seq_len else f"{gpus} GPUs / 4 as a power of two")
+        return auto, (f" (no --global-batch: {rule}, at least {gb}"
+                      + (f", a multiple of {multiple}" if multiple > 1 else "") + ")")
     return _given_batch(args, res), ""
 
 
@@ -210,11 +244,22 @@ def main(argv: list[str]) -> int:
     m = res.model
     par, world = fill_dp(res.par, res.dp_given, args.gpus)
     par, precision = ledger_precision(args, par)
-    multiple = par.dp * par.ep * par.micro_batches if par.world_size >= 1 else 1
+    # a cluster (--gpus on a GPU preset): what the flags leave out is what a GPU run would
+    # pick — for a billion parameters or more a batch of about 4M tokens — and one sequence
+    # per micro-batch (m >= pp)
+    cluster = args.gpus is not None and not args.check and args.gpu != "this-machine"
+    auto_m = cluster and "parallel.micro_batches" not in res.given and par.world_size >= 1
+    replicas = par.dp * par.ep
+    multiple = (replicas * par.pp if auto_m else replicas * par.micro_batches
+                ) if par.world_size >= 1 else 1
     gb, batch_note = global_batch(args, res, world if args.gpus is not None and not args.check
-                                  else None, max(multiple, 1))
+                                  else None, max(multiple, 1),
+                                  seq_len=m.seq_len if cluster and _large(m) else None)
+    if auto_m and gb % replicas == 0:
+        par = _auto_micro_batches(m, par, gb)
     train = replace(res.train, global_batch=gb)
     validate(m, par, train, world)
+    args.window = m.seq_len  # --doc-len's documents are cut to it (clock_options)
     if args.print_config:
         return flags.print_config(replace(res, par=par, train=train),
                                   f"fived ledger: {world} GPUs · {precision}")
@@ -247,11 +292,110 @@ def main(argv: list[str]) -> int:
                           train_tokens, train.optimizer, clock_options(args))
     doc["precision_note"] = precision
     doc["global_batch_note"] = batch_note.strip(" ()")
+    doc["advice"] = advice(doc, args, res, par, world, gb, batch_note, auto_m)
     if args.json:
         report.print_json(doc)
         return 0
-    print_ledger(doc, m, par, hw, args.wide, precision, batch_note)
+    print_ledger(doc, m, par, hw, args.wide, precision,
+                 " (assumed: see the end)" if batch_note else "")
+    print_advice(doc["advice"])
     return 0
+
+
+def _large(m: ModelConfig) -> bool:
+    """A billion parameters or more: the models GPU runs give a batch of millions of tokens."""
+    from ..ledger.params import total_params
+
+    return total_params(m) >= 1e9
+
+
+def _auto_micro_batches(m: ModelConfig, par: ParallelConfig, gb: int) -> ParallelConfig:
+    """One sequence per micro-batch (the rest accumulated), as a GPU run of a large model
+    does; kept at the default where the layout refuses it."""
+    auto = replace(par, micro_batches=gb // (par.dp * par.ep))
+    try:
+        validate(m, auto)
+    except ConfigError:
+        return par
+    return auto
+
+
+BUBBLE_LIMIT = 0.25  # a bubble above this share of the step is worth a sentence
+
+
+def advice(doc: dict, args: argparse.Namespace, res: flags.Resolved, par: ParallelConfig,
+           world: int, gb: int, batch_note: str, auto_m: bool) -> dict:
+    """What the ledger assumed (the values no flag gave) and, where the layout does not fit
+    or its bubble is over ``BUBBLE_LIMIT``, what to change and the `fived plan` command that
+    searches for a layout: ``{"assumed": [...], "change": [...], "plan": "..."}``."""
+    m = res.model
+    given = res.given
+    assumed: list[str] = []
+    if args.gpus is not None and not res.dp_given and par.dp > 1:
+        assumed.append(f"dp {par.dp}: the GPUs left of --gpus {world} by tp·cp·ep·pp = "
+                       f"{par.tp * par.cp * par.ep * par.pp} (no --dp)")
+    if batch_note:
+        assumed.append(f"global batch {gb} sequences = {fmt_n(gb * m.seq_len)} tokens"
+                       f"{batch_note}")
+    if auto_m and par.micro_batches > 1:
+        assumed.append(f"{par.micro_batches} micro-batches of "
+                       f"{gb // (par.dp * par.ep * par.micro_batches)} sequence(s) per replica "
+                       "(no --micro-batches: one sequence each, the rest accumulated)")
+    if args.gpus is not None and not any(f"parallel.{d}" in given for d in
+                                         ("tp", "cp", "ep", "pp", "zero", "recompute")):
+        assumed.append("no --tp, --pp, --cp, --ep, --zero or --recompute: plain data "
+                       "parallelism, every rank holds the whole model")
+    change: list[str] = []
+    mem, usable = doc["memory"], doc["usable_memory"]
+    if not doc["fits"]:
+        change.append(f"it does not fit: the largest rank's step peaks at "
+                      f"{fmt_b(mem['peak'] or mem['total'])} of {fmt_b(usable)} usable")
+        if mem["states_total"] > usable / 2:
+            shard = ("--zero 3 shards them over dp" if par.zero < 3 and par.dp * par.ep > 1
+                     else "")
+            split = "--tp (within a node) and --pp split the model"
+            change.append(f"model states are {fmt_b(mem['states_total'])}: "
+                          + (f"{shard}; {split}" if shard else split))
+        if mem["activations_total"] > usable / 4:
+            rc = {"none": "--recompute selective or full", "selective": "--recompute full"}.get(
+                par.recompute, "")
+            more = [x for x in (rc, "--sequence-parallel with --tp" if par.tp > 1 and not
+                                par.sequence_parallel else "",
+                                "--cp for long sequences" if par.cp == 1 else "",
+                                "fewer sequences per micro-batch (--micro-batches)"
+                                if doc["micro_batch_size"] > 1 else "") if x]
+            if more:
+                change.append(f"activations are {fmt_b(mem['activations_total'])}: "
+                              + ", ".join(more))
+    bubble = doc["time"]["bubble_fraction"]
+    if par.pp > 1 and bubble > BUBBLE_LIMIT:
+        change.append(f"the pipeline bubble is {bubble:.0%} of the step (pp {par.pp}, "
+                      f"m = {par.micro_batches} micro-batches): --micro-batches of 4·pp = "
+                      f"{4 * par.pp} or more (with a --global-batch to match), or "
+                      "--schedule interleaved --virtual-stages 2")
+    plan = ""
+    if change or (assumed and args.gpus is not None):
+        plan = (f"fived plan --model {m.name} --gpus {world} --gpu {args.gpu}"
+                + (f" --gpus-per-node {args.gpus_per_node}" if args.gpus_per_node else "")
+                + (f" --seq-len {m.seq_len}" if "model.seq_len" in given else "")
+                + f" --global-batch {gb}")
+    return {"assumed": assumed, "change": change, "plan": plan}
+
+
+def print_advice(adv: dict) -> None:
+    """The assumptions and what to change, last (what a terminal shows above the prompt)."""
+    if not (adv["assumed"] or adv["change"]):
+        return
+    con = report.console()
+    if adv["assumed"]:
+        con.print("[bold]assumed[/] (no flag gave these):")
+        report.bullets(con, adv["assumed"])
+    if adv["change"]:
+        con.print("[bold yellow]what to change[/]:")
+        report.bullets(con, adv["change"])
+    if adv["plan"]:
+        con.print("to search every layout for one that fits and is fastest:")
+        con.print(f"  {adv['plan']}", soft_wrap=True, markup=False, highlight=False)
 
 
 def ledger_precision(args: argparse.Namespace, par: ParallelConfig) -> tuple[ParallelConfig, str]:
@@ -526,7 +670,7 @@ def print_ledger(doc: dict, m: ModelConfig, par: ParallelConfig, hw, wide: bool 
     t.add_row("[bold]step[/]", f"[bold]{fmt_s(tm['step_seconds'])}[/]", "")
     t.add_row("bubble fraction", f"{tm['bubble_fraction']:.2%}", "")
     t.add_row("tokens/s", fmt_n(tm["tokens_per_s"]), "")
-    t.add_row("MFU", f"{tm['mfu']:.1%}", "")
+    t.add_row("MFU", f"{tm['mfu']:.1%}", "" if doc["fits"] else "if it fit")
     report.show(con, t)
     if not wide:
         con.print("[dim]--wide: exact parameter counts and every traffic column; --json: all "

@@ -2,8 +2,8 @@
 
 The model, precision and global batch come from the shared flags (or ``--config``) with the
 same defaults as ``fived train``; the layouts are the search's, each checked by the same
-``fived.config.validate`` (so a layout the runtime refuses is never proposed). On a terminal a
-progress bar counts the layouts as the search evaluates them.
+``fived.config.validate`` (so a layout the runtime refuses is never proposed). Progress goes
+to stderr always: a bar on a terminal, a line every few seconds elsewhere.
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ def main(argv: list[str]) -> int:
                                   "is searched")
     from ..ledger import params, planner
 
+    args.window = m.seq_len  # --doc-len's documents are cut to it (clock_options)
     hw = hardware(args, gpus)
     gpn = args.gpus_per_node or hw.gpus_per_node
     check_whole_nodes(gpus, gpn, args.gpus_per_node is not None)  # issue 45 item 2
@@ -153,7 +154,8 @@ def main(argv: list[str]) -> int:
         res_ = planner.plan(m, gpus, hw, gb, gpn, args.efficiency, args.mem_fraction,
                        clock=clock_options(args), precision=par.precision,
                        grad_reduce_dtype=par.grad_reduce_dtype,
-                       optimizer=_optimizers(args, train), fixed=fixed, progress=bar, **space)
+                       optimizer=_optimizers(args, train), fixed=fixed, progress=bar,
+                       top=args.top, **space)
     top = res_.ranked[:args.top]
     if args.json:
         doc = {"model": m.name, "seq_len": m.seq_len, "gpus": gpus, "gpus_per_node": gpn,
@@ -215,12 +217,26 @@ def _optimizers(args, train) -> tuple[str, ...]:
 
 @contextmanager
 def _search_bar():
-    """``progress(done, total)`` for the search: a bar on stderr that vanishes when done,
-    where stderr is a terminal; elsewhere (a pipe, a log, ``--json``) nothing is drawn."""
+    """``progress(done, total)`` for the search, on stderr always: a bar that vanishes when
+    done where stderr is a terminal; elsewhere (a pipe, a log, ``--json``) a line every few
+    seconds and one at the end (``total`` None: the layouts are still being enumerated)."""
     import sys
+    import time
 
     if not sys.stderr.isatty():
-        yield None
+        start = time.monotonic()
+        last = [start - 10.0]
+
+        def line(done: int, total: int | None) -> None:
+            now = time.monotonic()
+            if now - last[0] < 2.0 and done != total:
+                return
+            last[0] = now
+            what = (f"{done} layouts enumerated" if total is None else
+                    f"{done}/{total} layouts costed ({done / max(total, 1):.0%})")
+            print(f"fived plan: searching: {what}, {now - start:.0f} s", file=sys.stderr,
+                  flush=True)
+        yield line
         return
     from rich.console import Console
     from rich.progress import (
@@ -241,7 +257,8 @@ def _print_result(con, res_, top, args, res, hw, gpus: int, gpn: int) -> int:
     """The counts, the top table, why the winner wins and its ledger command; 1 if none fits."""
     m, par = res.model, res.par
     c = res_.counts
-    con.print(f"considered {c.get('evaluated', 0)} layouts: {c.get('fit', 0)} fit, "
+    con.print(f"considered {c.get('evaluated', 0)} layouts: {c.get('fit', 0)} fit "
+              f"({c.get('timed', 0)} timed in full: the rest are slower by a lower bound), "
               f"{c.get('out_of_memory', 0)} do not fit in {fmt_b(hw.memory * args.mem_fraction)}, "
               f"{c.get('invalid', 0)} invalid for the model, "
               f"{c.get('iron_rule', 0)} (tp, cp) pairs break the iron "

@@ -241,6 +241,9 @@ def main(argv: list[str]) -> int:
         if not ancestor.is_dir():
             raise ConfigError([f"--tensorboard {train.tensorboard}: {str(ancestor)!r} is a file, "
                                "not a directory"])
+    if args.dry_run and train.doc_mask:
+        raise ConfigError(["--dry-run with --doc-mask: the dry run's fake tensors hold no "
+                           "documents; price masked attention with `fived ledger --doc-len`"])
     if args.dry_run:
         if train.memory_trace:
             raise ConfigError(["--memory-trace with --dry-run: the dry run always traces "

@@ -13,7 +13,7 @@ batches are not shuffled: evaluation batch ``k`` row ``j`` is window ``(k·B + j
 
 The grid. Rows ``[r·B/R, (r+1)·B/R)`` belong to member ``r`` of the batch group (dp·ep, ``R``
 members); a rank reads only those rows' windows from the memory map, and context parallelism
-shards the sequence after (``fived.train.data.shard``, zigzag, as for the built-in
+shards the sequence after (``Trainer.shard``, zigzag, as for the built-in
 corpus). So every layout trains on the same global batch, and resuming at step ``s`` needs
 nothing but ``s``: ``Loader.state`` is the data identity plus the next step.
 
@@ -35,23 +35,39 @@ import numpy as np
 import torch
 
 from .shards import DataDir
+from .vocab import SOURCE_SHIFT
 
 
 class Loader:
     def __init__(self, data: DataDir | str, split: str, seq_len: int, batch: int, seed: int,
                  replica: int = 0, replicas: int = 1, shuffle: bool = True, prefetch: int = 2,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, documents: bool = False):
         self.data = data if isinstance(data, DataDir) else DataDir(data)
         self.split, self.seq_len, self.batch_size, self.seed = split, seq_len, batch, seed
         self.replica, self.replicas, self.shuffle = replica, replicas, shuffle
         if batch % replicas:
             raise ValueError(f"global batch {batch} is not divisible by {replicas} replicas")
         self.per = batch // replicas
-        self.tokens = self.data.tokens(split)
-        self.windows = (len(self.tokens) - 1) // seq_len
+        shards = self.data.shards(split)
+        self.sharded = len(shards) > 1
+        if self.sharded:  # --shard-mb: windows within each shard (fived.data.loader docstring)
+            self.tokens = None
+            self.counts = np.asarray([max(0, (int(sh["tokens"]) - 1) // seq_len)
+                                      for sh in shards], dtype=np.int64)
+            self.base = np.concatenate([[0], np.cumsum(self.counts)])  # shard j's first id
+            self.windows = int(self.counts.sum())
+            self._shard_perms: dict[tuple[int, int], np.ndarray] = {}
+            self._shard_offsets: dict[int, np.ndarray] = {}
+        else:
+            self.tokens = self.data.tokens(split)
+            self.windows = (len(self.tokens) - 1) // seq_len
         if self.windows < 1:
             raise ValueError(f"{split}: {len(self.tokens)} tokens hold no sequence of "
                              f"{seq_len + 1}")
+        # --doc-mask: the split's document offsets (already on disk: no pass over the tokens)
+        self.documents_on = documents
+        self.offsets = (self.data.documents(split) if documents and not self.sharded
+                        else None)
         self.prefetch = max(1, prefetch)
         self.device = torch.device(device) if device is not None else None
         self._perms: dict[int, np.ndarray] = {}
@@ -71,11 +87,37 @@ class Loader:
             self._perms[epoch] = p
         return p
 
+    def _sharded_window(self, epoch: int, r: int) -> int:
+        """Position ``r`` of epoch ``epoch`` in a sharded split: the shards in the order
+        ``default_rng([seed, epoch]).permutation(shards)``, each shard's windows in the order
+        ``default_rng([seed, epoch, j + 1]).permutation(its windows)`` — a permutation of every
+        window, held one shard at a time. Returns the global window id (shard base + local)."""
+        order = self._shard_order(epoch)
+        ends = np.cumsum(self.counts[order])
+        t = int(np.searchsorted(ends, r, side="right"))
+        j = int(order[t])
+        local = r - (int(ends[t - 1]) if t else 0)
+        key = (epoch, j)
+        p = self._shard_perms.get(key)
+        if p is None:
+            p = np.random.default_rng([self.seed, epoch, j + 1]).permutation(int(self.counts[j]))
+            if len(self._shard_perms) >= 2:
+                self._shard_perms.pop(next(iter(self._shard_perms)))
+            self._shard_perms[key] = p
+        return int(self.base[j]) + int(p[local])
+
+    def _shard_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.counts))
+
     def sequence_ids(self, step: int, rows: slice = slice(None)) -> np.ndarray:
         """The window ids of global batch ``step`` (rows ``rows`` of it)."""
         i = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)[rows]
         if not self.shuffle:
             return i % self.windows
+        if self.sharded:
+            return np.asarray([self._sharded_window(int(x) // self.windows,
+                                                    int(x) % self.windows) for x in i],
+                              dtype=np.int64)
         out = np.empty_like(i)
         epochs = i // self.windows
         for e in np.unique(epochs):
@@ -86,14 +128,42 @@ class Loader:
     def local_rows(self) -> slice:
         return slice(self.replica * self.per, (self.replica + 1) * self.per)
 
-    def read(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, targets), each (len(ids), seq_len) int64, of the windows ``ids``."""
+    def read(self, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """(tokens, targets), each (len(ids), seq_len) int64, of the windows ``ids``; with
+        ``documents`` also each input token's document number (the index of the document in
+        the split, from the ``.idx.npy`` offsets: a document's EOS is its last token)."""
         L = self.seq_len
         seqs = np.empty((len(ids), L + 1), dtype=np.int64)
+        if self.sharded:
+            return self._read_sharded(ids, seqs)
         for r, k in enumerate(ids.tolist()):
             seqs[r] = self.tokens[k * L:k * L + L + 1]
         t = torch.from_numpy(seqs)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        if self.offsets is None:
+            return x, y
+        starts = np.asarray(ids, dtype=np.int64)[:, None] * L + np.arange(L, dtype=np.int64)
+        docs = np.searchsorted(self.offsets, starts, side="right") - 1
+        return x, y, torch.from_numpy(docs.astype(np.int64))
+
+    def _read_sharded(self, ids: np.ndarray, seqs: np.ndarray) -> tuple[torch.Tensor, ...]:
+        L = self.seq_len
+        docs = np.empty((len(ids), L), dtype=np.int64) if self.documents_on else None
+        for r, g in enumerate(ids.tolist()):
+            j = int(np.searchsorted(self.base, g, side="right")) - 1
+            k = g - int(self.base[j])
+            seqs[r] = self.data.shard_tokens(self.split, j)[k * L:k * L + L + 1]
+            if docs is not None:
+                offs = self._shard_offsets.get(j)
+                if offs is None:
+                    offs = self.data.shard_documents(self.split, j)
+                    if len(self._shard_offsets) >= 2:
+                        self._shard_offsets.pop(next(iter(self._shard_offsets)))
+                    self._shard_offsets[j] = offs
+                docs[r] = np.searchsorted(offs, k * L + np.arange(L), side="right") - 1
+        t = torch.from_numpy(seqs)
+        x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        return (x, y) if docs is None else (x, y, torch.from_numpy(docs))
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(self.sequence_ids(step))
@@ -103,7 +173,7 @@ class Loader:
         return self.read(self.sequence_ids(step, self.local_rows()))
 
     # ------------------------------------------------------------------ prefetch
-    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, step: int) -> tuple[torch.Tensor, ...]:
         """``batch(step)`` from the prefetch thread, on ``device``."""
         if self._thread is None or step != self._next:
             self._start(step)
@@ -115,10 +185,9 @@ class Loader:
         self._next = step + 1
         if isinstance(item, BaseException):
             raise item
-        x, y = item
         if self.device is not None and self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        return x, y
+            item = tuple(t.to(self.device, non_blocking=True) for t in item)
+        return item
 
     def _start(self, step: int) -> None:
         self.close()
@@ -156,3 +225,90 @@ class Loader:
         return {"source": "data", **self.data.identity(), "split": self.split,
                 "seed": self.seed, "global_batch": self.batch_size, "seq_len": self.seq_len,
                 "next_step": next_step}
+
+
+MIX_STREAM = 0x6D6978  # "mix": the source draw's own stream of (seed, step)
+
+
+class MixtureLoader(Loader):
+    """``--data code=DIR1:0.3,web=DIR2:0.7``: each row of global batch ``step`` comes from one
+    source, drawn by weight from ``numpy.random.default_rng([seed, step, MIX_STREAM])`` (the
+    whole batch's B draws at once, so every rank sees the same draw); the row's window is the
+    one the source's own loader (seed ``seed + 1_000_003·(k+1)``) gives global sequence number
+    ``step·B + j`` — its windows in its own shuffled order, the numbers other sources took
+    skipped. So the batch is a pure function of (seed, step, the sources and weights): resuming
+    at a step, or under another layout, sees the same rows. Validation batch ``k`` draws from
+    ``[seed, k, 1, MIX_STREAM]`` and reads unshuffled windows."""
+
+    def __init__(self, sources, split: str, seq_len: int, batch: int, seed: int,
+                 replica: int = 0, replicas: int = 1, shuffle: bool = True, prefetch: int = 2,
+                 device=None, documents: bool = False):
+        from .shards import DataDir
+
+        self.sources = list(sources)
+        self.parts = [Loader(DataDir(src.path), split, seq_len, batch,
+                             seed + 1_000_003 * (k + 1), replica, replicas, shuffle, prefetch,
+                             None, documents) for k, src in enumerate(self.sources)]
+        w = np.asarray([src.weight for src in self.sources], dtype=np.float64)
+        self.p = w / w.sum()
+        self.data = self.parts[0].data
+        self.split, self.seq_len, self.batch_size, self.seed = split, seq_len, batch, seed
+        self.replica, self.replicas, self.shuffle = replica, replicas, shuffle
+        self.per = batch // replicas
+        self.offsets = self.parts[0].offsets
+        self.prefetch = max(1, prefetch)
+        self.device = torch.device(device) if device is not None else None
+        self._thread = self._stop = self._q = None
+        self._next = -1
+        self.wait_s = 0.0
+
+    def row_sources(self, step: int) -> np.ndarray:
+        """The source index of every row of global batch ``step``."""
+        key = [self.seed, step, MIX_STREAM] if self.shuffle else [self.seed, step, 1, MIX_STREAM]
+        return np.random.default_rng(key).choice(len(self.parts), size=self.batch_size,
+                                                 p=self.p)
+
+    def _rows(self, step: int, rows: slice) -> tuple[torch.Tensor, ...]:
+        src = self.row_sources(step)[rows]
+        out = None
+        for k, part in enumerate(self.parts):
+            sel = np.nonzero(src == k)[0]
+            if not len(sel):
+                continue
+            got = list(part.read(part.sequence_ids(step, rows)[sel]))
+            got[1] = got[1] + (k << SOURCE_SHIFT)  # the row's source rides on its targets
+            if out is None:
+                out = [torch.empty((len(src), *t.shape[1:]), dtype=t.dtype) for t in got]
+            for o, t in zip(out, got):
+                o[torch.from_numpy(sel)] = t
+        assert out is not None
+        return tuple(out)
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        return self._rows(step, slice(None))
+
+    def batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        return self._rows(step, self.local_rows())
+
+    def state(self, next_step: int) -> dict[str, Any]:
+        import hashlib
+
+        ident = [p.data.identity() for p in self.parts]
+        h = hashlib.sha256(repr([(s.name, i["data_hash"], s.weight)
+                                 for s, i in zip(self.sources, ident)]).encode()).hexdigest()
+        return {"source": "mixture", "dir": ",".join(i["dir"] for i in ident),
+                "tokenizer_hash": ident[0]["tokenizer_hash"], "data_hash": h,
+                "vocab": ident[0]["vocab"], "split": self.split, "seed": self.seed,
+                "global_batch": self.batch_size, "seq_len": self.seq_len,
+                "next_step": next_step,
+                "sources": [{"name": s.name, "weight": s.weight} for s in self.sources]}
+
+
+def open_loader(spec: str, split: str, **kw: Any) -> Loader:
+    """A ``Loader`` of a prepared directory, or a ``MixtureLoader`` of a mixture spec."""
+    from .meta import parse_mixture
+
+    sources = parse_mixture(spec)
+    if sources is None:
+        return Loader(spec, split, **kw)
+    return MixtureLoader(sources, split, **kw)

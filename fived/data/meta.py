@@ -15,7 +15,7 @@ tp). The padded rows' logits are masked to the dtype's minimum before the loss
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +47,77 @@ def read_meta(path: str | Path, flag: str = "--data") -> dict[str, Any]:
     return meta
 
 
+@dataclass(frozen=True)
+class Source:
+    """One source of a mixture: ``name=DIR:weight``."""
+
+    name: str
+    path: str
+    weight: float
+
+
+def parse_mixture(spec: str, flag: str = "--data") -> list[Source] | None:
+    """``--data code=DIR1:0.3,web=DIR2:0.7`` -> the sources (weights as given; they are
+    normalised by their sum); None for a plain directory (no ``=``). A ConfigError naming
+    ``flag`` when a part does not parse, a weight is not a number >= 0, two sources share a
+    name, or the weights sum to zero."""
+    if "=" not in spec:
+        return None
+    out, problems = [], []
+    for part in spec.split(","):
+        name, eq, rest = part.strip().partition("=")
+        path, colon, w = rest.rpartition(":")
+        if not eq or not name or not colon or not path:
+            problems.append(f"{flag} {spec!r}: {part!r} is not NAME=DIR:WEIGHT (a mixture is "
+                            "code=DIR1:0.3,web=DIR2:0.7)")
+            continue
+        try:
+            weight = float(w)
+        except ValueError:
+            problems.append(f"{flag}: source {name!r}'s weight {w!r} is not a number")
+            continue
+        if not weight >= 0 or weight == float("inf"):
+            problems.append(f"{flag}: source {name!r}'s weight {w} must be a finite number >= 0")
+            continue
+        out.append(Source(name, path, weight))
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        problems.append(f"{flag} {spec!r}: two sources share a name")
+    if not problems and not sum(s.weight for s in out) > 0:
+        problems.append(f"{flag} {spec!r}: the weights sum to zero; give at least one > 0")
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def read_data_meta(spec: str, flag: str = "--data") -> dict[str, Any]:
+    """``read_meta`` of a directory, or of a mixture: every source read and checked to share
+    the first's tokenizer; the first source's meta with each split's token count the smallest
+    of the sources' (what each source must hold) and ``mixture`` the sources."""
+    sources = parse_mixture(spec, flag)
+    if sources is None:
+        return read_meta(spec, flag)
+    metas = [read_meta(s.path, f"{flag} {s.name}=") for s in sources]
+    first = metas[0]["tokenizer"]["hash"]
+    bad = [f"{flag}: source {s.name!r} ({s.path}) was prepared with another tokenizer than "
+           f"{sources[0].name!r} (hash {m['tokenizer']['hash'][:12]} vs {first[:12]}); a "
+           "mixture's sources must share one" for s, m in zip(sources, metas)
+           if m["tokenizer"]["hash"] != first]
+    if bad:
+        raise ConfigError(bad)
+    meta = json.loads(json.dumps(metas[0]))
+    for split, info in meta["splits"].items():
+        info["tokens"] = min(int(m["splits"].get(split, {}).get("tokens", 0)) for m in metas)
+    meta["mixture"] = [{"name": s.name, "dir": s.path, "weight": s.weight} for s in sources]
+    return meta
+
+
 def model_for_data(model: ModelConfig, data: str, vocab_given: bool = False) -> ModelConfig:
     """The model with the vocabulary of ``data``'s tokenizer (padded), or, when the run set
     ``vocab`` itself (TOML [model] vocab), that vocabulary checked to hold the tokenizer's."""
     if not data:
         return model
-    meta = read_meta(data)
+    meta = read_data_meta(data)
     n = int(meta["vocab"])
     if vocab_given or model.vocab > padded_vocab(n):
         if model.vocab < n:
@@ -66,16 +131,32 @@ def model_for_data(model: ModelConfig, data: str, vocab_given: bool = False) -> 
 def check_data_run(model: ModelConfig, seq_len: int, train: Any) -> dict[str, Any] | None:
     """Everything a ``--data`` run needs of its directory, before a rank starts."""
     if not train.data:
+        if getattr(train, "doc_mask", False):
+            raise ConfigError(["--doc-mask needs --data DIR (the built-in corpus is one stream "
+                               "of files with no document boundaries)"])
         if train.eval_every:
             raise ConfigError(["--eval-every needs --data DIR (the built-in corpus has no "
                                "validation split)"])
         return None
-    meta = read_meta(train.data)
+    meta = read_data_meta(train.data)
     n = int(meta["vocab"])
     problems = []
+    if getattr(train, "cp_balance", "zigzag") != "zigzag" and not train.doc_mask:
+        problems.append(f"--cp-balance {train.cp_balance} needs --doc-mask (without documents "
+                        "zigzag is balanced)")
     if model.vocab < n:
         problems.append(f"--data {train.data}: the tokenizer has {n} symbols but the model's "
                         f"vocab is {model.vocab}; use a model vocab >= {n}")
+    dirs = ([m["dir"] for m in meta["mixture"]] if "mixture" in meta else [train.data])
+    for d in dirs:  # a file the loader would open on every rank, missing: say so here
+        m = read_meta(d)
+        for split, info in m["splits"].items():
+            for sh in info.get("shards", [info]):
+                for key in ("file", "index"):
+                    f = Path(d) / sh.get(key, "")
+                    if int(sh.get("tokens", 0)) and not f.is_file():
+                        problems.append(f"--data {d}: {f} ({split} split) is missing; prepare "
+                                        "the directory again")
     if meta["splits"]["train"]["tokens"] < seq_len + 1:
         problems.append(f"--data {train.data}: {meta['splits']['train']['tokens']} training "
                         f"tokens, fewer than one sequence of {seq_len + 1}; add text")

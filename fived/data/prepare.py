@@ -61,6 +61,7 @@ class Options:
     exclude: tuple[str, ...] = ()  # folder or file name patterns skipped in folders
     val_fraction: float = 0.01
     workers: int = 0  # 0: every core
+    shard_mb: float = 0.0  # > 0: each split as shards of at most this many MB (a document whole)
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -172,7 +173,7 @@ def source_hash(sources: list[tuple[Path, str]], opts: Options, tok_id: str) -> 
         files.append([str(p.resolve()), st.st_size, st.st_mtime_ns, kind])
     doc = {"format": FORMAT, "files": files, "tokenizer": tok_id, "val": opts.val_fraction,
            "field": opts.field, "column": opts.column, "glob": opts.glob,
-           "exclude": list(opts.exclude)}
+           "exclude": list(opts.exclude), **({"shard_mb": opts.shard_mb} if opts.shard_mb else {})}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -259,6 +260,8 @@ def check_out(out: Path) -> bool:
 def prepare(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Prepare ``opts.out``; returns its meta (with ``"skipped": True`` when it was current)."""
     t0 = time.perf_counter()
+    if not opts.shard_mb >= 0:
+        raise ConfigError([f"--shard-mb must be >= 0 (got {opts.shard_mb:g}; 0: one file)"])
     if not 0.0 <= opts.val_fraction < 1.0:
         raise ConfigError([f"--val-fraction must be in [0, 1) (got {opts.val_fraction:g})"])
     if opts.train_bpe and opts.tokenizer != "byte":
@@ -311,12 +314,70 @@ def prepare(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]
     return meta
 
 
+class Shards:
+    """The token files of the two splits as they are written. ``limit`` 0: one file per split
+    (``train.bin``, ``train.idx.npy``: the format before shards); > 0: shards
+    ``train-00000.bin`` ... of at most ``limit`` bytes (a document is never cut; one longer
+    than ``limit`` fills a shard alone), each with its own ``.idx.npy`` (offsets from 0). Only
+    the open shard's offsets are held in memory."""
+
+    def __init__(self, tmp: Path, limit: int):
+        self.tmp, self.limit = tmp, limit
+        self.done: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}
+        self.file: dict[str, Any] = {}
+        self.offsets: dict[str, list[int]] = {}
+        self.bytes: dict[str, int] = {}
+        self.total = {"train": 0, "val": 0}
+        self.docs = {"train": 0, "val": 0}
+        for s in ("train", "val"):
+            self._open(s)
+
+    def _name(self, s: str) -> str:
+        return s if not self.limit else f"{s}-{len(self.done[s]):05d}"
+
+    def _open(self, s: str) -> None:
+        self.file[s] = open(self.tmp / f"{self._name(s)}.bin", "wb")
+        self.offsets[s], self.bytes[s] = [0], 0
+
+    def _close(self, s: str) -> None:
+        name = self._name(s)
+        self.file[s].close()
+        np.save(self.tmp / f"{name}.idx.npy", np.asarray(self.offsets[s], dtype=np.int64))
+        self.done[s].append({"file": f"{name}.bin", "index": f"{name}.idx.npy",
+                             "tokens": self.offsets[s][-1],
+                             "documents": len(self.offsets[s]) - 1})
+
+    def put(self, s: str, piece: bytes, n: int) -> None:
+        if self.limit and self.bytes[s] and self.bytes[s] + len(piece) > self.limit:
+            self._close(s)
+            self._open(s)
+        self.file[s].write(piece)
+        self.bytes[s] += len(piece)
+        self.offsets[s].append(self.offsets[s][-1] + n)
+        self.total[s] += n
+        self.docs[s] += 1
+
+    def documents(self, s: str) -> int:
+        return self.docs[s]
+
+    def close(self) -> None:
+        for s in ("train", "val"):
+            if not self.file[s].closed:
+                self._close(s)
+
+    def meta(self, s: str) -> dict[str, Any]:
+        if not self.limit:  # the one-file format, unchanged
+            return {"tokens": self.total[s], "documents": self.docs[s], "file": f"{s}.bin",
+                    "index": f"{s}.idx.npy"}
+        return {"tokens": self.total[s], "documents": self.docs[s], "shards": self.done[s]}
+
+
 def _write(tmp: Path, tok: tokenize.Tokenizer, sources: list[tuple[Path, str]], opts: Options
            ) -> dict[str, Any]:
     dtype = "uint16" if tok.vocab <= 1 << 16 else "uint32"
-    files = {s: open(tmp / f"{s}.bin", "wb") for s in ("train", "val")}
-    offsets: dict[str, list[int]] = {"train": [0], "val": [0]}
-    hashes = {s: hashlib.sha256() for s in files}
+    limit = int(opts.shard_mb * 2**20)  # bytes per shard; 0: one file per split
+    splits_out = Shards(tmp, limit)
+    hashes = {s: hashlib.sha256() for s in ("train", "val")}
     counts = {"docs": 0, "tokens": 0, "chars": 0}
     progress = Progress("tokenizing")
     chars: deque[int] = deque()
@@ -324,9 +385,8 @@ def _write(tmp: Path, tok: tokenize.Tokenizer, sources: list[tuple[Path, str]], 
     held: list[tuple[bytes, int]] = []  # the latest training document, written at the next
 
     def put(s: str, piece: bytes, n: int) -> None:
-        files[s].write(piece)
+        splits_out.put(s, piece, n)
         hashes[s].update(piece)
-        offsets[s].append(offsets[s][-1] + n)
 
     def write(flat: np.ndarray, lens: np.ndarray) -> None:
         ends = np.cumsum(lens)
@@ -364,24 +424,20 @@ def _write(tmp: Path, tok: tokenize.Tokenizer, sources: list[tuple[Path, str]], 
                 while pending:
                     write(*pending.popleft().get())
         if held:  # floor(n·f) = 0 held out nothing: the last document is the validation split
-            last_to_val = opts.val_fraction > 0 and len(offsets["val"]) == 1 and counts["docs"] > 1
+            last_to_val = (opts.val_fraction > 0 and splits_out.documents("val") == 0
+                           and counts["docs"] > 1)
             put("val" if last_to_val else "train", *held.pop())
     finally:
-        for f in files.values():
-            f.close()
+        splits_out.close()
     progress.update(counts["docs"], counts["tokens"], counts["chars"], force=True)
     progress.done()
     if counts["docs"] == 0:
         raise ConfigError([f"INPUT {' '.join(opts.inputs)}: no text (every document is empty)"])
-    n_val = len(offsets["val"]) - 1
+    n_val = splits_out.documents("val")
     if opts.val_fraction > 0 and n_val == 0:
         raise ConfigError([f"--val-fraction {opts.val_fraction:g} holds out none: the input is "
                            f"one document; add documents or pass --val-fraction 0"])
-    splits = {}
-    for s in ("train", "val"):
-        np.save(tmp / f"{s}.idx.npy", np.asarray(offsets[s], dtype=np.int64))
-        splits[s] = {"tokens": offsets[s][-1], "documents": len(offsets[s]) - 1,
-                     "file": f"{s}.bin", "index": f"{s}.idx.npy"}
+    splits = {s: splits_out.meta(s) for s in ("train", "val")}
     tok_file = None
     if isinstance(tok, tokenize.HFTokenizer):
         tok.save(tmp / "tokenizer.json")

@@ -33,8 +33,35 @@ class DataDir:
         return {"dir": str(self.path.resolve()), "tokenizer_hash": self.tokenizer_hash,
                 "data_hash": self.meta["data_hash"], "vocab": self.vocab}
 
+    def shards(self, split: str) -> list[dict[str, Any]]:
+        """The split's files: [{file, index, tokens, documents}] — one for a directory
+        prepared without ``--shard-mb``."""
+        info = self.meta["splits"][split]
+        if "shards" in info:
+            return list(info["shards"])
+        return [{"file": info.get("file"), "index": info.get("index"),
+                 "tokens": int(info["tokens"]), "documents": int(info.get("documents", 0))}]
+
+    def shard_tokens(self, split: str, j: int) -> np.ndarray:
+        """Shard ``j`` of the split, memory-mapped (a sharded split's pages, read on demand)."""
+        key = f"{split}#{j}"
+        if key not in self._maps:
+            sh = self.shards(split)[j]
+            n = int(sh["tokens"])
+            self._maps[key] = (np.zeros(0, dtype=self.dtype) if n == 0 else
+                               np.memmap(self.path / sh["file"], dtype=self.dtype, mode="r",
+                                         shape=(n,)))
+        return self._maps[key]
+
+    def shard_documents(self, split: str, j: int) -> np.ndarray:
+        """int64 offsets of shard ``j``'s documents (from 0)."""
+        return np.load(self.path / self.shards(split)[j]["index"])
+
     def tokens(self, split: str) -> np.ndarray:
-        """The split's token stream (documents each followed by EOS), memory-mapped."""
+        """The split's token stream (documents each followed by EOS), memory-mapped (a
+        directory prepared without ``--shard-mb``; a sharded one is read by shard)."""
+        if "shards" in self.meta["splits"][split]:
+            raise ValueError(f"{self.path}: the {split} split is sharded; read it by shard")
         if split not in self._maps:
             info = self.meta["splits"][split]
             n = int(info["tokens"])

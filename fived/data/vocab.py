@@ -49,3 +49,54 @@ def mask_padded_logits(model: nn.Module, used: int, vocab: int) -> int:
             wrapped[id(inner)] = MaskedLoss(inner, used, vocab)
         m.loss = wrapped[id(inner)]
     return len(wrapped)
+
+
+SOURCE_SHIFT = 32  # a mixture's targets carry their row's source: target + (source << 32)
+
+
+class SourceLoss(nn.Module):
+    """A mixture's per-source loss (``--data NAME=DIR:W,...``): the loader adds each row's
+    source index, shifted by ``SOURCE_SHIFT`` bits, to its targets (vocabularies are far below
+    2³²), so the source reaches the loss through every path the targets take (micro-batches,
+    cp shards, the pipeline's last stage, evaluation) with no new argument. This outermost loss
+    module splits the rows by source, runs the inner loss on each group (the sum is the same
+    loss) and adds each group's detached sum to ``tally[source]``."""
+
+    def __init__(self, inner: nn.Module, sources: int):
+        super().__init__()
+        self.inner, self.sources = inner, sources
+        self.tally: list[torch.Tensor | None] = [None] * sources
+
+    def reset(self) -> None:
+        self.tally = [None] * self.sources
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        src = targets >> SOURCE_SHIFT
+        real = targets - (src << SOURCE_SHIFT)
+        row_src = src.reshape(src.shape[0], -1)[:, 0]
+        total = None
+        for k in torch.unique(row_src).tolist():
+            rows = (row_src == k).nonzero().flatten()
+            part = (self.inner(logits, real) if len(rows) == src.shape[0]
+                    else self.inner(logits[rows], real[rows]))
+            prev = self.tally[k]
+            self.tally[k] = part.detach().float() if prev is None else prev + part.detach().float()
+            total = part if total is None else total + part
+        assert total is not None
+        return total
+
+
+def tally_sources(model: nn.Module, sources: int) -> list[SourceLoss]:
+    """Wrap every outermost ``loss`` module of ``model`` (and of its pipeline chunks, shared
+    ones once) in a ``SourceLoss``; returns the wrappers (none on a stage without the head)."""
+    wrapped: dict[int, SourceLoss] = {}
+    roots = [model, *getattr(model, "chunk_models", [])]
+    for m in [m for r in roots for m in r.modules()]:
+        inner = m._modules.get("loss")
+        if inner is None or isinstance(inner, SourceLoss) or isinstance(m, (SourceLoss,
+                                                                             MaskedLoss)):
+            continue
+        if id(inner) not in wrapped:
+            wrapped[id(inner)] = SourceLoss(inner, sources)
+        m.loss = wrapped[id(inner)]
+    return list(wrapped.values())

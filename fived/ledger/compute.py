@@ -39,6 +39,34 @@ def attention_flops_per_token(m: ModelConfig, seq_len: int | None = None, causal
     return full / 2 if causal else full
 
 
+def doc_context(seq_len: int, mean: float | None = None,
+                lengths: list[int] | None = None) -> float:
+    """The keys a token attends to on average under document masks (``--doc-mask``), in the
+    convention above (not causal-halved): Σ Lᵢ² / S over the document pieces Lᵢ of the windows,
+    instead of S. ``lengths``: the documents' token counts in stream order (a prepared split's
+    ``.idx.npy`` differences), packed back to back and cut into windows of ``seq_len`` as the
+    loader cuts them — exact for that stream (the incomplete last window dropped; a stream
+    shorter than one window counts as one); ``mean``: documents of that length (64 windows)."""
+    S = seq_len
+    if lengths is None:
+        if mean is None or mean <= 0:
+            raise ValueError("doc_context needs a mean document length or the lengths")
+        mu = max(1, int(round(mean)))
+        lengths = [mu] * (64 * S // mu + 2)
+    full, cur, room, windows = 0.0, 0.0, S, 0
+    for L in lengths:
+        while L > 0:
+            piece = min(L, room)
+            cur += piece * piece
+            L -= piece
+            room -= piece
+            if room == 0:
+                full, cur, room, windows = full + cur, 0.0, S, windows + 1
+    if windows == 0:
+        return cur / max(S - room, 1)
+    return full / (windows * S)
+
+
 def forward_flops_per_token(m: ModelConfig, seq_len: int | None = None,
                             causal: bool = False) -> float:
     return 2.0 * matmul_params(m) + attention_flops_per_token(m, seq_len, causal)

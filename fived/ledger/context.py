@@ -108,3 +108,97 @@ def attention_flops(b: int, seq_len: int, heads: int, d: int, n: int, layout: st
         pairs = sum(p for src in range(n) for *_, p in step_plan(qc, chunk_ids(src, n, layout), c))
         out.append(4.0 * b * heads * c * c * d * pairs)
     return out
+
+
+# ---------------------------------------------------------------------------------- documents
+def doc_pairs(lengths: list[int]) -> float:
+    """Attention (q, k) pairs of a row of documents under document masks: Σ Lᵢ(Lᵢ+1)/2 — the
+    work the ledger charges instead of S(S+1)/2."""
+    return float(sum(n * (n + 1) // 2 for n in lengths))
+
+
+def _doc_starts(lengths: list[int]) -> list[int]:
+    """Each token's document start (the row's tokens in order)."""
+    out, a = [], 0
+    for n in lengths:
+        out.extend([a] * n)
+        a += n
+    return out
+
+
+def token_ranks(lengths: list[int], n: int, balancer: str = "zigzag", block: int = 0
+                ) -> list[int]:
+    """The cp rank of each token of a row under ``balancer``:
+
+    * ``zigzag`` — 2n chunks, rank r holds chunks r and 2n−1−r (the runtime's layout);
+    * ``ptrr`` — torch's processing-time round robin (``_PTRRLoadBalancer``): the row cut into
+      blocks of ``block`` tokens, each block's work (its queries' visible keys) computed, the
+      blocks sorted by work and dealt to the ranks in snake order (0..n−1, n−1..0, ...);
+    * ``doc-headtail`` — torch's per-document head-tail: every document cut into 2n pieces,
+      rank r taking pieces r and 2n−1−r of each (token counts per rank then differ by the
+      documents' remainders)."""
+    S = sum(lengths)
+    if balancer == "zigzag":
+        c = S // (2 * n)
+        owner = {}
+        for r in range(n):
+            for g in chunk_ids(r, n):
+                owner[g] = r
+        return [owner[min(t // c, 2 * n - 1)] for t in range(S)]
+    if balancer == "doc-headtail":
+        out = []
+        for L in lengths:
+            cuts = [L * i // (2 * n) for i in range(2 * n + 1)]
+            for i in range(2 * n):
+                r = i if i < n else 2 * n - 1 - i
+                out.extend([r] * (cuts[i + 1] - cuts[i]))
+        return out
+    if balancer == "ptrr":
+        block = block or max(1, S // (8 * n))
+        starts = _doc_starts(lengths)
+        nb = S // block
+        work = [sum(t - starts[t] + 1 for t in range(i * block, (i + 1) * block))
+                for i in range(nb)]
+        order = sorted(range(nb), key=lambda i: -work[i])
+        out = [0] * S
+        for k, i in enumerate(order):
+            lap, pos = divmod(k, n)
+            r = pos if lap % 2 == 0 else n - 1 - pos
+            for t in range(i * block, (i + 1) * block):
+                out[t] = r
+        return out
+    raise ValueError(f"unknown balancer {balancer!r}")
+
+
+def rank_work(lengths: list[int], ranks: list[int], n: int) -> list[float]:
+    """Per cp rank: the (q, k) pairs its queries compute under document masks (exact, the
+    work of an ideal kernel that skips every masked pair)."""
+    starts = _doc_starts(lengths)
+    out = [0.0] * n
+    for t, r in enumerate(ranks):
+        out[r] += t - starts[t] + 1
+    return out
+
+
+def ring_chunk_pairs(lengths: list[int], n: int) -> list[int]:
+    """Per cp rank: the chunk pairs (c × c blocks) the zigzag ring computes under document
+    masks — a pair is skipped when the K/V chunk is later or shares no document with the query
+    chunk (``fived.parallel.context.doc_plan``, token for token)."""
+    S = sum(lengths)
+    c = S // (2 * n)
+    doc = []
+    for i, L in enumerate(lengths):
+        doc.extend([i] * L)
+    out = []
+    for r in range(n):
+        pairs = 0
+        for qc in chunk_ids(r, n):
+            for kc in range(2 * n):
+                if kc > qc:
+                    continue
+                q0, q1, k0, k1 = doc[qc * c], doc[qc * c + c - 1], doc[kc * c], doc[kc * c + c - 1]
+                if q0 > k1 or q1 < k0:  # no shared document
+                    continue
+                pairs += 1  # a shared document: its keys in kc precede its queries in qc
+        out.append(pairs)
+    return out

@@ -130,7 +130,7 @@ def group_sizes(par: ParallelConfig) -> dict[str, int]:
     return {"dense": n * par.ep * par.cp, "expert": n * par.cp}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Bucket:
     """One flat buffer of the data-parallel engine: ``numel`` parameters reduced over ``group``,
     padded to ``padded`` (a multiple of ``shards`` = N under ZeRO, else numel)."""
@@ -192,16 +192,26 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     """The engine's flat buckets, in launch order (``fived.parallel.data``): parameters in
     reverse registration order, split by reduction group, then (ZeRO 0–2) into runs of at most
     ``bucket_mb`` MiB of gradient; ZeRO-3 makes one bucket per (block, group), last block first,
-    then the root (embedding, final norm, head)."""
-    from .params import param_list
-
-    plist = list(reversed(param_list(m, par, pp_rank)))
+    then the root (embedding, final norm, head). The runs (``_bucket_runs``) do not depend on
+    dp, cp, hybrid sharding or the ZeRO stage below 3: the search shares them."""
     sizes = group_sizes(par)
 
     def shards(g: str) -> int:
         return sizes[g] if par.zero and sizes[g] > 1 else 1
 
-    out: list[Bucket] = []
+    runs = _bucket_runs(m, replace(par, dp=1, cp=1, dp_shard=0, dp_replicate=0,
+                                   zero=3 if par.zero == 3 else 0), pp_rank)
+    return tuple(Bucket(g, n, shards(g), u) for g, n, u in runs)
+
+
+@lru_cache(maxsize=1024)
+def _bucket_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
+                 ) -> tuple[tuple[str, int, int], ...]:
+    """(group, elements, ZeRO-3 unit) of each of ``_buckets``' buckets, in launch order."""
+    from .params import param_list
+
+    plist = list(reversed(param_list(m, par, pp_rank)))
+    out: list[tuple[str, int, int]] = []
     if par.zero == 3:
         units: dict[int, list[tuple[str, int, bool]]] = {}
         unit = zero3_unit(m, par)
@@ -213,14 +223,14 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
             for _, n, ex in units[u]:
                 g = "expert" if ex else "dense"
                 by[g] = by.get(g, 0) + n
-            out += [Bucket(g, n, shards(g), u) for g, n in by.items()]
+            out += [(g, n, u) for g, n in by.items()]
         return tuple(out)
     cap = max(1, int(par.bucket_mb * 2**20 / grad_bytes(par)))
     groups: dict[str, list[int]] = {}
     for _, n, ex in plist:
         groups.setdefault("expert" if ex else "dense", []).append(n)
     for g, ns in groups.items():
-        out += [Bucket(g, sum(piece), shards(g)) for piece in split_sizes(ns, cap)]
+        out += [(g, sum(piece), -1) for piece in split_sizes(ns, cap)]
     return tuple(out)
 
 
@@ -250,7 +260,9 @@ def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int,
     z = par.zero
     out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "buffers": 0, "padding": 0.0}
     for b in buckets(m, par, pp_rank):
-        full, shard, pad, n = b.padded, b.shard, b.pad, b.shards
+        n = b.shards
+        full = b.padded
+        shard, pad = full // n, full - b.numel
         p_full = z < 3
         g_full = z <= 1
         s_full = z == 0  # master and Adam state
@@ -621,6 +633,7 @@ def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     return None if replay is None else (replay[2], replay[3], replay[4], replay[5])
 
 
+@lru_cache(maxsize=4096)  # one replay serves zero_buffer_peak and zero_moments (same key)
 def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                  ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...], tuple[int, ...]
                             ] | None:

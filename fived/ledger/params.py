@@ -415,6 +415,7 @@ def param_list(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     return out
 
 
+@lru_cache(maxsize=65536)  # the search asks for the same names (every expert's) per layout
 def block_of(name: str) -> int | None:
     """The block index of a parameter name, None for the root (embedding, norm, head)."""
     return int(name.split(".")[1]) if name.startswith("layers.") else None

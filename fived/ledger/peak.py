@@ -26,6 +26,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             of the logits (2 · tokens · V/tp · 4) and, in bf16/fp16, that
                             gradient cast to the compute dtype (+ e · tokens · V/tp), while
                             every saved activation is still alive
+  ``head_backward``         the last stage's B, after the loss: the logits' gradient, the
+                            head's weight gradient before it joins its bucket (V/tp · h · e)
+                            and the input gradient with its reduction's buffer
   ``block_backward``        every B: the first block's backward, its MLP working set: the
                             block output's gradient (tokens · h/sp · e) and four
                             tokens · ffn/tp tensors in the compute dtype (the down
@@ -117,7 +120,9 @@ class Phase:
 def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
     """The first block's backward at its worst moment (SwiGLU's backward, as the trace shows
     it): the block output's gradient and three ffn-wide tensors — the down projection's input
-    gradient, SiLU recomputed, and the up gradient being made; GELU: two."""
+    gradient, SiLU recomputed, and the up gradient being made (GELU: two) — or, where the
+    hidden size exceeds the micro-batch's tokens, two of them and the up projection's weight
+    gradient before it is added into its bucket."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
@@ -125,7 +130,10 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     width = 3 if m.mlp == "swiglu" else 2
     if m.is_moe:
         return grad_out + tokens * m.top_k * width * m.expert_ffn * e / (par.tp if sp else 1)
-    return grad_out + tokens * width * m.ffn * e / par.tp
+    # or, when a weight outweighs the tokens' rows (h > tokens), the up projection's weight
+    # gradient (ffn/tp · h) beside two ffn-wide gradients, before it joins its bucket
+    rows = max(width * tokens, (width - 1) * tokens + m.hidden)
+    return grad_out + rows * m.ffn * e / par.tp
 
 
 def step_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
@@ -216,7 +224,16 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         loss = dict(t, loss_backward=loss_backward_bytes(m, par, micro_batch))
         if zero:
             loss["zero_buffers"] = zero_at(3, nth)
-        return loss if sum(loss.values()) >= sum(blk.values()) else blk
+        # the head's backward: the logits' gradient (compute dtype), the head's weight
+        # gradient before it is added into its bucket (V/tp · h), the input gradient and its
+        # reduction's buffer; the loss's saved logits already freed
+        logits = stage_extra_activations(m, par, micro_batch, s == 0, True, opts)["logits"]
+        head = dict(t, head_backward=max(0.0, tokens * m.vocab / par.tp * e
+                                         + m.vocab * m.hidden / par.tp * e
+                                         + 2 * tokens * m.hidden * e - logits))
+        if zero:
+            head["zero_buffers"] = zero_at(0, nth)
+        return max((loss, head, blk), key=lambda d: sum(d.values()))
 
     actions = schedule_actions(par, pp_rank)
     last_b = max(i for i, a in enumerate(actions) if a[0] == "B")

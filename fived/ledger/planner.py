@@ -58,8 +58,26 @@ from . import bubble as bubble_formulas
 from . import compute as flops
 from . import roofline as roofline_model
 from .hardware import Hardware, collective_seconds
-from .memory import FUSED, ActivationOptions, RankMemory, states_floor
-from .params import layer_kinds, rank_layer_ids, rank_layers, rank_moe_layers, rank_stages
+from .memory import (
+    FUSED,
+    OPTIMIZER_BYTES,
+    ActivationOptions,
+    RankMemory,
+    candidate_ranks,
+    grad_bytes,
+    group_sizes,
+    master_bytes,
+    param_bytes,
+    states_floor,
+)
+from .params import (
+    layer_kinds,
+    rank_layer_ids,
+    rank_layers,
+    rank_moe_layers,
+    rank_params,
+    rank_stages,
+)
 from .peak import largest_rank
 from .traffic import Collective, bytes_by_group, micro_batch_size, step_traffic
 
@@ -327,13 +345,20 @@ def predict(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int
 
 
 # ------------------------------------------------------------------------ the search
-def cluster_batch(gpus: int, default: int, multiple: int = 1) -> int:
+CLUSTER_TOKENS = 4 * 2**20  # a GPU run's global batch when none is given: about 4M tokens
+
+
+def cluster_batch(gpus: int, default: int, multiple: int = 1, seq_len: int | None = None) -> int:
     """The global batch (sequences) of a cluster when none is given: ``fived plan`` and
     ``fived ledger`` alike. The training default (16 sequences) caps data parallelism at 16, so
     on a cluster the batch grows with it: a quarter of the GPUs rounded down to a power of two
-    (8,192 GPUs: 2,048 sequences, Llama 3's), at least ``default``, then rounded up to a
-    ``multiple`` (the ledger's fixed layout: dp·ep·micro-batches; the plan searches it: 1)."""
+    (8,192 GPUs: 2,048 sequences, Llama 3's), at least ``default``; with ``seq_len`` (a GPU
+    preset) at least ``CLUSTER_TOKENS`` tokens as a power of two of sequences (Llama 2's and
+    Llama 3's early batches: 4M tokens); then rounded up to a ``multiple`` (the ledger's fixed
+    layout: dp·ep·micro-batches; the plan searches it: 1)."""
     auto = max(default, 1 << max(0, (max(gpus, 1) // 4).bit_length() - 1))
+    if seq_len:
+        auto = max(auto, 1 << max(0, (CLUSTER_TOKENS // seq_len).bit_length() - 1))
     return -(-auto // multiple) * multiple
 
 
@@ -445,27 +470,65 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                     yield par, b
 
 
+def memory_bound(m: ModelConfig, par: ParallelConfig, micro_batch: int | None = None,
+                 optimizer: str = "adamw", opts: ActivationOptions = GPU_ACTIVATIONS) -> float:
+    """A lower bound on the step's peak of the largest rank (``peak.largest_rank(...).peak``)
+    in closed form: for each compared rank, its parameters (``params.rank_params``) times
+    the bytes per element its ZeRO stage keeps, without the buckets' padding (never negative)
+    and, for an optimizer other than AdamW, without its state — at most what the rank keeps
+    through every phase; with ``micro_batch``, plus one micro-batch's saved activations of
+    its largest stage (``memory.stage_activation_bytes``), which that stage's forward and
+    backward phases hold. The search drops a layout above the device with this alone, before
+    the buckets (tens of thousands of tensors for a large MoE) are cut and its step replayed."""
+    from .memory import stage_activation_bytes
+
+    z = par.zero
+    pb, gb, mb = param_bytes(par), grad_bytes(par), master_bytes(par)
+    ob = OPTIMIZER_BYTES if optimizer == "adamw" else 0
+    sizes = group_sizes(par)
+    best = 0.0
+    for r in candidate_ranks(par):
+        rp = rank_params(m, par, r)
+        total = 0.0
+        for numel, group in ((rp.dense, "dense"), (rp.expert, "expert")):
+            n = sizes[group] if z and sizes[group] > 1 else 1
+            total += numel * (pb * (1 if z < 3 else 1 / n) + gb * (1 if z <= 1 else 1 / n)
+                              + (mb + ob) * (1 if z == 0 else 1 / n))
+        if micro_batch is not None:
+            total += max((stage_activation_bytes(m, par, micro_batch, s, opts)
+                          for s in rank_stages(par, r)), default=0.0)
+        best = max(best, total)
+    return best
+
+
 def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
          gpus_per_node: int | None = None, efficiency: float | None = None,
          memory_fraction: float = 0.9, top: int = 10, optimizer: str | tuple[str, ...] = "adamw",
          clock: roofline_model.ClockOptions | None = None,
-         progress: Callable[[int, int], None] | None = None, **space) -> PlanResult:
+         progress: Callable[[int, int | None], None] | None = None, **space
+         ) -> PlanResult:
     """Every layout that fits, fastest first (``ranked``), with what was discarded;
     ``optimizer``: one ``--optimizer`` or several, each layout evaluated with each;
-    ``progress(done, total)``: called as the layouts are evaluated (about every 1 %).
+    ``progress(done, total)``: called as the layouts are enumerated (``total`` None, every
+    500) and as they are evaluated (about every 1 %).
 
-    A layout whose model states alone exceed the device (``memory.states_floor``) is out of
-    memory without its activations, traffic or clock being worked out; only when no layout
-    fits are those evaluated in full, for the smallest that does not fit."""
+    A layout whose kept states and one micro-batch's activations alone exceed the device
+    (``memory_bound``, then ``memory.states_floor``) is out of memory without its buffers, traffic or clock
+    being worked out: the same answer as evaluating it, since both are lower bounds. Only
+    when no layout fits are those evaluated in full, in the order of their bounds until the
+    bound passes the smallest found, for the smallest that does not fit."""
     optimizers = (optimizer,) if isinstance(optimizer, str) else tuple(optimizer)
     gpn = gpus_per_node or hw.gpus_per_node
     counts: dict[str, int] = {}
     fits: list[Prediction] = []
-    unfit: list[tuple[int, Prediction]] = []  # (place in the search, prediction)
-    floored: list[int] = []
+    floored: list[tuple[float, int]] = []  # out of memory: (bytes or a lower bound, place)
     cap = hw.memory * memory_fraction
-    jobs = [(par, opt) for par, _b in candidates(m, gpus, gpn, global_batch, counts=counts,
-                                                 **space) for opt in optimizers]
+    jobs = []
+    for k, (par, _b) in enumerate(candidates(m, gpus, gpn, global_batch, counts=counts,
+                                             **space)):
+        if progress and k % 500 == 0:
+            progress(k, None)  # still enumerating: the total is not known yet
+        jobs += [(par, opt) for opt in optimizers]
     every = max(1, len(jobs) // 100)
 
     def full(par: ParallelConfig, opt: str) -> Prediction:
@@ -475,28 +538,108 @@ def plan(m: ModelConfig, gpus: int, hw: Hardware, global_batch: int,
     for i, (par, opt) in enumerate(jobs):
         if progress and i % every == 0:
             progress(i, len(jobs))
-        if states_floor(m, resolve_precision(par, hw.gpu, hw.name)[0], opt) > cap:
-            floored.append(i)
+        # lower bounds first (closed form, then the cut buckets): a layout above the device
+        # by either is out of memory whatever its buffers, traffic or clock
+        rpar = resolve_precision(par, hw.gpu, hw.name)[0]
+        bound = memory_bound(m, rpar, micro_batch_size(rpar, global_batch), opt)
+        if bound <= cap:
+            bound = max(bound, states_floor(m, rpar, opt))
+        if bound > cap:
+            floored.append((bound, i))
             continue
-        pr = full(par, opt)
-        if pr.fits:
-            fits.append(pr)
-        else:
-            unfit.append((i, pr))
+        # the memory before the clock: a layout that does not fit needs no traffic or time
+        mem = largest_rank(m, rpar, micro_batch_size(rpar, global_batch), GPU_ACTIVATIONS, opt)
+        if mem.peak > cap:
+            floored.append((mem.peak, i))
+            continue
+        fits.append((step_lower_bound(m, rpar, hw, global_batch, mem, efficiency, clock), i))
     if progress:
         progress(len(jobs), len(jobs))
+    fitting = [jobs[i][0] for _, i in fits]
+    fits = _cost(fits, fitting, lambda i: full(*jobs[i]), top)  # type: ignore[assignment]
     smallest = None
-    if not fits:  # the smallest that does not fit, over every layout (the first of a tie)
-        unfit += [(i, full(*jobs[i])) for i in floored]
-        smallest = min(unfit, key=lambda ip: (ip[1].memory.peak, ip[0]), default=(0, None))[1]
+    if not fits:  # the smallest that does not fit, over every layout (the first of a tie):
+        # in the order of their lower bounds until the bound passes the smallest found
+        best: tuple[float, int] | None = None
+        for bound, i in sorted(floored):
+            if best is not None and bound > best[0]:
+                break
+            par, opt = jobs[i]
+            rpar = resolve_precision(par, hw.gpu, hw.name)[0]
+            peak = largest_rank(m, rpar, micro_batch_size(rpar, global_batch),
+                                GPU_ACTIVATIONS, opt).peak
+            best = min(best or (peak, i), (peak, i))
+        smallest = full(*jobs[best[1]]) if best else None
     counts["evaluated"] = len(jobs)
-    if len(jobs) > len(fits):
-        counts["out_of_memory"] = len(jobs) - len(fits)
+    if len(jobs) > len(fitting):
+        counts["out_of_memory"] = len(jobs) - len(fitting)
     fits = rank_layouts(fits)
-    counts["fit"] = len(fits)
+    counts["fit"] = len(fitting)
+    counts["timed"] = len(fits)
     res = PlanResult(fits, counts, smallest)
     res.reasons = explain(fits)
     return res
+
+
+def step_lower_bound(m: ModelConfig, par: ParallelConfig, hw: Hardware, global_batch: int,
+                     mem: RankMemory, efficiency: float | None = None,
+                     clock: roofline_model.ClockOptions | None = None) -> float:
+    """A lower bound on ``predict(...).step_seconds`` without the traffic: the slowest
+    pipeline rank's compute, (micro-batches + bubble ticks) times, plus the optimizer step
+    and the runtime's cost (``predict`` adds the exposed communication and the CPU's shared
+    time, never negative)."""
+    clock = clock or roofline_model.ClockOptions(attention=GPU_ACTIVATIONS.attention)
+    b = micro_batch_size(par, global_batch)
+    busy = max(sum(rank_compute(m, par, hw, b, r, efficiency, clock)[k]
+                   for k in ("fwd", "bwd", "recompute"))
+               for r in (range(par.pp) if par.pp <= 64 else (0, par.pp - 1)))
+    t_opt = (roofline_model.optimizer_seconds(mem.states_total, hw) if efficiency is None
+             else 2.0 * mem.states_total / hw.hbm_bw)
+    return ((par.micro_batches + bubble_formulas.bubble_ticks(par)) * busy + t_opt
+            + hw.step_overhead)
+
+
+# what ``explain`` reads beyond the top: the best of each family
+FAMILIES = (lambda p: p.pp == 1, lambda p: p.tp == 1, lambda p: p.recompute == "none")
+
+
+def _cost(bounded: list[tuple[float, int]], fitting: list[ParallelConfig], full, top: int
+          ) -> list[Prediction]:
+    """Predict the layouts that fit in the order of their step-time lower bounds, until the
+    next bound is above every step the answer reads (the ``top``-th fastest, the best of each
+    family ``explain`` names, the best of another shape), widened by ``TIE``: a layout
+    left out is slower than all of them, so the ranking's first ``top`` and ``explain`` are
+    those of predicting every layout (``rank_layouts`` only reorders within a tie)."""
+    order = sorted(range(len(bounded)), key=lambda k: bounded[k])
+    has = [any(f(p) for p in fitting) for f in FAMILIES]
+    shapes = {_shape(p) for p in fitting}
+    out: list[Prediction] = []
+    limit = float("inf")
+    for n, k in enumerate(order):
+        bound, i = bounded[k]
+        if bound > limit:
+            break
+        out.append(full(i))
+        if n % 16 == 15 or n == len(order) - 1 or len(out) >= top:
+            limit = _limit(out, has, len(shapes) > 1, top)
+    return out
+
+
+def _limit(out: list[Prediction], has: list[bool], shapes: bool, top: int) -> float:
+    """The step below which every layout must be predicted (``_cost``)."""
+    steps = sorted(p.step_seconds for p in out)
+    if len(steps) < max(top, 2):
+        return float("inf")
+    need = [steps[max(top, 2) - 1]]
+    for f, h in zip(FAMILIES, has):
+        if h:
+            need.append(min((p.step_seconds for p in out if f(p.par)), default=float("inf")))
+    if shapes:  # the best of another shape than the winner's: at most the second shape's
+        by: dict[tuple, float] = {}
+        for p in out:
+            by[_shape(p.par)] = min(by.get(_shape(p.par), float("inf")), p.step_seconds)
+        need.append(sorted(by.values())[1] if len(by) > 1 else float("inf"))
+    return max(need) * (1 + TIE) ** 2
 
 
 TIE = 0.002  # step times within 0.2 % are a tie for the model

@@ -69,6 +69,10 @@ class ClockOptions:
     # False: Megatron's unfused vocab-parallel cross-entropy (its --cross-entropy-loss-fusion
     # is opt-in) or eager PyTorch: see ``LOSS_EAGER``
     fused_loss: bool = True
+    # --doc-mask: the keys a token attends to on average, Σ Lᵢ²/S (``compute.doc_context``);
+    # 0: the whole window (S). The flash kernel's FLOPs follow it (a per-document kernel skips
+    # the other documents' blocks); materialised scores stay S wide (a mask computes them all)
+    attn_context: float = 0.0
 
 
 # Eager PyTorch (the fived runtime on a CPU) runs each element-wise step as its own kernel:
@@ -218,7 +222,8 @@ def _attention_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptio
     hkv = m.kv_heads * d / min(tp, m.kv_heads)
     t = b * q_len
     if opts.attention == "flash":
-        flops = 4.0 * t * s * hq / 2  # causal: half the score blocks are skipped
+        ctx = min(opts.attn_context or s, s)  # --doc-mask: Σ Lᵢ²/S instead of S
+        flops = 4.0 * t * ctx * hq / 2  # causal: half the score blocks are skipped
         io = e * t * (2 * hq + 2 * hkv)
         fwd = Op("attn.flash", "attn", flops, io)
         return {"fwd": [fwd], "bwd": [Op("attn.flash.bwd", "attn", 2.5 * flops, 2 * io)]}

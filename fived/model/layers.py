@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .documents import segments
+
 STD = 0.02  # the init std of every weight matrix (residual outputs: STD / √(2·layers))
 
 
@@ -146,10 +148,50 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 causal_attention = flash_attention  # the name context parallelism and the benchmarks call
 
 
+def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  docs: torch.Tensor) -> torch.Tensor:
+    """Causal attention within documents; q (b, s, h, d), k/v (b, s, g, d), docs (b, s).
+
+    Per-document varlen: every (row, document) segment is one fused causal SDPA call on its
+    own tokens; a row of one document is one call over the row, as without a mask. Segments
+    of equal length across rows share a call."""
+    b, s = q.shape[0], q.shape[1]
+    if docs.shape != (b, s):
+        raise ValueError(f"document ids {tuple(docs.shape)} do not match the queries ({b}, {s})")
+    segs = [segments(docs[r]) for r in range(b)]
+    if all(len(x) == 1 for x in segs):
+        return causal_attention(q, k, v)
+    by_len: dict[int, list[tuple[int, int]]] = {}
+    for r, row in enumerate(segs):
+        for a, e in row:
+            by_len.setdefault(e - a, []).append((r, a))
+    out = torch.empty_like(q)  # every token belongs to exactly one segment: all rows written
+    parts, where = [], []
+    for n, items in by_len.items():
+        qs = torch.stack([q[r, a:a + n] for r, a in items])
+        ks = torch.stack([k[r, a:a + n] for r, a in items])
+        vs = torch.stack([v[r, a:a + n] for r, a in items])
+        parts.append(causal_attention(qs, ks, vs))
+        where.append(items)
+    # scatter through index_put (autograd-friendly), one index per token
+    rows, cols, vals = [], [], []
+    for o, items in zip(parts, where):
+        n = o.shape[1]
+        for r, a in items:
+            rows.append(torch.full((n,), r, dtype=torch.long))
+            cols.append(torch.arange(a, a + n))
+        vals.append(o.reshape(-1, *o.shape[2:]))
+    ri, ci = torch.cat(rows).to(q.device), torch.cat(cols).to(q.device)
+    return out.index_put((ri, ci), torch.cat(vals))
+
+
 class CausalAttention(nn.Module):
     """The attention core over the whole sequence (context parallelism replaces it)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        if docs is not None:  # --doc-mask: per-document varlen
+            return doc_attention(q, k, v, docs)
         return causal_attention(q, k, v)  # the one name every caller (and a test's patch) uses
 
 

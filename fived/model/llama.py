@@ -36,6 +36,7 @@ from torch import nn
 from ..config import ModelConfig
 from . import layers as nn_layers
 from .cache import KVCache, LayerCache
+from .documents import Documents
 from .init import init_weights
 from .moe import MoE
 
@@ -59,7 +60,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: LayerCache | None = None) -> torch.Tensor:
-        cos, sin = rope
+        cos, sin = rope[0], rope[1]  # a third item: the document ids (--doc-mask)
         q = self.q_proj(x)
         b, s, d = q.shape[0], q.shape[1], self.head_dim
         q, k = q.view(b, s, -1, d), self.k_proj(x).view(b, s, -1, d)
@@ -68,7 +69,7 @@ class Attention(nn.Module):
         q, k = nn_layers.apply_rope(q, cos, sin), nn_layers.apply_rope(k, cos, sin)
         v = self.v_proj(x).view(b, s, -1, d)
         if cache is None:
-            o = self.core(q, k, v)
+            o = self.core(q, k, v) if len(rope) == 2 else self.core(q, k, v, rope[2])
         else:  # generation: the new keys/values join the cached ones (fived.model.cache)
             o = nn_layers.masked_attention(q, *cache.update(k, v))
         return self.o_proj(o.reshape(b, s, -1))
@@ -153,9 +154,16 @@ class Transformer(nn.Module):
         are given on the last part — the summed token loss out.
 
         Generation (``cache``, after ``cache.begin``): ``positions`` are (b, s), each row's
-        own; the keys and values join the cache, and the logits are the last slot's only."""
+        own; the keys and values join the cache, and the logits are the last slot's only.
+        ``--doc-mask``: ``positions`` is a ``Documents`` (per-row positions and document ids,
+        ``fived.model.documents``); the ids reach every attention core with the rope tables."""
+        docs = None
+        if isinstance(positions, Documents):
+            positions, docs = positions.positions, positions.docs
         h = self.embed_tokens(x) if self.first else x
         rope = nn_layers.rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        if docs is not None:
+            rope = (*rope, docs)
         for i, block in self.layers.items():
             h = block(h, rope) if cache is None else block(h, rope, LayerCache(cache, int(i)))
         if cache is not None:

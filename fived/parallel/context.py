@@ -62,6 +62,8 @@ from ..ledger.context import (  # noqa: F401 - the torch-free formulas, re-expor
 )
 from ..ledger.context import positions as cp_positions
 from ..model import layers
+from ..model.documents import doc_mask
+from ..model.layers import doc_attention
 from ..model.moe import moe_layers
 from .counts import add_count_reduction
 
@@ -177,6 +179,111 @@ def _merge(o_acc, lse_acc, o, lse, rows: slice) -> None:
     lse_acc[..., rows] = new
 
 
+def _merge_safe(o_acc, lse_acc, o, lse, rows: slice) -> None:
+    """``_merge`` for document masks, where a row may have seen no key yet (lse −inf on both
+    sides): its weights are 0, not NaN."""
+    old_o, old_lse = o_acc[..., rows, :], lse_acc[..., rows]
+    new = torch.logaddexp(old_lse, lse)
+    ref = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    o_acc[..., rows, :] = old_o * torch.exp(old_lse - ref).unsqueeze(-1) + o * torch.exp(
+        lse - ref).unsqueeze(-1)
+    lse_acc[..., rows] = new
+
+
+def _masked_forward(q, k, v, mask, scale):
+    """One block under a document mask (b, sq, sk): (o, lse); a row with no visible key in the
+    block gets o = 0 and lse = −inf (it merges as nothing)."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - ref.unsqueeze(-1))
+    return torch.matmul(p, v.unsqueeze(2)), lse
+
+
+def _masked_backward(q, k, v, mask, lse, do, delta, scale):
+    """One block's (dq, dk, dv) under a document mask, with the merged row ``lse`` (finite:
+    every token sees itself)."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+    dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
+    return dq, dk, dv
+
+
+def doc_plan(q_chunks: torch.Tensor, kv_chunks: torch.Tensor, c: int, docs: torch.Tensor
+             ) -> list[tuple[slice, int, torch.Tensor]]:
+    """The chunk pairs of the local q chunks against one K/V block that document masks leave
+    anything in: (q rows, kv local chunk index, mask (b, c, c)). ``q_chunks``/``kv_chunks``:
+    (b, k) global chunk ids of the two ranks' local chunks, per row (zigzag: the same for
+    every row; ``ptrr``: each row's own). A pair is skipped — never computed — when, in every
+    row, its K/V chunk is later than the query chunk or wholly in other documents.
+    ``docs``: the ids of the whole rows (b, S)."""
+    out = []
+    ar = torch.arange(c, device=docs.device)
+    for a in range(q_chunks.shape[1]):
+        qpos = q_chunks[:, a, None] * c + ar  # (b, c) global positions
+        qd = docs.gather(1, qpos)
+        for j in range(kv_chunks.shape[1]):
+            kpos = kv_chunks[:, j, None] * c + ar
+            live = kv_chunks[:, j] <= q_chunks[:, a]
+            if not bool(live.any()):
+                continue
+            kd = docs.gather(1, kpos)
+            # documents are contiguous: two chunks share one iff their id ranges overlap
+            live &= (qd[:, 0] <= kd[:, -1]) & (qd[:, -1] >= kd[:, 0])
+            if not bool(live.any()):
+                continue
+            mask = ((qd[:, :, None] == kd[:, None, :]) & (qpos[:, :, None] >= kpos[:, None, :])
+                    & live[:, None, None])
+            out.append((slice(a * c, (a + 1) * c), j, mask))
+    return out
+
+
+BALANCERS = ("zigzag", "ptrr")
+PTRR_CHUNKS = 8  # chunks per cp rank under ``ptrr`` (blocks of S/(8·cp) tokens)
+
+
+def ptrr_chunks(docs: torch.Tensor, n: int) -> torch.Tensor:
+    """torch's processing-time round robin (``_PTRRLoadBalancer``), per row: the row cut into
+    8·n blocks, each block's work (Σ over its queries of the keys their document lets them
+    see) computed, the blocks sorted by work (descending, ties in order) and dealt to the ranks
+    in snake order 0..n−1, n−1..0, ...; (b, n, 8) chunk ids, each rank's ascending.
+    ``fived.ledger.context.token_ranks(..., "ptrr")`` is the same rule, torch-free."""
+    from ..model.documents import reset_positions
+
+    b, S = docs.shape
+    nb = PTRR_CHUNKS * n
+    work = (reset_positions(docs) + 1).view(b, nb, S // nb).sum(-1)
+    order = torch.sort(work, dim=1, descending=True, stable=True).indices
+    k = torch.arange(nb, device=docs.device)
+    lap, pos = k // n, k % n
+    owner = torch.where(lap % 2 == 0, pos, n - 1 - pos)  # rank of sorted slot k
+    out = torch.empty(b, n, PTRR_CHUNKS, dtype=torch.long, device=docs.device)
+    for r in range(n):
+        out[:, r] = order[:, owner == r].sort(dim=1).values
+    return out
+
+
+def rank_chunks(docs: torch.Tensor, n: int, layout: str, balance: str) -> torch.Tensor:
+    """(b, n, k) global chunk ids of every cp rank's local chunks, per row."""
+    if balance == "ptrr":
+        return ptrr_chunks(docs, n)
+    ids = torch.tensor([chunk_ids(r, n, layout) for r in range(n)], device=docs.device)
+    return ids.expand(docs.shape[0], n, 2)
+
+
+def balanced_positions(docs: torch.Tensor, n: int, rank: int) -> torch.Tensor:
+    """``ptrr``: the global positions (b, S/n) this cp rank holds, per row, in local order."""
+    ch = ptrr_chunks(docs, n)[:, rank]  # (b, k)
+    c = docs.shape[1] // (PTRR_CHUNKS * n)
+    return (ch[:, :, None] * c + torch.arange(c, device=docs.device)).flatten(1)
+
+
 def _kv_rows(t: torch.Tensor, js: list[int], c: int) -> torch.Tensor:
     """Rows of the K/V chunks ``js`` of a (…, 2c, d) tensor (a view when they are contiguous)."""
     if js == [0, 1]:
@@ -200,7 +307,7 @@ class RingAttention(torch.autograd.Function):
     """Causal attention over the cp-sharded sequence; q (b, s, h, d), k/v (b, s, g, d) local."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, stats, fused):
+    def forward(ctx, q, k, v, group, layout, stats, fused, docs=None, balance="zigzag"):
         n, r = group.size, group.rank
         b, s, h, d = q.shape
         g = k.shape[2]
@@ -211,6 +318,8 @@ class RingAttention(torch.autograd.Function):
         o_acc = torch.zeros_like(qi)
         lse_acc = torch.full(qi.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         q_chunks = chunk_ids(r, n, layout)
+        owned = None if docs is None else rank_chunks(docs, n, layout, balance)
+        cd = c if docs is None else s // owned.shape[2]  # the doc path's chunk length
         cur = kv
         for t in range(n):
             handle, nxt = None, None
@@ -219,7 +328,15 @@ class RingAttention(torch.autograd.Function):
                 handle = ops.exchange(group, [(cur, (r + 1) % n)], [(nxt, (r - 1) % n)],
                                       async_op=True)
             src = (r - t) % n
-            for rows, js, causal, pairs in step_plan(q_chunks, chunk_ids(src, n, layout), c):
+            if docs is not None:  # document masks: the pairs they leave, masked
+                for rows, j, mask in doc_plan(owned[:, r], owned[:, src], cd, docs):
+                    kk, vv = _kv_rows(cur[0], [j], cd), _kv_rows(cur[1], [j], cd)
+                    o, lse = _masked_forward(qi[..., rows, :], kk, vv, mask, scale)
+                    if stats is not None:
+                        stats.count(qi[..., rows, :], kk, 1)
+                    _merge_safe(o_acc, lse_acc, o, lse, rows)
+            for rows, js, causal, pairs in ([] if docs is not None else
+                                            step_plan(q_chunks, chunk_ids(src, n, layout), c)):
                 kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
                 o, lse = _block_forward(qi[..., rows, :], kk, vv, causal, scale, fused)
                 if stats is not None:
@@ -230,7 +347,7 @@ class RingAttention(torch.autograd.Function):
                 cur = nxt
         out = _from_inner_q(o_acc, q.dtype)
         ctx.group, ctx.layout, ctx.scale, ctx.g = group, layout, scale, g
-        ctx.stats, ctx.fused = stats, fused
+        ctx.stats, ctx.fused, ctx.docs, ctx.owned = stats, fused, docs, owned
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.save_for_backward(qi, kv, out, lse_acc)
         return out
@@ -239,12 +356,13 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qi, kv, out, lse = ctx.saved_tensors
         group, layout, scale, g = ctx.group, ctx.layout, ctx.scale, ctx.g
-        stats, fused = ctx.stats, ctx.fused
+        stats, fused, docs, owned = ctx.stats, ctx.fused, ctx.docs, ctx.owned
         n, r = group.size, group.rank
         c = qi.shape[-2] // 2
         doi = _to_inner_q(dout, g)
         oi = _to_inner_q(out, g)
-        delta = None if _fused(qi, fused) else (doi * oi).sum(-1)  # the fused kernel forms its own
+        delta = (None if _fused(qi, fused) and docs is None  # the fused kernel forms its own
+                 else (doi * oi).sum(-1))
         dq = torch.zeros_like(qi)
         dkv_own = torch.zeros_like(kv)
         q_chunks = chunk_ids(r, n, layout)
@@ -265,7 +383,20 @@ class RingAttention(torch.autograd.Function):
             handle = ops.exchange(group, sends, recvs, async_op=True) if sends else None
             src = (r - t) % n
             contrib = dkv_own if t == 0 else torch.zeros_like(kv)
-            for rows, js, causal, pairs in step_plan(q_chunks, chunk_ids(src, n, layout), c):
+            if docs is not None:
+                cd = qi.shape[-2] // owned.shape[2]
+                for rows, j, mask in doc_plan(owned[:, r], owned[:, src], cd, docs):
+                    kk, vv = _kv_rows(cur[0], [j], cd), _kv_rows(cur[1], [j], cd)
+                    dqb, dkb, dvb = _masked_backward(qi[..., rows, :], kk, vv, mask,
+                                                     lse[..., rows], doi[..., rows, :],
+                                                     delta[..., rows], scale)
+                    if stats is not None:
+                        stats.count(qi[..., rows, :], kk, 2)
+                    dq[..., rows, :] += dqb
+                    contrib[0][..., j * cd:(j + 1) * cd, :] += dkb
+                    contrib[1][..., j * cd:(j + 1) * cd, :] += dvb
+            for rows, js, causal, pairs in ([] if docs is not None else
+                                            step_plan(q_chunks, chunk_ids(src, n, layout), c)):
                 kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
                 dqb, dkb, dvb = _block_backward(qi[..., rows, :], kk, vv, causal, lse[..., rows],
                                                 doi[..., rows, :], oi[..., rows, :],
@@ -299,16 +430,20 @@ class RingAttention(torch.autograd.Function):
         dq_out = _from_inner_q(dq, ctx.dtypes[0])
         dk = dkv_own[0].transpose(1, 2).to(ctx.dtypes[1])
         dv = dkv_own[1].transpose(1, 2).to(ctx.dtypes[2])
-        return dq_out, dk, dv, None, None, None, None
+        return dq_out, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, group: Any, layout: str = "zigzag", *,
-                   stats: AttentionStats | None = None, fused: bool = True) -> torch.Tensor:
+                   stats: AttentionStats | None = None, fused: bool = True,
+                   docs: torch.Tensor | None = None, balance: str = "zigzag") -> torch.Tensor:
     """``stats``: count the executed blocks' FLOPs there (forward and backward); ``fused``:
-    False runs the explicit block math instead of the fused CPU kernel (any device and dtype)."""
+    False runs the explicit block math instead of the fused CPU kernel (any device and dtype);
+    ``docs``: the document ids of the whole rows (b, S) — document masks: every chunk pair
+    runs masked, a pair wholly in other documents is skipped (``doc_plan``); ``balance``
+    ``ptrr``: the sequence was sharded by ``balanced_positions`` (document masks only)."""
     if group.size == 1:
-        return layers.causal_attention(q, k, v)
-    return RingAttention.apply(q, k, v, group, layout, stats, fused)
+        return layers.causal_attention(q, k, v) if docs is None else doc_attention(q, k, v, docs)
+    return RingAttention.apply(q, k, v, group, layout, stats, fused, docs, balance)
 
 
 # ---------------------------------------------------------------------------------- Ulysses
@@ -344,10 +479,13 @@ def check_ulysses(heads: int, kv_heads: int, n: int) -> None:
             "use --cp-mode ring or a cp that divides heads/tp"])
 
 
-def ulysses_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Tensor:
+def ulysses_attention(q, k, v, group: Any, layout: str = "zigzag",
+                      docs: torch.Tensor | None = None) -> torch.Tensor:
+    """``docs`` (b, S), the whole rows' document ids: the full-sequence core is
+    ``doc_attention`` (per-document varlen) on the natural order."""
     n = group.size
     if n == 1:
-        return layers.causal_attention(q, k, v)
+        return layers.causal_attention(q, k, v) if docs is None else doc_attention(q, k, v, docs)
     h, g = q.shape[2], k.shape[2]
     check_ulysses(h, g, n)
     g2 = ulysses_kv_heads(h, g, n)
@@ -355,16 +493,18 @@ def ulysses_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Tens
         k = k.repeat_interleave(g2 // g, dim=2)
         v = v.repeat_interleave(g2 // g, dim=2)
     qh, kh, vh = (_seq_to_heads(t, group, layout) for t in (q, k, v))
-    o = layers.causal_attention(qh, kh, vh)
+    o = layers.causal_attention(qh, kh, vh) if docs is None else doc_attention(qh, kh, vh, docs)
     return _heads_to_seq(o, group, layout)
 
 
 # ---------------------------------------------------------------------------------- all-gather
-def allgather_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Tensor:
-    """Baseline: all-gather K/V (reduce-scatter dK/dV in backward), attend with a position mask."""
+def allgather_attention(q, k, v, group: Any, layout: str = "zigzag",
+                        docs: torch.Tensor | None = None) -> torch.Tensor:
+    """Baseline: all-gather K/V (reduce-scatter dK/dV in backward), attend with a position mask
+    (and the document mask with ``docs``)."""
     n = group.size
     if n == 1:
-        return layers.causal_attention(q, k, v)
+        return layers.causal_attention(q, k, v) if docs is None else doc_attention(q, k, v, docs)
     b, s, h, d = q.shape
     kv = torch.stack([k, v])  # (2, b, s, g, d)
     full = comm_autograd.gather_from(kv.transpose(0, 2).contiguous(), group, 0)  # (n·s, b, 2, g, d)
@@ -375,6 +515,8 @@ def allgather_attention(q, k, v, group: Any, layout: str = "zigzag") -> torch.Te
     if rep > 1:
         kf, vf = kf.repeat_interleave(rep, dim=2), vf.repeat_interleave(rep, dim=2)
     mask = qpos[:, None] >= kpos[None, :]
+    if docs is not None:
+        mask = doc_mask(qpos, kpos, docs)[:, None]
     o = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), attn_mask=mask,
         scale=1.0 / math.sqrt(d))
@@ -392,9 +534,22 @@ class ContextAttention(nn.Module):
         if mode not in MODES:
             raise ConfigError([f"--cp-mode {mode!r}: choose one of ring, ulysses"])
         self.group, self.mode = group, mode
+        self.balance = "zigzag"  # --cp-balance ptrr (ring, --doc-mask): set by the trainer
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return MODES[self.mode](q, k, v, self.group)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        if docs is None:
+            return MODES[self.mode](q, k, v, self.group)
+        if self.balance != "zigzag":
+            return ring_attention(q, k, v, self.group, docs=docs, balance=self.balance)
+        return MODES[self.mode](q, k, v, self.group, docs=docs)
+
+
+def set_balance(model: nn.Module, balance: str) -> None:
+    """``--cp-balance``: every ring core of ``model`` takes the sharding ``balance``."""
+    for m in model.modules():
+        if isinstance(m, ContextAttention):
+            m.balance = balance
 
 
 def apply_cp(model: nn.Module, group: Any, mode: str = "ring") -> nn.Module:

@@ -7,8 +7,7 @@ vocabulary, no tokenizer, no download. It is the same on every rank of one machi
 Step ``s`` of a run with seed ``seed`` draws ``global_batch`` start offsets from a generator
 seeded by (seed, s); sequence j is ``corpus[o_j : o_j + seq_len]`` with targets shifted by one.
 The batch group (dp·ep ranks) splits those sequences into equal contiguous slices, and each
-slice into micro-batches — so every layout trains on exactly the same tokens. ``shard`` keeps
-a rank's columns of its rows: with cp its shard of the sequence.
+slice into micro-batches — so every layout trains on exactly the same tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -66,14 +64,3 @@ def local_batch(step: int, seed: int, batch: int, seq_len: int, replica: int, re
     per = batch // replicas
     return x[replica * per:(replica + 1) * per], y[replica * per:(replica + 1) * per]
 
-
-def shard(x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None, device: Any
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's part of its batch rows on ``device``, and the token positions it holds: the
-    columns at ``positions`` (its cp shard of the sequence, ``fived.ledger.context.positions``),
-    or all of them (None)."""
-    if positions is None:
-        positions = torch.arange(x.shape[1])
-    else:
-        x, y = x[:, positions].contiguous(), y[:, positions].contiguous()
-    return x.to(device), y.to(device), positions.to(device)

@@ -22,5 +22,6 @@ class Evaluator:
         if not self.due(step):
             return
         rec.update(self.trainer.evaluate())
+        by = "".join(f", {k} {v:.4f}" for k, v in (rec.get("val_loss_by_source") or {}).items())
         metrics.note(f"step {step}: validation loss {rec['val_loss']:.4f}, perplexity "
-                     f"{rec['val_ppl']:.2f}")
+                     f"{rec['val_ppl']:.2f}{by}")

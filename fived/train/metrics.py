@@ -49,6 +49,10 @@ class LiveDisplay:
         )
         if rec.get("moe"):
             self.progress.console.print(f"step {rec['step']}: {moe_line(rec['moe'])}")
+        if rec.get("loss_by_source"):  # a mixture: the step's loss per source
+            by = " · ".join(f"{k} {'-' if v is None else f'{v:.4f}'}"
+                            for k, v in rec["loss_by_source"].items())
+            self.progress.console.print(f"step {rec['step']}: loss by source {by}")
         if rec.get("skipped"):
             self.progress.console.print(f"step {rec['step']}: overflow, step skipped")
 

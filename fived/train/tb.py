@@ -29,6 +29,11 @@ class TensorBoard:
                          ("val/loss", "val_loss"), ("val/perplexity", "val_ppl")):
             if rec.get(key) is not None:
                 w.add_scalar(tag, float(rec[key]), s)
+        for name, v in (rec.get("val_loss_by_source") or {}).items():  # a mixture's sources
+            w.add_scalar(f"val/loss_{name}", float(v), s)
+        for name, v in (rec.get("loss_by_source") or {}).items():
+            if v is not None:
+                w.add_scalar(f"train/loss_{name}", float(v), s)
         mems = rec.get("memory_per_rank") or []
         if mems:
             worst = max(mems, key=lambda m: sum(m.get(k, 0) for k in STATE))

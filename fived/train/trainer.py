@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,10 +34,12 @@ from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..ledger.context import positions as cp_positions
 from ..model import build_model
+from ..model.documents import Documents, micro_positions, reset_positions
 from ..model.init import InitSource
 from ..model.moe import moe_layers
 from ..optim import lr_at
 from ..parallel.balance import RouteBalancer, RoutingStatistics
+from ..parallel.context import balanced_positions, set_balance
 from ..parallel.parallelize import dtype_of, parallelize
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
 from ..ranks.launch import rank_device
@@ -108,6 +111,8 @@ class Trainer:
         self.build_cuda = (torch.cuda.max_memory_allocated(self.device)
                            if self.device.type == "cuda" else 0)  # the build's device peak
         self.stage = self.parallel.model
+        if train.cp_balance != "zigzag" and par.cp > 1:
+            set_balance(self.stage, train.cp_balance)
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
         # the loss's all-reduces, charged to metrics: over dense, tp, then pp (dense × tp × pp
@@ -125,25 +130,37 @@ class Trainer:
     def _open_data(self, eval_split: str = "") -> None:
         """--data: the loaders of this rank's rows (the batch group), the padded-logit mask;
         ``eval_split``: only that split's (not shuffled), no training loader."""
-        from ..data.loader import Loader
-        from ..data.shards import DataDir
+        from ..data.loader import open_loader
         from ..data.vocab import mask_padded_logits
 
-        data, t, b = DataDir(self.tcfg.data), self.tcfg, self.grid["batch"]
+        t, b = self.tcfg, self.grid["batch"]
+        kw = dict(seq_len=self.cfg.seq_len, batch=t.global_batch, seed=t.seed, replica=b.rank,
+                  replicas=b.size, device=self.device, documents=t.doc_mask)
+        if eval_split:
+            self.eval_loader = open_loader(t.data, eval_split, shuffle=False,
+                                           prefetch=t.prefetch, **kw)
+            data = self.eval_loader.data
+        else:
+            self.loader = open_loader(t.data, "train", prefetch=t.prefetch, **kw)
+            data = self.loader.data
+            if t.eval_every:
+                self.eval_loader = open_loader(t.data, "val", shuffle=False, **kw)
+        # a mixture: each source's own evaluation split too (the per-source validation loss)
+        self.source_eval = {}
+        for src, part in zip(getattr(self.eval_loader, "sources", []),
+                             getattr(self.eval_loader, "parts", [])):
+            self.source_eval[src.name] = open_loader(src.path, part.split, shuffle=False, **kw)
         if data.vocab > self.cfg.vocab:
             raise ConfigError([f"--data {t.data}: the tokenizer has {data.vocab} symbols but "
                                f"the model's vocab is {self.cfg.vocab}"])
-        kw = dict(seq_len=self.cfg.seq_len, batch=t.global_batch, seed=t.seed, replica=b.rank,
-                  replicas=b.size, device=self.device)
-        if eval_split:
-            self.eval_loader = Loader(data, eval_split, shuffle=False, prefetch=t.prefetch, **kw)
-        else:
-            self.loader = Loader(data, "train", prefetch=t.prefetch, **kw)
-            if t.eval_every:
-                self.eval_loader = Loader(data, "val", shuffle=False, **kw)
         masked = mask_padded_logits(self.stage, data.vocab, self.cfg.vocab)
         if data.vocab < self.cfg.vocab and getattr(self.stage, "last", True) and not masked:
             raise RuntimeError("the padded vocabulary rows could not be masked: no loss module")
+        mix = self.loader if self.loader is not None else self.eval_loader
+        if hasattr(mix, "sources"):  # a mixture: each step's loss per source too
+            from ..data.vocab import tally_sources
+
+            self.source_losses = tally_sources(self.stage, len(mix.sources))
 
     # -------------------------------------------------------------------- data position
     def data_state(self) -> dict[str, Any]:
@@ -181,16 +198,33 @@ class Trainer:
         positions, on its device."""
         b = self.grid["batch"]
         if self.loader is not None:
-            x, y = self.loader.get(step)
-        else:
-            x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch,
-                                            self.cfg.seq_len, b.rank, b.size, self.tcfg.corpus_mb)
-        return builtin_data.shard(x, y, self.cp_positions, self.device)
+            return self.shard(*self.loader.get(step))
+        x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch,
+                                        self.cfg.seq_len, b.rank, b.size, self.tcfg.corpus_mb)
+        return self.shard(x, y)
 
-    def shard(self, x: torch.Tensor, y: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's part of its batch rows: the cp sequence shard and its positions."""
-        return builtin_data.shard(x, y, self.cp_positions, self.device)
+    def shard(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """This rank's part of its batch rows: the cp sequence shard and its positions; with
+        document ids (--doc-mask) the positions are a ``Documents`` (per-row RoPE positions of
+        the shard, the whole rows' ids: ``fived.model.documents``)."""
+        positions = torch.arange(self.cfg.seq_len)
+        rows = None
+        if docs is not None:
+            rows = (reset_positions(docs) if self.tcfg.doc_positions == "reset"
+                    else torch.arange(self.cfg.seq_len).expand_as(docs))
+        if docs is not None and self.par.cp > 1 and self.tcfg.cp_balance == "ptrr":
+            cp = self.grid["cp"]  # each row's own blocks (fived.parallel.context.ptrr_chunks)
+            pos = balanced_positions(docs, cp.size, cp.rank)
+            x, y, rows = x.gather(1, pos), y.gather(1, pos), rows.gather(1, pos)
+        elif self.par.cp > 1:
+            positions = self.cp_positions
+            x, y = x[:, positions].contiguous(), y[:, positions].contiguous()
+            rows = None if rows is None else rows[:, positions.to(rows.device)]
+        if docs is not None:
+            positions = Documents(rows.contiguous(), docs)
+        dev = self.device
+        return x.to(dev), y.to(dev), positions.to(dev)
 
     def forward_backward(self, x, y, positions, scale: float) -> torch.Tensor:
         """All micro-batches of this step; returns this rank's summed token loss (detached)."""
@@ -198,10 +232,11 @@ class Trainer:
             return self.executor.run(x, y, positions, scale, self.engine)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         m = self.par.micro_batches
+        ps = micro_positions(positions, m)
         for k, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
             self.engine.set_last_micro(k == m - 1)
             phases.compute("F", k, 0)
-            loss = self.stage(xm, positions, ym)
+            loss = self.stage(xm, ps[k], ym)
             phases.compute("B", k, 0)
             (loss * scale).backward()
             total += loss.detach().float()
@@ -226,6 +261,8 @@ class Trainer:
         scaler = getattr(self.engine, "scaler", None)  # fp16: the aux losses are scaled too
         for hook in self.pre_step:  # MoE: d(step loss)/d(local aux sum)
             hook((scaler.scale if scaler else 1.0) / global_tokens)
+        for t in getattr(self, "source_losses", []):  # a mixture: this step's tallies only
+            t.reset()
         local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
         phases.enter("reduce")
         self.engine.finish()
@@ -251,6 +288,8 @@ class Trainer:
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped, "bad": bad}
         if self.loader is not None:  # seconds this step waited for the prefetch thread
             rec["data_wait_s"] = self.loader.wait_s - waited
+        if hasattr(self.loader, "sources"):
+            rec["loss_by_source"] = self.loss_by_source(step)
         for record in self.on_record:  # MoE: tokens per expert, dropped, aux losses, a2a share
             record(rec, seconds)
         for extra in after:  # the balancer's: this rank's layers' global counts and biases
@@ -267,8 +306,8 @@ class Trainer:
             return self.executor.run_forward(x, y, positions, self.engine)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         m = self.par.micro_batches
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            total += self.stage(xm, positions, ym).float()
+        for xm, ym, pm in zip(x.chunk(m), y.chunk(m), micro_positions(positions, m)):
+            total += self.stage(xm, pm, ym).float()
         return total
 
     def evaluate(self, batches: int = 0, on_batch: Any = None) -> dict[str, float]:
@@ -283,30 +322,57 @@ class Trainer:
         n = batches or self.tcfg.eval_batches
         tokens = self.tcfg.global_batch * self.cfg.seq_len
         stats = [(m, m.stats.snapshot()) for m in moe_layers(self.stage)]
-        total = None  # on whatever device the step's loss is
+        out: dict[str, Any] = {}
         try:
             with torch.no_grad():
-                for k in range(n):
-                    x, y, positions = self.shard(*self.eval_loader.get(k))
-                    loss = self.forward_only(x, y, positions)
-                    total = loss if total is None else total + loss
-                    if on_batch is not None:
-                        on_batch(k, self.global_loss(loss) / tokens)
+                loaders = [("", self.eval_loader, on_batch),
+                           *((name, ld, None) for name, ld in
+                             getattr(self, "source_eval", {}).items())]
+                for name, loader, progress in loaders:
+                    total = None  # on whatever device the step's loss is
+                    for k in range(n):
+                        x, y, positions = self.shard(*loader.get(k))
+                        loss = self.forward_only(x, y, positions)
+                        total = loss if total is None else total + loss
+                        if progress is not None:
+                            progress(k, self.global_loss(loss) / tokens)
+                    loss = self.global_loss(total) / (n * tokens)
+                    if name:  # a mixture's source, alone (its own validation windows)
+                        out.setdefault("val_loss_by_source", {})[name] = loss
+                    else:
+                        out.update(val_loss=loss, val_ppl=math.exp(min(loss, 700.0)))
         finally:
             self.engine.end_forward()
             for m, saved in stats:  # MoE routing statistics belong to training steps
                 m.stats = saved
-        loss = self.global_loss(total) / (n * tokens)
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+        return out
 
     def close(self) -> None:
-        for ld in (self.loader, self.eval_loader):
+        for ld in (self.loader, self.eval_loader, *getattr(self, "source_eval", {}).values()):
             if ld is not None:
                 ld.close()
         self.engine.close()
         if self.trace is not None:
             self.trace.__exit__(None, None, None)
             self.trace = None
+
+    def loss_by_source(self, step: int) -> dict[str, float | None]:
+        """A mixture's step loss per source (mean CE over the source's rows' tokens; None for a
+        source no row came from): the tallies of this rank's loss modules, summed like
+        ``global_loss`` (one more metrics all-reduce of K values)."""
+        names = [s.name for s in self.loader.sources]
+        t = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        for sl in getattr(self, "source_losses", []):
+            for k, v in enumerate(sl.tally):
+                if v is not None:
+                    t[k] += v.double()
+        t /= self.grid.degrees["tp"]
+        ops.all_reduce(t, replace(self.grid["dense"], name="metrics"))
+        ops.all_reduce(t, replace(self.grid["tp"], name="metrics"))
+        ops.all_reduce(t, self.metrics_group)
+        rows = np.bincount(self.loader.row_sources(step), minlength=len(names))
+        return {n: (float(t[k]) / (int(rows[k]) * self.cfg.seq_len) if rows[k] else None)
+                for k, n in enumerate(names)}
 
     def global_loss(self, local: torch.Tensor, preempt: Any = None) -> float:
         """Σ token losses over the world: each token's loss is counted on one tp rank's copy.
@@ -456,4 +522,6 @@ def eval_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig
         trainer.close()
     tokens = batches * train.global_batch * model_cfg.seq_len
     return {"loss": res["val_loss"], "ppl": res["val_ppl"], "tokens": tokens,
+            **({"loss_by_source": res["val_loss_by_source"]}
+               if "val_loss_by_source" in res else {}),
             "seconds": seconds, "tokens_per_s": tokens / seconds, "step": step}

@@ -35,6 +35,10 @@ COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA
           "#8C8C8C", "#CCB974", "#64B5CD"]
 
 
+WIDTH = 9.0  # inches: every figure is drawn this wide, so the page shows them at one width
+DPI = 100  # 900 pixels: the report's column
+
+
 @dataclass
 class Figure:
     name: str  # file stem: PART-what
@@ -44,7 +48,7 @@ class Figure:
     how: str
     data: dict[str, Any]
     draw: Callable[[dict[str, Any], Any], None]  # (data, matplotlib Figure)
-    size: tuple[float, float] = (7.0, 4.0)
+    size: tuple[float, float] = (WIDTH, 4.0)  # drawn WIDTH wide (height scaled if wider)
     table: list[list[Any]] = field(default_factory=list)  # rows for the report page (header first)
 
 
@@ -54,21 +58,53 @@ def plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as pyplot
 
-    pyplot.rcParams.update({"font.size": 8, "axes.titlesize": 9, "svg.hashsalt": "fived",
-                            "figure.dpi": 100})
+    pyplot.rcParams.update({"font.size": 9, "axes.titlesize": 10, "legend.fontsize": 8,
+                            "xtick.labelsize": 8, "ytick.labelsize": 8, "legend.framealpha": 0.9,
+                            "axes.spines.top": False, "axes.spines.right": False,
+                            "svg.hashsalt": "fived", "figure.dpi": 100})
     return pyplot
+
+
+
+
+def legend_below(f: Any, ncol: int = 6, room: float = 0.12) -> None:
+    """One legend for every panel, under them, where no bar or tick label can hide it."""
+    handles, labels = [], []
+    for ax in f.get_axes():
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    f.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False)
+    f.fived_rect = (0, room, 1, 1)
+
+
+def integer_rank_ticks(f: Any) -> None:
+    """Axes that count ranks (or micro-batches, or nodes) get whole-number ticks only: no
+    rank −0.5."""
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in f.get_axes():
+        for axis, label in ((ax.xaxis, ax.get_xlabel()), (ax.yaxis, ax.get_ylabel())):
+            low = label.lower()
+            if any(w in low.split() for w in ("rank", "ranks", "micro-batch", "node", "step")):
+                if axis.get_scale() == "linear":
+                    axis.set_major_locator(MaxNLocator(integer=True))
 
 
 def save(fig: Figure, out: str, command: str) -> dict[str, Any]:
     """Draw ``fig`` into OUT/NAME.{png,svg} and write OUT/NAME.json; the JSON record."""
     p = plt()
     os.makedirs(out, exist_ok=True)
-    f = p.figure(figsize=fig.size)
+    w, h = fig.size
+    f = p.figure(figsize=(WIDTH, h if w <= WIDTH else max(2.5, h * WIDTH / w * 1.15)))
     fig.draw(fig.data, f)
-    f.suptitle(fig.title, fontsize=10)
-    f.tight_layout()
+    integer_rank_ticks(f)
+    f.suptitle(fig.title, fontsize=11)
+    # a figure-wide legend below the panels: the draw function leaves room (``legend_below``)
+    f.tight_layout(rect=getattr(f, "fived_rect", None))
     base = os.path.join(out, fig.name)
-    f.savefig(base + ".png", dpi=80)
+    f.savefig(base + ".png", dpi=DPI)
     f.savefig(base + ".svg", metadata={"Date": None})
     p.close(f)
     rec = {"name": fig.name, "title": fig.title, "part": fig.part, "source": fig.source,

@@ -42,13 +42,37 @@ PART_TITLES = {
     "memory": "Part 10 — memory: one step's live bytes, the ledger beside the dry run",
     "layout": "One layout",
 }
-CSS = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
-h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;margin-top:2em}h3{font-size:1.05em}
-img{max-width:100%;border:1px solid #eee}figure{margin:0}
-table{border-collapse:collapse;font-size:.8em;margin:.5em 0}
-td,th{border:1px solid #ccc;padding:2px 6px;text-align:left}code{background:#f4f4f4;padding:1px 3px}
-.meta{font-size:.85em;color:#444}details{font-size:.8em}pre{white-space:pre-wrap;max-height:30em;
-overflow:auto;background:#f8f8f8;padding:.5em}"""
+CSS = """
+:root{--ink:#1f2328;--muted:#57606a;--line:#d0d7de;--soft:#f6f8fa;--accent:#0a5bd8}
+body{font:16px/1.55 system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif;
+color:var(--ink);max-width:940px;margin:2.5em auto;padding:0 20px}
+h1{font-size:1.9em;line-height:1.2;margin:0 0 .3em}
+h2{font-size:1.4em;margin:2.2em 0 .6em;padding-bottom:.25em;border-bottom:2px solid var(--line)}
+h3{font-size:1.1em;margin:2em 0 .5em}
+p{margin:.6em 0}a{color:var(--accent);text-decoration:none}a:hover{text-decoration:underline}
+figure{margin:.5em 0 .8em}
+figure img{display:block;width:100%;max-width:900px;height:auto;border:1px solid var(--line);
+border-radius:4px}
+figcaption,.meta{font-size:.85em;color:var(--muted);margin-top:.4em}
+table{border-collapse:collapse;font-size:.88em;margin:.6em 0 1em;font-variant-numeric:tabular-nums}
+th,td{border-bottom:1px solid var(--line);padding:4px 10px;text-align:left;vertical-align:top}
+th{background:var(--soft);font-weight:600}td.n{text-align:right;white-space:nowrap}
+code{font:.88em ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;background:var(--soft);
+padding:1px 4px;border-radius:3px}
+details{font-size:.85em;margin:.3em 0 1em}summary{cursor:pointer;color:var(--muted)}
+pre{white-space:pre-wrap;max-height:30em;overflow:auto;background:var(--soft);padding:.6em;
+font-size:.85em}
+.summary{background:var(--soft);border:1px solid var(--line);border-left:4px solid var(--accent);
+border-radius:4px;padding:.4em 1.2em 1em;margin:1.2em 0 2em}
+.summary h2{border:0;margin:.6em 0 .3em;font-size:1.2em}
+.summary dl{display:grid;grid-template-columns:11em 1fr;gap:.35em 1em;margin:0}
+.summary dt{font-weight:600;color:var(--muted)}.summary dd{margin:0}
+.summary ul{margin:0;padding-left:1.2em}
+.ok{color:#1a7f37;font-weight:600}.bad{color:#cf222e;font-weight:600}
+table.grid td{text-align:center;border:1px solid var(--line);min-width:4.5em}
+table.grid small{color:var(--muted)}
+ul.toc{columns:2;padding-left:1.2em}ul.groups{font-size:.9em}
+"""
 
 
 def leaves(data: Any, prefix: str = "", limit: int = 60) -> list[tuple[str, Any]]:
@@ -79,31 +103,82 @@ def _num(v: Any) -> str:
     return str(v)
 
 
+def _label(path: str) -> str:
+    """A record's key as a reader's words: ``step_seconds`` → ``step seconds``."""
+    return path.replace("_", " ")
+
+
+def _top_numbers(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """The record's top-level numbers and words (the nested ones stay in the folded record)."""
+    return [(_label(k), _num(v)) for k, v in data.items()
+            if isinstance(v, (int, float, str)) and not isinstance(v, bool) and v != ""]
+
+
+def map_table(data: dict[str, Any]) -> str:
+    """The 5D map (``overview-map``) as a table: what each dimension cuts, sends and saves."""
+    rows = "".join(
+        f"<tr><th>{html.escape(dim)}</th><td>{html.escape(r['cuts'])}</td>"
+        f"<td>{html.escape(', '.join(r['collectives']) or '-')}</td>"
+        f"<td class='n'>×{r['states_ratio']:.3f}</td><td class='n'>×{r['activations_ratio']:.3f}"
+        f"</td><td>{html.escape(r['model'])}</td></tr>" for dim, r in data["rows"].items())
+    return ("<table><tr><th>dim</th><th>cuts</th><th>collectives (ledger)</th>"
+            f"<th>model states per rank</th><th>activations per rank</th><th>model</th></tr>"
+            f"{rows}</table><p class='meta'>each dimension at degree {data['degree']}, "
+            "per-rank bytes relative to degree 1</p>\n")
+
+
+#: figures the page shows as HTML instead of their picture
+AS_HTML = {"overview-map": map_table}
+
+
 def figure_html(rec: dict[str, Any], folder: str) -> str:
-    with open(os.path.join(folder, rec["name"] + ".png"), "rb") as fh:
-        png = base64.b64encode(fh.read()).decode()
-    rows = leaves(rec["data"])
+    caption = (f'<figcaption><b>source</b>: {html.escape(rec["source"])} · '
+               f'<b>how</b>: {html.escape(rec["how"])}<br><b>make it again</b>: <code>'
+               f'{html.escape(rec["command"])}</code></figcaption>')
+    if rec["name"] in AS_HTML:
+        body = f"<figure>{AS_HTML[rec['name']](rec['data'])}{caption}</figure>\n"
+    else:
+        with open(os.path.join(folder, rec["name"] + ".png"), "rb") as fh:
+            png = base64.b64encode(fh.read()).decode()
+        body = (f'<figure><img alt="{html.escape(rec["title"])}" '
+                f'src="data:image/png;base64,{png}">\n{caption}</figure>\n')
+    rows = _top_numbers(rec["data"])
     table = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
                     for k, v in rows)
     raw = html.escape(json.dumps(rec, indent=1, default=float))
     summary = ""
     if rec.get("table"):  # the module's own summary rows (header first)
-        head, *body = rec["table"]
+        head, *rest = rec["table"]
         summary = ("<table><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in head)
                    + "</tr>" + "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>"
-                                                         for c in r) + "</tr>" for r in body)
+                                                         for c in r) + "</tr>" for r in rest)
                    + "</table>\n")
-    return (f'<h3 id="{rec["name"]}">{html.escape(rec["title"])}</h3>\n'
-            f'<figure><img alt="{html.escape(rec["title"])}" src="data:image/png;base64,{png}">'
-            f'\n<figcaption class="meta"><b>source</b>: {html.escape(rec["source"])} · '
-            f'<b>how</b>: {html.escape(rec["how"])}<br><b>make it again</b>: <code>'
-            f'{html.escape(rec["command"])}</code></figcaption></figure>\n{summary}'
-            f"<details><summary>the numbers ({len(rows)} shown; the full record below)"
-            f"</summary><table><tr><th>number</th><th>value</th></tr>{table}</table>"
-            f"<pre>{raw}</pre></details>\n")
+    numbers = (f"<table><tr><th>number</th><th>value</th></tr>{table}</table>" if rows else "")
+    return (f'<h3 id="{rec["name"]}">{html.escape(rec["title"])}</h3>\n{body}{summary}'
+            f"<details><summary>the numbers behind it (the record, as the JSON file holds it)"
+            f"</summary>{numbers}<pre>{raw}</pre></details>\n")
 
 
-def page(recs: list[dict[str, Any]], folder: str, title: str, meta: dict[str, Any]) -> str:
+def series_summary(recs: list[dict[str, Any]], parts: dict[str, list[dict[str, Any]]]) -> str:
+    """The series page's head: what is on it and where each figure's numbers come from."""
+    by: dict[str, int] = {}
+    for r in recs:
+        by[r["source"]] = by.get(r["source"], 0) + 1
+    src = {"ledger": "computed by the ledger", "run": "measured on local gloo ranks",
+           "ledger+run": "a run beside the ledger", "schedule": "the executor's schedule lists"}
+    items = "".join(f"<li>{n} {html.escape(src.get(k, k))}</li>" for k, n in by.items())
+    return (f'<section class="summary"><h2 id="summary">Summary</h2><p>{len(recs)} figures in '
+            f"{len(parts)} parts, from the 16Ψ of model states and the two walls through each "
+            f"of the five dimensions to numerics and optimizers. Of the figures:</p>"
+            f"<ul>{items}</ul><p>None was typed in: each says which source, how it was made "
+            "and the command that makes it again; its numbers are folded under it.</p>"
+            "</section>\n")
+
+
+def page(recs: list[dict[str, Any]], folder: str, title: str, meta: dict[str, Any],
+         head: str = "", tail: str = "") -> str:
+    """The page: ``head`` (a summary) under the title, then each part's figures; ``tail``
+    (the layout page's tables) after them."""
     parts: dict[str, list[dict[str, Any]]] = {}
     for r in recs:
         parts.setdefault(r["part"], []).append(r)
@@ -113,35 +188,36 @@ def page(recs: list[dict[str, Any]], folder: str, title: str, meta: dict[str, An
     for p, rs in parts.items():
         body.append(f'<h2 id="part-{p}">{html.escape(PART_TITLES.get(p, p))}</h2>')
         body += [figure_html(r, folder) for r in rs]
-    m = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_num(v))}</td></tr>"
+    m = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_num(v))}</td></tr>"
                 for k, v in meta.items())
-    return (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}"
-            f"</title><style>{CSS}</style></head><body>\n<h1>{html.escape(title)}</h1>\n"
-            f"<p>Every figure below was drawn from numbers fived measured on this machine or "
-            f"computed with its ledger; none was typed in. Each says which, how, and the command "
-            f"that makes it again.</p><table>{m}</table><ul>{toc}</ul>\n"
-            + "\n".join(body) + "\n</body></html>\n")
+    head = head or series_summary(recs, parts)
+    return (f"<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>"
+            f"{html.escape(title)}</title><style>{CSS}</style></head><body>\n"
+            f"<h1>{html.escape(title)}</h1>\n{head}"
+            + (f"<ul class='toc'>{toc}</ul>\n" if len(parts) > 1 else "")
+            + "\n".join(body) + tail
+            + f"\n<h2 id='made'>How this page was made</h2><table>{m}</table>\n</body></html>\n")
 
 
 def layout_figures(res: Any, hw: str, gpn: int | None, global_batch: int) -> list[Figure]:
-    from ..ledger.memory import rank_memory
-    from ..ledger.traffic import micro_batch_size
-    from . import overview
+    from . import layout
 
-    par = res.par
-    grid = overview.grid_data(par, gpn or min(par.world_size, 8))
-    iron = overview.iron_data(res.model, par, hw, global_batch, gpn)
-    mem = rank_memory(res.model, par, micro_batch_size(par, global_batch)).as_dict()
-    iron["memory_rank0"] = mem
-    return [
-        Figure("layout-grid", f"The grid of {par.describe()}", "layout", "ledger",
-               "fived.ranks.grid.Grid.partition per dimension (what `fived grid` prints)", grid,
-               overview.draw_grid, size=(9.0, 2.8)),
-        Figure("layout-iron", f"{res.model.name} {par.describe()} on {hw}: bytes and link time "
-               "per dimension", "layout", "ledger", "fived.ledger.planner.predict; memory from "
-               "fived.ledger.memory.rank_memory (pipeline rank 0)", iron, overview.draw_iron,
-               size=(9.0, 3.6)),
-    ]
+    return layout.figures(res, hw, gpn, global_batch)
+
+
+def layout_page(res: Any, hw: str, gpn: int | None, global_batch: int) -> tuple[str, str]:
+    """The layout page's summary (head) and its tables (tail): the grid, the traffic per
+    group and the planner's alternatives (``fived.viz.layout``)."""
+    from ..ledger.hardware import PRESETS
+    from . import layout
+
+    s = layout.summary(res, hw, gpn, global_batch)
+    ranked, counts, place = layout.alternatives(res, hw, gpn, global_batch)
+    g = gpn or min(res.par.world_size, PRESETS[hw].gpus_per_node)
+    tail = (layout.grid_html(res.par, g) + layout.traffic_html(s)
+            + layout.alternatives_html(ranked, counts, place, res))
+    return layout.summary_html(s, res), tail
 
 
 def layout_measured(res: Any) -> Figure:
@@ -183,7 +259,7 @@ def draw_measured(d: dict[str, Any], f: Any) -> None:
     a1.scatter(xs, [r["ledger_states"] / 1e6 for r in rs], marker="_", s=200, color="black",
                zorder=3, label="ledger")
     a1.set(xlabel="rank", ylabel="model-state MB", title="memory per rank")
-    a1.legend(fontsize=6)
+    a1.legend()
     groups = sorted({g for r in rs for g in r["measured_traffic"]} - {"metrics"})
     bottom = [0.0] * len(rs)
     for i, g in enumerate(groups):
@@ -193,7 +269,7 @@ def draw_measured(d: dict[str, Any], f: Any) -> None:
     a2.scatter(xs, [sum(r["ledger_traffic"].values()) / 1e6 for r in rs], marker="_", s=200,
                color="black", zorder=3, label="ledger total")
     a2.set(xlabel="rank", ylabel="MB sent in the step", title="traffic per rank by group")
-    a2.legend(fontsize=6)
+    a2.legend(fontsize=8)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -220,7 +296,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..config import ConfigError, check_values, validate
+    from dataclasses import replace
+
+    from ..config import ConfigError, check_values, resolve_precision, validate
     from ..ledger.hardware import PRESETS as HW
     from .all import parse_parts, run_all
 
@@ -246,14 +324,18 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         folder = a.out
         cmd = "fived report " + " ".join(argv if argv is not None else sys.argv[1:])
+        # --precision auto on a GPU preset: bf16, as `fived ledger` and `fived plan` resolve it
+        res = replace(res, par=resolve_precision(res.par, True, a.hardware)[0])
         figs = layout_figures(res, a.hardware, a.gpus_per_node, res.train.global_batch)
         if a.measure:
             print(f"running {res.par.world_size} local rank(s) for 2 steps ...", flush=True)
             figs.append(layout_measured(res))
         recs = [save(f, folder, cmd) for f in figs]
+        head, tail = layout_page(res, a.hardware, a.gpus_per_node, res.train.global_batch)
         title = f"fived: {res.model.name} on {res.par.describe()}"
         meta["command"] = cmd
     else:
+        head = tail = ""
         if a.src:
             folder = a.src
             with open(os.path.join(folder, "index.json")) as fh:
@@ -272,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "index.html")
     with open(path, "w") as fh:
-        fh.write(page(recs, folder, title, meta))
+        fh.write(page(recs, folder, title, meta, head, tail))
     print(f"{'figure':<30} source")
     for r in recs:
         print(f"{r['name']:<30} {r['source']}")

@@ -173,7 +173,7 @@ def draw_factor(d: dict[str, Any], f: Any) -> None:
                marker="_", s=300, label="busbw factor: 2(N−1)/N, (N−1)/N or 1")
     ax.set(ylabel="bytes per rank / S", title=f"N = {d['world']}")
     ax.tick_params(axis="x", labelsize=6, rotation=20)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=8)
 
 
 def figures(quick: bool, tick) -> list[Figure]:

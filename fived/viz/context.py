@@ -90,7 +90,7 @@ def draw_acts(d: dict[str, Any], f: Any) -> None:
     from matplotlib.ticker import NullLocator
 
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=8)
 
 
 def zigzag(n: int, seq: int) -> dict[str, Any]:
@@ -120,7 +120,7 @@ def draw_zigzag(d: dict[str, Any], f: Any) -> None:
                    zorder=3, label="ledger" if j == 0 else None)
     ax.set_xticks([r + 0.19 for r in range(n)], [f"rank {r}" for r in range(n)])
     ax.set(ylabel="forward attention MFLOP", title=f"ring attention, seq {d['seq']}, cp={n}")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=8)
 
 
 def figures(quick: bool, tick) -> list[Figure]:

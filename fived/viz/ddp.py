@@ -173,7 +173,7 @@ def draw_timeline(d: dict[str, Any], f: Any) -> None:
             ax.barh(j, (e["done"] - e["launch"]) * 1e3, left=e["launch"] * 1e3, color=COLORS[0])
         ax.axvline(m["finish_end"] * 1e3, color="black", ls="--", lw=0.8, label="finish()")
         ax.set(title=k, ylabel="bucket (launch order)")
-        ax.legend(fontsize=6, loc="lower right")
+        ax.legend(fontsize=8, loc="lower right")
     axes[-1].set_xlabel("ms since backward start (rank 0)")
 
 

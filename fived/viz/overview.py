@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import PRESETS, ParallelConfig
-from ._fig import COLORS, Figure, part_main
+from ._fig import COLORS, Figure, legend_below, part_main
 
 MODELS = ("llama2-7b", "llama3-70b", "llama3-405b")
 DEVICES = ("a100-80gb", "h100-sxm", "h200", "b200")
@@ -55,27 +55,33 @@ def psi_data() -> dict[str, Any]:
 
 
 def draw_psi(d: dict[str, Any], f: Any) -> None:
-    ax = f.add_subplot(111)
+    """One panel per model on a linear axis (a log axis hid the smaller stacks' parts), the
+    16Ψ and 18Ψ stacks side by side, and the devices whose memory falls within the panel."""
     keys = ("params", "grads", "master", "optimizer")
-    x, labels = 0, []
-    for name, m in d["models"].items():
-        for r in ("bf16", "fp32"):
+    axes = f.subplots(1, len(d["models"]), squeeze=False)[0]
+    for ax, (name, m) in zip(axes, d["models"].items()):
+        top = 0.0
+        for x, r in enumerate(("bf16", "fp32")):
             bottom = 0.0
             for i, k in enumerate(keys):
                 v = m[r][k] / 1e9
-                ax.bar(x, v, bottom=bottom, color=COLORS[i], label=k if x == 0 else None,
+                ax.bar(x, v, bottom=bottom, color=COLORS[i], width=0.6,
+                       label=k if (x == 0 and ax is axes[0]) else None,
                        edgecolor="black", linewidth=0.3)
                 bottom += v
-            ax.text(x, bottom, f"{m[r]['total'] / 1e9:,.0f}", ha="center", va="bottom",
-                    fontsize=6)
-            labels.append(f"{name}\n{d['per_param'][r]['total']}Ψ")
-            x += 1
-    for i, (dev, mem) in enumerate(d["devices"].items()):
-        ax.axhline(mem / 1e9, color=COLORS[4 + i], ls="--", lw=0.8, label=f"{dev} {mem / 1e9:.0f} GB")
-    ax.set_yscale("log")
-    ax.set_xticks(range(x), labels, fontsize=6)
-    ax.set_ylabel("model-state bytes (GB, log)")
-    ax.legend(fontsize=6, ncol=2)
+            top = max(top, bottom)
+            ax.text(x, bottom, f"{m[r]['total'] / 1e9:,.0f} GB", ha="center", va="bottom",
+                    fontsize=8)
+        for i, (dev, mem) in enumerate(d["devices"].items()):
+            if mem / 1e9 <= top * 1.1:
+                ax.axhline(mem / 1e9, color=COLORS[4 + i], ls="--", lw=0.9,
+                           label=f"{dev} {mem / 1e9:.0f} GB")
+        ax.set_ylim(0, top * 1.18)
+        ax.set_xticks([0, 1], [f"{d['per_param'][r]['total']}Ψ\n({r} grads)"
+                               for r in ("bf16", "fp32")])
+        ax.set_title(f"{name}: {m['params'] / 1e9:.1f}B params")
+    axes[0].set_ylabel("model-state bytes (GB)")
+    legend_below(f, ncol=8, room=0.08)
 
 
 def walls_data() -> dict[str, Any]:
@@ -112,14 +118,14 @@ def draw_walls(d: dict[str, Any], f: Any) -> None:
                label=f"{d['device']} memory")
     a1.set(xscale="log", yscale="log", xlabel="devices N (ZeRO-3)",
            ylabel="model states per device (GB)", title="memory wall")
-    a1.legend(fontsize=6)
+    a1.legend(fontsize=8)
     for i, (name, t) in enumerate(d["time_s"].items()):
         xs = [int(k) for k in t]
         a2.plot(xs, [v / 86400 for v in t.values()], color=COLORS[i], marker=".",
                 label=f"{name}, D=20Ψ")
     a2.set(xscale="log", yscale="log", xlabel="devices N", ylabel="days at 100% of peak",
            title="time wall: 6ΨD / (N·peak)")
-    a2.legend(fontsize=6)
+    a2.legend(fontsize=8)
 
 
 MAP_CUTS = {"dp": "the batch (ZeRO-3: also every model state)", "tp": "each weight matrix",
@@ -232,17 +238,22 @@ def draw_iron(d: dict[str, Any], f: Any) -> None:
            color=[COLORS[0] if g[n]["link"] == "intra" else COLORS[3] for n in names])
     for i, n in enumerate(names):
         a1.text(i, g[n]["bytes"] / 1e9, f"{g[n]['link']}\n{g[n]['bandwidth'] / 1e9:.0f} GB/s",
-                ha="center", va="bottom", fontsize=6)
+                ha="center", va="bottom", fontsize=7)
     a1.set(ylabel="GB sent per rank per step (log)", title="bytes per dimension (ledger)",
            yscale="log")
+    if names:  # room above the tallest bar for its two-line label (a log axis: ×8)
+        lo = min(g[n]["bytes"] for n in names if g[n]["bytes"] > 0) / 1e9
+        a1.set_ylim(lo / 3, max(g[n]["bytes"] for n in names) / 1e9 * 8)
     a2.bar(names, [g[n]["seconds"] for n in names],
            color=[COLORS[0] if g[n]["link"] == "intra" else COLORS[3] for n in names])
     comp = sum(v for k, v in d["times"].items() if k in ("forward", "backward", "compute"))
     if comp:
         a2.axhline(comp, color="black", ls="--", lw=0.8, label="compute per step")
-        a2.legend(fontsize=6)
+        a2.legend(fontsize=8)
     a2.set(ylabel="seconds per step on its link (log)", title="bytes / link bandwidth",
            yscale="log")
+    a1.set_xlabel("group")
+    a2.set_xlabel("group")
 
 
 def figures(quick: bool, tick) -> list[Figure]:
@@ -253,7 +264,7 @@ def figures(quick: bool, tick) -> list[Figure]:
         Figure("overview-16psi", "Model states: 16Ψ (bf16 grads) and 18Ψ (fp32 grad buffer)",
                "overview", "ledger", "fived.ledger.memory bytes per parameter × "
                "fived.ledger.params.total_params of each preset; device memory from "
-               "fived.ledger.hardware.PRESETS", psi_data(), draw_psi),
+               "fived.ledger.hardware.PRESETS", psi_data(), draw_psi, size=(9.0, 4.4)),
         Figure("overview-walls", "The two walls: memory per device and training time",
                "overview", "ledger", "16Ψ/N (fived.ledger.memory.bytes_per_param) and "
                "fived.ledger.compute.training_seconds(6ΨD, N, peak) with D = 20Ψ tokens",

@@ -115,7 +115,7 @@ def draw_bytes(d: dict[str, Any], f: Any) -> None:
     ax.scatter(labels, [r["ledger"] / 1e3 for r in d["per_layer"]], marker="_", s=300,
                color="black", zorder=3, label="ledger")
     ax.set(ylabel="KB sent per rank per layer per step (tp group)")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=8)
 
 
 def draw_scaling(d: dict[str, Any], f: Any) -> None:
@@ -130,7 +130,7 @@ def draw_scaling(d: dict[str, Any], f: Any) -> None:
     a2.set(xlabel="tp", ylabel="KB per rank per step", title="tp bytes")
     for ax in (a1, a2):
         ax.set_xticks(d["tps"])
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=8)
 
 
 def figures(quick: bool, tick) -> list[Figure]:

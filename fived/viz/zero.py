@@ -62,7 +62,7 @@ def draw_memory(d: dict[str, Any], f: Any) -> None:
         x += 1
     ax.set_xticks(range(x), ticks, fontsize=6)
     ax.set(ylabel="model-state MB on rank 0", title="measured (bars) vs ledger (—)")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=8)
 
 
 def draw_traffic(d: dict[str, Any], f: Any) -> None:
@@ -77,7 +77,7 @@ def draw_traffic(d: dict[str, Any], f: Any) -> None:
                    s=120, zorder=3, label="ledger" if j == 0 else None)
     ax.set_xticks(range(4), [f"ZeRO-{z}" for z in range(4)])
     ax.set(ylabel="MB sent per rank per step (dense group)", title="traffic per stage")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=8)
 
 
 def figures(quick: bool, tick) -> list[Figure]:

@@ -62,6 +62,7 @@ from torch.overrides import TorchFunctionMode
 from ... import phases, schedules
 from ...comm import ops
 from ...config import ModelConfig, ParallelConfig
+from ...model.documents import micro_positions
 from ...model.llama import Transformer
 
 
@@ -281,6 +282,7 @@ class PipelineExecutor:
         holds the last stage)."""
         m = self.par.micro_batches
         xs, ys = x.chunk(m), y.chunk(m)
+        pos = micro_positions(positions, m)  # --doc-mask: each micro-batch's own rows
         mbs = xs[0].shape[0]
         p2p = getattr(self, "_p2p", None)
         if p2p is None:
@@ -339,10 +341,11 @@ class PipelineExecutor:
                     if self.split and key not in self.fused:
                         mode = _SplitLinear(weights)
                         with mode:
-                            out = self.stage(inp, positions, ys[a.mb] if last else None, chunk=c)
+                            out = self.stage(inp, pos[a.mb], ys[a.mb] if last else None,
+                                             chunk=c)
                         records[key] = mode.records
                     else:
-                        out = self.stage(inp, positions, ys[a.mb] if last else None, chunk=c)
+                        out = self.stage(inp, pos[a.mb], ys[a.mb] if last else None, chunk=c)
                     if last:
                         total += out.detach().float()
                         out = out * scale
@@ -404,6 +407,7 @@ class PipelineExecutor:
         sched, acts, nxt, p2ps = fwd
         m = self.par.micro_batches
         xs, ys = x.chunk(m), y.chunk(m)
+        pos = micro_positions(positions, m)
         shape = self.activation_shape(xs[0].shape[0])
         p2p = p2ps.get(shape)
         if p2p is None:
@@ -433,7 +437,7 @@ class PipelineExecutor:
                     c = self.chunk_of[a.stage]
                     begin(c, "F")
                     inp = xs[a.mb] if a.stage == 0 else inputs.pop(key)
-                    out = self.stage(inp, positions, ys[a.mb] if a.stage == last else None,
+                    out = self.stage(inp, pos[a.mb], ys[a.mb] if a.stage == last else None,
                                      chunk=c)
                     if a.stage == last:
                         total += out.float()

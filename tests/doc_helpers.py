@@ -1,0 +1,69 @@
+"""Document-mask test data and the unpacked reference (``tests/test_doc_mask.py``).
+
+The reference runs the documents of step 0's global batch one by one, each as its own
+unpacked sequence (the part of it a window holds, with that window's targets), and sums their
+token losses with the trainer's normalisation (1 / (global batch · seq_len)): what a packed,
+masked batch must equal, loss and every parameter's gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+
+def write_documents(folder: Path, n: int = 220, seed: int = 3, short: int = 3,
+                    long: int = 70) -> Path:
+    """A jsonl file of ``n`` documents of mixed lengths (``short``..``long`` bytes, a few of
+    one byte), some longer than a window's chunk, some shorter."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    words = ["def", "x", "return", "for", "in", "(", ")", ":", "+", "1", "if", "else", "y"]
+    with open(folder / "docs.jsonl", "w") as f:
+        for i in range(n):
+            size = 1 if i % 17 == 0 else rng.randint(short, long)
+            text = ""
+            while len(text) < size:
+                text += rng.choice(words) + " "
+            f.write(json.dumps({"text": text[:size]}) + "\n")
+    return folder / "docs.jsonl"
+
+
+def prepared(tmp: Path, **kw: Any) -> str:
+    from fived.data.prepare import Options, prepare
+
+    src = write_documents(tmp / "in", **kw)
+    prepare(Options((str(src),), str(tmp / "out"), val_fraction=0.2, workers=1), lambda s: None)
+    return str(tmp / "out")
+
+
+def unpacked_reference(model_cfg, train, reset: bool) -> dict[str, Any]:
+    """Step 0 of ``train`` (its --data) as documents run one by one: the loss and every
+    parameter's gradient (sum of per-document token losses / (global batch · seq_len))."""
+    import torch
+
+    from fived.data.loader import Loader
+    from fived.data.shards import DataDir
+    from fived.data.vocab import mask_padded_logits
+    from fived.model.documents import segments
+    from fived.model.llama import build_model
+
+    data = DataDir(train.data)
+    loader = Loader(data, "train", model_cfg.seq_len, train.global_batch, train.seed,
+                    documents=True)
+    x, y, docs = loader.global_batch(0)
+    model = build_model(model_cfg, train.seed)
+    mask_padded_logits(model, data.vocab, model_cfg.vocab)
+    total = torch.zeros(())
+    n_docs = 0
+    for r in range(x.shape[0]):
+        for a, e in segments(docs[r]):
+            pos = torch.arange(e - a) if reset else torch.arange(a, e)
+            total = total + model(x[r:r + 1, a:e], pos, y[r:r + 1, a:e])
+            n_docs += 1
+    tokens = train.global_batch * model_cfg.seq_len
+    (total / tokens).backward()
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    return {"loss": float(total.detach()) / tokens, "grads": grads, "documents": n_docs}
