@@ -5,7 +5,7 @@ Everything here comes from the ledger (``fived.ledger``) and the executor's own 
 ledger`` and ``fived train`` read them:
 
 * the summary: fits or not, the peak per rank, the step time, where it goes, what to change
-  (``fived.cli.ledger.advice``, the ledger's own sentences);
+  (``fived.ui.ledger_view.advice``, the ledger's own sentences);
 * ``layout-memory``: memory per pipeline rank stacked by category — every ``*_total`` of
   ``fived.ledger.memory.rank_memory`` (states, activations, buffers, and whatever category
   the ledger adds) — and the step's peak (``fived.ledger.peak.with_peak``: what decides
@@ -133,9 +133,9 @@ def figures(res: Any, hw_name: str, gpn: int | None, global_batch: int) -> list[
 
 def summary(res: Any, hw_name: str, gpn: int | None, global_batch: int) -> dict[str, Any]:
     """The page's head: what the ledger says of this layout, and its sentences of advice."""
-    from ..cli.ledger import advice, ledger_document
     from ..ledger.hardware import PRESETS
     from ..ledger.memory import FUSED
+    from ..ui.ledger_view import advice, ledger_document
 
     m, par = res.model, res.par
     hw = PRESETS[hw_name]
