@@ -11,7 +11,8 @@ from fived import schedules
 from fived.config import ConfigError, ParallelConfig, preset
 from fived.model import build_model
 from fived.parallel.parallelize import parallelize_parts
-from fived.parallel.pipeline.stage import StageModel, balanced_split, partition, stage_ids
+from fived.parallel.pipeline.runtime import StageModel
+from fived.parallel.pipeline.stage import balanced_split, partition, stage_ids
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parity_helpers import offline_grid  # noqa: E402

@@ -102,19 +102,21 @@ def _record(group: Any, op: str, nbytes: float, t0: float) -> None:
 
 
 def _run(group: Any, op: str, size: int, fn, async_op: bool, result: Any) -> Any:
-    if not async_op and isinstance(result, torch.Tensor) and result.is_cuda:
-        return _run_cuda(group, op, size, fn, result)
+    """Run the collective ``fn(async_op)`` and charge ``group`` for it (``_charge``): a blocking
+    one with its seconds, an asynchronous one with none (its ``Handle.wait`` adds them)."""
     t0 = time.perf_counter()
-    work = fn(async_op)
     if async_op:
-        if group.traffic is not None:
-            group.traffic.add(group.name, op, bytes_sent(op, size, group.size), 0.0)
-        return Handle(work, group, op, result, t0)
-    _record(group, op, bytes_sent(op, size, group.size), t0)
-    return result
+        out, seconds = Handle(fn(True), group, op, result, t0), 0.0
+    elif isinstance(result, torch.Tensor) and result.is_cuda:
+        out, seconds = result, _cuda_seconds(fn)
+    else:
+        fn(False)
+        out, seconds = result, time.perf_counter() - t0
+    _charge(group, op, size, seconds)
+    return out
 
 
-def _run_cuda(group: Any, op: str, size: int, fn, result: torch.Tensor) -> torch.Tensor:
+def _cuda_seconds(fn) -> float:
     """A blocking collective on cuda tensors, timed with CUDA events (NCCL returns to the host
     before the transfer ends, so a host clock would time the launch only)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -122,10 +124,14 @@ def _run_cuda(group: Any, op: str, size: int, fn, result: torch.Tensor) -> torch
     fn(False)
     end.record()
     end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _charge(group: Any, op: str, size: int, seconds: float) -> None:
+    """The bytes this rank sends for ``op`` on a buffer of ``size`` bytes
+    (``volume.bytes_sent``), and ``seconds``, to ``group``'s traffic."""
     if group.traffic is not None:
-        group.traffic.add(group.name, op, bytes_sent(op, size, group.size),
-                          start.elapsed_time(end) / 1e3)
-    return result
+        group.traffic.add(group.name, op, bytes_sent(op, size, group.size), seconds)
 
 
 def _done(result: Any, async_op: bool) -> Any:

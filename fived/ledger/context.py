@@ -28,6 +28,15 @@ def chunk_ids(rank: int, n: int, layout: str = "zigzag") -> tuple[int, int]:
     raise ValueError(f"unknown cp layout {layout!r}; choose one of {LAYOUTS}")
 
 
+def positions(seq_len: int, n: int, rank: int, layout: str = "zigzag") -> list[int]:
+    """Global token positions held by cp rank ``rank`` (S/n of them, in local order): its two
+    chunks of S/(2·n) (``chunk_ids``); a ValueError unless 2·n divides S."""
+    if seq_len % (2 * n):
+        raise ValueError(f"seq_len {seq_len} is not divisible by 2·cp = {2 * n} (zigzag)")
+    c = seq_len // (2 * n)
+    return [i for g in chunk_ids(rank, n, layout) for i in range(g * c, (g + 1) * c)]
+
+
 def step_plan(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], c: int
               ) -> list[tuple[slice, list[int], bool, int]]:
     """The attention calls of the local q chunks against one K/V block; masked pairs skipped.

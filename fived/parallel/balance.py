@@ -1,4 +1,5 @@
-"""Loss-free load balancing (``balance = "bias"``, DeepSeek-V3 §2.1.2): the route balancer.
+"""A MoE model's step hooks: its routing statistics (``RoutingStatistics``) and loss-free load
+balancing (``balance = "bias"``, DeepSeek-V3 §2.1.2): the route balancer.
 
 A MoE layer keeps only its selection bias ``route_bias`` (a buffer, added to the scores for the
 choice of experts, never to their weights) and its ``RoutingStats``. The ``RouteBalancer`` owns
@@ -23,7 +24,28 @@ import torch
 from torch import nn
 
 from ..comm import ops
-from ..model.moe import bias_layers, route_bias_name
+from ..model.moe import bias_layers, materialize_route_bias, route_bias_name, set_aux_grad_scale
+from .expert import collect_stats
+
+
+class RoutingStatistics:
+    """A MoE model's per-step routing statistics as the trainer's step hooks: ``before_step``
+    sets each layer's ``aux_grad_scale`` (d(step loss)/d(local aux sum)), ``record`` adds the
+    step's ``moe`` entry (``fived.parallel.expert.collect_stats``: tokens per expert, dropped,
+    aux losses, all-to-all share; one metrics all-gather over the world) and resets the layers'
+    statistics — after the route balancer read them."""
+
+    def __init__(self, model: nn.Module, cfg: Any, par: Any, placements: dict[str, Any],
+                 world_group: Any, traffic: Any):
+        self.model, self.cfg, self.par, self.placements = model, cfg, par, placements
+        self.world_group, self.traffic = world_group, traffic
+
+    def before_step(self, scale: float) -> None:
+        set_aux_grad_scale(self.model, scale)
+
+    def record(self, rec: dict[str, Any], seconds: float) -> None:
+        rec["moe"] = collect_stats(self.model, self.cfg, self.par, self.placements,
+                                   self.world_group, rec["tokens"], seconds, self.traffic)
 
 
 class RouteBalancer:
@@ -32,6 +54,7 @@ class RouteBalancer:
     def __init__(self, model: nn.Module, batch_group: Any, device: Any, rate: float):
         self.model, self.group, self.device, self.rate = model, batch_group, device, rate
         self.layers = bias_layers(model)
+        materialize_route_bias(model, device)  # built on meta with the model: zeros here
 
     def __bool__(self) -> bool:
         return bool(self.layers)

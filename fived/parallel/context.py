@@ -60,6 +60,7 @@ from ..ledger.context import (  # noqa: F401 - the torch-free formulas, re-expor
     traffic_per_layer,
     ulysses_kv_heads,
 )
+from ..ledger.context import positions as cp_positions
 from ..model import layers
 from ..model.documents import doc_mask
 from ..model.layers import doc_attention
@@ -69,11 +70,11 @@ from .counts import add_count_reduction
 
 # ---------------------------------------------------------------------------------- sharding
 def shard_positions(seq_len: int, n: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
-    """Global token positions held by cp rank ``rank`` (S/n of them, in local order)."""
+    """Global token positions held by cp rank ``rank`` (S/n of them, in local order;
+    ``fived.ledger.context.positions``)."""
     if seq_len % (2 * n):
         raise ConfigError([f"seq_len {seq_len} is not divisible by 2·cp = {2 * n} (zigzag)"])
-    c = seq_len // (2 * n)
-    return torch.cat([torch.arange(g * c, (g + 1) * c) for g in chunk_ids(rank, n, layout)])
+    return torch.tensor(cp_positions(seq_len, n, rank, layout), dtype=torch.int64)
 
 
 def shard_batch(x: torch.Tensor, y: torch.Tensor, grid: Any, layout: str = "zigzag"

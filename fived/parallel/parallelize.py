@@ -24,19 +24,19 @@ ledger check). The model never learns its layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import AUTO, V_SCHEDULES, auto_precision
+from ..config import AUTO, auto_precision
 from ..model.llama import Transformer
 from .context import apply_cp
 from .data import make_engine
 from .expert import apply_ep
-from .pipeline.runtime import PipelineExecutor
-from .pipeline.stage import StageModel, split, stage_ids
+from .pipeline.runtime import PipelineExecutor, StageModel
+from .pipeline.stage import split
 from .placement import Placement, replicated
 from .recompute import apply_recompute
 from .tensor import apply_tp
@@ -52,18 +52,17 @@ class Parallelized:
     executor: PipelineExecutor | None  # pp > 1
 
 
-def pipeline_layout(par: Any) -> Any:
-    """The layout the pipeline runs: virtual stages count only for the interleaved and the
-    V-shaped schedules."""
-    keep = par.schedule in ("interleaved",) + V_SCHEDULES
-    return replace(par, virtual_stages=par.virtual_stages if keep else 1)
-
-
 def parallelize_parts(model: Transformer, grid: Any, par: Any
                       ) -> tuple[list[Transformer], dict[str, Placement]]:
     """Steps 1–5: this rank's chunks of ``model``, cut and wrapped, and their placements."""
-    pp_rank = grid.coords()["pp"]
-    parts = split(model, pipeline_layout(par), pp_rank) if par.pp > 1 else [model]
+    parts, _, placements = cut_parts(model, grid, par)
+    return parts, placements
+
+
+def cut_parts(model: Transformer, grid: Any, par: Any
+              ) -> tuple[list[Transformer], list[int], dict[str, Placement]]:
+    """``parallelize_parts`` and the pipeline stage ids of the chunks ([0] without pp)."""
+    parts, ids = split(model, par, grid.coords()["pp"]) if par.pp > 1 else ([model], [0])
     placements: dict[str, Placement] = {}
     for part in parts:
         pl = replicated(part.named_parameters())
@@ -73,7 +72,7 @@ def parallelize_parts(model: Transformer, grid: Any, par: Any
             apply_ep(part, grid["ep"], pl, par.ep_dispatch)
         apply_recompute(part, par.recompute)
         placements.update(pl)
-    return parts, placements
+    return parts, ids, placements
 
 
 def parallelize(model: Transformer, grid: Any, par: Any, train: Any, source: Any = None,
@@ -82,9 +81,9 @@ def parallelize(model: Transformer, grid: Any, par: Any, train: Any, source: Any
     or (born sharded) one built on the meta device, with ``source`` to fill this rank's pieces
     on ``device`` once they are cut (``fived.model.init.InitSource``, ``checkpoint.hf.HFSource``):
     nothing is allocated before the engine lays out the rank's own flat buffers."""
-    parts, placements = parallelize_parts(model, grid, par)
+    parts, ids, placements = cut_parts(model, grid, par)
     if par.pp > 1:
-        stage: nn.Module = StageModel(parts, stage_ids(pipeline_layout(par), grid.coords()["pp"]))
+        stage: nn.Module = StageModel(parts, ids)
         executor = PipelineExecutor(model.cfg, par, grid, stage, next(stage.parameters()).dtype)
     else:
         stage, executor = parts[0], None

@@ -5,8 +5,9 @@
 * ``after_step(step, end, mems, bad_run, preempt)`` — after every step: a periodic save when
   due (``--save-every``, and the last step), never in a streak of bad steps (the newest
   checkpoint stays a good one, and ``--keep`` never prunes a good one for a bad one); then the
-  preemption agreement (every rank, after the same step): a signal on any rank saves now, if
-  not just saved, and ends the run (exit status 75, resumable with ``--resume auto``);
+  preemption agreement that came with the step's loss (the same on every rank): a signal on any
+  rank saves now, if not just saved, and ends the run (exit status 75, resumable with
+  ``--resume auto``);
 * ``wait()`` — the last asynchronous save finished (``--async-save``).
 
 A save that fails on any rank raises ``fived.checkpoint.state.SaveError`` on every rank; the

@@ -63,3 +63,4 @@ def local_batch(step: int, seed: int, batch: int, seq_len: int, replica: int, re
     x, y = global_batch(step, seed, batch, seq_len, megabytes)
     per = batch // replicas
     return x[replica * per:(replica + 1) * per], y[replica * per:(replica + 1) * per]
+

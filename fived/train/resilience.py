@@ -1,10 +1,12 @@
 """What keeps a long run going without a person (docs/checkpoints.md, "Runs that recover").
 
-* ``Preemption`` — ``--preempt-signals`` (default TERM,USR1): the handler only sets a flag; at
-  every step boundary the ranks agree (one 1-element all-reduce MAX over the world), so a
-  signal that reached any one rank makes every rank save after the same step and leave with
-  status 75 (``PREEMPTED_EXIT``: preempted, resumable). Bound: the rest of the step in flight,
-  plus the save.
+* ``Preemption`` — ``--preempt-signals`` (default TERM,USR1): the handler only sets a flag; every
+  step the ranks agree on it without a collective of its own: each rank's vote (1 if a signal
+  reached it) rides as a second element of the step's loss all-reduce, which sums over the
+  whole world (``Trainer.global_loss``), so a signal that reached any one rank makes every rank
+  save after the same step and leave with status 75 (``PREEMPTED_EXIT``: preempted,
+  resumable). Bound: the rest of the step in flight — or, for a signal that arrives after that
+  step's loss was reduced, the next step too — plus the save.
 * ``BadSteps`` — a step whose loss or global gradient norm is not finite is skipped (the
   engine makes no update; both values are global, so every rank skips the same step); after
   ``--max-bad-steps`` in a row the run stops with a message and saves nothing more, so the
@@ -28,11 +30,12 @@ WINDOW = 256  # the records train_rank keeps (medians of the final table)
 
 
 class Preemption:
-    """Catch ``names`` (e.g. ["TERM", "USR1"]) on this rank; ``agreed()`` at a step boundary."""
+    """Catch ``names`` (e.g. ["TERM", "USR1"]) on this rank; ``vote()`` goes into the step's loss
+    all-reduce, ``count(votes)`` takes the world's sum back, ``agreed()`` reads it."""
 
-    def __init__(self, spec: str, device: Any, world: int):
+    def __init__(self, spec: str):
         self.hit: str | None = None
-        self.device, self.world = device, world
+        self.votes = 0.0  # the world's votes counted in the last step
         self.old: dict[int, Any] = {}
         names, _ = preempt_signal_names(spec)
         self.active = bool(names)  # the same on every rank: --preempt-signals '' costs nothing
@@ -49,19 +52,18 @@ class Preemption:
         # SIGKILLs it after its own grace period)
         self.hit = signal.Signals(signum).name
 
-    def agreed(self) -> bool:
-        """True on every rank when a signal reached any rank (a collective: all ranks call it
-        after the same step)."""
-        if not self.active:
-            return False
-        if self.world == 1:
-            return self.hit is not None
-        import torch
-        import torch.distributed as dist
+    def vote(self) -> float:
+        """This rank's vote: 1.0 once a signal reached it."""
+        return 1.0 if self.hit else 0.0
 
-        flag = torch.tensor([1.0 if self.hit else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+    def count(self, votes: float) -> None:
+        """The votes of every rank, summed (the same number on every rank)."""
+        self.votes = votes
+
+    def agreed(self) -> bool:
+        """True on every rank when a signal reached any rank by the time the last step's loss
+        was reduced (no collective: the count came with the loss)."""
+        return self.active and self.votes > 0
 
     def close(self) -> None:
         for sig, old in self.old.items():

@@ -32,14 +32,14 @@ from .. import phases
 from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ..ledger.context import positions as cp_positions
 from ..model import build_model
 from ..model.documents import Documents, micro_positions, reset_positions
 from ..model.init import InitSource
-from ..model.moe import materialize_route_bias, moe_layers, set_aux_grad_scale
+from ..model.moe import moe_layers
 from ..optim import lr_at
-from ..parallel.balance import RouteBalancer
-from ..parallel.context import balanced_positions, set_balance, shard_batch
-from ..parallel.expert import collect_stats
+from ..parallel.balance import RouteBalancer, RoutingStatistics
+from ..parallel.context import balanced_positions, set_balance
 from ..parallel.parallelize import dtype_of, parallelize
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
 from ..ranks.launch import rank_device
@@ -62,7 +62,8 @@ class Trainer:
         of this rank lives (default: ``rank_device()``, cuda under nccl); ``init=False`` skips
         drawing the weights (fake tensors in the dry run); ``eval_split`` (``fived eval``):
         open only the loader of this split of --data, for ``evaluate``, no training loader."""
-        self.cfg, self.par, self.tcfg = model_cfg, par, train
+        self.cfg, self.tcfg = model_cfg, train
+        self.par = par
         self.rank, self.world = rank, world
         self.device = torch.device(device) if device is not None else rank_device()
         self.traffic = grid.groups["tp"].traffic if grid is not None else Traffic()
@@ -90,9 +91,21 @@ class Trainer:
             for blk in model.layers.values():
                 blk.compile()
         self.parallel = parallelize(model, self.grid, par, train, source, self.device)
+        self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
+                                      dist.group.WORLD if world > 1 else None, self.traffic)
+        # the step's hooks: before it, a MoE model's aux-loss gradient scale; after the optimizer
+        # step, balance = bias's route balancer (its counts' all-reduce and the update; it makes
+        # each bias as zeros on the device, resume loads them); then the record's MoE statistics
+        # (collected, and reset, after the balancer read them)
+        routing = RoutingStatistics(self.parallel.model, model_cfg, par, self.parallel.placements,
+                                    self.world_metrics, self.traffic)
+        self.balancer = RouteBalancer(self.parallel.model, self.grid["batch"], self.device,
+                                      model_cfg.bias_update_rate)
+        self.pre_step = [routing.before_step] if model_cfg.is_moe else []
+        self.post_step = [self.balancer.after_step] if self.balancer else []
+        self.on_record = [routing.record] if model_cfg.is_moe else []
         for moe in moe_layers(self.parallel.model):  # its statistics were made on meta
             moe.reset_stats()
-        materialize_route_bias(self.parallel.model, self.device)  # zeros; resume loads it
         self.build_rss = rss_peak()  # the build's peak (VmHWM): this rank's pieces, no more
         self.build_seconds = time.perf_counter() - t0
         self.build_cuda = (torch.cuda.max_memory_allocated(self.device)
@@ -102,15 +115,14 @@ class Trainer:
             set_balance(self.stage, train.cp_balance)
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
-        # post-optimizer-step hooks, run before the step's MoE statistics are collected (and
-        # reset): balance = bias's route balancer (its counts' all-reduce and the update)
-        self.balancer = RouteBalancer(self.stage, self.grid["batch"], self.device,
-                                      model_cfg.bias_update_rate)
-        self.post_step = [self.balancer.after_step] if self.balancer else []
-        self.metrics_group = replace(self.grid["pp"], name="metrics")
-        self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
-                                      dist.group.WORLD if world > 1 else None, self.traffic)
+        # the loss's all-reduces, charged to metrics: over dense, tp, then pp (dense × tp × pp
+        # is the world; only the last pipeline stage holds a loss)
+        self.loss_groups = [replace(self.grid[name], name="metrics")
+                            for name in ("dense", "tp", "pp")]
         self.next_step = 0  # the data position: the step the next batch belongs to
+        cp = self.grid["cp"]  # with cp, the token positions of this rank's sequence shard
+        self.cp_positions = (torch.tensor(cp_positions(model_cfg.seq_len, cp.size, cp.rank))
+                             if par.cp > 1 else None)
         self.loader = self.eval_loader = None
         if train.data:
             self._open_data(eval_split)
@@ -182,6 +194,8 @@ class Trainer:
 
     # -------------------------------------------------------------------- one step
     def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's rows of step ``step``'s batch, its columns of them (``shard``) and their
+        positions, on its device."""
         b = self.grid["batch"]
         if self.loader is not None:
             return self.shard(*self.loader.get(step))
@@ -204,7 +218,8 @@ class Trainer:
             pos = balanced_positions(docs, cp.size, cp.rank)
             x, y, rows = x.gather(1, pos), y.gather(1, pos), rows.gather(1, pos)
         elif self.par.cp > 1:
-            x, y, positions = shard_batch(x, y, self.grid)
+            positions = self.cp_positions
+            x, y = x[:, positions].contiguous(), y[:, positions].contiguous()
             rows = None if rows is None else rows[:, positions.to(rows.device)]
         if docs is not None:
             positions = Documents(rows.contiguous(), docs)
@@ -227,8 +242,9 @@ class Trainer:
             total += loss.detach().float()
         return total
 
-    def step(self, step: int, on_grads: Any = None) -> dict[str, Any]:
-        """One optimizer step; ``on_grads()`` (tests) runs once the gradients are reduced."""
+    def step(self, step: int, on_grads: Any = None, preempt: Any = None) -> dict[str, Any]:
+        """One optimizer step; ``on_grads()`` (tests) runs once the gradients are reduced;
+        ``preempt`` (``resilience.Preemption``): its vote rides on the loss all-reduce."""
         if self.trace is not None:
             self.trace.restart()
         self.traffic.reset()
@@ -243,7 +259,8 @@ class Trainer:
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
         self.engine.zero_grad()
         scaler = getattr(self.engine, "scaler", None)  # fp16: the aux losses are scaled too
-        set_aux_grad_scale(self.stage, (scaler.scale if scaler else 1.0) / global_tokens)
+        for hook in self.pre_step:  # MoE: d(step loss)/d(local aux sum)
+            hook((scaler.scale if scaler else 1.0) / global_tokens)
         for t in getattr(self, "source_losses", []):  # a mixture: this step's tallies only
             t.reset()
         local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
@@ -257,7 +274,7 @@ class Trainer:
         # the loss before the update: both it and the norm are global, so every rank sees the
         # same bad step (fived.train.resilience) and skips it (the engine's overflow skip
         # covers a non-finite norm; a non-finite loss alone is skipped here)
-        loss = self.global_loss(local_loss) / global_tokens
+        loss = self.global_loss(local_loss, preempt) / global_tokens
         bad = non_finite(loss, grad_norm, self.par.precision == "fp16")
         phases.enter("optimizer")
         stepped = (self.engine.step(lr) if math.isfinite(loss)
@@ -273,9 +290,8 @@ class Trainer:
             rec["data_wait_s"] = self.loader.wait_s - waited
         if hasattr(self.loader, "sources"):
             rec["loss_by_source"] = self.loss_by_source(step)
-        if self.cfg.is_moe:  # tokens per expert, dropped, aux losses, all-to-all share
-            rec["moe"] = collect_stats(self.stage, self.cfg, self.par, self.parallel.placements,
-                                       self.world_metrics, global_tokens, seconds, self.traffic)
+        for record in self.on_record:  # MoE: tokens per expert, dropped, aux losses, a2a share
+            record(rec, seconds)
         for extra in after:  # the balancer's: this rank's layers' global counts and biases
             rec["moe"].update(extra)
         if self.trace is not None:
@@ -358,13 +374,19 @@ class Trainer:
         return {n: (float(t[k]) / (int(rows[k]) * self.cfg.seq_len) if rows[k] else None)
                 for k, n in enumerate(names)}
 
-    def global_loss(self, local: torch.Tensor) -> float:
-        """Σ token losses over the world: each token's loss is counted on one tp rank's copy."""
+    def global_loss(self, local: torch.Tensor, preempt: Any = None) -> float:
+        """Σ token losses over the world: each token's loss is counted on one tp rank's copy.
+        dense × tp × pp is the world, so an active ``preempt``'s vote, a second element beside
+        the loss, is summed over every rank and handed back (``preempt.count``): the preemption
+        agreement costs no collective of its own (fived.train.resilience)."""
         t = local.double().reshape(1) / self.grid.degrees["tp"]
-        ops.all_reduce(t, replace(self.grid["dense"], name="metrics"))
-        ops.all_reduce(t, replace(self.grid["tp"], name="metrics"))
-        ops.all_reduce(t, self.metrics_group)  # only the last stage holds a loss
-        return float(t)
+        if preempt is not None and preempt.active:
+            t = torch.cat([t, t.new_tensor([preempt.vote()])])
+        for group in self.loss_groups:
+            ops.all_reduce(t, group)
+        if t.numel() > 1:
+            preempt.count(float(t[1]))
+        return float(t[0])
 
     def gather_stats(self, mem: dict[str, int]) -> tuple[list[dict], list[dict]]:
         """Every rank's memory and traffic, on every rank (a metrics-only collective)."""
@@ -411,7 +433,7 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     say(f"{world} rank(s) up; building {model_cfg.name} and its layout on each ...")
     t0 = time.perf_counter()
     # caught from here on: a signal while the model is built or loaded acts after step one
-    preempt = Preemption(train.preempt_signals, rank_device(), world)
+    preempt = Preemption(train.preempt_signals)
     try:
         trainer = Trainer(model_cfg, par, train, rank, world)
     except BaseException:
@@ -427,7 +449,7 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
     try:
         for step in range(start, end):
             run_hooks.step_start(trainer, step)
-            rec = trainer.step(step, run_hooks.grads(trainer, step))
+            rec = trainer.step(step, run_hooks.grads(trainer, step), preempt)
             mems = metrics.measure(rec)
             evaluator.after_step(rec, step, metrics)
             bad.update(rec, rank)

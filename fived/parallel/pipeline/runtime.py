@@ -1,4 +1,5 @@
-"""The pipeline executor: runs this rank's action list (``schedules.py``) once per step.
+"""The pipeline executor: runs this rank's action list (``schedules.py``) once per step over its
+``StageModel`` (this rank's chunks of the layer stack, ``stage.split``, under global names).
 
 * **p2p without metadata.** Every message between stages is a (micro_batch, seq_local, hidden)
   tensor in the model dtype, ``seq_local = seq_len / cp (/ tp with sequence parallelism)``, so
@@ -55,13 +56,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ... import phases, schedules
 from ...comm import ops
 from ...config import ModelConfig, ParallelConfig
 from ...model.documents import micro_positions
-from .stage import StageModel
+from ...model.llama import Transformer
 
 
 class _SplitLinear(TorchFunctionMode):
@@ -183,8 +185,39 @@ def _free(h: Any, tensors: list[torch.Tensor]) -> None:
         t.untyped_storage().resize_(0)
 
 
+class StageModel(nn.Module):
+    """This rank's model: its v chunks (stages r, r+p, ...) under global parameter names.
+
+    The chunks are parts of one ``Transformer``; this container registers their embedding,
+    layers, final norm and head under the names they have in the whole model.
+    ``forward(x, positions, targets, chunk=c)`` runs chunk c.
+    """
+
+    def __init__(self, chunks: list[Transformer], stage_ids: list[int]):
+        super().__init__()
+        self.stage_ids = stage_ids
+        self.chunk_models = chunks
+        self.first, self.last = chunks[0].first, chunks[-1].last
+        if self.first:
+            self.embed_tokens = chunks[0].embed_tokens
+        self.layers = nn.ModuleDict()
+        for c in chunks:
+            for k, blk in c.layers.items():
+                self.layers[k] = blk
+        if self.last:
+            self.norm, self.lm_head = chunks[-1].norm, chunks[-1].lm_head
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [int(k) for k in self.layers]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        return self.chunk_models[chunk](x, positions, targets)
+
+
 class PipelineExecutor:
-    """Runs this rank's schedule over its stage model (``stage.split`` + ``StageModel``)."""
+    """Runs this rank's schedule over its ``StageModel`` (``stage.split``'s chunks)."""
 
     def __init__(self, cfg: ModelConfig, par: ParallelConfig, grid: Any, stage: StageModel,
                  dtype: torch.dtype, sched: schedules.Schedule | None = None):

@@ -12,13 +12,12 @@ by dynamic programming over contiguous splits (``balanced_split``, which is the 
 the planner and the runtime cut the same way). ``--pp-layers a,b,...``
 gives the split by hand. ``split(model, par, pp_rank)`` cuts this rank's chunks out of a plain
 model (``Transformer.part``); parameter names stay global (``layers.5.self_attn.q_proj.weight``),
-so any split holds the same model.
+so any split holds the same model. The chunks' container is ``runtime.StageModel``.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from dataclasses import replace
 
 from ...config import V_SCHEDULES, ConfigError, ModelConfig, ParallelConfig
 from ...ledger.params import balanced_split as _ledger_split
@@ -48,37 +47,6 @@ def partition(cfg: ModelConfig, par: ParallelConfig) -> list[list[int]]:
     return out
 
 
-class StageModel(nn.Module):
-    """This rank's model: its v chunks (stages r, r+p, ...) under global parameter names.
-
-    The chunks are parts of one ``Transformer``; this container registers their embedding,
-    layers, final norm and head under the names they have in the whole model.
-    ``forward(x, positions, targets, chunk=c)`` runs chunk c.
-    """
-
-    def __init__(self, chunks: list[Transformer], stage_ids: list[int]):
-        super().__init__()
-        self.stage_ids = stage_ids
-        self.chunk_models = chunks
-        self.first, self.last = chunks[0].first, chunks[-1].last
-        if self.first:
-            self.embed_tokens = chunks[0].embed_tokens
-        self.layers = nn.ModuleDict()
-        for c in chunks:
-            for k, blk in c.layers.items():
-                self.layers[k] = blk
-        if self.last:
-            self.norm, self.lm_head = chunks[-1].norm, chunks[-1].lm_head
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return [int(k) for k in self.layers]
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
-        return self.chunk_models[chunk](x, positions, targets)
-
-
 def stage_ids(par: ParallelConfig, pp_rank: int) -> list[int]:
     """The (virtual) stages of pipeline rank ``pp_rank``: r, r + pp, r + 2·pp, ...; with a
     V-shaped schedule (zb-v, dualpipe-v) r and 2·pp − 1 − r (``schedules.stage_rank``)."""
@@ -87,8 +55,19 @@ def stage_ids(par: ParallelConfig, pp_rank: int) -> list[int]:
     return list(range(pp_rank, par.pp * par.virtual_stages, par.pp))
 
 
-def split(model: Transformer, par: ParallelConfig, pp_rank: int) -> list[Transformer]:
-    """This rank's chunks of ``model``, one per virtual stage, in stage order."""
+def pipeline_layout(par: ParallelConfig) -> ParallelConfig:
+    """The layout the pipeline runs: virtual stages count only for the interleaved and the
+    V-shaped schedules."""
+    keep = par.schedule in ("interleaved",) + V_SCHEDULES
+    return replace(par, virtual_stages=par.virtual_stages if keep else 1)
+
+
+def split(model: Transformer, par: ParallelConfig, pp_rank: int
+          ) -> tuple[list[Transformer], list[int]]:
+    """This rank's chunks of ``model``, one per virtual stage, in stage order, and the ids of
+    those stages — for the layout the pipeline runs (``pipeline_layout``)."""
+    par = pipeline_layout(par)
+    ids = stage_ids(par, pp_rank)
     parts = partition(model.cfg, par)
     last = par.pp * par.virtual_stages - 1
-    return [model.part(parts[s], s == 0, s == last) for s in stage_ids(par, pp_rank)]
+    return [model.part(parts[s], s == 0, s == last) for s in ids], ids
