@@ -149,6 +149,17 @@ def _block_forward(q, k, v, causal, scale, fused):
     return torch.matmul(p, v.unsqueeze(2)), lse
 
 
+def _grads_of_probs(p, q, k, v, do, delta, scale):
+    """(dq, dk, dv) of one block from its probabilities ``p`` (the row's merged lse applied)
+    and ``delta`` = rowsum(do · o): the attention backward on the math path."""
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+    dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
+    return dq, dk, dv
+
+
 def _block_backward(q, k, v, causal, lse, do, o, delta, scale, fused):
     """One block's (dq, dk, dv), with the *merged* output ``o`` and ``lse`` of the whole row."""
     if _fused(q, fused):
@@ -162,12 +173,7 @@ def _block_backward(q, k, v, causal, lse, do, o, delta, scale, fused):
         return (dqh.reshape(b, g, rep, sq, d), dkh.reshape(b, g, rep, sk, d).sum(2),
                 dvh.reshape(b, g, rep, sk, d).sum(2))
     p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
-    dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
-    return dq, dk, dv
+    return _grads_of_probs(p, q, k, v, do, delta, scale)
 
 
 def _merge(o_acc, lse_acc, o, lse, rows: slice) -> None:
@@ -207,12 +213,7 @@ def _masked_backward(q, k, v, mask, lse, do, delta, scale):
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
     s = s.masked_fill(~mask[:, None, None], float("-inf"))
     p = torch.exp(s - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
-    dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
-    return dq, dk, dv
+    return _grads_of_probs(p, q, k, v, do, delta, scale)
 
 
 def doc_plan(q_chunks: torch.Tensor, kv_chunks: torch.Tensor, c: int, docs: torch.Tensor
