@@ -7,7 +7,8 @@
 # 1. fp32 parity, one GPU against the CPU reference, model `tiny`, 5 steps: losses within 1e-5.
 # 2. bf16 training of a ~1.5B Llama-3-shaped model (h 2048, 16 layers, seq 2048) on one GPU:
 #    tokens/s and MFU against the device's dense bf16 peak (fived.ledger.hardware), and the
-#    measured torch.cuda.max_memory_allocated next to the ledger's model states + activations.
+#    measured torch.cuda.max_memory_allocated (and the traced live tensors, --memory-trace) next
+#    to the ledger's step peak (fived.ledger.peak).
 # 3. with >= 2 GPUs: tp2 and dp2 (fp32, tiny) over NCCL against the one-GPU run: losses 1e-5.
 # Exit status: 0 when every check that ran passed, 1 otherwise, 2 when no GPU is visible.
 set -euo pipefail
@@ -52,7 +53,7 @@ global_batch = 4
 warmup = 2
 TOML
 log "2/3 ~1.5B bf16 on one GPU"
-fived train --config "$out/1b.toml" --nprocs 1 --metrics-out "$out/1b.jsonl" >&2
+fived train --config "$out/1b.toml" --nprocs 1 --memory-trace --metrics-out "$out/1b.jsonl" >&2
 
 # 3. tp2 and dp2 over NCCL
 if [ "$gpus" -ge 2 ]; then
@@ -77,7 +78,7 @@ from fived.ledger.hardware import PRESETS as HARDWARE
 from fived.ledger.memory import rank_memory
 from fived.ledger.params import total_params
 from fived.ledger.traffic import micro_batch_size
-from fived.ledger.verify import run_of_file
+from fived.ledger.verify import predict_peak, run_of_file
 
 out, gpus = sys.argv[1], int(sys.argv[2])
 
@@ -109,13 +110,16 @@ tps = statistics.median(r["tokens_per_s"] for r in recs[2:])
 mfu = model_flops_per_token(m) * tps / peak if peak else None
 ledger = rank_memory(m, par, micro_batch_size(par, gb))
 measured = max(r.get("cuda_max_allocated", 0) for r in recs)
+traced = max(r.get("memory_trace_per_rank", [0])[0] for r in recs)
+step_peak = predict_peak(m, par, gb, 0)
 summary["checks"]["bf16_1b"] = {
     "params": total_params(m), "tokens_per_s": tps, "mfu": mfu, "peak_flops": peak,
     "losses_first_last": [recs[0]["loss"], recs[-1]["loss"]],
     "cuda_max_allocated": measured,
     "ledger_states": ledger.states_total, "ledger_activations": ledger.activations_total,
-    "ledger_buffers": ledger.buffers_total,
-    "measured_over_ledger": measured / (ledger.states_total + ledger.activations_total),
+    "ledger_buffers": ledger.buffers_total, "ledger_step_peak": step_peak,
+    "traced_peak": traced, "traced_over_ledger_peak": traced / step_peak,
+    "measured_over_ledger_peak": measured / step_peak,
     "ok": recs[-1]["loss"] < recs[0]["loss"]}
 if gpus >= 2:
     for lay in ("tp2", "dp2"):
