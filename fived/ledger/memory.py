@@ -747,8 +747,8 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
             if i not in grads:
                 grads.add(i)
                 hold(0, bks[i].padded * gb)
-            if first:
-                starts.append(sum(live))
+            if first and (not zero3_flat or u >= 0):  # the first block's gradient (ZeRO-3:
+                starts.append(sum(live))  # its unit and the next gathered, the root's held)
                 first = False
             if zero3_flat:
                 udone[u] = udone.get(u, 0) + k
