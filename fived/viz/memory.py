@@ -142,7 +142,7 @@ def dry_run(m: ModelConfig, par: ParallelConfig, train: TrainConfig, rank: int
 
 
 def unit_for(n: float) -> tuple[str, float]:
-    for name, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    for name, div in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
         if n >= 2 * div:
             return name, div
     return "B", 1.0
@@ -408,6 +408,6 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in table_lines(recs):
         print(line)
-    print("bytes decimal; diff = (dry run − ledger) / ledger, peak against peak; phase:\n"
-          "the peak's (ledger / dry run where they differ), F|B|W micro-batch stage")
+    print("bytes binary (KiB, MiB, GiB); diff = (dry run − ledger) / ledger, peak against\n"
+          "peak; phase: the peak's (ledger / dry run where they differ), F|B|W mb stage")
     return 0
