@@ -160,7 +160,7 @@ def test_bad_shared_or_group_config_exits_2(tmp_path, body, field):
 def test_validate_names_each_problem():
     with pytest.raises(ConfigError, match="shared_expert_gate"):
         validate(replace(BASE, shared_expert_gate=True), ParallelConfig())
-    with pytest.raises(ConfigError, match="shared expert ffn over tp"):
+    with pytest.raises(ConfigError, match="shared expert ffn 47 is not divisible by 2"):
         validate(replace(SHARED, shared_expert_ffn=47), ParallelConfig(tp=2))
 
 

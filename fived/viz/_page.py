@@ -201,16 +201,16 @@ def page(recs: list[dict[str, Any]], folder: str, title: str, meta: dict[str, An
 
 
 def layout_figures(res: Any, hw: str, gpn: int | None, global_batch: int) -> list[Figure]:
-    from . import layout
+    from . import _layout as layout
 
     return layout.figures(res, hw, gpn, global_batch)
 
 
 def layout_page(res: Any, hw: str, gpn: int | None, global_batch: int) -> tuple[str, str]:
     """The layout page's summary (head) and its tables (tail): the grid, the traffic per
-    group and the planner's alternatives (``fived.viz.layout``)."""
+    group and the planner's alternatives (``fived.viz._layout``)."""
     from ..ledger.hardware import PRESETS
-    from . import layout
+    from . import _layout as layout
 
     s = layout.summary(res, hw, gpn, global_batch)
     ranked, counts, place = layout.alternatives(res, hw, gpn, global_batch)
