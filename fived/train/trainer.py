@@ -367,9 +367,8 @@ class Trainer:
                 if v is not None:
                     t[k] += v.double()
         t /= self.grid.degrees["tp"]
-        ops.all_reduce(t, replace(self.grid["dense"], name="metrics"))
-        ops.all_reduce(t, replace(self.grid["tp"], name="metrics"))
-        ops.all_reduce(t, self.metrics_group)
+        for group in self.loss_groups:  # as the loss: over dense, tp, then pp
+            ops.all_reduce(t, group)
         rows = np.bincount(self.loader.row_sources(step), minlength=len(names))
         return {n: (float(t[k]) / (int(rows[k]) * self.cfg.seq_len) if rows[k] else None)
                 for k, n in enumerate(names)}
