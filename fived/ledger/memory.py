@@ -437,6 +437,7 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
     return out
 
 
+@lru_cache(maxsize=16384)
 def stage_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, stage: int,
                            opts: ActivationOptions = EAGER) -> float:
     """What one micro-batch leaves saved on (virtual) stage ``stage`` after its forward: its

@@ -210,10 +210,18 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         seq = moments[which]
         return float(seq[min(nth, len(seq) - 1) if nth >= 0 else -1])
 
-    def backward_moment(t: dict[str, float], last: bool, s: int, mb: int, nth: int
-                        ) -> dict[str, float]:
+    worst: dict[tuple, dict[str, float]] = {}  # the same stage, moment and buffers: once
+
+    def backward_moment(t: dict[str, float], last: bool, s: int, nth: int) -> dict[str, float]:
         """The B's worst moment: the loss's backward (last stage: every saved tensor alive,
         no gradient arrived) or the first block's (the loss's saved tensors gone)."""
+        key = (s, nth, tuple(t.items()))
+        if key not in worst:
+            worst[key] = _backward_moment(t, last, s, nth)
+        return dict(worst[key])
+
+    def _backward_moment(t: dict[str, float], last: bool, s: int, nth: int
+                         ) -> dict[str, float]:
         block = block_backward_bytes(m, par, micro_batch) if stage_layers(m, par)[s] else 0
         blk = dict(t, block_backward=block)
         if not last and par.pp > 1:
@@ -269,7 +277,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             else:
                 t["zero_buffers"] = cb.get("zero3_gather", 0.0) if mb == 0 else zero
         if kind == "B":
-            t = backward_moment(t, s == n_stages - 1, s, mb, nth)
+            t = backward_moment(t, s == n_stages - 1, s, nth)
             if zero and saved - per[s] + zero > saved + sum(t.values()):  # the buffers' peak
                 # once this micro-batch's activations are released
                 out.append(Phase(f"{kind} {mb} {s}", kept, saved - per[s],
