@@ -67,3 +67,18 @@ def unpacked_reference(model_cfg, train, reset: bool) -> dict[str, Any]:
     (total / tokens).backward()
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     return {"loss": float(total.detach()) / tokens, "grads": grads, "documents": n_docs}
+
+
+def missing_file_exits_2(data: Path, name: str, tmp_path: Path) -> None:
+    """``fived train --data`` on a copy of ``data`` without its file ``name``: exit 2, one
+    message naming --data and the file, nothing written."""
+    import shutil
+
+    from parity_helpers import cli_exits_2
+
+    d = tmp_path / "d"
+    shutil.copytree(data, d)
+    (d / name).unlink()
+    err = cli_exits_2(["train", "--data", str(d), "--steps", "1", "--nprocs", "1",
+                       "--metrics-out", str(tmp_path / "m")], "--data", tmp_path / "m")
+    assert name in err

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from doc_helpers import prepared
+from doc_helpers import missing_file_exits_2, prepared
 from parity_helpers import check_parity, cli_exits_2, one_rank, run_cli, train_runs
 
 from fived.config import ParallelConfig, preset
@@ -166,14 +166,7 @@ def test_a_source_with_another_tokenizer_is_refused(dirs, tmp_path):
 
 
 def test_a_missing_token_file_is_refused(dirs, tmp_path):
-    import shutil
-
-    d = tmp_path / "d"
-    shutil.copytree(dirs[0], d)
-    (d / "train.bin").unlink()
-    err = cli_exits_2(["train", "--data", str(d), "--steps", "1", "--nprocs", "1",
-                       "--metrics-out", str(tmp_path / "m")], "--data", tmp_path / "m")
-    assert "train.bin" in err
+    missing_file_exits_2(dirs[0], "train.bin", tmp_path)
 
 
 def test_fived_eval_of_a_mixture_gives_the_runs_losses_per_source(dirs, tmp_path):

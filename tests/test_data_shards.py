@@ -8,7 +8,7 @@ shards then share ids: ``test_an_epoch_visits_every_window_once``)."""
 import numpy as np
 import pytest
 import torch
-from doc_helpers import write_documents
+from doc_helpers import missing_file_exits_2, write_documents
 from parity_helpers import check_parity, cli_exits_2, one_rank, train_runs
 
 from fived.config import ParallelConfig, preset
@@ -70,14 +70,7 @@ def test_sharded_data_trains_the_same_on_dp2_as_on_one_rank(sharded):
 
 
 def test_a_missing_shard_exits_2(sharded, tmp_path):
-    import shutil
-
-    d = tmp_path / "d"
-    shutil.copytree(sharded[0], d)
-    (d / "train-00002.bin").unlink()
-    err = cli_exits_2(["train", "--data", str(d), "--steps", "1", "--nprocs", "1",
-                       "--metrics-out", str(tmp_path / "m")], "--data", tmp_path / "m")
-    assert "train-00002.bin" in err
+    missing_file_exits_2(sharded[0], "train-00002.bin", tmp_path)
 
 
 def test_a_negative_shard_size_exits_2(tmp_path):

@@ -309,10 +309,11 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
 @lru_cache(maxsize=8192)
 def step_peak(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
-              opts: ActivationOptions = EAGER, optimizer: str = "adamw") -> Phase:
+              opts: ActivationOptions = EAGER, optimizer: str = "adamw",
+              dense_index: int = 0, expert_index: int = 0) -> Phase:
     """The phase whose live bytes are largest (the first of equals)."""
-    return max(step_phases(m, par, micro_batch, pp_rank, opts, optimizer),
-               key=lambda p: p.total)
+    return max(step_phases(m, par, micro_batch, pp_rank, opts, optimizer, dense_index,
+                           expert_index), key=lambda p: p.total)
 
 
 def with_peak(mem: RankMemory, m: ModelConfig, par: ParallelConfig, micro_batch: int,

@@ -30,7 +30,7 @@ import json
 from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, _coerce
 from ..ranks.grid import Grid
 from .memory import act_bytes, activations, comm_buffers, model_states
-from .peak import step_phases
+from .peak import step_peak
 from .traffic import ep_routed_bytes, micro_batch_size, step_bytes, step_traffic
 
 
@@ -237,10 +237,10 @@ def predict_peak(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: i
 
 def step_phase_peak(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
                     optimizer: str = "adamw"):
-    phases = step_phases(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"],
-                         optimizer=optimizer, dense_index=group_index(par, "dense", rank),
-                         expert_index=group_index(par, "expert", rank))
-    return max(phases, key=lambda p: p.total)
+    """``peak.step_peak`` of ``rank``: its pipeline rank, its place in its groups."""
+    return step_peak(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"],
+                     optimizer=optimizer, dense_index=group_index(par, "dense", rank),
+                     expert_index=group_index(par, "expert", rank))
 
 
 def peak_rows(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,

@@ -255,6 +255,7 @@ class MetricsProcessor:
                 print(f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s ({t.world} rank(s) measured at "
                       "once, summed:\n  the MFU denominator); step 1 ...", flush=True)
         self.peak_flops = peak_flops
+        self._ledger_peaks: list[float] | None = None  # --memory-trace: the ledger's, once
         if rank == 0 and show:
             self.display = LiveDisplay(t.cfg, t.par, train, t.world, peak_flops)
         self.flops_per_token = model_flops_per_token(t.cfg)
@@ -271,12 +272,8 @@ class MetricsProcessor:
         rec["rss_peak"] = max(r["peak"] for r in t.rss)  # VmHWM, the largest rank
         rec["rss_per_rank"] = t.rss
         if t.trace is not None:  # --memory-trace: every rank's peak live tensor bytes
-            from ..ledger.verify import predict_peak
-
             rec["memory_trace_per_rank"] = t.traced
-            rec["ledger_peak_per_rank"] = [
-                predict_peak(t.cfg, t.par, self.train.global_batch, r, self.train.optimizer)
-                for r in range(t.world)]
+            rec["ledger_peak_per_rank"] = self.ledger_peaks()
         rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
         rec["mfu"] = mfu_of(self.flops_per_token, rec["tokens_per_s"], self.peak_flops)
         if t.device.type == "cuda":  # measured, next to the ledger's (gpu_check.sh)
@@ -285,6 +282,16 @@ class MetricsProcessor:
             rec["cuda_max_allocated"] = torch.cuda.max_memory_allocated(t.device)
             rec["cuda_build_allocated"] = t.build_cuda
         return mems
+
+    def ledger_peaks(self) -> list[float]:
+        """The ledger's step peak of every rank (the same for every step: worked out once)."""
+        if self._ledger_peaks is None:
+            from ..ledger.verify import predict_peak
+
+            t = self.trainer
+            self._ledger_peaks = [predict_peak(t.cfg, t.par, self.train.global_batch, r,
+                                               self.train.optimizer) for r in range(t.world)]
+        return self._ledger_peaks
 
     def note(self, text: str) -> None:
         """A line above the live display (rank 0, when shown)."""

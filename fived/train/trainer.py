@@ -19,6 +19,7 @@ loader of ``fived.data.loader`` (rows of the batch group only; the padded vocabu
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, replace
@@ -250,10 +251,7 @@ class Trainer:
         self.traffic.reset()
         t0 = time.perf_counter()
         waited = self.loader.wait_s if self.loader is not None else 0.0
-        if self.trace is not None:
-            with self.trace.untracked():
-                x, y, positions = self.local_data(step)
-        else:
+        with self.trace.untracked() if self.trace is not None else contextlib.nullcontext():
             x, y, positions = self.local_data(step)
         self.next_step = step + 1
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
