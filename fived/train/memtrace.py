@@ -11,8 +11,8 @@ pipeline's release of a sent activation — patched while the trace is active) o
 resizes its argument (every tensor argument is looked at again after each op).
 
 Phases come from ``fived.phases``: the trace records, for each phase, the live bytes on entry,
-the largest live bytes inside it and the live bytes when it ended (``PhaseRecord``); ``peak``
-is the largest anywhere, with the phase that holds it.
+the largest live bytes inside it and the live bytes when it ended (``PhaseRecord``);
+``step_peak`` is the largest after the build, with the phase that holds it.
 
 It runs on real tensors (``fived train --memory-trace``; every op pays the Python dispatch, the
 cost is measured in docs/ledger.md) and on fake ones (the dry run: fake storages have sizes and
@@ -51,17 +51,9 @@ class PhaseRecord:
 
 
 class LiveTensors(TorchDispatchMode):
-    """``detail=True`` also keeps, for each storage, the op and shape that made it, and the
-    live storages at the peak (``at_peak``: (bytes, op, shape, dtype), largest first)."""
-
-    def __init__(self, detail: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.detail = detail
-        self._origin: dict[int, tuple[str, tuple, str]] = {}
-        self._at_peak: dict[int, tuple[int, tuple[str, tuple, str]]] = {}
         self.live = 0
-        self.peak = 0
-        self.peak_phase = "build"
         self.series = [PhaseRecord("build", 0)]
         self._size: dict[int, int] = {}
         self._refs: dict[int, Any] = {}
@@ -74,20 +66,14 @@ class LiveTensors(TorchDispatchMode):
         self._size[key] = n
         if self.live > self.series[-1].peak:
             self.series[-1].peak = self.live
-            if self.live > self.peak:
-                self.peak, self.peak_phase = self.live, self.series[-1].name
-                if self.detail:
-                    self._at_peak = {k: (n, self._origin.get(k, ("?", (), "?")))
-                                     for k, n in self._size.items()}
 
     def _freed(self, key: int, _ref: Any) -> None:
         n = self._size.pop(key, None)
         if n is not None:
             self.live -= n
             del self._refs[key]
-            self._origin.pop(key, None)
 
-    def see(self, t: torch.Tensor, op: Any = None) -> None:
+    def see(self, t: torch.Tensor) -> None:
         if t.is_meta and not isinstance(t, FakeTensor):  # a shape only (the born-sharded
             return  # model before its pieces are made): no memory; the dry run's are fake
         st = t.untyped_storage()
@@ -95,8 +81,6 @@ class LiveTensors(TorchDispatchMode):
         n = st.nbytes()
         if key not in self._size:
             self._refs[key] = weakref.ref(st, partial(self._freed, key))
-            if self.detail:
-                self._origin[key] = (str(op), tuple(t.shape), str(t.dtype))
         elif self._size[key] == n:
             return
         self._set(key, n)
@@ -115,13 +99,8 @@ class LiveTensors(TorchDispatchMode):
             return out
         for t in tree_flatten((out, args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
-                self.see(t, func)
+                self.see(t)
         return out
-
-    def at_peak(self) -> list[tuple[int, str, tuple, str]]:
-        """(bytes, op, shape, dtype) of each storage live at the peak (``detail`` only)."""
-        rows = [(n, *origin) for n, origin in self._at_peak.values()]
-        return sorted(rows, key=lambda r: -r[0])
 
     # ------------------------------------------------------------------ phases
     def enter(self, name: str) -> None:
@@ -143,7 +122,6 @@ class LiveTensors(TorchDispatchMode):
     def restart(self) -> None:
         """A new step: the series and the peak start again from what is live now."""
         self.series = [PhaseRecord("start", self.live, self.live)]
-        self.peak, self.peak_phase = self.live, "start"
 
     def step_peak(self) -> tuple[int, str]:
         """The largest live bytes after the build, and the phase that holds it."""
