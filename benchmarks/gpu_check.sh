@@ -9,6 +9,7 @@
 #    tokens/s and MFU against the device's dense bf16 peak (fived.ledger.hardware), and the
 #    measured torch.cuda.max_memory_allocated (and the traced live tensors, --memory-trace) next
 #    to the ledger's step peak (fived.ledger.peak).
+#    And ring context parallelism's block kernel (memory-efficient attention) against the math.
 # 3. with >= 2 GPUs: tp2 and dp2 (fp32, tiny) over NCCL against the one-GPU run: losses 1e-5.
 # Exit status: 0 when every check that ran passed, 1 otherwise, 2 when no GPU is visible.
 set -euo pipefail
@@ -34,6 +35,12 @@ log "1/3 tiny fp32 on the CPU (reference)"
 FIVED_DEVICE=cpu fived train "${common[@]}" --nprocs 1 --metrics-out "$out/cpu.jsonl" >&2
 log "1/3 tiny fp32 on one GPU"
 fived train "${common[@]}" --nprocs 1 --metrics-out "$out/gpu1.jsonl" >&2
+
+# 1b. ring context parallelism's block kernel on the GPU (memory-efficient attention with its
+# log-sum-exp) against the explicit math: outputs, lse and gradients within 1e-4
+log "1/3 ring attention's GPU block kernel vs the math"
+timeout 120 "$py" "$here/benchmarks/ring_kernels.py" --device cuda > "$out/ring_kernels.txt" \
+  || log "ring kernel check FAILED (see $out/ring_kernels.txt)"
 
 # 2. a ~1.5B model in bf16 on one GPU
 cat > "$out/1b.toml" <<'TOML'
@@ -103,6 +110,14 @@ summary = {"gpus": gpus, "device": name, "hardware_preset": key, "checks": {}}
 ref = losses("cpu")
 d = rel(losses("gpu1"), ref)
 summary["checks"]["fp32_tiny_gpu_vs_cpu"] = {"max_rel_diff": d, "ok": d <= 1e-5}
+
+try:
+    with open(f"{out}/ring_kernels.txt") as f:
+        ring = f.read().splitlines()
+    gap = float(ring[-1].split()[2])
+    summary["checks"]["ring_block_kernel"] = {"largest_gap": gap, "ok": gap <= 1e-4}
+except (OSError, IndexError, ValueError):
+    summary["checks"]["ring_block_kernel"] = {"ok": False, "error": "no result"}
 
 recs = records("1b")
 m, par, gb = run_of_file(f"{out}/1b.jsonl")

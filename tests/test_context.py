@@ -306,3 +306,36 @@ def test_bench_cp_runs(capsys):
     assert "fived bench cp" in cap.err and "ring-contiguous" in text and "= formula" in text
     assert json.loads(cap.out.strip().splitlines()[-1])["bench"] == "cp"
     assert bench.main(["--cp", "3", "--seq", "64"]) == 2  # 64 is not divisible by 2·3
+
+
+def test_ring_block_kernels_match_the_math():
+    """The fused block kernels (here the CPU flash kernel) give the math's outputs, lse and
+    gradients (benchmarks/ring_kernels.py; gpu_check runs it on the GPU's kernel)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import ring_kernels
+
+    assert max(ring_kernels.gaps("cpu", causal=True, rep=2).values()) < ring_kernels.TOLERANCE
+    assert max(ring_kernels.gaps("cpu", causal=False, rep=1).values()) < ring_kernels.TOLERANCE
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_ring_block_on_the_dry_run_device_holds_no_scores(fused):
+    """On the dry run's meta device (a GPU's stand-in) the ring's block runs the fused kernel:
+    the largest tensor it makes is the block's output, never the s_q × s_k scores; the math
+    path (``fused=False``) does make them — the check can fail."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fived.train.memtrace import LiveTensors
+
+    b, g, rep, s, d = 1, 2, 2, 256, 16
+    with FakeTensorMode(), LiveTensors() as trace:
+        q = torch.empty(b, g, rep, s, d, device="meta")
+        k, v = torch.empty(b, g, s, d, device="meta"), torch.empty(b, g, s, d, device="meta")
+        start = trace.live
+        o, lse = context._block_forward(q, k, v, True, 0.25, fused)
+        lse = lse.contiguous()
+        dq, dk, dv = context._block_backward(q, k, v, True, lse, q, o, lse, 0.25, fused)
+        largest = trace.series[-1].peak - start
+    assert o.shape == q.shape and lse.shape == q.shape[:-1] and dk.shape == k.shape
+    scores = b * g * rep * s * s * 4
+    assert (largest < scores) == fused, (largest, scores)

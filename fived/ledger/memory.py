@@ -837,11 +837,26 @@ def _comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank
         out["cp_ring"] = 2 * kv * 2  # K/V in flight + dK/dV in flight, double-buffered
     if par.ep > 1 and m.is_moe:
         out["ep_a2a"] = 2 * tokens * m.top_k * m.hidden * e
-    if m.expert_matmul != "loop" and any(
+    if grouped_experts(m, par) and any(
             m.is_moe_layer(i) for st in rank_stages(par, pp_rank)
             for i in stage_layers(m, par)[st]):
         out["expert_stack"] = expert_stack_bytes(m, par)
     return tuple(out.items())
+
+
+def grouped_experts(m: ModelConfig, par: ParallelConfig) -> bool:
+    """Whether the experts run as grouped matmuls (``fived.model.grouped``) in the run the
+    ledger describes — a GPU's, or the dry run's fake tensors: ``grouped``, or ``auto`` in
+    bf16 with rows of a multiple of 16 bytes (``grouped.grouped_supported``; CUDA's kernel and
+    the op's meta function take bf16 only). A real CPU run groups fp32 rows too; there the
+    ledger counts the loop's smaller working set."""
+    if not m.is_moe or m.expert_matmul == "loop":
+        return False
+    if m.expert_matmul == "grouped":
+        return True
+    e = act_bytes(par)
+    return (precision_of(par) == "bf16" and (m.hidden * e) % 16 == 0
+            and (m.expert_ffn * e) % 16 == 0)
 
 
 def expert_stack_bytes(m: ModelConfig, par: ParallelConfig) -> float:

@@ -35,6 +35,15 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             projection's input gradient, SiLU recomputed, its backward, the
                             up gradient: ``fived.model.layers.SwiGLU``); GELU: three; MoE:
                             top_k · expert_ffn per token in place of ffn/tp
+  ``expert_stack``,         grouped experts (``memory.grouped_experts``), a MoE stage's F:
+  ``experts_forward``       the stacked local weights (``memory.expert_stack_bytes``) and
+                            SiLU(G) beside the saved G and U (r · f_e · e, r the rank's
+                            routed rows, ``experts_rows``); the all-to-all buffers are idle
+  ``experts_backward``      grouped experts, a MoE stage's B: the stack made again, the
+                            three weight gradients as stacks (3 · E/ep · f_e · h · e), three
+                            r · f_e gradients and two r · h ones
+                            (``grouped.GroupedSwiGLU.backward``) beside the last column
+                            region's input; no all-to-all buffer nor received gradient
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes (``memory.layer_activations``)
   ``grad_recv``             pp, every B but the last stage's: the received output gradient
@@ -77,6 +86,7 @@ from .memory import (
     candidate_ranks,
     comm_buffers,
     grad_bytes,
+    grouped_experts,
     layer_activations,
     model_states,
     rank_memory,
@@ -137,6 +147,26 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     return grad_out + rows * m.ffn * e / par.tp
 
 
+def experts_rows(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
+    """The rows a rank's experts run per MoE layer and micro-batch under uniform routing:
+    its tokens (÷ tp under SP) times top_k — what it sends, it receives."""
+    sp = par.tp if par.sequence_parallel and par.tp > 1 else 1
+    return micro_batch * m.seq_len / par.cp * m.top_k / sp
+
+
+def experts_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
+    """A MoE layer's grouped experts at the end of their backward (``fived.model.grouped.
+    GroupedSwiGLU.backward``), uniform routing: over the rank's r = tokens · top_k / sp rows,
+    the three weight gradients as stacks (3 · E/ep · f_e · h · e, before they are split into
+    their buckets), the down projection's input gradient, SiLU's backward and the up gradient
+    (3 · r · f_e · e), the rows' input gradient and the combine's gradient of the rows
+    (2 · r · h · e)."""
+    e = act_bytes(par)
+    rows = experts_rows(m, par, micro_batch)
+    weights = m.experts // par.ep * m.expert_ffn * m.hidden * e
+    return 3 * weights + 3 * rows * m.expert_ffn * e + 2 * rows * m.hidden * e
+
+
 def step_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
     """The step's token ids and targets (int64, every micro-batch of the rank's batch rows,
     its sequence shard) and the positions (int64), held through the step."""
@@ -192,6 +222,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     zero = cb.get("zero_full_grads", 0.0) + cb.get("zero3_gather", 0.0)
     moments = zero_moments(m, par, pp_rank) if zero else None
     inflight = {k: cb[k] for k in ("sp_gather", "cp_ring", "ep_a2a") if k in cb}
+    grouped = grouped_experts(m, par)
     recompute = 0.0
     if par.recompute == "full":
         recompute = max((sum(layer_activations(c, par, micro_batch, opts).values())
@@ -230,24 +261,46 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             blk["recompute_block"] = recompute
         if zero:
             blk["zero_buffers"] = zero_at(0, nth)
+        moe = experts_moment(t, s, blk)
         if not last:
-            return blk
+            return max((blk, moe), key=lambda d: sum(d.values()))
         gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
                    for k in ("final_norm", "logits"))
         blk["block_backward"] = max(0.0, block - gone)
-        loss = dict(t, loss_backward=loss_backward_bytes(m, par, micro_batch))
+        idle = {k: v for k, v in t.items() if k != "ep_a2a"}  # no MoE layer runs there
+        loss = dict(idle, loss_backward=loss_backward_bytes(m, par, micro_batch))
         if zero:
             loss["zero_buffers"] = zero_at(3, nth)
         # the head's backward: the logits' gradient (compute dtype), the head's weight
         # gradient before it is added into its bucket (V/tp · h), the input gradient and its
         # reduction's buffer; the loss's saved logits already freed
         logits = stage_extra_activations(m, par, micro_batch, s == 0, True, opts)["logits"]
-        head = dict(t, head_backward=max(0.0, tokens * m.vocab / par.tp * e
+        head = dict(idle, head_backward=max(0.0, tokens * m.vocab / par.tp * e
                                          + m.vocab * m.hidden / par.tp * e
                                          + 2 * tokens * m.hidden * e - logits))
         if zero:
             head["zero_buffers"] = zero_at(0, nth)
-        return max((loss, head, blk), key=lambda d: sum(d.values()))
+        if moe:
+            moe["experts_backward"] = max(0.0, moe["experts_backward"] - gone)
+        return max((loss, head, blk, moe), key=lambda d: sum(d.values()))
+
+    def has_experts(s: int) -> bool:
+        return any(m.is_moe_layer(i) for i in stage_layers(m, par)[s])
+
+    def experts_moment(t: dict[str, float], s: int, blk: dict[str, float]
+                       ) -> dict[str, float]:
+        """A MoE stage's B at its experts' backward ({} without MoE layers): the stacked
+        weights, their three gradients, the rows' three ffn-wide gradients and two hidden-wide
+        ones (``experts_backward_bytes``), beside the last column region's input (tp); the
+        all-to-all buffers and the received gradient are gone by then."""
+        if not (grouped and has_experts(s)):
+            return {}
+        moe = {k: blk[k] for k in ("recompute_block", "zero_buffers") if k in blk}
+        moe["expert_stack"] = cb.get("expert_stack", 0.0)
+        if par.tp > 1:
+            moe["tp_last_input"] = tokens * m.hidden * e
+        moe["experts_backward"] = experts_backward_bytes(m, par, micro_batch)
+        return moe
 
     actions = schedule_actions(par, pp_rank)
     last_b = max(i for i, a in enumerate(actions) if a[0] == "B")
@@ -257,7 +310,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             saved += per[s]
         t: dict[str, float] = dict(inflight) if kind in ("F", "B") else {}
         nth = 0 if mb == 0 else (-1 if mb == par.micro_batches - 1 else 1)
-        if kind == "F" and s == n_stages - 1:
+        if kind == "F" and s == n_stages - 1:  # after the blocks: no all-to-all in flight
+            t.pop("ep_a2a", None)
             t["loss_forward"] = loss_forward_bytes(m, par, micro_batch)
         elif kind == "F" and sp:  # a region opens (its gather) before the last one closes
             t["sp_gather"] = 2 * inflight["sp_gather"] + tokens * m.hidden * e / par.tp
@@ -276,6 +330,12 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 t["zero_buffers"] = cb.get("zero_full_grads", 0.0)
             else:
                 t["zero_buffers"] = cb.get("zero3_gather", 0.0) if mb == 0 else zero
+        if kind == "F" and grouped and has_experts(s):  # the experts' forward: the stacked weights
+            # and SiLU(G) beside G and U (r · f_e · e); the all-to-all buffers are idle
+            moe = {k: v for k, v in t.items() if k not in ("ep_a2a", "loss_forward")}
+            moe["expert_stack"] = cb.get("expert_stack", 0.0)
+            moe["experts_forward"] = experts_rows(m, par, micro_batch) * m.expert_ffn * e
+            t = max((t, moe), key=lambda d: sum(d.values()))
         if kind == "B":
             t = backward_moment(t, s == n_stages - 1, s, nth)
             if zero and saved - per[s] + zero > saved + sum(t.values()):  # the buffers' peak

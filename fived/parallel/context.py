@@ -109,11 +109,40 @@ class AttentionStats:
 # repeat_interleave in ``causal_attention``; k, v (b, g, s, d); lse (b, g, rep, s) in fp32.
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
+_EFFICIENT_BWD = torch.ops.aten._scaled_dot_product_efficient_attention_backward
 
 
 def _fused(q: torch.Tensor, fused: bool) -> bool:
-    """The fused CPU kernel for blocks when asked for and present; else the explicit math."""
-    return fused and _FLASH is not None and q.device.type == "cpu" and q.dtype == torch.float32
+    """A fused kernel for blocks when asked for: the CPU flash kernel on the CPU in fp32, the
+    memory-efficient kernel (fp32, with its log-sum-exp) on a GPU and on the dry run's meta
+    device; else the explicit math, which materialises each block's fp32 scores."""
+    if not fused:
+        return False
+    if q.device.type == "cpu":
+        return _FLASH is not None and q.dtype == torch.float32
+    return q.device.type in ("cuda", "meta")
+
+
+def _kernel_forward(qh, kh, vh, causal, scale):
+    """(o, lse) of (b, h, s, d) blocks from the device's fused kernel; lse (b, h, sq) fp32."""
+    if qh.device.type == "cpu":
+        return _FLASH(qh, kh, vh, 0.0, causal, scale=scale)
+    o, lse, _, _ = _EFFICIENT(qh, kh, vh, None, True, 0.0, causal, scale=scale)
+    return o, lse[..., :qh.shape[-2]]  # the kernel pads its lse rows to a multiple of 32
+
+
+def _kernel_backward(do, qh, kh, vh, o, lse, causal, scale):
+    """(dq, dk, dv) of (b, h, s, d) blocks from the device's fused kernel, given the merged
+    output and log-sum-exp of the whole row."""
+    if qh.device.type == "cpu":
+        return _FLASH_BWD(do, qh, kh, vh, o, lse, 0.0, causal, scale=scale)
+    rows = qh.shape[-2]
+    padded = torch.nn.functional.pad(lse, (0, -rows % 32))
+    seed = torch.zeros((), dtype=torch.int64, device=qh.device)
+    dq, dk, dv, _ = _EFFICIENT_BWD(do, qh, kh, vh, None, o, padded, seed, seed, 0.0,
+                                   [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
 
 
 def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
@@ -141,7 +170,7 @@ def _block_forward(q, k, v, causal, scale, fused):
         b, g, rep, sq, d = q.shape
         qh, kh = _heads(q, k)
         vh = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-        o, lse = _FLASH(qh, kh, vh, 0.0, causal, scale=scale)
+        o, lse = _kernel_forward(qh, kh, vh, causal, scale)
         return o.reshape(b, g, rep, sq, d), lse.reshape(b, g, rep, sq).float()
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
@@ -166,9 +195,9 @@ def _block_backward(q, k, v, causal, lse, do, o, delta, scale, fused):
         b, g, rep, sq, d = q.shape
         qh, kh = _heads(q, k)
         vh = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-        dqh, dkh, dvh = _FLASH_BWD(
+        dqh, dkh, dvh = _kernel_backward(
             do.reshape(b, g * rep, sq, d), qh, kh, vh, o.reshape(b, g * rep, sq, d),
-            lse.reshape(b, g * rep, sq), 0.0, causal, scale=scale)
+            lse.reshape(b, g * rep, sq), causal, scale)
         sk = k.shape[2]
         return (dqh.reshape(b, g, rep, sq, d), dkh.reshape(b, g, rep, sk, d).sum(2),
                 dvh.reshape(b, g, rep, sk, d).sum(2))

@@ -344,6 +344,7 @@ class PipelineExecutor:
                             out = self.stage(inp, pos[a.mb], ys[a.mb] if last else None,
                                              chunk=c)
                         records[key] = mode.records
+                        del mode  # W frees the records: nothing else may hold them
                     else:
                         out = self.stage(inp, pos[a.mb], ys[a.mb] if last else None, chunk=c)
                     if last:
@@ -361,6 +362,7 @@ class PipelineExecutor:
                         extra = [t for t in ([inputs[key]] if key in inputs else [])]
                         extra += [r[1] for r in rec] + chunk_params[c]
                         torch.autograd.backward(out, g, inputs=extra)
+                        del rec, extra  # the records alone keep the stash until W
                     else:
                         torch.autograd.backward(out, g)
                         if not self.split:
