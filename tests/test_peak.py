@@ -24,6 +24,11 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
     (TINY, ParallelConfig(tp=2, pp=2, dp=2, micro_batches=2), 8, 2),
     (TINY, ParallelConfig(dp=2, zero=2, micro_batches=2), 8, 0),
     (TINY, ParallelConfig(precision="bf16"), 2, 0),
+    # a split backward: what each B leaves its W (zero-bubble V; tp2 SP ZB-H1)
+    (preset("small"), ParallelConfig(pp=2, virtual_stages=2, micro_batches=4, schedule="zb-v"),
+     4, 1),
+    (preset("small"), ParallelConfig(pp=2, tp=2, sequence_parallel=True, micro_batches=4,
+                                     schedule="zb-h1", precision="bf16"), 4, 2),
     # grouped experts (bf16 on the dry run): the stacked weights and the experts' backward
     (replace(preset("mixtral-8x7b"), layers=2, hidden=256, ffn=512, seq_len=256, heads=4,
              kv_heads=2, vocab=4096),

@@ -490,6 +490,28 @@ def schedule_actions(par: ParallelConfig, pp_rank: int = 0) -> list[tuple[str, i
     return list(_compute_orders(name, par.pp, par.micro_batches, v)[pp_rank])
 
 
+@lru_cache(maxsize=1024)
+def fused_backwards(par: ParallelConfig, pp_rank: int = 0) -> frozenset[tuple[int, int]]:
+    """(micro-batch, stage) whose B the executor runs as one ordinary backward with its W: the
+    B directly followed by its own W in the rank's action list, sends included (DualPipe-V's
+    BW; a first stage's B, which sends nothing), unless only one of the two is its stage's
+    last (``fived.parallel.pipeline.runtime``)."""
+    if par.pp == 1:
+        return frozenset()
+    v = 2 if par.schedule in V_SCHEDULES else max(1, par.virtual_stages)
+    name = "interleaved" if v > 1 and par.schedule not in V_SCHEDULES else par.schedule
+    acts = schedules.build(name, par.pp, par.micro_batches, v).ranks[pp_rank]
+    final = set()
+    for kind in ("B", "W"):
+        for st in {a.stage for a in acts}:
+            idx = [i for i, a in enumerate(acts) if a.kind == kind and a.stage == st]
+            if idx:
+                final.add(idx[-1])
+    return frozenset((a.mb, a.stage) for i, (a, b) in enumerate(zip(acts, acts[1:]))
+                     if a.kind == "B" and (b.kind, b.mb, b.stage) == ("W", a.mb, a.stage)
+                     and (i in final) == (i + 1 in final))
+
+
 def releases_at(par: ParallelConfig) -> str:
     """The action after which a micro-batch's saved activations are gone: B, or W for the
     V-shaped zero-bubble schedules (their B keeps what W needs). ZB-H1's B frees the graph;

@@ -44,6 +44,14 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             r · f_e gradients and two r · h ones
                             (``grouped.GroupedSwiGLU.backward``) beside the last column
                             region's input; no all-to-all buffer nor received gradient
+  ``zb_outputs``,           a split backward (ZB-H1, ZB-V, DualPipe-V; ``split_backward``):
+  ``zb_grads``,             the linear outputs the split forward's records keep beyond
+  ``zb_stash``,             autograd's saves (F to B), the dL/dy each B makes, what every B
+  ``zb_weight_grads``       leaves its W once autograd's saves are freed (inputs, outputs,
+                            their gradients: ``zb_parts``) and the W's weight gradients, all
+                            made before any is accumulated (``zb_weight_grads_bytes``); a B
+                            run with its own W as one backward (``memory.fused_backwards``)
+                            keeps nothing
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes (``memory.layer_activations``)
   ``grad_recv``             pp, every B but the last stage's: the received output gradient
@@ -63,8 +71,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
   ========================  ==============================================================
 
 What is not modelled (the dry run's ``ledger --check`` gap says how much it matters): the
-zero-bubble schedules' stash between B and W (inputs and output gradients kept for the weight
-gradient), the build (a step's peak is what is compared: the dry run builds the whole plain
+split backward of MoE blocks, a dense forward's own working set (SiLU's output beside its
+inputs: the peak is in the backward), the pipeline's receives posted ahead (interleaved),
+the build (a step's peak is what is compared: the dry run builds the whole plain
 model on fake tensors before cutting it, which a real run does not), the attention kernel's
 own workspace, autograd's order of frees inside a block (the block term is its largest set,
 not a replay of every op).
@@ -85,6 +94,7 @@ from .memory import (
     buckets,
     candidate_ranks,
     comm_buffers,
+    fused_backwards,
     grad_bytes,
     grouped_experts,
     layer_activations,
@@ -145,6 +155,75 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     # gradient (ffn/tp · h) beside two ffn-wide gradients, before it joins its bucket
     rows = max(width * tokens, (width - 1) * tokens + m.hidden)
     return grad_out + rows * m.ffn * e / par.tp
+
+
+SPLIT_SCHEDULES = ("zb-h1", "zb-v", "dualpipe-v")  # schedules whose backward is B then W
+
+
+def split_backward(par: ParallelConfig) -> bool:
+    """Whether the rank's backwards are split into B and W (``pipeline.runtime``: not under
+    full recompute, where every B is the whole backward)."""
+    return par.pp > 1 and par.schedule in SPLIT_SCHEDULES and par.recompute != "full"
+
+
+def _split_widths(m: ModelConfig, par: ParallelConfig) -> tuple[float, float, float, float]:
+    """Per token and block: the widths the split forward's
+    records keep — (inputs, outputs autograd would not save, output gradients) — and the
+    recorded weights' elements. Only linears that run ``F.linear`` with grad enabled are
+    split (``runtime._SplitLinear``): the row-parallel ones (o, w2) always; the column ones
+    (q, k, v, w1, w3, the head) only without tp, or under tp without SP and overlap — else
+    they run inside ``tensor._ColumnMatmul`` and their B makes their weight gradients."""
+    tp, d = par.tp, m.head_dim
+    q, kv, h, f = m.heads * d / tp, m.kv_heads * d / min(tp, m.kv_heads), m.hidden, m.ffn / tp
+    cols = tp == 1 or not (par.sequence_parallel or par.overlap)
+    x = q + f  # o's input (the attention output), w2's (SwiGLU's product)
+    y = 2 * h  # o's and w2's outputs, before their reduction
+    dy = 2 * h
+    w = q * h + f * h
+    if cols:
+        x += 2 * h  # the two norms' outputs (q, k, v share one; w1, w3 the other)
+        y += q + 2 * kv  # q, k, v before RoPE (SwiGLU saves w1's and w3's outputs)
+        dy += q + 2 * kv + 2 * f
+        w += h * (q + 2 * kv) + 2 * h * f
+    return x, y, dy, w
+
+
+def _head_split(m: ModelConfig, par: ParallelConfig) -> bool:
+    """Whether the head is a split linear (it is a column layer: ``_split_widths``)."""
+    return par.tp == 1 or not (par.sequence_parallel or par.overlap)
+
+
+def zb_parts(m: ModelConfig, par: ParallelConfig, micro_batch: int, stage: int
+             ) -> tuple[float, float, float]:
+    """(outputs, gradients, stash) of a split stage, one micro-batch, in bytes: the linear
+    outputs its records keep that autograd would not save (held from F to B), the dL/dy its B
+    accumulates into them, and all its W waits for once B has freed autograd's saves — each
+    recorded input, output and output gradient (``_split_widths``), the head's final-norm
+    output, logits and their gradient on the last stage when the head is split. MoE blocks
+    are not modelled (grouped experts run outside ``F.linear``)."""
+    e = act_bytes(par)
+    tokens = micro_batch * m.seq_len / par.cp
+    x, y, dy, _ = _split_widths(m, par)
+    n = len(stage_layers(m, par)[stage])
+    kept = 2 * m.ffn / par.tp if _head_split(m, par) else 0.0  # w1's, w3's outputs: saved by
+    # SwiGLU until B, then the records' alone
+    outputs, grads = tokens * e * y * n, tokens * e * dy * n
+    stash = tokens * e * (x + y + kept + dy) * n
+    if stage == par.pp * max(1, par.virtual_stages) - 1 and _head_split(m, par):
+        v = m.vocab / par.tp
+        grads += tokens * e * v
+        stash += tokens * e * (m.hidden + 2 * v)
+    return outputs, grads, stash
+
+
+def zb_weight_grads_bytes(m: ModelConfig, par: ParallelConfig, stage: int) -> float:
+    """A W's weight gradients, all made before any is accumulated (``runtime._weight_grads``),
+    in the compute dtype: the stage's recorded linear weights on the rank."""
+    _, _, _, w = _split_widths(m, par)
+    out = w * len(stage_layers(m, par)[stage])
+    if stage == par.pp * max(1, par.virtual_stages) - 1 and _head_split(m, par):
+        out += m.vocab / par.tp * m.hidden
+    return out * act_bytes(par)
 
 
 def experts_rows(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
@@ -215,6 +294,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     stages = rank_stages(par, pp_rank)
     n_stages = par.pp * max(1, par.virtual_stages)
     per = {s: stage_activation_bytes(m, par, micro_batch, s, opts) for s in stages}
+    split = split_backward(par)
+    fused = fused_backwards(par, pp_rank) if split else frozenset()
+    zb = {s: zb_parts(m, par, micro_batch, s) for s in stages} if split else {}
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
@@ -228,7 +310,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         recompute = max((sum(layer_activations(c, par, micro_batch, opts).values())
                          for s in stages for c, n in layer_kinds(m, stage_layers(m, par)[s])
                          if n), default=0.0)
-    free = releases_at(par)
+    free = "B" if split else releases_at(par)  # split: B frees autograd's saves
     live = dict.fromkeys(stages, 0)
     saved = 0.0
     out: list[Phase] = []
@@ -304,11 +386,24 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
     actions = schedule_actions(par, pp_rank)
     last_b = max(i for i, a in enumerate(actions) if a[0] == "B")
+    stash = outs = 0.0  # split: what the B's keep for their W's, what the F's keep for B
     for i, (kind, mb, s) in enumerate(actions):
+        unfused = split and (mb, s) not in fused
         if kind == "F":
             live[s] += 1
             saved += per[s]
+            if unfused:  # the records' outputs, from this F to its B (then in the stash)
+                outs += zb[s][0]
         t: dict[str, float] = dict(inflight) if kind in ("F", "B") else {}
+        if stash:
+            t["zb_stash"] = stash
+        if outs:
+            t["zb_outputs"] = outs
+        if kind == "W" and unfused:
+            t["zb_weight_grads"] = zb_weight_grads_bytes(m, par, s)
+            out.append(Phase(f"{kind} {mb} {s}", kept, saved, t))
+            stash -= zb[s][2]
+            continue
         nth = 0 if mb == 0 else (-1 if mb == par.micro_batches - 1 else 1)
         if kind == "F" and s == n_stages - 1:  # after the blocks: no all-to-all in flight
             t.pop("ep_a2a", None)
@@ -338,6 +433,11 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             t = max((t, moe), key=lambda d: sum(d.values()))
         if kind == "B":
             t = backward_moment(t, s == n_stages - 1, s, nth)
+            if unfused:  # the B's end: every dL/dy made, autograd's saves not yet freed
+                end = {k: v for k, v in t.items()
+                       if k in ("zb_stash", "zb_outputs", "zero_buffers", "tp_last_input")}
+                end["zb_grads"] = zb[s][1]
+                t = max((t, end), key=lambda d: sum(d.values()))
             if zero and saved - per[s] + zero > saved + sum(t.values()):  # the buffers' peak
                 # once this micro-batch's activations are released
                 out.append(Phase(f"{kind} {mb} {s}", kept, saved - per[s],
@@ -345,11 +445,17 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 if kind == free:
                     live[s] -= 1
                     saved -= per[s]
+                if unfused:
+                    stash += zb[s][2]
+                    outs -= zb[s][0]
                 continue
         out.append(Phase(f"{kind} {mb} {s}", kept, saved, t))
         if kind == free:
             live[s] -= 1
             saved -= per[s]
+        if unfused and kind == "B":
+            stash += zb[s][2]
+            outs -= zb[s][0]
     # after the step's last forward: the last column region's input (and under SP its gathered
     # copy) stays referenced until the next forward opens a region (``tensor.Columns``)
     after: dict[str, float] = {}
