@@ -512,6 +512,51 @@ def fused_backwards(par: ParallelConfig, pp_rank: int = 0) -> frozenset[tuple[in
                      and (i in final) == (i + 1 in final))
 
 
+@lru_cache(maxsize=1024)
+def receives_held(par: ParallelConfig, pp_rank: int = 0) -> tuple[int, ...]:
+    """Per compute action of the rank (``schedule_actions``' order): the receive buffers
+    alive beside the one it consumes — the executor's ``_P2P`` replayed: it posts one receive
+    ahead per peer, takes each peer's messages in the peer's send order, and keeps those that
+    arrive before they are wanted (interleaved: a peer's activations and gradients come in
+    another order than the rank consumes them)."""
+    if par.pp == 1:
+        return tuple(0 for _ in schedule_actions(par, pp_rank))
+    v = 2 if par.schedule in V_SCHEDULES else max(1, par.virtual_stages)
+    name = "interleaved" if v > 1 and par.schedule not in V_SCHEDULES else par.schedule
+    sched = schedules.build(name, par.pp, par.micro_batches, v)
+    expected: dict[int, list] = {}
+    for src, acts in enumerate(sched.ranks):
+        if src != pp_rank:
+            expected[src] = [schedules.message(a) for a in acts
+                             if a.kind in ("SEND_F", "SEND_B")
+                             and schedules.peer(a, sched) == pp_rank]
+    nxt = dict.fromkeys(expected, 0)
+    posted: dict[int, list] = {src: [] for src in expected}
+    arrived: dict[int, set] = {src: set() for src in expected}
+
+    def post(src: int) -> bool:
+        if nxt[src] >= len(expected[src]):
+            return False
+        posted[src].append(expected[src][nxt[src]])
+        nxt[src] += 1
+        return True
+
+    out = []
+    for a in sched.ranks[pp_rank]:
+        if a.kind in ("RECV_F", "RECV_B") and not schedules.is_local(a, sched):
+            src, msg = schedules.peer(a, sched), schedules.message(a)
+            while msg not in arrived[src]:
+                if not posted[src]:
+                    post(src)
+                arrived[src].add(posted[src].pop(0))
+            arrived[src].discard(msg)
+            if not posted[src]:
+                post(src)
+        elif a.kind in schedules.COMPUTE:
+            out.append(sum(len(posted[x]) + len(arrived[x]) for x in expected))
+    return tuple(out)
+
+
 def releases_at(par: ParallelConfig) -> str:
     """The action after which a micro-batch's saved activations are gone: B, or W for the
     V-shaped zero-bubble schedules (their B keeps what W needs). ZB-H1's B frees the graph;

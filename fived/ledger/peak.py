@@ -52,6 +52,10 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             made before any is accumulated (``zb_weight_grads_bytes``); a B
                             run with its own W as one backward (``memory.fused_backwards``)
                             keeps nothing
+  ``pp_receives``           pp, every F, B and W: the receives posted ahead (one per peer)
+                            and those arrived before they are wanted
+                            (``memory.receives_held``, a replay of the executor's ``_P2P``),
+                            one activation each (tokens · h/sp · e)
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes (``memory.layer_activations``)
   ``grad_recv``             pp, every B but the last stage's: the received output gradient
@@ -72,9 +76,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
 
 What is not modelled (the dry run's ``ledger --check`` gap says how much it matters): the
 split backward of MoE blocks, a dense forward's own working set (SiLU's output beside its
-inputs: the peak is in the backward), the pipeline's receives posted ahead (interleaved),
-the build (a step's peak is what is compared: the dry run builds the whole plain
-model on fake tensors before cutting it, which a real run does not), the attention kernel's
+inputs: the peak is in the backward), the build (a step's peak is what is compared: the dry
+run builds the whole plain model on fake tensors before cutting it, which a real run does
+not), the attention kernel's
 own workspace, autograd's order of frees inside a block (the block term is its largest set,
 not a replay of every op).
 """
@@ -100,6 +104,7 @@ from .memory import (
     layer_activations,
     model_states,
     rank_memory,
+    receives_held,
     releases_at,
     schedule_actions,
     stage_activation_bytes,
@@ -337,8 +342,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                          ) -> dict[str, float]:
         block = block_backward_bytes(m, par, micro_batch) if stage_layers(m, par)[s] else 0
         blk = dict(t, block_backward=block)
-        if not last and par.pp > 1:
+        if not last and par.pp > 1:  # the received gradient is the block output's gradient
             blk["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
+            blk["block_backward"] = max(0.0, block - blk["grad_recv"])
         if recompute:
             blk["recompute_block"] = recompute
         if zero:
@@ -387,6 +393,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     actions = schedule_actions(par, pp_rank)
     last_b = max(i for i, a in enumerate(actions) if a[0] == "B")
     stash = outs = 0.0  # split: what the B's keep for their W's, what the F's keep for B
+    held = receives_held(par, pp_rank)
+    message = tokens * m.hidden * e / (par.tp if sp else 1)  # an activation or its gradient
     for i, (kind, mb, s) in enumerate(actions):
         unfused = split and (mb, s) not in fused
         if kind == "F":
@@ -399,6 +407,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             t["zb_stash"] = stash
         if outs:
             t["zb_outputs"] = outs
+        if held[i]:  # receives posted ahead, and arrived before they are wanted
+            t["pp_receives"] = held[i] * message
         if kind == "W" and unfused:
             t["zb_weight_grads"] = zb_weight_grads_bytes(m, par, s)
             out.append(Phase(f"{kind} {mb} {s}", kept, saved, t))
