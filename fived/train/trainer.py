@@ -40,7 +40,7 @@ from ..model.init import InitSource
 from ..model.moe import moe_layers
 from ..optim import lr_at
 from ..parallel.balance import RouteBalancer, RoutingStatistics
-from ..parallel.context import balanced_positions, set_balance
+from ..parallel.context import balanced_positions
 from ..parallel.parallelize import dtype_of, parallelize
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
 from ..ranks.launch import rank_device
@@ -112,8 +112,6 @@ class Trainer:
         self.build_cuda = (torch.cuda.max_memory_allocated(self.device)
                            if self.device.type == "cuda" else 0)  # the build's device peak
         self.stage = self.parallel.model
-        if train.cp_balance != "zigzag" and par.cp > 1:
-            set_balance(self.stage, train.cp_balance)
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
         # the loss's all-reduces, charged to metrics: over dense, tp, then pp (dense × tp × pp
