@@ -12,8 +12,9 @@ permutation of ``range(n)`` drawn by ``numpy.random.default_rng([seed, e])``. Va
 batches are not shuffled: evaluation batch ``k`` row ``j`` is window ``(k·B + j) mod n``.
 
 The grid. Rows ``[r·B/R, (r+1)·B/R)`` belong to member ``r`` of the batch group (dp·ep, ``R``
-members); a rank reads only those rows' windows from the memory map, and context parallelism
-shards the sequence after (``Trainer.shard``, zigzag, as for the built-in
+members; ``replica``/``replicas``, or ``place(r, R)`` on a loader opened before the layout);
+a rank reads only those rows' windows from the memory map, and context parallelism
+shards the sequence after (``fived.train.data.shard``, zigzag, as for the built-in
 corpus). So every layout trains on the same global batch, and resuming at step ``s`` needs
 nothing but ``s``: ``Loader.state`` is the data identity plus the next step.
 
