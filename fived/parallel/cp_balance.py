@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..ledger.context import chunk_ids
+from ..model.documents import reset_positions
 
 BALANCERS = ("zigzag", "ptrr")
 PTRR_CHUNKS = 8  # chunks per cp rank under ``ptrr`` (blocks of S/(8·cp) tokens)
@@ -26,8 +27,6 @@ def ptrr_chunks(docs: torch.Tensor, n: int) -> torch.Tensor:
     see) computed, the blocks sorted by work (descending, ties in order) and dealt to the ranks
     in snake order 0..n−1, n−1..0, ...; (b, n, 8) chunk ids, each rank's ascending.
     ``fived.ledger.context.token_ranks(..., "ptrr")`` is the same rule, torch-free."""
-    from ..model.documents import reset_positions
-
     b, S = docs.shape
     nb = PTRR_CHUNKS * n
     work = (reset_positions(docs) + 1).view(b, nb, S // nb).sum(-1)

@@ -79,7 +79,6 @@ def local_batch(step: int, seed: int, batch: int, seq_len: int, replica: int, re
     return x[replica * per:(replica + 1) * per], y[replica * per:(replica + 1) * per]
 
 
-
 def open_loaders(train: Any, model_cfg: Any, eval_split: str = "") -> tuple[Any, Any, dict]:
     """``--data``, before any layout: (the training loader, the validation loader of
     ``--eval-every``, a mixture's sources' own validation loaders by name); with
