@@ -26,7 +26,7 @@ def _rank(rank: int, world: int, ours: str, theirs: str, layers: int, m: int, re
     import torch.distributed as dist
     from torch.distributed import pipelining as tp
 
-    from fived.bench.pp import _NoEngine, _Wrap
+    from fived.bench.pp import _NoEngine, _wrap
     from fived.comm.ops import Traffic
     from fived.config import V_SCHEDULES, ParallelConfig, TrainConfig, preset
     from fived.model import build_model
@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, ours: str, theirs: str, layers: int, m: int, re
     ex = parallelize(build_model(cfg, 7), grid, par, TrainConfig()).executor
     ex.measure = False
     ids = ex.stage.stage_ids
-    stages = [tp.PipelineStage(_Wrap(c, pos), ids[k], world * v, torch.device("cpu"),
+    stages = [tp.PipelineStage(_wrap(c, pos), ids[k], world * v, torch.device("cpu"),
                                group=grid["pp"].pg) for k, c in enumerate(ex.stage.chunk_models)]
     loss_fn = lambda o, t: token_losses(o, t) * scale  # noqa: E731
     sched = getattr(tp, theirs)(stages if v > 1 else stages[0], m, loss_fn=loss_fn,

@@ -12,8 +12,9 @@ permutation of ``range(n)`` drawn by ``numpy.random.default_rng([seed, e])``. Va
 batches are not shuffled: evaluation batch ``k`` row ``j`` is window ``(k·B + j) mod n``.
 
 The grid. Rows ``[r·B/R, (r+1)·B/R)`` belong to member ``r`` of the batch group (dp·ep, ``R``
-members); a rank reads only those rows' windows from the memory map, and context parallelism
-shards the sequence after (``Trainer.shard``, zigzag, as for the built-in
+members; ``replica``/``replicas``, or ``place(r, R)`` on a loader opened before the layout);
+a rank reads only those rows' windows from the memory map, and context parallelism
+shards the sequence after (``fived.train.data.shard``, zigzag, as for the built-in
 corpus). So every layout trains on the same global batch, and resuming at step ``s`` needs
 nothing but ``s``: ``Loader.state`` is the data identity plus the next step.
 
@@ -44,10 +45,8 @@ class Loader:
                  device: torch.device | str | None = None, documents: bool = False):
         self.data = data if isinstance(data, DataDir) else DataDir(data)
         self.split, self.seq_len, self.batch_size, self.seed = split, seq_len, batch, seed
-        self.replica, self.replicas, self.shuffle = replica, replicas, shuffle
-        if batch % replicas:
-            raise ValueError(f"global batch {batch} is not divisible by {replicas} replicas")
-        self.per = batch // replicas
+        self.shuffle = shuffle
+        self.place(replica, replicas, device)
         shards = self.data.shards(split)
         self.sharded = len(shards) > 1
         if self.sharded:  # --shard-mb: windows within each shard (fived.data.loader docstring)
@@ -69,13 +68,23 @@ class Loader:
         self.offsets = (self.data.documents(split) if documents and not self.sharded
                         else None)
         self.prefetch = max(1, prefetch)
-        self.device = torch.device(device) if device is not None else None
         self._perms: dict[int, np.ndarray] = {}
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None
         self._q: queue.Queue | None = None
         self._next = -1
         self.wait_s = 0.0
+
+    def place(self, replica: int, replicas: int, device: torch.device | str | None = None
+              ) -> Loader:
+        """Serve the rows of member ``replica`` of the batch group's ``replicas`` (the global
+        batch must divide by it) on ``device``: the layout's one say in what a loader reads."""
+        if self.batch_size % replicas:
+            raise ValueError(f"global batch {self.batch_size} is not divisible by {replicas} "
+                             "replicas")
+        self.replica, self.replicas, self.per = replica, replicas, self.batch_size // replicas
+        self.device = torch.device(device) if device is not None else None
+        return self
 
     # ------------------------------------------------------------------ the pure function
     def _perm(self, epoch: int) -> np.ndarray:
@@ -253,14 +262,22 @@ class MixtureLoader(Loader):
         self.p = w / w.sum()
         self.data = self.parts[0].data
         self.split, self.seq_len, self.batch_size, self.seed = split, seq_len, batch, seed
-        self.replica, self.replicas, self.shuffle = replica, replicas, shuffle
-        self.per = batch // replicas
+        self.shuffle = shuffle
+        self.place(replica, replicas, device)
         self.offsets = self.parts[0].offsets
         self.prefetch = max(1, prefetch)
-        self.device = torch.device(device) if device is not None else None
         self._thread = self._stop = self._q = None
         self._next = -1
         self.wait_s = 0.0
+
+    def place(self, replica: int, replicas: int, device: torch.device | str | None = None
+              ) -> MixtureLoader:
+        """``Loader.place``, and each source's loader on the same rows (on the CPU: the
+        mixture moves the merged rows)."""
+        for part in self.parts:
+            part.place(replica, replicas)
+        super().place(replica, replicas, device)
+        return self
 
     def row_sources(self, step: int) -> np.ndarray:
         """The source index of every row of global batch ``step``."""

@@ -66,6 +66,13 @@ from ..model.documents import doc_mask
 from ..model.layers import doc_attention
 from ..model.moe import moe_layers
 from .counts import add_count_reduction
+from .cp_balance import (  # noqa: F401 - balanced_positions, ptrr_chunks re-exported
+    BALANCERS,
+    PTRR_CHUNKS,
+    balanced_positions,
+    ptrr_chunks,
+    rank_chunks,
+)
 
 
 # ---------------------------------------------------------------------------------- sharding
@@ -272,46 +279,6 @@ def doc_plan(q_chunks: torch.Tensor, kv_chunks: torch.Tensor, c: int, docs: torc
                     & live[:, None, None])
             out.append((slice(a * c, (a + 1) * c), j, mask))
     return out
-
-
-BALANCERS = ("zigzag", "ptrr")
-PTRR_CHUNKS = 8  # chunks per cp rank under ``ptrr`` (blocks of S/(8·cp) tokens)
-
-
-def ptrr_chunks(docs: torch.Tensor, n: int) -> torch.Tensor:
-    """torch's processing-time round robin (``_PTRRLoadBalancer``), per row: the row cut into
-    8·n blocks, each block's work (Σ over its queries of the keys their document lets them
-    see) computed, the blocks sorted by work (descending, ties in order) and dealt to the ranks
-    in snake order 0..n−1, n−1..0, ...; (b, n, 8) chunk ids, each rank's ascending.
-    ``fived.ledger.context.token_ranks(..., "ptrr")`` is the same rule, torch-free."""
-    from ..model.documents import reset_positions
-
-    b, S = docs.shape
-    nb = PTRR_CHUNKS * n
-    work = (reset_positions(docs) + 1).view(b, nb, S // nb).sum(-1)
-    order = torch.sort(work, dim=1, descending=True, stable=True).indices
-    k = torch.arange(nb, device=docs.device)
-    lap, pos = k // n, k % n
-    owner = torch.where(lap % 2 == 0, pos, n - 1 - pos)  # rank of sorted slot k
-    out = torch.empty(b, n, PTRR_CHUNKS, dtype=torch.long, device=docs.device)
-    for r in range(n):
-        out[:, r] = order[:, owner == r].sort(dim=1).values
-    return out
-
-
-def rank_chunks(docs: torch.Tensor, n: int, layout: str, balance: str) -> torch.Tensor:
-    """(b, n, k) global chunk ids of every cp rank's local chunks, per row."""
-    if balance == "ptrr":
-        return ptrr_chunks(docs, n)
-    ids = torch.tensor([chunk_ids(r, n, layout) for r in range(n)], device=docs.device)
-    return ids.expand(docs.shape[0], n, 2)
-
-
-def balanced_positions(docs: torch.Tensor, n: int, rank: int) -> torch.Tensor:
-    """``ptrr``: the global positions (b, S/n) this cp rank holds, per row, in local order."""
-    ch = ptrr_chunks(docs, n)[:, rank]  # (b, k)
-    c = docs.shape[1] // (PTRR_CHUNKS * n)
-    return (ch[:, :, None] * c + torch.arange(c, device=docs.device)).flatten(1)
 
 
 def _kv_rows(t: torch.Tensor, js: list[int], c: int) -> torch.Tensor:
@@ -559,12 +526,12 @@ MODES = {"ring": ring_attention, "ulysses": ulysses_attention, "allgather": allg
 class ContextAttention(nn.Module):
     """The attention core of one layer with the sequence cut over the ``cp`` group."""
 
-    def __init__(self, group: Any, mode: str = "ring"):
+    def __init__(self, group: Any, mode: str = "ring", balance: str = "zigzag"):
         super().__init__()
         if mode not in MODES:
             raise ConfigError([f"--cp-mode {mode!r}: choose one of ring, ulysses"])
         self.group, self.mode = group, mode
-        self.balance = "zigzag"  # --cp-balance ptrr (ring, --doc-mask): set by the trainer
+        self.balance = balance  # --cp-balance ptrr: the ring's sharding with --doc-mask
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 docs: torch.Tensor | None = None) -> torch.Tensor:
@@ -575,20 +542,15 @@ class ContextAttention(nn.Module):
         return MODES[self.mode](q, k, v, self.group, docs=docs)
 
 
-def set_balance(model: nn.Module, balance: str) -> None:
-    """``--cp-balance``: every ring core of ``model`` takes the sharding ``balance``."""
-    for m in model.modules():
-        if isinstance(m, ContextAttention):
-            m.balance = balance
-
-
-def apply_cp(model: nn.Module, group: Any, mode: str = "ring") -> nn.Module:
-    """Swap every attention core of a plain model for the cp one; MoE layers (whose sequences
-    are now cut) sum their routed counts over cp. The batch is sharded by ``shard_batch``."""
+def apply_cp(model: nn.Module, group: Any, mode: str = "ring", balance: str = "zigzag"
+             ) -> nn.Module:
+    """Swap every attention core of a plain model for the cp one (``balance``: the sharding
+    of --cp-balance, ``zigzag`` or ``ptrr``); MoE layers (whose sequences are now cut) sum
+    their routed counts over cp. The batch is sharded by ``shard_batch``."""
     if group.size == 1:
         return model
     for block in model.layers.values():
-        block.self_attn.core = ContextAttention(group, mode)
+        block.self_attn.core = ContextAttention(group, mode, balance)
     for moe in moe_layers(model):
         add_count_reduction(moe, group)
     return model

@@ -59,15 +59,16 @@ def parallelize_parts(model: Transformer, grid: Any, par: Any
     return parts, placements
 
 
-def cut_parts(model: Transformer, grid: Any, par: Any
+def cut_parts(model: Transformer, grid: Any, par: Any, cp_balance: str = "zigzag"
               ) -> tuple[list[Transformer], list[int], dict[str, Placement]]:
-    """``parallelize_parts`` and the pipeline stage ids of the chunks ([0] without pp)."""
+    """``parallelize_parts`` and the pipeline stage ids of the chunks ([0] without pp);
+    ``cp_balance``: --cp-balance, the ring's sharding."""
     parts, ids = split(model, par, grid.coords()["pp"]) if par.pp > 1 else ([model], [0])
     placements: dict[str, Placement] = {}
     for part in parts:
         pl = replicated(part.named_parameters())
         apply_tp(part, grid["tp"], pl, par.sequence_parallel, par.overlap)
-        apply_cp(part, grid["cp"], par.cp_mode)
+        apply_cp(part, grid["cp"], par.cp_mode, cp_balance)
         if part.cfg.is_moe:
             apply_ep(part, grid["ep"], pl, par.ep_dispatch)
         apply_recompute(part, par.recompute)
@@ -81,7 +82,7 @@ def parallelize(model: Transformer, grid: Any, par: Any, train: Any, source: Any
     or (born sharded) one built on the meta device, with ``source`` to fill this rank's pieces
     on ``device`` once they are cut (``fived.model.init.InitSource``, ``checkpoint.hf.HFSource``):
     nothing is allocated before the engine lays out the rank's own flat buffers."""
-    parts, ids, placements = cut_parts(model, grid, par)
+    parts, ids, placements = cut_parts(model, grid, par, train.cp_balance)
     if par.pp > 1:
         stage: nn.Module = StageModel(parts, ids)
         executor = PipelineExecutor(model.cfg, par, grid, stage, next(stage.parameters()).dtype)

@@ -25,7 +25,6 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,14 +32,14 @@ from .. import phases
 from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ..data.vocab import mask_padded_logits, tally_sources
 from ..ledger.context import positions as cp_positions
 from ..model import build_model
-from ..model.documents import Documents, micro_positions, reset_positions
+from ..model.documents import micro_positions
 from ..model.init import InitSource
 from ..model.moe import moe_layers
 from ..optim import lr_at
 from ..parallel.balance import RouteBalancer, RoutingStatistics
-from ..parallel.context import balanced_positions, set_balance
 from ..parallel.parallelize import dtype_of, parallelize
 from ..ranks.grid import GROUP_NAMES, DimGroup, Grid
 from ..ranks.launch import rank_device
@@ -67,6 +66,9 @@ class Trainer:
         self.par = par
         self.rank, self.world = rank, world
         self.device = torch.device(device) if device is not None else rank_device()
+        # --data, layout-free (a bad directory fails before the build); the rows come below
+        self.loader, self.eval_loader, self.source_eval = builtin_data.open_loaders(
+            train, model_cfg, eval_split)
         self.traffic = grid.groups["tp"].traffic if grid is not None else Traffic()
         self.grid = grid if grid is not None else Grid.from_config(par, rank).connect(self.traffic)
         self.coords = self.grid.coords()
@@ -105,6 +107,10 @@ class Trainer:
         self.pre_step = [routing.before_step] if model_cfg.is_moe else []
         self.post_step = [self.balancer.after_step] if self.balancer else []
         self.on_record = [routing.record] if model_cfg.is_moe else []
+        # the loss's all-reduces, charged to metrics: over dense, tp, then pp (dense × tp × pp
+        # is the world; only the last pipeline stage holds a loss)
+        self.loss_groups = [replace(self.grid[name], name="metrics")
+                            for name in ("dense", "tp", "pp")]
         for moe in moe_layers(self.parallel.model):  # its statistics were made on meta
             moe.reset_stats()
         self.build_rss = rss_peak()  # the build's peak (VmHWM): this rank's pieces, no more
@@ -112,56 +118,33 @@ class Trainer:
         self.build_cuda = (torch.cuda.max_memory_allocated(self.device)
                            if self.device.type == "cuda" else 0)  # the build's device peak
         self.stage = self.parallel.model
-        if train.cp_balance != "zigzag" and par.cp > 1:
-            set_balance(self.stage, train.cp_balance)
         self.engine = self.parallel.engine
         self.executor = self.parallel.executor
-        # the loss's all-reduces, charged to metrics: over dense, tp, then pp (dense × tp × pp
-        # is the world; only the last pipeline stage holds a loss)
-        self.loss_groups = [replace(self.grid[name], name="metrics")
-                            for name in ("dense", "tp", "pp")]
         self.next_step = 0  # the data position: the step the next batch belongs to
-        cp = self.grid["cp"]  # with cp, the token positions of this rank's sequence shard
-        self.cp_positions = (torch.tensor(cp_positions(model_cfg.seq_len, cp.size, cp.rank))
-                             if par.cp > 1 else None)
-        self.loader = self.eval_loader = None
-        if train.data:
-            self._open_data(eval_split)
-
-    def _open_data(self, eval_split: str = "") -> None:
-        """--data: the loaders of this rank's rows (the batch group), the padded-logit mask;
-        ``eval_split``: only that split's (not shuffled), no training loader."""
-        from ..data.loader import open_loader
-        from ..data.vocab import mask_padded_logits
-
-        t, b = self.tcfg, self.grid["batch"]
-        kw = dict(seq_len=self.cfg.seq_len, batch=t.global_batch, seed=t.seed, replica=b.rank,
-                  replicas=b.size, device=self.device, documents=t.doc_mask)
-        if eval_split:
-            self.eval_loader = open_loader(t.data, eval_split, shuffle=False,
-                                           prefetch=t.prefetch, **kw)
-            data = self.eval_loader.data
-        else:
-            self.loader = open_loader(t.data, "train", prefetch=t.prefetch, **kw)
-            data = self.loader.data
-            if t.eval_every:
-                self.eval_loader = open_loader(t.data, "val", shuffle=False, **kw)
-        # a mixture: each source's own evaluation split too (the per-source validation loss)
-        self.source_eval = {}
-        for src, part in zip(getattr(self.eval_loader, "sources", []),
-                             getattr(self.eval_loader, "parts", [])):
-            self.source_eval[src.name] = open_loader(src.path, part.split, shuffle=False, **kw)
-        if data.vocab > self.cfg.vocab:
-            raise ConfigError([f"--data {t.data}: the tokenizer has {data.vocab} symbols but "
-                               f"the model's vocab is {self.cfg.vocab}"])
-        masked = mask_padded_logits(self.stage, data.vocab, self.cfg.vocab)
-        if data.vocab < self.cfg.vocab and getattr(self.stage, "last", True) and not masked:
-            raise RuntimeError("the padded vocabulary rows could not be masked: no loss module")
-        mix = self.loader if self.loader is not None else self.eval_loader
-        if hasattr(mix, "sources"):  # a mixture: each step's loss per source too
-            from ..data.vocab import tally_sources
-
-            self.source_losses = tally_sources(self.stage, len(mix.sources))
+        cp = self.grid["cp"]  # this rank's columns: the cp shard (fived.train.data.shard)
+        self.cut = dict(cp=cp, balance=train.cp_balance, doc_positions=train.doc_positions,
+                        device=self.device, zigzag=(
+                            torch.tensor(cp_positions(model_cfg.seq_len, cp.size, cp.rank))
+                            if par.cp > 1 else None))
+        if train.data:  # the rows: this rank's of the batch group; the padded logits masked
+            b = self.grid["batch"]
+            for ld in (self.loader, self.eval_loader, *self.source_eval.values()):
+                if ld is not None:
+                    ld.place(b.rank, b.size, self.device)
+            mix = self.loader if self.loader is not None else self.eval_loader
+            masked = mask_padded_logits(self.stage, mix.data.vocab, model_cfg.vocab)
+            if (mix.data.vocab < model_cfg.vocab and getattr(self.stage, "last", True)
+                    and not masked):
+                raise RuntimeError("the padded vocabulary rows could not be masked: no loss "
+                                   "module")
+            if hasattr(mix, "sources"):  # a mixture: the loss per source (each step's too)
+                tallies = tally_sources(self.stage, len(mix.sources))
+                if mix is self.loader:
+                    by_source = builtin_data.SourceLosses(mix, tallies, self.loss_groups,
+                                                          par.tp, model_cfg.seq_len,
+                                                          self.device)
+                    self.pre_step.append(by_source.before_step)
+                    self.on_record.insert(0, by_source.record)
 
     # -------------------------------------------------------------------- data position
     def data_state(self) -> dict[str, Any]:
@@ -194,38 +177,24 @@ class Trainer:
         self.next_step = int(saved.get("next_step", 0))
 
     # -------------------------------------------------------------------- one step
-    def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """This rank's rows of step ``step``'s batch, its columns of them (``shard``) and their
         positions, on its device."""
-        b = self.grid["batch"]
         if self.loader is not None:
-            return self.shard(*self.loader.get(step))
-        x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch,
-                                        self.cfg.seq_len, b.rank, b.size, self.tcfg.corpus_mb)
-        return self.shard(x, y)
+            x, y, *docs = self.loader.get(step)
+        else:
+            b = self.grid["batch"]
+            x, y = builtin_data.local_batch(step, self.tcfg.seed, self.tcfg.global_batch,
+                                            self.cfg.seq_len, b.rank, b.size,
+                                            self.tcfg.corpus_mb)
+            docs = []
+        return builtin_data.shard(x, y, *docs, **self.cut)
 
     def shard(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """This rank's part of its batch rows: the cp sequence shard and its positions; with
-        document ids (--doc-mask) the positions are a ``Documents`` (per-row RoPE positions of
-        the shard, the whole rows' ids: ``fived.model.documents``)."""
-        positions = torch.arange(self.cfg.seq_len)
-        rows = None
-        if docs is not None:
-            rows = (reset_positions(docs) if self.tcfg.doc_positions == "reset"
-                    else torch.arange(self.cfg.seq_len).expand_as(docs))
-        if docs is not None and self.par.cp > 1 and self.tcfg.cp_balance == "ptrr":
-            cp = self.grid["cp"]  # each row's own blocks (fived.parallel.context.ptrr_chunks)
-            pos = balanced_positions(docs, cp.size, cp.rank)
-            x, y, rows = x.gather(1, pos), y.gather(1, pos), rows.gather(1, pos)
-        elif self.par.cp > 1:
-            positions = self.cp_positions
-            x, y = x[:, positions].contiguous(), y[:, positions].contiguous()
-            rows = None if rows is None else rows[:, positions.to(rows.device)]
-        if docs is not None:
-            positions = Documents(rows.contiguous(), docs)
-        dev = self.device
-        return x.to(dev), y.to(dev), positions.to(dev)
+        """This rank's part of its batch rows (``fived.train.data.shard``): the cp sequence
+        shard and its positions (a ``Documents`` with document ids, --doc-mask)."""
+        return builtin_data.shard(x, y, docs, **self.cut)
 
     def forward_backward(self, x, y, positions, scale: float) -> torch.Tensor:
         """All micro-batches of this step; returns this rank's summed token loss (detached)."""
@@ -257,10 +226,8 @@ class Trainer:
         global_tokens = self.tcfg.global_batch * self.cfg.seq_len
         self.engine.zero_grad()
         scaler = getattr(self.engine, "scaler", None)  # fp16: the aux losses are scaled too
-        for hook in self.pre_step:  # MoE: d(step loss)/d(local aux sum)
+        for hook in self.pre_step:  # MoE: d(step loss)/d(local aux sum); a mixture's tallies
             hook((scaler.scale if scaler else 1.0) / global_tokens)
-        for t in getattr(self, "source_losses", []):  # a mixture: this step's tallies only
-            t.reset()
         local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
         phases.enter("reduce")
         self.engine.finish()
@@ -286,9 +253,8 @@ class Trainer:
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped, "bad": bad}
         if self.loader is not None:  # seconds this step waited for the prefetch thread
             rec["data_wait_s"] = self.loader.wait_s - waited
-        if hasattr(self.loader, "sources"):
-            rec["loss_by_source"] = self.loss_by_source(step)
-        for record in self.on_record:  # MoE: tokens per expert, dropped, aux losses, a2a share
+        for record in self.on_record:  # a mixture's loss per source; MoE: tokens per expert,
+            # dropped, aux losses, a2a share
             record(rec, seconds)
         for extra in after:  # the balancer's: this rank's layers' global counts and biases
             rec["moe"].update(extra)
@@ -324,8 +290,7 @@ class Trainer:
         try:
             with torch.no_grad():
                 loaders = [("", self.eval_loader, on_batch),
-                           *((name, ld, None) for name, ld in
-                             getattr(self, "source_eval", {}).items())]
+                           *((name, ld, None) for name, ld in self.source_eval.items())]
                 for name, loader, progress in loaders:
                     total = None  # on whatever device the step's loss is
                     for k in range(n):
@@ -346,30 +311,13 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        for ld in (self.loader, self.eval_loader, *getattr(self, "source_eval", {}).values()):
+        for ld in (self.loader, self.eval_loader, *self.source_eval.values()):
             if ld is not None:
                 ld.close()
         self.engine.close()
         if self.trace is not None:
             self.trace.__exit__(None, None, None)
             self.trace = None
-
-    def loss_by_source(self, step: int) -> dict[str, float | None]:
-        """A mixture's step loss per source (mean CE over the source's rows' tokens; None for a
-        source no row came from): the tallies of this rank's loss modules, summed like
-        ``global_loss`` (one more metrics all-reduce of K values)."""
-        names = [s.name for s in self.loader.sources]
-        t = torch.zeros(len(names), dtype=torch.float64, device=self.device)
-        for sl in getattr(self, "source_losses", []):
-            for k, v in enumerate(sl.tally):
-                if v is not None:
-                    t[k] += v.double()
-        t /= self.grid.degrees["tp"]
-        for group in self.loss_groups:  # as the loss: over dense, tp, then pp
-            ops.all_reduce(t, group)
-        rows = np.bincount(self.loader.row_sources(step), minlength=len(names))
-        return {n: (float(t[k]) / (int(rows[k]) * self.cfg.seq_len) if rows[k] else None)
-                for k, n in enumerate(names)}
 
     def global_loss(self, local: torch.Tensor, preempt: Any = None) -> float:
         """Σ token losses over the world: each token's loss is counted on one tp rank's copy.
