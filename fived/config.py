@@ -351,6 +351,10 @@ class TrainConfig:
     doc_positions: str = spec("continue", "RoPE positions with --doc-mask: continue (the "
                                           "window's, as torchtitan) or reset at each document",
                               choices=("continue", "reset"))
+    eos_target: str = spec("count", "the loss at each EOS token, whose target is the next "
+                                    "document's first token: count (torchtitan's labels) or "
+                                    "ignore (Megatron's --eod-mask-loss); needs --data",
+                           choices=("count", "ignore"))
     cp_balance: str = spec("zigzag", "ring context parallelism's sharding with --doc-mask: "
                                      "zigzag (two chunks per rank) or ptrr (torch's processing-"
                                      "time round robin over 8·cp blocks, by each row's "

@@ -41,8 +41,12 @@ def prepared(tmp: Path, **kw: Any) -> str:
 
 def unpacked_reference(model_cfg, train, reset: bool) -> dict[str, Any]:
     """Step 0 of ``train`` (its --data) as documents run one by one: the loss and every
-    parameter's gradient (sum of per-document token losses / (global batch · seq_len))."""
+    parameter's gradient (sum of per-document token losses / (global batch · seq_len)).
+    ``train.eos_target == "ignore"``: each document's logits and a cross-entropy over the
+    tokens whose input is not EOS, written here (torch's ``cross_entropy`` over the tokenizer's
+    rows), not the trainer's loss modules."""
     import torch
+    import torch.nn.functional as F
 
     from fived.data.loader import Loader
     from fived.data.shards import DataDir
@@ -61,7 +65,12 @@ def unpacked_reference(model_cfg, train, reset: bool) -> dict[str, Any]:
     for r in range(x.shape[0]):
         for a, e in segments(docs[r]):
             pos = torch.arange(e - a) if reset else torch.arange(a, e)
-            total = total + model(x[r:r + 1, a:e], pos, y[r:r + 1, a:e])
+            if train.eos_target == "ignore":
+                logits = model(x[r:r + 1, a:e], pos)[0, :, :data.vocab]
+                keep = x[r, a:e] != data.eos
+                total = total + F.cross_entropy(logits[keep], y[r, a:e][keep], reduction="sum")
+            else:
+                total = total + model(x[r:r + 1, a:e], pos, y[r:r + 1, a:e])
             n_docs += 1
     tokens = train.global_batch * model_cfg.seq_len
     (total / tokens).backward()

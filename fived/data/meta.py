@@ -134,6 +134,9 @@ def check_data_run(model: ModelConfig, seq_len: int, train: Any) -> dict[str, An
         if getattr(train, "doc_mask", False):
             raise ConfigError(["--doc-mask needs --data DIR (the built-in corpus is one stream "
                                "of files with no document boundaries)"])
+        if getattr(train, "eos_target", "count") != "count":
+            raise ConfigError([f"--eos-target {train.eos_target} needs --data DIR (the built-in "
+                               "corpus has no EOS tokens)"])
         if train.eval_every:
             raise ConfigError(["--eval-every needs --data DIR (the built-in corpus has no "
                                "validation split)"])

@@ -157,6 +157,11 @@ class Trainer:
         masked = mask_padded_logits(self.stage, data.vocab, self.cfg.vocab)
         if data.vocab < self.cfg.vocab and getattr(self.stage, "last", True) and not masked:
             raise RuntimeError("the padded vocabulary rows could not be masked: no loss module")
+        if t.eos_target == "ignore":  # the EOS tokens' targets marked in shard, skipped here
+            from ..data.vocab import ignore_marked_targets
+
+            self.eos_id = data.eos
+            ignore_marked_targets(self.stage)
         mix = self.loader if self.loader is not None else self.eval_loader
         if hasattr(mix, "sources"):  # a mixture: each step's loss per source too
             from ..data.vocab import tally_sources
@@ -211,6 +216,10 @@ class Trainer:
         the shard, the whole rows' ids: ``fived.model.documents``)."""
         positions = torch.arange(self.cfg.seq_len)
         rows = None
+        if getattr(self, "eos_id", None) is not None:  # --eos-target ignore
+            from ..data.vocab import mark_eos_targets
+
+            y = mark_eos_targets(x, y, self.eos_id)
         if docs is not None:
             rows = (reset_positions(docs) if self.tcfg.doc_positions == "reset"
                     else torch.arange(self.cfg.seq_len).expand_as(docs))
