@@ -6,7 +6,8 @@ tokens (their EOS included) is prepared, so every window holds S/L whole documen
 are built on that corpus, one with ``--doc-mask`` and one without, and their steps alternate
 (masked step s, unmasked step s, masked step s+1, ...) after one warm-up step each, so the
 load of the shared machine falls on both alike. Printed per L: the median step seconds of
-each, the ratio of the medians (masked / unmasked), and the ratio the ledger's FLOPs predict
+each, the ratio of the medians (masked / unmasked), the median of the ratios of each masked
+step to the unmasked step run right after it, and the ratio the ledger's FLOPs predict
 (the step's matmul FLOPs plus causal attention at Σ Lᵢ²/S keys instead of S).
 
     PYTHONPATH=. python benchmarks/doc_mask_step.py [--rounds 7] [--seq 2048] [--batch 1]
@@ -85,13 +86,16 @@ def main() -> None:
             for tr in pair.values():
                 tr.close()
             med = {k: statistics.median(v) for k, v in secs.items()}
+            paired = statistics.median(a / b for a, b in zip(secs["masked"], secs["unmasked"]))
             row = {"doc_len": L, "windows_docs": S // L, "median_s": med,
                    "steps_s": secs, "ratio": med["masked"] / med["unmasked"],
+                   "paired_ratio": paired,
                    "predicted": predicted_ratio(model, S, L),
                    "wall_s": time.perf_counter() - t0}
             results.append(row)
             print(f"L {L:5d}: masked {med['masked']:.3f} s, unmasked {med['unmasked']:.3f} s "
-                  f"(medians of {args.rounds}), ratio {row['ratio']:.3f}, ledger FLOPs "
+                  f"(medians of {args.rounds}), ratio {row['ratio']:.3f} (median of the "
+                  f"paired steps' ratios {paired:.3f}), ledger FLOPs "
                   f"{row['predicted']:.3f}; masked {[round(x, 2) for x in secs['masked']]}, "
                   f"unmasked {[round(x, 2) for x in secs['unmasked']]}", flush=True)
     if args.json:

@@ -91,3 +91,23 @@ def missing_file_exits_2(data: Path, name: str, tmp_path: Path) -> None:
     err = cli_exits_2(["train", "--data", str(d), "--steps", "1", "--nprocs", "1",
                        "--metrics-out", str(tmp_path / "m")], "--data", tmp_path / "m")
     assert name in err
+
+
+def text_corpus(path: Path, kib: float, seed: int = 0, longest: int = 8192) -> Path:
+    """A JSONL corpus of ``kib`` KiB of text: documents of lognormal length (median 2,000
+    characters, at most ``longest``) from a 64-letter alphabet (``benchmarks/shard_rss.py``'s,
+    smaller; the cap keeps one long document from setting a reader's peak)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .",
+                             dtype=np.uint8)
+    left = int(kib * 1024)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        while left > 0:
+            n = int(min(left, longest, max(1, rng.lognormal(np.log(2000), 1.0))))
+            f.write(json.dumps({"text": alphabet[rng.integers(0, len(alphabet), n)]
+                                .tobytes().decode()}) + "\n")
+            left -= n
+    return path

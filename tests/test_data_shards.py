@@ -77,3 +77,60 @@ def test_a_negative_shard_size_exits_2(tmp_path):
     src = write_documents(tmp_path / "in", n=20)
     cli_exits_2(["data", "prepare", str(src), "--out", str(tmp_path / "o"), "--shard-mb", "-1"],
                 "--shard-mb", tmp_path / "o")
+
+
+def traced_peak(fn) -> int:
+    """Peak bytes Python and numpy allocated while ``fn()`` ran (``tracemalloc``)."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_prepare_and_an_epoch_of_the_loader_stay_flat_as_the_corpus_grows(tmp_path,
+                                                                          monkeypatch):
+    """Corpora of 512 KiB, 1 and 2 MiB of text in shards of 16 KiB (about 30, 60 and 120
+    shards: the largest 60× the two the loader holds). ``prepare`` (text read in 32 KiB chunks
+    here, 1 MiB in real runs) and one epoch of the loader reading every window with its
+    document ids: the peak of what they allocate (``tracemalloc``) grows by at most 1 KiB per
+    added shard (the shard list of ``meta.json``: 1/16 of a shard's bytes) and stays within
+    1.25× of the smallest corpus's, and the loader keeps at most two shards open (maps,
+    offsets, window orders). ``test_rss_stays_flat_on_a_corpus_of_many_shards`` (slow)
+    measures the processes' resident memory.
+
+    Mutation seen to fail: ``DataDir.shard_tokens`` keeping every shard's map open.
+    Time: ~3 s quiet."""
+    from doc_helpers import text_corpus
+
+    import fived.data.prepare as prep
+
+    monkeypatch.setattr(prep, "CHUNK_CHARS", 1 << 15)
+    shards, prepares, loaders = [], [], []
+    for kib in (512, 1024, 2048):
+        src = text_corpus(tmp_path / f"c{kib}.jsonl", kib)
+        out = tmp_path / f"d{kib}"
+        opts = Options((str(src),), str(out), val_fraction=0.01, workers=1,
+                       shard_mb=16 / 1024)
+        prepares.append(traced_peak(lambda opts=opts: prepare(opts, lambda s: None)))
+        ld = Loader(str(out), "train", 256, 32, seed=1, documents=True)
+        shards.append(len(ld.counts))
+        ld.batch(0)  # warm-up: numpy's and the loader's first allocations
+
+        def epoch(ld=ld):
+            for s in range(1, ld.windows // 32):
+                ld.batch(s)
+                assert len(ld.data._maps) <= 2 and len(ld._shard_offsets) <= 2
+                assert len(ld._shard_perms) <= 2 and len(ld._orders) <= 2
+
+        loaders.append(traced_peak(epoch))
+    assert shards[-1] >= 40, shards
+    added = shards[-1] - shards[0]
+    for peaks in (prepares, loaders):
+        assert max(peaks) - min(peaks) <= 1024 * added, (peaks, shards)
+        assert max(peaks) <= 1.25 * min(peaks), (peaks, shards)
