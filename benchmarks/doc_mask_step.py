@@ -7,11 +7,14 @@ are built on that corpus, one with ``--doc-mask`` and one without, and their ste
 (masked step s, unmasked step s, masked step s+1, ...) after one warm-up step each, so the
 load of the shared machine falls on both alike. Printed per L: the median step seconds of
 each, the ratio of the medians (masked / unmasked), the median of the ratios of each masked
-step to the unmasked step run right after it, and the ratio the ledger's FLOPs predict
+step to the unmasked step run right after it, the same for the CPU seconds the process used
+in each step (``time.process_time``; with ``--threads 1``, the default, the step's own work,
+which the load of a shared machine disturbs far less than the wall clock), and the ratio the
+ledger's FLOPs predict
 (the step's matmul FLOPs plus causal attention at Σ Lᵢ²/S keys instead of S).
 
     PYTHONPATH=. python benchmarks/doc_mask_step.py [--rounds 7] [--seq 2048] [--batch 1]
-        [--lengths 2048 512 128] [--json out.json]
+        [--lengths 2048 512 128] [--threads 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -54,8 +57,13 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--lengths", type=int, nargs="+", default=None,
                     help="document lengths (default S, S/4, S/16)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: the CPU seconds are then the step's work)")
     ap.add_argument("--json", default="", help="write the results here too")
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
 
     from fived.config import ParallelConfig, TrainConfig, preset
     from fived.data.meta import model_for_data
@@ -77,25 +85,31 @@ def main() -> None:
                                       replace(base, doc_mask=True), 0, 1),
                     "unmasked": Trainer(model, ParallelConfig(), base, 0, 1)}
             secs: dict[str, list[float]] = {k: [] for k in pair}
+            cpu: dict[str, list[float]] = {k: [] for k in pair}
             t0 = time.perf_counter()
             for s in range(steps):
                 for name, tr in pair.items():
+                    c0 = time.process_time()
                     sec = tr.step(s)["seconds"]
                     if s:  # step 0 is the warm-up
                         secs[name].append(sec)
+                        cpu[name].append(time.process_time() - c0)
             for tr in pair.values():
                 tr.close()
             med = {k: statistics.median(v) for k, v in secs.items()}
+            cmed = {k: statistics.median(v) for k, v in cpu.items()}
             paired = statistics.median(a / b for a, b in zip(secs["masked"], secs["unmasked"]))
             row = {"doc_len": L, "windows_docs": S // L, "median_s": med,
                    "steps_s": secs, "ratio": med["masked"] / med["unmasked"],
-                   "paired_ratio": paired,
+                   "paired_ratio": paired, "cpu_median_s": cmed, "cpu_steps_s": cpu,
+                   "cpu_ratio": cmed["masked"] / cmed["unmasked"],
                    "predicted": predicted_ratio(model, S, L),
                    "wall_s": time.perf_counter() - t0}
             results.append(row)
             print(f"L {L:5d}: masked {med['masked']:.3f} s, unmasked {med['unmasked']:.3f} s "
                   f"(medians of {args.rounds}), ratio {row['ratio']:.3f} (median of the "
-                  f"paired steps' ratios {paired:.3f}), ledger FLOPs "
+                  f"paired steps' ratios {paired:.3f}); CPU seconds {cmed['masked']:.3f} / "
+                  f"{cmed['unmasked']:.3f}, ratio {row['cpu_ratio']:.3f}; ledger FLOPs "
                   f"{row['predicted']:.3f}; masked {[round(x, 2) for x in secs['masked']]}, "
                   f"unmasked {[round(x, 2) for x in secs['unmasked']]}", flush=True)
     if args.json:

@@ -111,3 +111,33 @@ def text_corpus(path: Path, kib: float, seed: int = 0, longest: int = 8192) -> P
                                 .tobytes().decode()}) + "\n")
             left -= n
     return path
+
+
+def saved_peaks(rank: int, world: int, runs: list) -> list[dict[bool, int]]:
+    """Per run (model, layout, train): step 0's forward and backward of this rank without and
+    with ``--doc-mask``, the peak bytes autograd held for backward (``dryrun.LiveSaved``, the
+    dry run's count: distinct storages, parameters excluded)."""
+    from dataclasses import replace
+
+    import torch
+
+    from fived.train.dryrun import LiveSaved
+    from fived.train.trainer import Trainer
+
+    out = []
+    for model, par, train in runs:
+        peaks = {}
+        for masked in (False, True):
+            torch.manual_seed(train.seed)
+            tr = Trainer(model, par, replace(train, doc_mask=masked), rank, world)
+            if tr.executor is not None:
+                tr.executor.measure = False
+            x, y, pos = tr.local_data(0)
+            held = list(tr.stage.parameters()) + [b.param_full for b in tr.engine.buckets]
+            with LiveSaved(held) as saved:
+                tr.forward_backward(x, y, pos, 1.0)
+            tr.engine.finish()
+            peaks[masked] = saved.peak
+            tr.close()
+        out.append(peaks)
+    return out
