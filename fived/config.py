@@ -351,6 +351,10 @@ class TrainConfig:
     doc_positions: str = spec("continue", "RoPE positions with --doc-mask: continue (the "
                                           "window's, as torchtitan) or reset at each document",
                               choices=("continue", "reset"))
+    doc_len: str = spec("", "the documents of a --dry-run with --doc-mask (fake tensors hold "
+                            "no data): N, documents of N tokens packed into the windows, or a "
+                            "prepared data DIR, its training documents' lengths",
+                        metavar="N|DIR")
     eos_target: str = spec("count", "the loss at each EOS token, whose target is the next "
                                     "document's first token: count (torchtitan's labels) or "
                                     "ignore (Megatron's --eod-mask-loss); needs --data",

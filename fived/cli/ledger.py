@@ -192,7 +192,7 @@ def parser() -> argparse.ArgumentParser:
         prog="fived ledger", description="The full memory / FLOPs / traffic / time breakdown "
         "of one layout.", epilog=LEDGER_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    flags.add_config_flags(ap, notes={
+    flags.add_config_flags(ap, skip=("doc_len",), notes={  # --doc-len: the ledger's own
         "run": "the ledger uses --global-batch; the rest are taken so that a `fived train` "
                "command line (or --config) gives the ledger of that run"})
     cluster_flags(ap)

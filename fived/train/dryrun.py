@@ -54,9 +54,11 @@ import weakref
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from .. import phases
 from ..comm.ops import Traffic
@@ -99,6 +101,56 @@ def parse_ranks(spec: str, par: ParallelConfig) -> list[int]:
     return sorted(set(ranks))
 
 
+# ------------------------------------------------------------------------ documents
+def dry_documents(spec: str, seq_len: int, rows: range) -> np.ndarray:
+    """Document ids (len(rows), seq_len) of the windows ``rows`` (unshuffled) of a stream whose
+    documents are ``spec``: N, documents of N tokens back to back; or a prepared directory, its
+    training documents' lengths (the first shard's, when sharded), windows past its end
+    wrapping round. An id is the document's number in the stream, as the loader gives."""
+    from pathlib import Path
+
+    try:
+        n = int(float(spec))
+    except ValueError:
+        n = 0
+    pos = np.asarray(rows, dtype=np.int64)[:, None] * seq_len + np.arange(seq_len)
+    if n:
+        return pos // n
+    from ..data.shards import DataDir
+
+    data = DataDir(Path(spec))
+    offsets = (data.shard_documents("train", 0) if len(data.shards("train")) > 1
+               else data.documents("train"))
+    pos %= max(1, (int(offsets[-1]) // seq_len) * seq_len)
+    return np.searchsorted(offsets, pos, side="right").astype(np.int64) - 1
+
+
+@contextlib.contextmanager
+def host_documents():
+    """The data-dependent steps of document masks, run on the host ids: the varlen core's
+    segments (``fived.model.documents.row_segments``) and the micro-batches' cut of the ids
+    (``Documents.chunk``) step out of the fake mode; everything they feed — the per-segment
+    kernels, the scatter's indexes — is made on the fake device as in a real run."""
+    from ..model import documents, layers
+
+    segments, chunk = layers.row_segments, documents.Documents.chunk
+
+    def host_segments(docs: torch.Tensor) -> list:
+        with unset_fake_temporarily():
+            return segments(docs)
+
+    def host_chunk(self: Any, m: int) -> list:
+        with unset_fake_temporarily():
+            return [documents.Documents(p, d) for p, d in
+                    zip(self.positions.chunk(m), self.docs.chunk(m))]
+
+    layers.row_segments, documents.Documents.chunk = host_segments, host_chunk
+    try:
+        yield
+    finally:
+        layers.row_segments, documents.Documents.chunk = segments, chunk
+
+
 # ------------------------------------------------------------------------ activations
 class LiveSaved:
     """Peak bytes of the distinct storages autograd holds for backward, live at once.
@@ -128,7 +180,9 @@ class LiveSaved:
         key = st._cdata
         if key in self.exclude:
             return t
-        t = t.view_as(t)  # our own handle: it dies when autograd drops what it saved
+        with unset_fake_temporarily() if not isinstance(t, FakeTensor) else \
+                contextlib.nullcontext():  # the dry run's host ids (--doc-mask) are real
+            t = t.view_as(t)  # our own handle: it dies when autograd drops what it saved
         if key not in self.refs:
             self.refs[key] = 0
             self.size[key] = st.nbytes()
@@ -319,9 +373,10 @@ def traffic_by_op(traffic: Traffic) -> dict[str, float]:
 
 # ------------------------------------------------------------------------ one rank
 class DryTrainer(Trainer):
-    """The Trainer on fake tensors: zeros for data, no values read back."""
+    """The Trainer on fake tensors: zeros for data, no values read back; with ``--doc-mask``
+    the rows' document ids are real, on the host (``dry_documents``)."""
 
-    def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
         b = self.grid["batch"]
         rows = self.tcfg.global_batch // b.size
         seq = self.cfg.seq_len
@@ -332,6 +387,14 @@ class DryTrainer(Trainer):
             positions = torch.arange(seq, device=self.device)
         s = positions.shape[0]
         x = torch.zeros((rows, s), dtype=torch.int64, device=self.device)
+        if self.tcfg.doc_mask:  # per-row RoPE positions (fake), the rows' ids (real)
+            from ..model.documents import Documents
+
+            with unset_fake_temporarily():
+                docs = torch.from_numpy(dry_documents(self.tcfg.doc_len, seq,
+                                                      range(b.rank * rows, (b.rank + 1) * rows)))
+            positions = Documents(torch.zeros((rows, s), dtype=torch.int64, device=self.device),
+                                  docs)
         return x, torch.zeros_like(x), positions
 
     def dry_step(self, step: int) -> dict[str, Any]:
@@ -391,7 +454,8 @@ def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig
     try:
         traffic = Traffic()
         grid = connect_local(par, rank, traffic)
-        with FakeTensorMode(), flash_on_meta():
+        docs = host_documents() if train.doc_mask else contextlib.nullcontext()
+        with FakeTensorMode(), flash_on_meta(), docs:
             trainer = DryTrainer(model_cfg, par, train, rank, world, grid=grid, device=device,
                                  init=False)
             if model_cfg.is_moe:
@@ -466,7 +530,7 @@ def dry_run(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, ran
            "phases_per_rank": [r["phases"] for r in recs],
            "seconds_per_rank": [r["wall_seconds"] for r in recs],
            "run": {"model": asdict(model_cfg), "parallel": asdict(par),
-                   "global_batch": train.global_batch}}
+                   "global_batch": train.global_batch, "doc_mask": train.doc_mask}}
     if out_path:
         with open(out_path, "w") as f:
             f.write(json.dumps(out) + "\n")
