@@ -179,8 +179,8 @@ def test_doc_mask_without_data_exits_2(tmp_path):
 
 
 def test_dry_run_doc_mask_bad_input_exits_2(data_dir, tmp_path):
-    """Without --doc-len, with a length < 1, --doc-len without the masked dry run, and ring cp
-    (not run on fake tensors yet): one message naming the flag, nothing written."""
+    """Without --doc-len, with a length < 1 or an unprepared directory, and --doc-len without
+    the masked dry run: one message naming the flag, nothing written."""
     from parity_helpers import cli_exits_2
 
     m = tmp_path / "m"
@@ -188,13 +188,14 @@ def test_dry_run_doc_mask_bad_input_exits_2(data_dir, tmp_path):
     cli_exits_2(dry, "--doc-len", m)
     cli_exits_2(dry + ["--doc-len", "0"], "--doc-len 0", m)
     cli_exits_2(dry + ["--doc-len", str(tmp_path / "none")], "--doc-len", m)
-    cli_exits_2(dry + ["--doc-len", "8", "--cp", "2"], "--cp-mode ring", m)
     cli_exits_2(["train", "--data", data_dir, "--doc-mask", "--doc-len", "8", "--nprocs", "1",
                  "--metrics-out", str(m)], "--doc-len 8", m)
 
 
-DRY_LAYOUTS = [ParallelConfig(), ParallelConfig(tp=2, sequence_parallel=True)]
+DRY_LAYOUTS = [ParallelConfig(), ParallelConfig(tp=2, sequence_parallel=True),
+               ParallelConfig(cp=2)]
 DRY_LAYOUTS_SLOW = [ParallelConfig(cp=2, cp_mode="ulysses"), ParallelConfig(dp=2, zero=3),
+                    ParallelConfig(cp=4, tp=2, sequence_parallel=True),
                     ParallelConfig(pp=2, micro_batches=2, recompute="selective"),
                     ParallelConfig(tp=2, pp=2, micro_batches=2)]
 
@@ -221,11 +222,12 @@ def dry_masked(tmp_path, par, doc_len, data_dir):
 @pytest.mark.parametrize("par", DRY_LAYOUTS, ids=lambda p: p.describe())
 def test_the_dry_run_masks_documents_and_the_ledger_checks_it(tmp_path, data_dir, par):
     """``fived train --dry-run --doc-mask --doc-len N|DIR``: the masked attention on fake
-    tensors (the varlen core's segments from the host ids), ``ledger --check`` exact with the
-    masks' saved bytes; on one rank the step peak too, and the ledger without the masks' terms
-    misses the measured activation peak (the dry run ran the masked core).
+    tensors (the varlen core's segments and the ring's chunk-pair plan from the host ids),
+    ``ledger --check`` exact with the masks' saved bytes; on one rank the step peak too, and
+    the ledger without the masks' terms misses the measured activation peak (the dry run ran
+    the masked core).
 
-    Time: one rank ~2 s, tp2+SP two ranks ~4 s quiet."""
+    Time: one rank ~2 s, tp2+SP and cp2 ring two ranks ~4 s each quiet."""
     from fived.ledger.verify import check_peak, compare_record, peak_rows
 
     m, train, out = dry_masked(tmp_path, par, "24" if par.tp == 1 else "data", data_dir)
@@ -237,8 +239,21 @@ def test_the_dry_run_masks_documents_and_the_ledger_checks_it(tmp_path, data_dir
 @pytest.mark.slow
 @pytest.mark.parametrize("par", DRY_LAYOUTS_SLOW, ids=lambda p: p.describe())
 def test_the_dry_run_masks_documents_in_more_layouts(tmp_path, data_dir, par):
-    """Ulysses, ZeRO-3, pp2 with selective recompute, tp2·pp2: as the fast test."""
+    """Ulysses, ZeRO-3, cp4 ring · tp2+SP, pp2 with selective recompute, tp2·pp2, cp2 ring
+    with ``--cp-balance ptrr``: as the fast test."""
     dry_masked(tmp_path, par, "24", data_dir)
+
+
+@pytest.mark.slow
+def test_the_dry_run_masks_documents_under_ptrr(tmp_path, data_dir):
+    from fived.config import TrainConfig
+    from fived.ledger.verify import compare_record
+    from fived.train.dryrun import distinct_ranks, dry_run
+
+    m, par = preset("tiny"), ParallelConfig(cp=2)
+    train = TrainConfig(global_batch=8, doc_mask=True, doc_len="24", cp_balance="ptrr")
+    out = dry_run(m, par, train, distinct_ranks(par), show=False)
+    assert compare_record(m, par, 8, out, doc_mask=True) == []
 
 
 def test_cp_balance_needs_doc_mask_and_ring(data_dir, tmp_path):

@@ -189,7 +189,3 @@ def check_doc_dry_run(par: Any, train: Any) -> None:
                            "or a prepared data directory"])
     if n is None:
         read_meta(train.doc_len, "--doc-len")
-    if par.cp > 1 and par.cp_mode == "ring":
-        raise ConfigError(["--dry-run with --doc-mask and --cp-mode ring: the ring's masked "
-                           "chunk pairs are not run on fake tensors yet; use --cp-mode ulysses "
-                           "or price the ring with `fived ledger --doc-len`"])

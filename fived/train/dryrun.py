@@ -125,15 +125,43 @@ def dry_documents(spec: str, seq_len: int, rows: range) -> np.ndarray:
     return np.searchsorted(offsets, pos, side="right").astype(np.int64) - 1
 
 
+class HostChunks:
+    """The ring's per-row chunk ids (``context.rank_chunks``) held on the host: indexing them
+    steps out of the fake mode, so ``doc_plan`` reads real ids."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids, self.shape = ids, ids.shape
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return self.ids[key]
+
+
 @contextlib.contextmanager
-def host_documents():
+def host_documents(device: str):
     """The data-dependent steps of document masks, run on the host ids: the varlen core's
-    segments (``fived.model.documents.row_segments``) and the micro-batches' cut of the ids
-    (``Documents.chunk``) step out of the fake mode; everything they feed — the per-segment
-    kernels, the scatter's indexes — is made on the fake device as in a real run."""
+    segments (``fived.model.documents.row_segments``), the micro-batches' cut of the ids
+    (``Documents.chunk``), the ring's chunk ids and chunk-pair plan (``context.rank_chunks``,
+    ``context.doc_plan``: which pairs run is read from the ids, each pair's mask is then a fake
+    tensor of its shape on ``device``) step out of the fake mode; everything they feed — the
+    per-segment kernels, the scatter's indexes, the masked blocks — runs on the fake device as
+    in a real run."""
     from ..model import documents, layers
+    from ..parallel import context
 
     segments, chunk = layers.row_segments, documents.Documents.chunk
+    plan, chunks = context.doc_plan, context.rank_chunks
+
+    def host_chunks(docs: torch.Tensor, n: int, layout: str, balance: str) -> HostChunks:
+        with unset_fake_temporarily():
+            return HostChunks(chunks(docs, n, layout, balance))
+
+    def host_plan(q_chunks: torch.Tensor, kv_chunks: torch.Tensor, c: int,
+                  docs: torch.Tensor) -> list:
+        with unset_fake_temporarily():
+            pairs = plan(q_chunks, kv_chunks, c, docs)
+        return [(rows, j, torch.empty(mask.shape, dtype=torch.bool, device=device))
+                for rows, j, mask in pairs]
 
     def host_segments(docs: torch.Tensor) -> list:
         with unset_fake_temporarily():
@@ -145,10 +173,12 @@ def host_documents():
                     zip(self.positions.chunk(m), self.docs.chunk(m))]
 
     layers.row_segments, documents.Documents.chunk = host_segments, host_chunk
+    context.doc_plan, context.rank_chunks = host_plan, host_chunks
     try:
         yield
     finally:
         layers.row_segments, documents.Documents.chunk = segments, chunk
+        context.doc_plan, context.rank_chunks = plan, chunks
 
 
 # ------------------------------------------------------------------------ activations
@@ -454,7 +484,7 @@ def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig
     try:
         traffic = Traffic()
         grid = connect_local(par, rank, traffic)
-        docs = host_documents() if train.doc_mask else contextlib.nullcontext()
+        docs = host_documents(device) if train.doc_mask else contextlib.nullcontext()
         with FakeTensorMode(), flash_on_meta(), docs:
             trainer = DryTrainer(model_cfg, par, train, rank, world, grid=grid, device=device,
                                  init=False)
