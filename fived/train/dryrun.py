@@ -41,7 +41,9 @@ guard and aborts the process; ``--dry-run-device cpu`` runs on fake CPU tensors 
 Data-dependent values. Fake tensors have no values, so token ids are zeros, losses and the
 gradient norm are not computed (reported as NaN; the norm's collectives still run, clipping is
 value-only), and MoE routing is the ledger's assumption: uniform (each expert gets
-tokens·top_k/E rows, ``uniform_routing``).
+tokens·top_k/E rows, ``uniform_routing``). Document masks (``--doc-mask``) need the rows'
+document ids: ``--doc-len N|DIR`` gives them (``dry_documents``), real tensors on the host, and
+the steps that read them run outside the fake mode (``host_documents``).
 """
 
 from __future__ import annotations
@@ -547,7 +549,9 @@ def dry_run(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, ran
     out = {"step": 0, "loss": float("nan"), "tokens": train.global_batch * model_cfg.seq_len,
            "dry_run": {"device": device, "backend": BACKEND,
                        "assumptions": "token ids 0; loss and grad norm not computed (NaN); "
-                                      "MoE routing uniform"},
+                                      "MoE routing uniform"
+                                      + (f"; documents --doc-len {train.doc_len}"
+                                         if train.doc_mask else "")},
            "ranks": ranks,
            "memory": recs[0]["memory"],
            "memory_per_rank": [r["memory"] for r in recs],
