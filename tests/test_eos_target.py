@@ -40,11 +40,12 @@ def test_one_rank_skips_the_eos_targets(setup):
     assert rel_diff(counted["losses"][:1], [ref["loss"]]) > 1e-3  # count is another loss
 
 
-def test_tp2_sp_and_cp2_skip_the_eos_targets(setup):
-    """Time: two world-2 runs in one pool call, ~5 s quiet."""
+def test_tp2_sp_cp2_and_pp2_skip_the_eos_targets(setup):
+    """Time: three world-2 runs in one pool call, ~6 s quiet."""
     model, train, ref = setup
     runs = [(model, ParallelConfig(tp=2, sequence_parallel=True), train),
-            (model, ParallelConfig(cp=2), train)]
+            (model, ParallelConfig(cp=2), train),
+            (model, ParallelConfig(pp=2, micro_batches=2), train)]
     for _, p, t in runs:
         validate(model, p, t, 2)
     for (_, p, _), out in zip(runs, train_runs(runs, timeout=600)):
