@@ -84,7 +84,8 @@ def test_the_masks_saved_bytes_are_the_ledgers(tmp_path, world):
 
     Mutation seen to fail: ``doc_core_bytes`` without the second output copy (one rank: the
     difference 585,728 measured against 28,672 + 4 · 8,192).
-    Time: one rank, two layouts ~2 s; world 2, five layouts ~7 s quiet (13 s at load 20)."""
+    Time (load ~20, not measured quiet): one rank, two layouts 15 s with the pool's start,
+    world 2, five layouts 6-13 s."""
     from doc_helpers import saved_peaks
 
     from fived.data.meta import model_for_data
@@ -113,7 +114,8 @@ def test_ledger_check_of_a_memory_traced_doc_mask_run_counts_the_masks(tmp_path)
     traffic and the traced step peak is within its 0.5 % of the ledger's, which reads the
     run's ``doc_mask`` from the file (without the masks' terms the ledger is 3.9 % under).
 
-    Time: a one-rank, one-step `fived train` in this process and the check (~3 s quiet)."""
+    Time: a one-rank, one-step `fived train` in this process and the check (8-12 s at load
+    ~20)."""
     data = prepared(tmp_path / "d")
     m = tmp_path / "m.jsonl"
     r = run_cli("train", "--data", data, "--steps", "1", "--nprocs", "1", "--global-batch",

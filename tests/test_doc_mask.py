@@ -227,7 +227,7 @@ def test_the_dry_run_masks_documents_and_the_ledger_checks_it(tmp_path, data_dir
     the ledger without the masks' terms misses the measured activation peak (the dry run ran
     the masked core).
 
-    Time: one rank ~2 s, tp2+SP and cp2 ring two ranks ~4 s each quiet."""
+    Time (load ~20): one rank 3-5 s, tp2+SP 7-8 s, cp2 ring 4-5 s."""
     from fived.ledger.verify import check_peak, compare_record, peak_rows
 
     m, train, out = dry_masked(tmp_path, par, "24" if par.tp == 1 else "data", data_dir)

@@ -41,7 +41,7 @@ def test_one_rank_skips_the_eos_targets(setup):
 
 
 def test_tp2_sp_cp2_and_pp2_skip_the_eos_targets(setup):
-    """Time: three world-2 runs in one pool call, ~6 s quiet."""
+    """Time: three world-2 runs in one pool call, 10 s at load ~20."""
     model, train, ref = setup
     runs = [(model, ParallelConfig(tp=2, sequence_parallel=True), train),
             (model, ParallelConfig(cp=2), train),
