@@ -351,6 +351,14 @@ class TrainConfig:
     doc_positions: str = spec("continue", "RoPE positions with --doc-mask: continue (the "
                                           "window's, as torchtitan) or reset at each document",
                               choices=("continue", "reset"))
+    doc_len: str = spec("", "the documents of a --dry-run with --doc-mask (fake tensors hold "
+                            "no data): N, documents of N tokens packed into the windows, or a "
+                            "prepared data DIR, its training documents' lengths",
+                        metavar="N|DIR")
+    eos_target: str = spec("count", "the loss at each EOS token, whose target is the next "
+                                    "document's first token: count (torchtitan's labels) or "
+                                    "ignore (Megatron's --eod-mask-loss); needs --data",
+                           choices=("count", "ignore"))
     cp_balance: str = spec("zigzag", "ring context parallelism's sharding with --doc-mask: "
                                      "zigzag (two chunks per rank) or ptrr (torch's processing-"
                                      "time round robin over 8·cp blocks, by each row's "
@@ -912,13 +920,19 @@ def read_toml(path: str | Path) -> tuple[ModelConfig, ParallelConfig, TrainConfi
         data = tomllib.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError([f"--config {path}: cannot read it ({e})"]) from None
-    extra = sorted(set(data) - set(_SECTIONS))
+    extra = sorted(set(data) - set(_SECTIONS) - {"data"})
     if extra:
-        raise ConfigError([f"unknown table(s) {extra} in {path}; use [model], [parallel], [train]"])
+        raise ConfigError([f"unknown table(s) {extra} in {path}; use [model], [parallel], "
+                           "[train], [data]"])
     for s in _SECTIONS:
         if not isinstance(data.get(s, {}), dict):
             raise ConfigError([f"[{s}] in {path} must be a table"])
     tvals = data.get("train", {})
+    if "data" in data:  # a mixture's table: the --data spec it stands for
+        if "data" in tvals:
+            raise ConfigError([f"{path}: [train] data and a [data] table both give the data; "
+                               "keep one"])
+        tvals = {**tvals, "data": mixture_spec(data["data"], path)}
     mvals = dict(data.get("model", {}))
     name = mvals.get("name", tvals.get("model", TrainConfig.model))
     if "name" in mvals and "model" in tvals and mvals["name"] != tvals["model"]:
@@ -931,9 +945,51 @@ def read_toml(path: str | Path) -> tuple[ModelConfig, ParallelConfig, TrainConfi
     except TypeError as e:  # pragma: no cover - _coerce already names unknown keys
         raise ConfigError([f"{path}: {e}"]) from None
     given = {f"{s}.{k}" for s in _SECTIONS for k in data.get(s, {})}
+    if "data" in data:
+        given.add("train.data")
     if "train.model" in given or "model.name" in given:
         given |= {"train.model", "model.name"}
     return model, par, replace(train, model=model.name), given
+
+
+def mixture_spec(table: Any, path: str | Path = "") -> str:
+    """A TOML ``[data]`` table -> the ``--data`` mixture spec it stands for::
+
+        [data]
+        code = { dir = "data/code", weight = 0.3 }
+        web = { dir = "data/web", weight = 0.7 }
+
+    is ``--data code=data/code:0.3,web=data/web:0.7``. A ConfigError naming ``[data]`` and
+    the source when an entry is not a table of ``dir`` (a string) and ``weight`` (a number
+    >= 0), or when the weights sum to zero."""
+    where = f" in {path}" if path else ""
+    if not isinstance(table, dict) or not table:
+        raise ConfigError([f"[data]{where} must be a table of sources: NAME = {{ dir = "
+                           '"DIR", weight = W }'])
+    parts, problems, total = [], [], 0.0
+    for name, src in table.items():
+        if not isinstance(src, dict) or set(src) != {"dir", "weight"}:
+            problems.append(f"[data] {name}{where}: give {{ dir = \"DIR\", weight = W }} "
+                            f"(it has {sorted(src) if isinstance(src, dict) else src!r})")
+            continue
+        d, w = src["dir"], src["weight"]
+        if not isinstance(w, (int, float)) or isinstance(w, bool):
+            problems.append(f"[data] {name}.weight = {w!r}{where}: not a number")
+        elif not 0 <= w < float("inf"):
+            problems.append(f"[data] {name}.weight = {w!r}{where}: must be a finite number "
+                            ">= 0")
+        else:
+            total += w
+        if not isinstance(d, str) or not d or "," in d:
+            problems.append(f"[data] {name}.dir = {d!r}{where}: a directory path without ','")
+        if any(c in name for c in "=,:") or not name.strip():
+            problems.append(f"[data] {name!r}{where}: a source's name has no '=', ',' or ':'")
+        parts.append(f"{name}={d}:{w!r}")
+    if not problems and not total > 0:
+        problems.append(f"[data]{where}: the weights sum to zero; give at least one > 0")
+    if problems:
+        raise ConfigError(problems)
+    return ",".join(parts)
 
 
 def load_toml(path: str | Path) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
@@ -973,6 +1029,6 @@ __all__ = [
     "auto_precision", "resolve_precision", "precision_of",
     "DEFAULT_WORLD", "preset", "validate", "check_values", "check_field", "check_count",
     "check_outputs", "fill_dp", "hybrid_problems", "flag_of", "read_toml", "load_toml",
-    "dump_toml", "as_dict",
+    "dump_toml", "as_dict", "mixture_spec",
     "field",
 ]

@@ -41,8 +41,12 @@ def prepared(tmp: Path, **kw: Any) -> str:
 
 def unpacked_reference(model_cfg, train, reset: bool) -> dict[str, Any]:
     """Step 0 of ``train`` (its --data) as documents run one by one: the loss and every
-    parameter's gradient (sum of per-document token losses / (global batch · seq_len))."""
+    parameter's gradient (sum of per-document token losses / (global batch · seq_len)).
+    ``train.eos_target == "ignore"``: each document's logits and a cross-entropy over the
+    tokens whose input is not EOS, written here (torch's ``cross_entropy`` over the tokenizer's
+    rows), not the trainer's loss modules."""
     import torch
+    import torch.nn.functional as F
 
     from fived.data.loader import Loader
     from fived.data.shards import DataDir
@@ -61,7 +65,12 @@ def unpacked_reference(model_cfg, train, reset: bool) -> dict[str, Any]:
     for r in range(x.shape[0]):
         for a, e in segments(docs[r]):
             pos = torch.arange(e - a) if reset else torch.arange(a, e)
-            total = total + model(x[r:r + 1, a:e], pos, y[r:r + 1, a:e])
+            if train.eos_target == "ignore":
+                logits = model(x[r:r + 1, a:e], pos)[0, :, :data.vocab]
+                keep = x[r, a:e] != data.eos
+                total = total + F.cross_entropy(logits[keep], y[r, a:e][keep], reduction="sum")
+            else:
+                total = total + model(x[r:r + 1, a:e], pos, y[r:r + 1, a:e])
             n_docs += 1
     tokens = train.global_batch * model_cfg.seq_len
     (total / tokens).backward()
@@ -82,3 +91,53 @@ def missing_file_exits_2(data: Path, name: str, tmp_path: Path) -> None:
     err = cli_exits_2(["train", "--data", str(d), "--steps", "1", "--nprocs", "1",
                        "--metrics-out", str(tmp_path / "m")], "--data", tmp_path / "m")
     assert name in err
+
+
+def text_corpus(path: Path, kib: float, seed: int = 0, longest: int = 8192) -> Path:
+    """A JSONL corpus of ``kib`` KiB of text: documents of lognormal length (median 2,000
+    characters, at most ``longest``) from a 64-letter alphabet (``benchmarks/shard_rss.py``'s,
+    smaller; the cap keeps one long document from setting a reader's peak)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .",
+                             dtype=np.uint8)
+    left = int(kib * 1024)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        while left > 0:
+            n = int(min(left, longest, max(1, rng.lognormal(np.log(2000), 1.0))))
+            f.write(json.dumps({"text": alphabet[rng.integers(0, len(alphabet), n)]
+                                .tobytes().decode()}) + "\n")
+            left -= n
+    return path
+
+
+def saved_peaks(rank: int, world: int, runs: list) -> list[dict[bool, int]]:
+    """Per run (model, layout, train): step 0's forward and backward of this rank without and
+    with ``--doc-mask``, the peak bytes autograd held for backward (``dryrun.LiveSaved``, the
+    dry run's count: distinct storages, parameters excluded)."""
+    from dataclasses import replace
+
+    import torch
+
+    from fived.train.dryrun import LiveSaved
+    from fived.train.trainer import Trainer
+
+    out = []
+    for model, par, train in runs:
+        peaks = {}
+        for masked in (False, True):
+            torch.manual_seed(train.seed)
+            tr = Trainer(model, par, replace(train, doc_mask=masked), rank, world)
+            if tr.executor is not None:
+                tr.executor.measure = False
+            x, y, pos = tr.local_data(0)
+            held = list(tr.stage.parameters()) + [b.param_full for b in tr.engine.buckets]
+            with LiveSaved(held) as saved:
+                tr.forward_backward(x, y, pos, 1.0)
+            tr.engine.finish()
+            peaks[masked] = saved.peak
+            tr.close()
+        out.append(peaks)
+    return out

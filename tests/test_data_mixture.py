@@ -128,6 +128,24 @@ def test_a_mixture_trains_the_same_on_dp2_as_on_one_rank(dirs):
     assert seen == 2  # step 0 drew from both sources
 
 
+def test_the_toml_data_table_is_the_flag(dirs, tmp_path):
+    """A ``[data]`` table in ``--config`` trains the mixture ``--data`` names: the resolved
+    configuration (``--print-config``) is the flag's, key for key."""
+    toml = tmp_path / "mix.toml"
+    toml.write_text(f'[data]\ncode = {{ dir = "{dirs[0]}", weight = 0.3 }}\n'
+                    f'web = {{ dir = "{dirs[1]}", weight = 0.7 }}\n')
+    by_table = run_cli("train", "--config", str(toml), "--print-config")
+    by_flag = run_cli("train", "--data", spec(dirs), "--print-config")
+    assert by_table.returncode == by_flag.returncode == 0, by_table.stderr + by_flag.stderr
+    assert f'data = "{spec(dirs)}"' in by_table.stdout, by_table.stdout
+    assert by_table.stdout.replace(str(toml), "") == by_flag.stdout.replace(str(toml), "")
+    both = tmp_path / "both.toml"
+    both.write_text(f'[train]\ndata = "{dirs[0]}"\n' + toml.read_text())
+    err = cli_exits_2(["train", "--config", str(both), "--metrics-out", str(tmp_path / "m")],
+                      "[data]", tmp_path / "m")
+    assert "keep one" in err
+
+
 def test_the_checkpoint_state_names_the_mixture(dirs):
     st = open_loader(spec(dirs), "train", seq_len=64, batch=8, seed=5).state(4)
     other = open_loader(spec(dirs, 0.5, 0.5), "train", seq_len=64, batch=8, seed=5).state(4)

@@ -65,11 +65,18 @@ def files(tmp_path_factory):
     toml = root / "tiny.toml"
     r = run_cli("train", "--tp", "2", "--print-config")
     toml.write_text(r.stdout)
+    mixes = {"mixword": '"lots"', "mixzero": "0"}  # a [data] mixture: bad weights
+    for key, weight in mixes.items():
+        (root / f"{key}.toml").write_text(
+            f'[data]\ncode = {{ dir = "{root / "data"}", weight = {weight} }}\n'
+            f'web = {{ dir = "{root / "data"}", weight = 0 }}\n')
     return {"ck": str(ck), "evil": str(evil), "data": str(root / "data"), "toml": str(toml),
-            "file": str(text), "tmp": str(root), "pwned": root / "pwned"}
+            "file": str(text), "tmp": str(root), "pwned": root / "pwned",
+            **{key: str(root / f"{key}.toml") for key in mixes}}
 
 
-# (command, what its message must say). {ck}, {evil}, {data}, {toml}, {file}, {tmp}: ``files``.
+# (command, what its message must say). {ck}, {evil}, {data}, {toml}, {file}, {tmp},
+# {mixword}, {mixzero}: ``files``.
 MISTYPES = [
     # unknown flags and choices: "did you mean", at most 3 lines of usage (argparse's own)
     ("train --stpes 5", "unknown flag --stpes; did you mean --steps?"),
@@ -123,6 +130,10 @@ MISTYPES = [
     ("train --dry-run-device cpu", "--dry-run-device cpu: only a --dry-run uses it"),
     ("train --config {toml} --model small", "--model small and --config {toml}: the TOML's "
      "[model] section sets tiny's shape (hidden 64, layers 4"),
+    ("train --config {mixword}", "[data] code.weight = 'lots'"),
+    ("train --config {mixzero}", "[data] in {mixzero}: the weights sum to zero"),
+    ("train --data code={data}:x", "source 'code''s weight 'x' is not a number"),
+    ("train --data code={data}:0,web={data}:0", "the weights sum to zero"),
     ("plan --gpus 63 --model llama3-8b", "--gpus 63 is not a multiple of --gpus-per-node"),
     # missing inputs name the input
     ("data prepare nope.txt --out {tmp}/made/nope", "INPUT nope.txt: no such file or folder"),

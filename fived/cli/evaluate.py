@@ -130,7 +130,8 @@ def configs(args):
                     eval_batches=batches, seed=int(saved_train.get("seed", 1234)),
                     # the attention the checkpoint was trained with (--doc-mask: documents)
                     doc_mask=bool(saved_train.get("doc_mask", False)),
-                    doc_positions=str(saved_train.get("doc_positions", "continue")))
+                    doc_positions=str(saved_train.get("doc_positions", "continue")),
+                    eos_target=str(saved_train.get("eos_target", "count")))
     validate(model, par, train, world)
     from ..config import check_runtime_model
 

@@ -77,7 +77,7 @@ def cluster_flags(ap: argparse.ArgumentParser) -> None:
                    help="document masks (--doc-mask): attention FLOPs follow the documents, "
                         "Σ Lᵢ²/S per token instead of S — N: the mean document length in "
                         "tokens; DIR: a prepared data directory (its training documents' "
-                        "lengths) (default: no mask)")
+                        "lengths); the memory counts what the masks save (default: no mask)")
     g = ap.add_argument_group("output")
     g.add_argument("--wide", action="store_true",
                    help="every column (the default tables fit 80 columns)")
@@ -192,7 +192,7 @@ def parser() -> argparse.ArgumentParser:
         prog="fived ledger", description="The full memory / FLOPs / traffic / time breakdown "
         "of one layout.", epilog=LEDGER_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    flags.add_config_flags(ap, notes={
+    flags.add_config_flags(ap, skip=("doc_len",), notes={  # --doc-len: the ledger's own
         "run": "the ledger uses --global-batch; the rest are taken so that a `fived train` "
                "command line (or --config) gives the ledger of that run"})
     cluster_flags(ap)
@@ -284,11 +284,13 @@ def main(argv: list[str]) -> int:
     gpn = args.gpus_per_node or hw.gpus_per_node
     from ..ledger import memory as memory_ledger
 
+    masked = bool(getattr(args, "doc_len", None))  # --doc-len: the masks' saved bytes too
     if args.eager_activations or args.gpu == "this-machine":  # the fived runtime's kernels
         opts = memory_ledger.ActivationOptions("materialised" if args.gpu == "this-machine" else
-                                   args.attention)
+                                   args.attention, doc_mask=masked)
     else:
-        opts = memory_ledger.ActivationOptions(args.attention, kv_repeat=False, fused_norm=True)
+        opts = memory_ledger.ActivationOptions(args.attention, kv_repeat=False, fused_norm=True,
+                                               doc_mask=masked)
     doc = ledger_document(m, par, hw, gb, gpn, args.efficiency, args.mem_fraction, opts,
                           train_tokens, train.optimizer, clock_options(args))
     doc["precision_note"] = precision
@@ -396,8 +398,9 @@ def _peaks(m: ModelConfig, par: ParallelConfig, gb: int, path: str
         lines = [line for line in f if line.strip()]
     if not lines:
         return [], []
-    optimizer = (json.loads(lines[0]).get("run") or {}).get("optimizer", "adamw")
-    rows = peak_rows(m, par, gb, json.loads(lines[-1]), optimizer)
+    run = json.loads(lines[0]).get("run") or {}
+    rows = peak_rows(m, par, gb, json.loads(lines[-1]), run.get("optimizer", "adamw"),
+                     bool(run.get("doc_mask", False)))
     return rows, check_peak(rows)
 
 
@@ -433,7 +436,7 @@ def _dry_run_activations(m: ModelConfig, par: ParallelConfig, gb: int, path: str
     skipped = activation_check_skipped(par)
     rows = []
     for r, got in zip(rec["ranks"], rec["activation_peak_per_rank"]):
-        pred = predict_activations(m, par, gb, r)
+        pred = predict_activations(m, par, gb, r, bool((rec.get("run") or {}).get("doc_mask")))
         rows.append([str(r), report.fmt_b(pred), report.fmt_b(got),
                      f"{(got - pred) / max(pred, 1):+.2%}"])
     title = ("dry run: activation peak per rank (not compared: " + skipped + ")" if skipped else

@@ -241,9 +241,13 @@ def main(argv: list[str]) -> int:
         if not ancestor.is_dir():
             raise ConfigError([f"--tensorboard {train.tensorboard}: {str(ancestor)!r} is a file, "
                                "not a directory"])
+    if train.doc_len and not (args.dry_run and train.doc_mask):
+        raise ConfigError([f"--doc-len {train.doc_len}: gives the documents of a --dry-run "
+                           "with --doc-mask; a training run reads its own from --data"])
     if args.dry_run and train.doc_mask:
-        raise ConfigError(["--dry-run with --doc-mask: the dry run's fake tensors hold no "
-                           "documents; price masked attention with `fived ledger --doc-len`"])
+        from ..data.meta import check_doc_dry_run
+
+        check_doc_dry_run(par, train)
     if args.dry_run:
         if train.memory_trace:
             raise ConfigError(["--memory-trace with --dry-run: the dry run always traces "

@@ -57,6 +57,7 @@ class Loader:
             self.windows = int(self.counts.sum())
             self._shard_perms: dict[tuple[int, int], np.ndarray] = {}
             self._shard_offsets: dict[int, np.ndarray] = {}
+            self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         else:
             self.tokens = self.data.tokens(split)
             self.windows = (len(self.tokens) - 1) // seq_len
@@ -101,8 +102,7 @@ class Loader:
         ``default_rng([seed, epoch]).permutation(shards)``, each shard's windows in the order
         ``default_rng([seed, epoch, j + 1]).permutation(its windows)`` — a permutation of every
         window, held one shard at a time. Returns the global window id (shard base + local)."""
-        order = self._shard_order(epoch)
-        ends = np.cumsum(self.counts[order])
+        order, ends = self._shard_order(epoch)
         t = int(np.searchsorted(ends, r, side="right"))
         j = int(order[t])
         local = r - (int(ends[t - 1]) if t else 0)
@@ -115,8 +115,17 @@ class Loader:
             self._shard_perms[key] = p
         return int(self.base[j]) + int(p[local])
 
-    def _shard_order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.counts))
+    def _shard_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's shard order and the cumulative windows along it (the last two epochs'
+        kept: O(shards) integers each)."""
+        got = self._orders.get(epoch)
+        if got is None:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.counts))
+            got = (order, np.cumsum(self.counts[order]))
+            if len(self._orders) >= 2:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[epoch] = got
+        return got
 
     def sequence_ids(self, step: int, rows: slice = slice(None)) -> np.ndarray:
         """The window ids of global batch ``step`` (rows ``rows`` of it)."""

@@ -131,9 +131,13 @@ def model_for_data(model: ModelConfig, data: str, vocab_given: bool = False) -> 
 def check_data_run(model: ModelConfig, seq_len: int, train: Any) -> dict[str, Any] | None:
     """Everything a ``--data`` run needs of its directory, before a rank starts."""
     if not train.data:
-        if getattr(train, "doc_mask", False):
+        if getattr(train, "doc_mask", False) and not getattr(train, "doc_len", ""):
             raise ConfigError(["--doc-mask needs --data DIR (the built-in corpus is one stream "
-                               "of files with no document boundaries)"])
+                               "of files with no document boundaries), or in a --dry-run "
+                               "--doc-len N|DIR"])
+        if getattr(train, "eos_target", "count") != "count":
+            raise ConfigError([f"--eos-target {train.eos_target} needs --data DIR (the built-in "
+                               "corpus has no EOS tokens)"])
         if train.eval_every:
             raise ConfigError(["--eval-every needs --data DIR (the built-in corpus has no "
                                "validation split)"])
@@ -167,3 +171,21 @@ def check_data_run(model: ModelConfig, seq_len: int, train: Any) -> dict[str, An
     if problems:
         raise ConfigError(problems)
     return meta
+
+
+def check_doc_dry_run(par: Any, train: Any) -> None:
+    """``--dry-run --doc-mask``: its documents (``--doc-len N|DIR``) and a layout whose masked
+    attention the dry run runs; a ConfigError naming the flag otherwise."""
+    if not train.doc_len:
+        raise ConfigError(["--dry-run with --doc-mask needs --doc-len N|DIR: fake tensors hold "
+                           "no data, so the documents are N tokens each or a prepared "
+                           "directory's"])
+    try:
+        n = float(train.doc_len)
+    except ValueError:
+        n = None
+    if n is not None and not (n >= 1 and n == int(n)):
+        raise ConfigError([f"--doc-len {train.doc_len}: give a document length >= 1 (tokens) "
+                           "or a prepared data directory"])
+    if n is None:
+        read_meta(train.doc_len, "--doc-len")

@@ -15,6 +15,8 @@ import numpy as np
 
 from .meta import read_meta
 
+OPEN_SHARDS = 2  # shard maps a DataDir keeps open per split
+
 
 class DataDir:
     def __init__(self, path: str | Path):
@@ -43,15 +45,22 @@ class DataDir:
                  "tokens": int(info["tokens"]), "documents": int(info.get("documents", 0))}]
 
     def shard_tokens(self, split: str, j: int) -> np.ndarray:
-        """Shard ``j`` of the split, memory-mapped (a sharded split's pages, read on demand)."""
+        """Shard ``j`` of the split, memory-mapped (a sharded split's pages, read on demand).
+        At most ``OPEN_SHARDS`` shard maps stay open per split (the most recently used): a
+        map holds a file descriptor and keeps the pages it read resident in this process, so
+        a loader crossing thousands of shards must not keep them all."""
         key = f"{split}#{j}"
-        if key not in self._maps:
+        m = self._maps.pop(key, None)
+        if m is None:
             sh = self.shards(split)[j]
             n = int(sh["tokens"])
-            self._maps[key] = (np.zeros(0, dtype=self.dtype) if n == 0 else
-                               np.memmap(self.path / sh["file"], dtype=self.dtype, mode="r",
-                                         shape=(n,)))
-        return self._maps[key]
+            m = (np.zeros(0, dtype=self.dtype) if n == 0 else
+                 np.memmap(self.path / sh["file"], dtype=self.dtype, mode="r", shape=(n,)))
+            mine = [k for k in self._maps if k.startswith(f"{split}#")]
+            for old in mine[:max(0, len(mine) - OPEN_SHARDS + 1)]:
+                self._maps.pop(old, None)  # the least recently used: its map closes with it
+        self._maps[key] = m  # the most recent last
+        return m
 
     def shard_documents(self, split: str, j: int) -> np.ndarray:
         """int64 offsets of shard ``j``'s documents (from 0)."""

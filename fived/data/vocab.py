@@ -9,6 +9,11 @@ head, and those rows' gradient is exactly zero. Under tensor parallelism the los
 slice (the vocab-parallel loss has the tp ``group``); the slice of rank ``r`` starts at
 ``r · V/tp``. A finite minimum (not -inf) keeps the vocab-parallel loss's
 ``gathered logit × inside-mask`` products finite.
+
+The targets carry two marks past the vocabulary to the loss, through every path they take:
+a mixture's row source (``target + (source << 32)``, ``SourceLoss``, the outermost wrapper)
+and ``--eos-target ignore``'s skip bit (``IGNORE_BIT`` = 2³¹, ``IgnoredTargetLoss``, inside
+it): the loss is Σ CE over the kept tokens, normalised as always by 1/(global batch · seq_len).
 """
 
 from __future__ import annotations
@@ -100,3 +105,46 @@ def tally_sources(model: nn.Module, sources: int) -> list[SourceLoss]:
             wrapped[id(inner)] = SourceLoss(inner, sources)
         m.loss = wrapped[id(inner)]
     return list(wrapped.values())
+
+
+IGNORE_BIT = 1 << 31  # --eos-target ignore: a target the loss skips carries this bit
+
+
+def mark_eos_targets(x: torch.Tensor, y: torch.Tensor, eos: int) -> torch.Tensor:
+    """``--eos-target ignore``: the targets whose input token is EOS (the next document's first
+    token) marked by ``IGNORE_BIT``; the mark travels with the targets (micro-batches, cp
+    shards, the last pipeline stage) like a mixture's source bits."""
+    return torch.where(x == eos, y | IGNORE_BIT, y)
+
+
+class IgnoredTargetLoss(nn.Module):
+    """Σ CE over the tokens whose target is not marked by ``mark_eos_targets``: the kept tokens'
+    logits and targets (one row) go to the inner loss, so a skipped token adds nothing to the
+    loss and no gradient. Every tp rank holds the same targets, so the vocab-parallel loss's
+    collectives see one shape on every rank."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        marked = (targets & IGNORE_BIT) != 0
+        if not bool(marked.any()):
+            return self.inner(logits, targets)
+        keep = ~marked
+        return self.inner(logits[keep][None], targets[keep][None])
+
+
+def ignore_marked_targets(model: nn.Module) -> int:
+    """Wrap every ``loss`` module of ``model`` and of its pipeline chunks (shared ones once) in
+    an ``IgnoredTargetLoss``; returns how many."""
+    wrapped: dict[int, IgnoredTargetLoss] = {}
+    roots = [model, *getattr(model, "chunk_models", [])]
+    for m in [m for r in roots for m in r.modules()]:
+        inner = m._modules.get("loss")
+        if inner is None or isinstance(m, (IgnoredTargetLoss, MaskedLoss, SourceLoss)):
+            continue
+        if id(inner) not in wrapped:
+            wrapped[id(inner)] = IgnoredTargetLoss(inner)
+        m.loss = wrapped[id(inner)]
+    return len(wrapped)

@@ -50,6 +50,15 @@ The first stage also keeps the token ids (8 B/token); the last stage the final n
 in the compute dtype (e·V/tp per token) with the fp32 log-sum-exp (tp: max and sum of
 exponentials, 8 B), and the targets (8 B/token; tp: + 1 B "in this vocab slice").
 
+Document masks (``--doc-mask``, ``ActivationOptions.doc_mask``): RoPE positions are per row, so
+the cos/sin tables are b pairs (b·s_local·d·e, not s_local·d·e); the per-document varlen core
+(one rank, tp, pp, Ulysses) adds per layer 16 B per token of the whole rows (the scatter's two
+int64 indexes) and, without cp, a second copy of its output (e·hq/tp: the segments' kernels
+saved theirs, the next matmul keeps the scattered one) — ``doc_core_bytes``; the ring saves
+nothing more; under selective recompute the core's saves are recomputed and the checkpoint
+keeps the rows' ids (8 B per token of the rank's batch rows: one storage, the micro-batches'
+checkpoints keep views of it).
+
 Pipeline in-flight factor (Narayanan et al. 2021): micro-batches whose activations a pipeline
 rank r holds at its peak — GPipe m; 1F1B and ZB-H1 min(p − r, m); interleaved with v chunks
 (2(p−r−1) + (v−1)p + 1)/v, which for r = 0 is p·(1 + (p−1)/(p·v)).
@@ -291,6 +300,7 @@ class ActivationOptions:
     kv_repeat: bool = False  # K/V repeated to the query heads before attention
     fused_norm: bool = True  # RMSNorm saves only its input and rsqrt (fived runtime, fused
     # kernels); False: eager fp32 math, which also keeps the fp32 copies
+    doc_mask: bool = False  # --doc-mask: per-row RoPE tables, the varlen core's indexes
 
 
 EAGER = ActivationOptions()  # what the fived runtime saves (tests measure it)
@@ -341,6 +351,8 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         # the all-to-alls' reorderings their index (full sequence, int64): q, k, v and out
         out["attn_out"] += tokens * e * hq
         out["ulysses_index"] = 4 * m.seq_len * 8.0
+    if opts.doc_mask and not (cp > 1 and par.cp_mode == "ring"):
+        out.update(doc_core_bytes(m, par, micro_batch))
     if m.qk_norm:
         out["qk_norm"] = tokens * qk_norm_bytes_per_token(m, par, e, opts.fused_norm)
     if m.is_moe:
@@ -354,6 +366,24 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
                          + micro_batch * (m.experts + 1) * 4)  # per sequence: f (E), s (1)
     else:  # SwiGLU saves gate, up and the product (silu recomputed); GELU its input and output
         out["mlp"] = tokens * (3 if m.mlp == "swiglu" else 2) * e * m.ffn / tp
+    return out
+
+
+def doc_core_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> dict[str, float]:
+    """What the per-document varlen core (``--doc-mask``, ``fived.model.layers.doc_attention``:
+    one rank, tp, pp, Ulysses) saves beyond the causal core, per layer, for rows that hold more
+    than one document (a batch whose every row is one document runs the causal core itself):
+    the scatter of the segments' outputs back into the rows keeps two int64 indexes per token
+    of the rows it attends over (the whole sequence, Ulysses' too): 16·b·S; and where the next
+    matmul keeps the scattered output (not under Ulysses, whose all-to-all keeps nothing) the
+    segments' own outputs, which their kernels saved, are a second copy: b·S·e·heads·d/tp. The
+    ring keeps the rows' ids on its autograd context (not a saved tensor) and saves nothing
+    more."""
+    e = act_bytes(par)
+    rows = micro_batch * m.seq_len
+    out = {"doc_index": rows * 16.0}
+    if par.cp == 1:
+        out["doc_out"] = rows * e * m.heads * m.head_dim / par.tp
     return out
 
 
@@ -403,6 +433,8 @@ def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     hkv = m.kv_heads * d / min(par.tp, m.kv_heads)
     out["qkv"] = tokens * e * (hq + 2 * hkv)
     out["softmax"] = 0.0
+    out.pop("doc_index", None)  # --doc-mask: the varlen core's saves are recomputed too
+    out.pop("doc_out", None)
     if par.cp > 1 and par.cp_mode == "ulysses":  # the core's all-to-alls are recomputed too
         out["attn_out"] = tokens * e * hq
         out["ulysses_index"] = 0.0
@@ -424,6 +456,10 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
     # RoPE cos/sin tables (the compute dtype, s_local × d/2 each), one pair per forward, shared
     # by every layer of the chunk
     out["rope_tables"] = m.seq_len / par.cp * m.head_dim * e
+    if opts.doc_mask:  # per-row positions (fived.model.documents): a pair of tables per row
+        out["rope_tables"] *= micro_batch
+        if par.recompute == "selective":  # the recomputed core's input: the rows' ids (int64)
+            out["doc_ids"] = micro_batch * m.seq_len * 8.0
     if first:
         out["token_ids"] = tokens * 8
     if last:
@@ -623,6 +659,8 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             out[name] = k_last * v  # held by the last (virtual) stage
         elif name == "token_ids":
             out[name] = k_first * v
+        elif name == "doc_ids":  # one storage, the rank's whole batch: each micro-batch's
+            out[name] = par.micro_batches * v  # checkpoint keeps a view of it
         else:  # the RoPE tables: one pair per chunk forward in flight
             out[name] = sum(weights) * v
     return out

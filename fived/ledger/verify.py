@@ -29,7 +29,7 @@ import json
 
 from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, _coerce
 from ..ranks.grid import Grid
-from .memory import act_bytes, activations, comm_buffers, model_states
+from .memory import EAGER, ActivationOptions, act_bytes, activations, comm_buffers, model_states
 from .peak import step_peak
 from .traffic import ep_routed_bytes, micro_batch_size, step_bytes, step_traffic
 
@@ -134,7 +134,8 @@ def compare_dry_extras(m: ModelConfig, par: ParallelConfig, global_batch: int, r
 
 
 def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,
-                   skip_buffers: bool | None = None, optimizer: str = "adamw") -> list[str]:
+                   skip_buffers: bool | None = None, optimizer: str = "adamw",
+                   doc_mask: bool = False) -> list[str]:
     """Mismatches between one step record and the ledger, one line each ([] = exact).
 
     ``buffers`` is the engine's measured peak of transient buffers (ZeRO-2 full gradient
@@ -172,7 +173,7 @@ def compare_record(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: 
             out += compare_dry_extras(m, par, global_batch, rec, i, rank, optimizer)
         if "activation_peak_per_rank" in rec:  # the dry run's peak of saved activations
             out += check_activations(m, par, global_batch, rank,
-                                     rec["activation_peak_per_rank"][i])
+                                     rec["activation_peak_per_rank"][i], doc_mask)
     return out
 
 
@@ -186,11 +187,17 @@ ACTIVATION_TOLERANCE = 0.005
 ACTIVATION_SLACK = 16 * 1024
 
 
-def predict_activations(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int
-                        ) -> float:
+def activation_options(doc_mask: bool = False) -> ActivationOptions:
+    """What the fived runtime saves (``memory.EAGER``), with a run's ``--doc-mask``."""
+    return ActivationOptions(doc_mask=True) if doc_mask else EAGER
+
+
+def predict_activations(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
+                        doc_mask: bool = False) -> float:
     """The ledger's activation bytes at the peak of ``rank`` (``memory.activations``; the
     backward-time transient of full recompute left out, as autograd does not save it)."""
-    pred = activations(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"])
+    pred = activations(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"],
+                       activation_options(doc_mask))
     pred.pop("recompute_layer", None)
     return float(sum(pred.values()))
 
@@ -207,12 +214,12 @@ def activation_check_skipped(par: ParallelConfig) -> str | None:
 
 
 def check_activations(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
-                      measured: float) -> list[str]:
+                      measured: float, doc_mask: bool = False) -> list[str]:
     """The dry run's activation peak against the ledger's: |measured - ledger| within
     ``ACTIVATION_TOLERANCE`` of the ledger's bytes or ``ACTIVATION_SLACK`` bytes, the larger."""
     if activation_check_skipped(par):
         return []
-    pred = predict_activations(m, par, global_batch, rank)
+    pred = predict_activations(m, par, global_batch, rank, doc_mask)
     allowed = max(ACTIVATION_TOLERANCE * pred, ACTIVATION_SLACK)
     if pred and abs(measured - pred) <= allowed:
         return []
@@ -229,22 +236,23 @@ PEAK_TOLERANCE = 0.005
 
 
 def predict_peak(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
-                 optimizer: str = "adamw") -> float:
+                 optimizer: str = "adamw", doc_mask: bool = False) -> float:
     """The ledger's step peak of ``rank`` (its pipeline rank's phases; its place in its dense
     and expert groups for the optimizer states)."""
-    return step_phase_peak(m, par, global_batch, rank, optimizer).total
+    return step_phase_peak(m, par, global_batch, rank, optimizer, doc_mask).total
 
 
 def step_phase_peak(m: ModelConfig, par: ParallelConfig, global_batch: int, rank: int,
-                    optimizer: str = "adamw"):
+                    optimizer: str = "adamw", doc_mask: bool = False):
     """``peak.step_peak`` of ``rank``: its pipeline rank, its place in its groups."""
     return step_peak(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"],
-                     optimizer=optimizer, dense_index=group_index(par, "dense", rank),
+                     activation_options(doc_mask), optimizer=optimizer,
+                     dense_index=group_index(par, "dense", rank),
                      expert_index=group_index(par, "expert", rank))
 
 
 def peak_rows(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,
-              optimizer: str = "adamw") -> list[dict]:
+              optimizer: str = "adamw", doc_mask: bool = False) -> list[dict]:
     """Per rank of a record that traced its step (dry run or ``--memory-trace``): the ledger's
     peak and phase, the measured peak (and phase, where the dry run records it)."""
     got = rec.get("peak_per_rank") or rec.get("memory_trace_per_rank")
@@ -254,7 +262,7 @@ def peak_rows(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,
     phases = rec.get("peak_phase_per_rank") or [""] * len(got)
     out = []
     for r, measured, phase in zip(ranks, got, phases):
-        p = step_phase_peak(m, par, global_batch, r, optimizer)
+        p = step_phase_peak(m, par, global_batch, r, optimizer, doc_mask)
         out.append({"rank": r, "ledger": p.total, "ledger_phase": p.name,
                     "transient": p.largest, "measured": measured, "measured_phase": phase,
                     "diff": (p.total - measured) / max(measured, 1)})
@@ -290,5 +298,7 @@ def compare_file(m: ModelConfig, par: ParallelConfig, global_batch: int, path: s
         recs = [json.loads(line) for line in f if line.strip()]
     if not recs:
         return [f"{path}: no step records"]
-    optimizer = (recs[0].get("run") or {}).get("optimizer", "adamw")  # the run's --optimizer
-    return compare_record(m, par, global_batch, recs[step], skip_buffers, optimizer)
+    run = recs[0].get("run") or {}
+    return compare_record(m, par, global_batch, recs[step], skip_buffers,
+                          run.get("optimizer", "adamw"),  # the run's --optimizer
+                          bool(run.get("doc_mask", False)))  # and --doc-mask

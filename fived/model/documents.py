@@ -80,6 +80,12 @@ def segments(docs_row: torch.Tensor) -> list[tuple[int, int]]:
     return out
 
 
+def row_segments(docs: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """``segments`` of every row of ``docs`` (b, S): the one place the varlen core reads the
+    ids' values (the dry run computes it from the ids it holds on the host)."""
+    return [segments(docs[r]) for r in range(docs.shape[0])]
+
+
 def doc_mask(qpos: torch.Tensor, kpos: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
     """(b, len(qpos), len(kpos)) bool: query at global position qpos may see key at kpos
     (same document, not later)."""

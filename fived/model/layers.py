@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .documents import segments
+from .documents import row_segments
 
 STD = 0.02  # the init std of every weight matrix (residual outputs: STD / √(2·layers))
 
@@ -158,7 +158,7 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, s = q.shape[0], q.shape[1]
     if docs.shape != (b, s):
         raise ValueError(f"document ids {tuple(docs.shape)} do not match the queries ({b}, {s})")
-    segs = [segments(docs[r]) for r in range(b)]
+    segs = row_segments(docs)
     if all(len(x) == 1 for x in segs):
         return causal_attention(q, k, v)
     by_len: dict[int, list[tuple[int, int]]] = {}

@@ -29,6 +29,7 @@ import torch
 
 from ..comm import ops
 from ..config import ConfigError
+from ..data.vocab import mark_eos_targets
 from ..model.documents import Documents, reset_positions
 from ..parallel.cp_balance import balanced_positions
 
@@ -110,8 +111,8 @@ def open_loaders(train: Any, model_cfg: Any, eval_split: str = "") -> tuple[Any,
 
 
 def shard(x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None = None, *, cp: Any,
-          zigzag: torch.Tensor | None, balance: str, doc_positions: str, device: Any
-          ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+          zigzag: torch.Tensor | None, balance: str, doc_positions: str, device: Any,
+          eos_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """A rank's columns of its batch rows and their positions, on ``device``: with cp > 1 the
     zigzag shard (``zigzag``: its global positions), or each row's own ``ptrr`` blocks
     (``balance``, with document ids); with document ids (--doc-mask) the positions are a
@@ -119,6 +120,8 @@ def shard(x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None = None, *,
     ``doc_positions="reset"`` — and the whole rows' ids: ``fived.model.documents``)."""
     seq_len = x.shape[1]
     positions = torch.arange(seq_len)
+    if eos_id is not None:  # --eos-target ignore: the EOS tokens' targets marked
+        y = mark_eos_targets(x, y, eos_id)
     ptrr = (balanced_positions(docs, cp.size, cp.rank)
             if docs is not None and cp.size > 1 and balance == "ptrr" else None)
     rows = None

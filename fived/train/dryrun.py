@@ -41,7 +41,9 @@ guard and aborts the process; ``--dry-run-device cpu`` runs on fake CPU tensors 
 Data-dependent values. Fake tensors have no values, so token ids are zeros, losses and the
 gradient norm are not computed (reported as NaN; the norm's collectives still run, clipping is
 value-only), and MoE routing is the ledger's assumption: uniform (each expert gets
-tokens·top_k/E rows, ``uniform_routing``).
+tokens·top_k/E rows, ``uniform_routing``). Document masks (``--doc-mask``) need the rows'
+document ids: ``--doc-len N|DIR`` gives them (``dry_documents``), real tensors on the host, and
+the steps that read them run outside the fake mode (``host_documents``).
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ import weakref
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from .. import phases
 from ..comm.ops import Traffic
@@ -99,6 +103,86 @@ def parse_ranks(spec: str, par: ParallelConfig) -> list[int]:
     return sorted(set(ranks))
 
 
+# ------------------------------------------------------------------------ documents
+def dry_documents(spec: str, seq_len: int, rows: range) -> np.ndarray:
+    """Document ids (len(rows), seq_len) of the windows ``rows`` (unshuffled) of a stream whose
+    documents are ``spec``: N, documents of N tokens back to back; or a prepared directory, its
+    training documents' lengths (the first shard's, when sharded), windows past its end
+    wrapping round. An id is the document's number in the stream, as the loader gives."""
+    from pathlib import Path
+
+    try:
+        n = int(float(spec))
+    except ValueError:
+        n = 0
+    pos = np.asarray(rows, dtype=np.int64)[:, None] * seq_len + np.arange(seq_len)
+    if n:
+        return pos // n
+    from ..data.shards import DataDir
+
+    data = DataDir(Path(spec))
+    offsets = (data.shard_documents("train", 0) if len(data.shards("train")) > 1
+               else data.documents("train"))
+    pos %= max(1, (int(offsets[-1]) // seq_len) * seq_len)
+    return np.searchsorted(offsets, pos, side="right").astype(np.int64) - 1
+
+
+class HostChunks:
+    """The ring's per-row chunk ids (``context.rank_chunks``) held on the host: indexing them
+    steps out of the fake mode, so ``doc_plan`` reads real ids."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids, self.shape = ids, ids.shape
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return self.ids[key]
+
+
+@contextlib.contextmanager
+def host_documents(device: str):
+    """The data-dependent steps of document masks, run on the host ids: the varlen core's
+    segments (``fived.model.documents.row_segments``), the micro-batches' cut of the ids
+    (``Documents.chunk``), the ring's chunk ids and chunk-pair plan (``context.rank_chunks``,
+    ``context.doc_plan``: which pairs run is read from the ids, each pair's mask is then a fake
+    tensor of its shape on ``device``) step out of the fake mode; everything they feed — the
+    per-segment kernels, the scatter's indexes, the masked blocks — runs on the fake device as
+    in a real run."""
+    from ..model import documents, layers
+    from ..parallel import context
+
+    segments, chunk = layers.row_segments, documents.Documents.chunk
+    plan, chunks = context.doc_plan, context.rank_chunks
+
+    def host_chunks(docs: torch.Tensor, n: int, layout: str, balance: str) -> HostChunks:
+        with unset_fake_temporarily():
+            return HostChunks(chunks(docs, n, layout, balance))
+
+    def host_plan(q_chunks: torch.Tensor, kv_chunks: torch.Tensor, c: int,
+                  docs: torch.Tensor) -> list:
+        with unset_fake_temporarily():
+            pairs = plan(q_chunks, kv_chunks, c, docs)
+        return [(rows, j, torch.empty(mask.shape, dtype=torch.bool, device=device))
+                for rows, j, mask in pairs]
+
+    def host_segments(docs: torch.Tensor) -> list:
+        with unset_fake_temporarily():
+            return segments(docs)
+
+    def host_chunk(self: Any, m: int) -> list:
+        with unset_fake_temporarily():
+            return [documents.Documents(p, d) for p, d in
+                    zip(self.positions.chunk(m), self.docs.chunk(m))]
+
+    layers.row_segments, documents.Documents.chunk = host_segments, host_chunk
+    context.doc_plan, context.rank_chunks = host_plan, host_chunks
+    try:
+        yield
+    finally:
+        layers.row_segments, documents.Documents.chunk = segments, chunk
+        context.doc_plan, context.rank_chunks = plan, chunks
+
+
 # ------------------------------------------------------------------------ activations
 class LiveSaved:
     """Peak bytes of the distinct storages autograd holds for backward, live at once.
@@ -128,7 +212,9 @@ class LiveSaved:
         key = st._cdata
         if key in self.exclude:
             return t
-        t = t.view_as(t)  # our own handle: it dies when autograd drops what it saved
+        with unset_fake_temporarily() if not isinstance(t, FakeTensor) else \
+                contextlib.nullcontext():  # the dry run's host ids (--doc-mask) are real
+            t = t.view_as(t)  # our own handle: it dies when autograd drops what it saved
         if key not in self.refs:
             self.refs[key] = 0
             self.size[key] = st.nbytes()
@@ -319,9 +405,10 @@ def traffic_by_op(traffic: Traffic) -> dict[str, float]:
 
 # ------------------------------------------------------------------------ one rank
 class DryTrainer(Trainer):
-    """The Trainer on fake tensors: zeros for data, no values read back."""
+    """The Trainer on fake tensors: zeros for data, no values read back; with ``--doc-mask``
+    the rows' document ids are real, on the host (``dry_documents``)."""
 
-    def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def local_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
         b = self.grid["batch"]
         rows = self.tcfg.global_batch // b.size
         seq = self.cfg.seq_len
@@ -332,6 +419,14 @@ class DryTrainer(Trainer):
             positions = torch.arange(seq, device=self.device)
         s = positions.shape[0]
         x = torch.zeros((rows, s), dtype=torch.int64, device=self.device)
+        if self.tcfg.doc_mask:  # per-row RoPE positions (fake), the rows' ids (real)
+            from ..model.documents import Documents
+
+            with unset_fake_temporarily():
+                docs = torch.from_numpy(dry_documents(self.tcfg.doc_len, seq,
+                                                      range(b.rank * rows, (b.rank + 1) * rows)))
+            positions = Documents(torch.zeros((rows, s), dtype=torch.int64, device=self.device),
+                                  docs)
         return x, torch.zeros_like(x), positions
 
     def dry_step(self, step: int) -> dict[str, Any]:
@@ -391,7 +486,8 @@ def dry_run_rank(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig
     try:
         traffic = Traffic()
         grid = connect_local(par, rank, traffic)
-        with FakeTensorMode(), flash_on_meta():
+        docs = host_documents(device) if train.doc_mask else contextlib.nullcontext()
+        with FakeTensorMode(), flash_on_meta(), docs:
             trainer = DryTrainer(model_cfg, par, train, rank, world, grid=grid, device=device,
                                  init=False)
             if model_cfg.is_moe:
@@ -453,7 +549,9 @@ def dry_run(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, ran
     out = {"step": 0, "loss": float("nan"), "tokens": train.global_batch * model_cfg.seq_len,
            "dry_run": {"device": device, "backend": BACKEND,
                        "assumptions": "token ids 0; loss and grad norm not computed (NaN); "
-                                      "MoE routing uniform"},
+                                      "MoE routing uniform"
+                                      + (f"; documents --doc-len {train.doc_len}"
+                                         if train.doc_mask else "")},
            "ranks": ranks,
            "memory": recs[0]["memory"],
            "memory_per_rank": [r["memory"] for r in recs],
@@ -466,7 +564,7 @@ def dry_run(model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig, ran
            "phases_per_rank": [r["phases"] for r in recs],
            "seconds_per_rank": [r["wall_seconds"] for r in recs],
            "run": {"model": asdict(model_cfg), "parallel": asdict(par),
-                   "global_batch": train.global_batch}}
+                   "global_batch": train.global_batch, "doc_mask": train.doc_mask}}
     if out_path:
         with open(out_path, "w") as f:
             f.write(json.dumps(out) + "\n")

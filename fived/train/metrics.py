@@ -312,7 +312,8 @@ class MetricsProcessor:
                 t = self.trainer
                 rec = {**rec, "run": {"model": asdict(t.cfg), "parallel": asdict(t.par),
                                       "global_batch": self.train.global_batch,
-                                      "optimizer": self.train.optimizer}}
+                                      "optimizer": self.train.optimizer,
+                                      "doc_mask": self.train.doc_mask}}
             self.out.write(json.dumps(rec) + "\n")
             self.out.flush()
         if self.display and logged:

@@ -32,7 +32,7 @@ from .. import phases
 from ..comm import ops
 from ..comm.ops import Traffic
 from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from ..data.vocab import mask_padded_logits, tally_sources
+from ..data.vocab import ignore_marked_targets, mask_padded_logits, tally_sources
 from ..ledger.context import positions as cp_positions
 from ..model import build_model
 from ..model.documents import micro_positions
@@ -137,6 +137,10 @@ class Trainer:
                     and not masked):
                 raise RuntimeError("the padded vocabulary rows could not be masked: no loss "
                                    "module")
+            if train.eos_target == "ignore":  # the EOS tokens' targets marked in shard,
+                # skipped by the loss (inside the mixture's per-source split, made next)
+                ignore_marked_targets(self.stage)
+                self.cut["eos_id"] = mix.data.eos
             if hasattr(mix, "sources"):  # a mixture: the loss per source (each step's too)
                 tallies = tally_sources(self.stage, len(mix.sources))
                 if mix is self.loader:
