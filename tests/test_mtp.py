@@ -1,0 +1,99 @@
+"""Multi-token prediction (``ModelConfig.mtp_depth``, ``fived.model.mtp``; DeepSeek-V3 §2.2):
+the model's objective and gradients equal a hand-written computation of the modules (each on
+the sequence truncated to the positions that have a target, DeepSeek's h_{1:T−k}); the
+layouts' losses — the trunk's and each module's — and gradients equal one rank's; a sequence
+too short is one clear error."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fived.config import ConfigError, ParallelConfig, preset, validate
+from fived.model import build_model
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+MTP = replace(preset("tiny"), name="mtp-tiny", hidden=32, heads=4, kv_heads=2, ffn=64,
+              layers=2, seq_len=16, mtp_depth=2, mtp_loss_weight=0.3)
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def hand_objective(model, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """L⁰ + λ/D Σ Lᵏ written out: t = x ⧺ y's last token; module k over the first s−k
+    positions only, reading E[t_{i+k}] and predicting t_{i+1+k} (sums of token losses)."""
+    cfg = model.cfg
+    s, eps = x.shape[1], cfg.norm_eps
+    t = torch.cat([x, y[:, -1:]], dim=1)  # t_0 .. t_s
+    pos = torch.arange(s)
+    h = model.embed_tokens(x)
+    from fived.model.layers import rope_tables
+    rope = rope_tables(pos, cfg.head_dim, cfg.rope_theta)
+    for blk in model.layers.values():
+        h = blk(h, rope)
+    h = rms(h, model.norm.weight, eps)
+    head = model.lm_head.weight
+    total = F.cross_entropy((h @ head.t()).flatten(0, 1), y.flatten(), reduction="sum")
+    each = []
+    for k in range(1, cfg.mtp_depth + 1):
+        mod = model.mtp._modules[str(k - 1)]
+        n = s - k
+        h = h[:, :n]
+        e = F.embedding(t[:, k:k + n], model.embed_tokens.weight)
+        z = torch.cat([rms(e, mod.enorm.weight, eps), rms(h, mod.hnorm.weight, eps)], -1)
+        z = z @ mod.eh_proj.weight.t()
+        r = rope_tables(torch.arange(n), cfg.head_dim, cfg.rope_theta)
+        h = rms(mod.block(z, r), mod.norm.weight, eps)
+        lk = F.cross_entropy((h @ head.t()).flatten(0, 1), t[:, k + 1:k + 1 + n].flatten(),
+                             reduction="sum")
+        each.append(lk)
+    return total + cfg.mtp_loss_weight / cfg.mtp_depth * sum(each), each
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_objective_and_gradients_equal_the_hand_computation(depth):
+    cfg = replace(MTP, mtp_depth=depth)
+    model = build_model(cfg, seed=3)
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, cfg.vocab, (3, cfg.seq_len + 1), generator=g)
+    x, y = t[:, :-1], t[:, 1:]
+    got = model(x, torch.arange(cfg.seq_len), y)
+    got.backward()
+    mine = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want, each = hand_objective(model, x, y)
+    want.backward()
+    assert torch.allclose(got, want, rtol=1e-6, atol=0), (float(got), float(want))
+    tally = model.mtp.tally
+    assert torch.allclose(tally, torch.tensor([float(v.detach()) for v in each], dtype=torch.float64),
+                          rtol=1e-6)
+    for n, p in model.named_parameters():
+        d = (mine[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-30)
+        assert d < 1e-5, (n, float(d))
+    # every module's parameters learn (the objective reaches them)
+    assert all(mine[n].abs().sum() > 0 for n in mine if n.startswith("mtp."))
+
+
+def test_evaluation_and_generation_ignore_the_modules():
+    model = build_model(MTP, seed=3)
+    x = torch.randint(0, MTP.vocab, (2, MTP.seq_len))
+    y = torch.randint(0, MTP.vocab, (2, MTP.seq_len))
+    with torch.no_grad():
+        ev = model(x, torch.arange(MTP.seq_len), y)
+    plain = build_model(replace(MTP, mtp_depth=0), seed=3)
+    with torch.no_grad():
+        assert torch.equal(ev, plain(x, torch.arange(MTP.seq_len), y))
+
+
+def test_a_sequence_too_short_is_one_error():
+    with pytest.raises(ConfigError) as e:
+        validate(replace(MTP, seq_len=3), ParallelConfig())
+    assert len(e.value.problems) == 1 and "mtp_depth 2" in str(e.value)
