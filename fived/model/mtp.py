@@ -60,6 +60,13 @@ class Ahead(nn.Module):
         return ahead_of(targets, depth), inside
 
 
+def mtp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of ``model``'s multi-token prediction modules ([] without): the
+    dimensions that act on every block (context, recompute) act on these too."""
+    mtp = getattr(model, "mtp", None)
+    return [m.block for m in mtp.modules_in_order()] if mtp is not None else []
+
+
 class MTPModule(nn.Module):
     """One module: ``enorm``, ``hnorm``, ``eh_proj`` (2h -> h), the transformer ``block`` (built
     by the model: the trunk's block class at index layers + k) and its output ``norm``."""

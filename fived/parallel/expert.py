@@ -185,11 +185,12 @@ def apply_ep(model: nn.Module, group: Any, placements: dict[str, Placement],
     (``mode`` = ep_dispatch: ``dispatch``, one row per assignment, or ``dispatch_tokens``).
 
     With any ep (1 included) the routed experts' gradients reduce over ``expert`` (dp·cp)."""
+    names_of = {id(m): n for n, m in model.named_modules()}  # a trunk or an MTP block's MoE
     for moe in moe_layers(model):
         E = moe.cfg.experts
         per = E // group.size
         mine = range(group.rank * per, (group.rank + 1) * per)
-        prefix = f"layers.{moe.layer}.block_sparse_moe.experts."
+        prefix = f"{names_of[id(moe)]}.experts."
         for e in list(moe.experts):
             names = [prefix + n for n, _ in moe.experts[e].named_parameters(prefix=e)]
             if int(e) in mine:

@@ -24,7 +24,7 @@ ledger check). The model never learns its layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -72,7 +72,20 @@ def cut_parts(model: Transformer, grid: Any, par: Any
             apply_ep(part, grid["ep"], pl, par.ep_dispatch)
         apply_recompute(part, par.recompute)
         placements.update(pl)
+    embed_group(placements, grid)
     return parts, ids, placements
+
+
+def embed_group(placements: dict[str, Placement], grid: Any) -> None:
+    """Megatron's embedding group: where the first and the last pipeline stage are two ranks
+    and both hold the embedding (a tied head, multi-token prediction), each holds a copy of
+    the same piece; its gradient, partial on each, is summed over ``embed`` (once per step,
+    after the backward: ``fived.parallel.data.reduce``)."""
+    name = "embed_tokens.weight"
+    if name in placements and grid["embed"].size > 1:
+        pl = placements[name]
+        placements[name] = replace(pl, grad_sum=pl.grad_sum + ("embed",),
+                                   copies=grid["embed"].size)
 
 
 def parallelize(model: Transformer, grid: Any, par: Any, train: Any, source: Any = None,

@@ -490,7 +490,21 @@ TP_PLAN: tuple[PlanRow, ...] = (
     PlanRow("norm", Partial(), SP),
     PlanRow("lm_head", VocabOut()),
     PlanRow("loss", VocabLoss()),
+    # multi-token prediction: each module's block is cut by the block rows above (its names
+    # "mtp.{k}.block.X" match them as "layers.{k}.X": ``_plan_name``); its norms and eh_proj
+    # (2h -> h) stay whole on every tp rank, partial over tp under SP (a sequence shard)
+    PlanRow("mtp.*.enorm", Partial(), SP),
+    PlanRow("mtp.*.hnorm", Partial(), SP),
+    PlanRow("mtp.*.eh_proj", Partial(), SP),
+    PlanRow("mtp.*.norm", Partial(), SP),
 )
+
+
+def _plan_name(name: str) -> str:
+    """The name a module matches the plan under: a multi-token prediction block's modules
+    (``mtp.{k}.block.X``) as a trunk block's (``layers.{k}.X``), so every block row — those
+    of any attention or feed-forward a block is built with — cuts them alike."""
+    return re.sub(r"^mtp\.(\d+)\.block(\.|$)", r"layers.\1\2", name)
 
 
 def _matcher(pattern: str) -> re.Pattern:
@@ -510,7 +524,7 @@ def apply_tp(model: Transformer, group: Any, placements: dict[str, Placement],
     t = _TP(model, group, placements, sequence_parallel, Columns(group, sequence_parallel,
                                                                  overlap))
     rows = [(_matcher(r.pattern), r) for r in plan]
-    named = [(name, module, [r for m, r in rows if m.fullmatch(name)])
+    named = [(name, module, [r for m, r in rows if m.fullmatch(_plan_name(name))])
              for name, module in model.named_modules()]
     covered = {n for name, module, mine in named if any(r.cut.places for r in mine)
                for n, _ in module.named_parameters(prefix=name)}

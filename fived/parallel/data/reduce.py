@@ -14,6 +14,12 @@ communication overlaps the rest of backward. With transient buffers (``GradStore
 k) launching bucket n waits for bucket n − k − 1 of the group first. ``finish()`` starts
 whatever is left (a bucket with an unused parameter, or everything with ``--no-overlap``) and
 waits for all of them. Bytes sent per rank per step: the ``Sharding``'s (ddp.py, zero12.py).
+
+A gradient summed over the embedding group (``embed``: the first and last pipeline stage's
+copies of the embedding) is summed in ``finish``, after the backward, not in its hook: the last
+stage's copy is ready long before the first stage's, and a blocking all-reduce inside the last
+stage's backward would hold back the gradient the first stage waits for. Its bucket starts
+once it is summed (Megatron likewise all-reduces the embedding group after the backward).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from torch import nn
 
 from ...comm import ops
 from .buckets import Bucket
+
+DEFERRED = "embed"  # a gradient summed over this group is summed in ``finish``
 
 
 class Reduction:
@@ -40,6 +48,7 @@ class Reduction:
         for b in buckets:
             self.order.setdefault(b.group_name, []).append(b)
         self.next: dict[str, int] = {}
+        self.deferred: list[tuple[Bucket, int]] = []  # embedding-group sums, for ``finish``
         self.where: dict[int, tuple[Bucket, int]] = {}
         self.hooks = []  # the parameters' hooks hold the engine (a cycle through C++): close()
         for b in buckets:
@@ -58,6 +67,7 @@ class Reduction:
             b.ready, b.launched, b.handle = 0, False, None
             self.grads.reset(b)
         self.next = {name: 0 for name in self.order}
+        self.deferred = []
 
     def set_last_micro(self, last: bool) -> None:
         """Called before each micro-batch's backward; reductions start only on the last one."""
@@ -74,6 +84,9 @@ class Reduction:
                 p.grad = None
         self.gathers.after_grad(b, j)
         if not self.last_micro or not self.overlap:
+            return
+        if DEFERRED in b.grad_sum[j]:
+            self.deferred.append((b, j))
             return
         for name in b.grad_sum[j]:
             ops.all_reduce(b.view(self.stage.ensure_grad(b), j), self.grid[name])
@@ -116,6 +129,12 @@ class Reduction:
         order, and wait for all of them."""
         if not self.overlap:
             self.reduce_replicated()
+        for b, j in self.deferred:  # the embedding group's sums, then their buckets
+            for name in b.grad_sum[j]:
+                ops.all_reduce(b.view(self.stage.ensure_grad(b), j), self.grid[name])
+            b.ready += 1
+            self.launch_ready(b.group_name)
+        self.deferred = []
         for name, seq in self.order.items():
             for b in seq[self.next[name]:]:
                 self.launch(b)
