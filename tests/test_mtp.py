@@ -16,8 +16,10 @@ import torch.nn.functional as F
 
 from fived.config import ConfigError, ParallelConfig, preset, validate
 from fived.model import build_model
+from fived.testing import small_train
 
 sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import TOL, check_parity, one_rank, rel_diff, train_runs  # noqa: E402
 
 MTP = replace(preset("tiny"), name="mtp-tiny", hidden=32, heads=4, kv_heads=2, ffn=64,
               layers=2, seq_len=16, mtp_depth=2, mtp_loss_weight=0.3)
@@ -97,3 +99,71 @@ def test_a_sequence_too_short_is_one_error():
     with pytest.raises(ConfigError) as e:
         validate(replace(MTP, seq_len=3), ParallelConfig())
     assert len(e.value.problems) == 1 and "mtp_depth 2" in str(e.value)
+
+
+# ------------------------------------------------------------------------ layouts
+TRAIN = small_train(steps=3)
+TIED = replace(MTP, name="tied-pp", mtp_depth=0, tied_embeddings=True)
+MOE = replace(preset("tiny-moe"), name="mtp-moe", hidden=32, heads=4, kv_heads=2, ffn=64,
+              layers=2, seq_len=16, mtp_depth=1, first_dense_layers=1, router="sigmoid",
+              balance="bias")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {m.name: one_rank(m, TRAIN) for m in (MTP, TIED, MOE)}
+
+
+def check_mtp_parity(out: dict, ref: dict, what) -> None:
+    """``check_parity`` (the trunk's losses, every gradient) and each module's loss, every
+    step, every rank."""
+    check_parity(out, ref, what)
+    want = [h.get("mtp_losses") for h in ref["ranks"][0]["history"]]
+    for s in out["ranks"]:
+        got = [h.get("mtp_losses") for h in s["history"]]
+        assert (got[0] is None) == (want[0] is None), what
+        for g, w in zip(got, want):
+            if w is not None:
+                assert len(g) == len(w) and rel_diff(g, w) < TOL, (what, g, w)
+
+
+WORLD2_FAST = [(MTP, ParallelConfig(cp=2)), (MTP, ParallelConfig(pp=2, micro_batches=2)),
+               (TIED, ParallelConfig(pp=2, micro_batches=2))]
+WORLD2_SLOW = [(MTP, ParallelConfig(tp=2, sequence_parallel=True)),
+               (MTP, ParallelConfig(cp=2, cp_mode="ulysses")),
+               (MTP, ParallelConfig(dp=2, zero=3)),
+               (MTP, ParallelConfig(pp=2, micro_batches=4, schedule="1f1b", dp=1)),
+               (TIED, ParallelConfig(pp=2, micro_batches=2, zero=1))]
+
+
+def test_world2_layouts_match_one_rank(reference):
+    """cp2 (the shifted targets fetched across the zigzag chunks), pp2 with the modules on the
+    last stage (the embedding group sums the two copies' gradients) and pp2 with tied
+    embeddings, no MTP: the trunk's and each module's losses and the gradients of one rank."""
+    for (m, p), out in zip(WORLD2_FAST, train_runs([(m, p, TRAIN) for m, p in WORLD2_FAST])):
+        check_mtp_parity(out, reference[m.name], (m.name, p.describe()))
+
+
+@pytest.mark.slow
+def test_world2_layouts_match_one_rank_slow(reference):
+    """tp2+SP, cp2 Ulysses, dp2 ZeRO-3, pp2 1F1B, pp2 tied under ZeRO-1."""
+    for (m, p), out in zip(WORLD2_SLOW, train_runs([(m, p, TRAIN) for m, p in WORLD2_SLOW])):
+        check_mtp_parity(out, reference[m.name], (m.name, p.describe()))
+
+
+@pytest.mark.slow
+def test_world4_and_16_layouts_match_one_rank(reference):
+    """A MoE model (sigmoid routing, the loss-free bias; the module's block is a MoE block) at
+    ep2·tp2 with SP, pp4 with tied embeddings (the embedding group skips the middle stages),
+    and one 4-D layout: tp2·cp2·pp2·dp2 with ZeRO-1."""
+    w4 = [(MOE, ParallelConfig(ep=2, tp=2, sequence_parallel=True)),
+          (TIED, ParallelConfig(pp=4, micro_batches=4))]
+    tied4 = replace(TIED, layers=4)
+    reference[tied4.name + "4"] = one_rank(tied4, TRAIN)
+    w4[1] = (tied4, w4[1][1])
+    outs = train_runs([(m, p, TRAIN) for m, p in w4])
+    check_mtp_parity(outs[0], reference[MOE.name], "ep2·tp2·sp")
+    check_mtp_parity(outs[1], reference[tied4.name + "4"], "pp4 tied")
+    p16 = ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2)
+    out = train_runs([(MTP, p16, TRAIN)])[0]
+    check_mtp_parity(out, reference[MTP.name], p16.describe())
