@@ -16,10 +16,11 @@ whatever is left (a bucket with an unused parameter, or everything with ``--no-o
 waits for all of them. Bytes sent per rank per step: the ``Sharding``'s (ddp.py, zero12.py).
 
 A gradient summed over the embedding group (``embed``: the first and last pipeline stage's
-copies of the embedding) is summed in ``finish``, after the backward, not in its hook: the last
-stage's copy is ready long before the first stage's, and a blocking all-reduce inside the last
-stage's backward would hold back the gradient the first stage waits for. Its bucket starts
-once it is summed (Megatron likewise all-reduces the embedding group after the backward).
+copies of the embedding, a bucket of their own laid out alike on both: ``layout.alone``) is
+summed in ``finish``, once its bucket is reduced over data parallelism: the owned shard (the
+whole buffer without ZeRO) is all-reduced over ``embed``, after the backward as Megatron does —
+never in the hook, where a blocking all-reduce inside the last stage's backward would hold back
+the gradient the first stage waits for — and last, so both copies get the same bits.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import nn
 from ...comm import ops
 from .buckets import Bucket
 
-DEFERRED = "embed"  # a gradient summed over this group is summed in ``finish``
+DEFERRED = "embed"  # summed in ``finish``, over the reduced shard (the embedding group)
 
 
 class Reduction:
@@ -48,7 +49,6 @@ class Reduction:
         for b in buckets:
             self.order.setdefault(b.group_name, []).append(b)
         self.next: dict[str, int] = {}
-        self.deferred: list[tuple[Bucket, int]] = []  # embedding-group sums, for ``finish``
         self.where: dict[int, tuple[Bucket, int]] = {}
         self.hooks = []  # the parameters' hooks hold the engine (a cycle through C++): close()
         for b in buckets:
@@ -67,7 +67,6 @@ class Reduction:
             b.ready, b.launched, b.handle = 0, False, None
             self.grads.reset(b)
         self.next = {name: 0 for name in self.order}
-        self.deferred = []
 
     def set_last_micro(self, last: bool) -> None:
         """Called before each micro-batch's backward; reductions start only on the last one."""
@@ -85,10 +84,9 @@ class Reduction:
         self.gathers.after_grad(b, j)
         if not self.last_micro or not self.overlap:
             return
-        if DEFERRED in b.grad_sum[j]:
-            self.deferred.append((b, j))
-            return
         for name in b.grad_sum[j]:
+            if name == DEFERRED:
+                continue
             ops.all_reduce(b.view(self.stage.ensure_grad(b), j), self.grid[name])
         b.ready += 1
         if b.ready == len(b.params):
@@ -121,7 +119,7 @@ class Reduction:
         weights under sequence parallelism (with overlap the hook does it)."""
         for b in self.buckets:
             for j, names in enumerate(b.grad_sum):
-                for name in names:
+                for name in (n for n in names if n != DEFERRED):
                     ops.all_reduce(b.view(self.stage.ensure_grad(b), j), self.grid[name])
 
     def finish(self) -> None:
@@ -129,16 +127,13 @@ class Reduction:
         order, and wait for all of them."""
         if not self.overlap:
             self.reduce_replicated()
-        for b, j in self.deferred:  # the embedding group's sums, then their buckets
-            for name in b.grad_sum[j]:
-                ops.all_reduce(b.view(self.stage.ensure_grad(b), j), self.grid[name])
-            b.ready += 1
-            self.launch_ready(b.group_name)
-        self.deferred = []
         for name, seq in self.order.items():
             for b in seq[self.next[name]:]:
                 self.launch(b)
             self.next[name] = len(seq)
         for b in self.buckets:
             self.wait(b)
+        for b in self.buckets:  # the embedding group: the reduced shards, summed
+            if any(DEFERRED in names for names in b.grad_sum):
+                ops.all_reduce(b.grad_shard, self.grid[DEFERRED])
         self.gathers.after_finish()
