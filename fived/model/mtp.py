@@ -24,11 +24,12 @@ modules. ``Ahead`` gives, for every local position, the targets 0..D positions a
 whether they exist; on one rank a shift of the local rows, under context parallelism a module
 of ``fived.parallel.context`` that fetches the heads of the successor chunks.
 
-The sequence keeps its length through every module (the positions without a target are
-dropped from the loss only), so tensor, sequence and context parallelism cut a module exactly
-as a trunk block. Evaluation and generation ignore the modules (they run only where gradients
-are recorded: the objective of a training step); ``MultiTokenPrediction.tally`` keeps each
-micro-batch's Lᵏ, detached, for the step's report.
+The sequence keeps its length through every module (a position without a target gets the
+target ``IGNORE``, which adds nothing to the loss), so tensor, sequence and context
+parallelism cut a module exactly as a trunk block, and the vocab-parallel loss exchanges the
+same per-token values on every rank. Evaluation and generation ignore the modules (they run
+only where gradients are recorded: the objective of a training step);
+``MultiTokenPrediction.tally`` keeps each micro-batch's Lᵏ, detached, for the step's report.
 """
 
 from __future__ import annotations
@@ -113,8 +114,7 @@ class MultiTokenPrediction(nn.Module):
         losses = []
         for k, mod in enumerate(self.modules_in_order(), start=1):
             h = mod(h, embed(ahead[..., k - 1]), rope)
-            keep = inside[:, k]
-            lk = loss(head(h)[:, keep], ahead[..., k][:, keep])
+            lk = loss(head(h), torch.where(inside[:, k], ahead[..., k], nn_layers.IGNORE))
             losses.append(lk.detach().double().reshape(1))
             total = lk if total is None else total + lk
         self.tally = self.tally.to(h0.device) + torch.cat(losses)
