@@ -67,6 +67,7 @@ from .optimizers import opt_buckets
 from .optimizers import state_bytes as optimizer_state_bytes
 from .params import (
     ep_destinations_bound,
+    layer_cfg,
     layer_kinds,
     rank_stages,
     stage_layers,
@@ -468,6 +469,33 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
         out["logits"] = tokens * (e * m.vocab / par.tp + (8 if par.tp > 1 else 4))
         # the targets (int64); under tp their local index and an "inside this slice" bool
         out["targets"] = tokens * (8 + (1 if par.tp > 1 else 0))
+        if m.mtp_depth:
+            out["mtp"] = sum(mtp_activations(m, par, micro_batch, opts).values())
+    return out
+
+
+def mtp_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
+                    opts: ActivationOptions = EAGER) -> dict[str, float]:
+    """What the D multi-token prediction modules save per micro-batch on the last stage, per
+    module: the shifted token ids (int64); enorm and hnorm (input, output, 1/rms — hnorm's
+    input is the previous head's input, already saved); the block (by the recompute mode);
+    the output norm; its logits, loss numbers and targets (as the trunk's head)."""
+    e = act_bytes(par)
+    tokens = micro_batch * m.seq_len / par.cp
+    sp_div = par.tp if (par.sequence_parallel and par.tp > 1) else 1
+    norm = tokens * norm_bytes_per_token(m.hidden, e, opts.fused_norm) / sp_div
+    out = {"token_ids": 0.0, "norms": 0.0, "blocks": 0.0, "logits": 0.0, "targets": 0.0}
+    for k in range(m.mtp_depth):
+        c = layer_cfg(m, m.layers + k)
+        out["token_ids"] += tokens * 8
+        out["norms"] += 3 * norm - tokens * e * m.hidden / sp_div
+        if par.recompute == "full":
+            out["blocks"] += block_input_bytes(m, par, micro_batch)
+        else:
+            fn = selective_layer if par.recompute == "selective" else layer_activations
+            out["blocks"] += sum(fn(c, par, micro_batch, opts).values())
+        out["logits"] += tokens * (e * m.vocab / par.tp + (8 if par.tp > 1 else 4))
+        out["targets"] += tokens * (8 + (1 if par.tp > 1 else 0))
     return out
 
 

@@ -220,9 +220,7 @@ class _TokenCE(torch.autograd.Function):
         valid = targets != IGNORE
         p.scatter_add_(-1, targets.clamp_min(0).unsqueeze(-1),
                        valid.unsqueeze(-1).to(p.dtype).neg())
-        if not bool(valid.all()):
-            p.masked_fill_(~valid.unsqueeze(-1), 0.0)
-        return (p * g).to(logits.dtype), None
+        return (p * (g * valid.unsqueeze(-1).to(p.dtype))).to(logits.dtype), None
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,7 @@ class MultiTokenPrediction(nn.Module):
         total, h = None, h0
         losses = []
         for k, mod in enumerate(self.modules_in_order(), start=1):
-            h = mod(h, embed(ahead[..., k - 1]), rope)
+            h = mod(h, embed(ahead[..., k - 1].contiguous()), rope)
             lk = loss(head(h), torch.where(inside[:, k], ahead[..., k], nn_layers.IGNORE))
             losses.append(lk.detach().double().reshape(1))
             total = lk if total is None else total + lk

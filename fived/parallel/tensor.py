@@ -299,19 +299,18 @@ class _VocabParallelCE(torch.autograd.Function):
         sumexp, target_z = both[0].clone(), both[1]  # sumexp alone is kept
         # one copy of the logits, in their own dtype, and two fp32 numbers per token: the
         # softmax of the local slice is recomputed in backward by the same ops (same bits)
-        ctx.save_for_backward(logits, m, sumexp, idx, inside, targets)
+        # an ignored token (target IGNORE, inside no slice) keeps an infinite Σexp: its
+        # softmax, and so its gradient row, is zero
         valid = targets != nn_layers.IGNORE
+        ctx.save_for_backward(logits, m, torch.where(valid, sumexp, torch.inf), idx, inside)
         return torch.where(valid, sumexp.log() - target_z, 0.0).sum()
 
     @staticmethod
     def backward(ctx, g):
-        logits, m, sumexp, idx, inside, targets = ctx.saved_tensors
+        logits, m, sumexp, idx, inside = ctx.saved_tensors
         grad = (logits.float() - m.unsqueeze(-1)).exp()
         grad.div_(sumexp.unsqueeze(-1))  # softmax of the local slice
         grad.scatter_add_(-1, idx.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
-        valid = targets != nn_layers.IGNORE
-        if not bool(valid.all()):
-            grad.masked_fill_(~valid.unsqueeze(-1), 0.0)
         return (grad * g).to(logits.dtype), None, None, None
 
 
