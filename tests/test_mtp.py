@@ -167,3 +167,77 @@ def test_world4_and_16_layouts_match_one_rank(reference):
     p16 = ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2)
     out = train_runs([(MTP, p16, TRAIN)])[0]
     check_mtp_parity(out, reference[MTP.name], p16.describe())
+
+
+# ------------------------------------------------------------------------ checkpoint, export
+def test_deepseek_names_round_trip():
+    """Every MTP parameter's DeepSeek-V3 name (layer L + k) maps back to it; the shared copies
+    map to nothing (the trunk's embedding and head are read instead)."""
+    from fived.checkpoint import hf
+
+    cfg = replace(MOE, mtp_depth=2)
+    names = [n for n in hf.param_shapes(cfg) if n.startswith("mtp.")]
+    assert "mtp.1.block.block_sparse_moe.experts.0.w1.weight" in names
+    for n in names:
+        key = hf.mtp_to_layer(n, cfg.layers)
+        assert key.startswith(f"layers.{cfg.layers + int(n.split('.')[1])}.")
+        assert hf.mtp_from_layer(key, cfg.layers, cfg.mtp_depth) == n
+    assert hf.mtp_to_layer("mtp.0.norm.weight", 2) == "layers.2.shared_head.norm.weight"
+    for a in hf.mtp_aliases(cfg):
+        assert hf.mtp_from_layer(hf.mtp_to_layer(a, cfg.layers), cfg.layers, 2) is None
+    assert hf.mtp_from_layer("layers.1.mlp.up_proj.weight", cfg.layers, 2) == (
+        "layers.1.mlp.up_proj.weight")
+
+
+@pytest.mark.slow
+def test_checkpoint_export_and_import_carry_the_modules(tmp_path):
+    """Trained at pp2 (the modules and the embedding's copy on the last stage), saved (DCP,
+    fived's names), exported: the modules under DeepSeek-V3's names (layer L + k: enorm, hnorm,
+    eh_proj, the block, shared_head.norm, and the shared embedding and head repeated), D as
+    ``num_nextn_predict_layers``; transformers' Llama reads the export (the MTP tensors unused)
+    with fived's trunk logits; ``fived import`` gives back every tensor."""
+    transformers = pytest.importorskip("transformers")
+    from hf_ranks import _train_and_save
+    from safetensors import safe_open
+
+    from fived.checkpoint.convert import whole_model
+    from fived.checkpoint.storage import read_manifest, resolve
+    from fived.testing import run_ranks
+
+    cfg = replace(MTP, mtp_depth=1)
+    ck, out, back = tmp_path / "ck", tmp_path / "hf", tmp_path / "back"
+    run_ranks(_train_and_save, 2, cfg, ParallelConfig(pp=2, micro_batches=2),
+              small_train(steps=2, global_batch=4, save_dir=str(ck)), timeout=600)
+    ckpt = resolve(ck)
+    saved = whole_model(ckpt, read_manifest(ckpt))
+    assert any(n.startswith("mtp.0.block.") for n in saved)
+    from parity_helpers import run_cli
+    assert run_cli("export", str(ck), "--hf", str(out)).returncode == 0
+    keys = {}
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            keys.update({k: h.get_tensor(k) for k in h.keys()})
+    L = cfg.layers
+    for own, name in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                      ("norm", "shared_head.norm")):
+        assert torch.equal(keys[f"model.layers.{L}.{name}.weight"], saved[f"mtp.0.{own}.weight"])
+    assert torch.equal(keys[f"model.layers.{L}.self_attn.q_proj.weight"],
+                       saved["mtp.0.block.self_attn.q_proj.weight"])
+    assert torch.equal(keys[f"model.layers.{L}.embed_tokens.weight"],
+                       saved["embed_tokens.weight"])
+    assert torch.equal(keys[f"model.layers.{L}.shared_head.head.weight"],
+                       saved["lm_head.weight"])
+    import json
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    hfm = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    model = build_model(cfg, 0)
+    model.load_state_dict(saved)
+    x = torch.randint(0, cfg.vocab, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x, torch.arange(cfg.seq_len))
+        got = hfm.eval()(x).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    assert run_cli("import", str(out), "--save-dir", str(back)).returncode == 0
+    again = whole_model(resolve(back), read_manifest(resolve(back)))
+    assert again.keys() == saved.keys()
+    assert all(torch.equal(again[n], saved[n].to(again[n].dtype)) for n in saved)
