@@ -114,10 +114,17 @@ def reference():
     return {m.name: one_rank(m, TRAIN) for m in (MTP, TIED, MOE)}
 
 
-def check_mtp_parity(out: dict, ref: dict, what) -> None:
+def check_mtp_parity(out: dict, ref: dict, what, m=None, p=None) -> None:
     """``check_parity`` (the trunk's losses, every gradient) and each module's loss, every
-    step, every rank."""
+    step, every rank; with the layout (``m``, ``p``) the ledger equals every rank's recorded
+    model-state and traffic bytes exactly (``ledger --check``: the embedding group's all-reduce,
+    the modules' tp and cp collectives included)."""
+    from fived.ledger import verify
+
     check_parity(out, ref, what)
+    if m is not None:
+        for s in out["ranks"]:
+            assert verify.compare_record(m, p, TRAIN.global_batch, s["history"][-1]) == [], what
     want = [h.get("mtp_losses") for h in ref["ranks"][0]["history"]]
     for s in out["ranks"]:
         got = [h.get("mtp_losses") for h in s["history"]]
@@ -141,14 +148,14 @@ def test_world2_layouts_match_one_rank(reference):
     last stage (the embedding group sums the two copies' gradients) and pp2 with tied
     embeddings, no MTP: the trunk's and each module's losses and the gradients of one rank."""
     for (m, p), out in zip(WORLD2_FAST, train_runs([(m, p, TRAIN) for m, p in WORLD2_FAST])):
-        check_mtp_parity(out, reference[m.name], (m.name, p.describe()))
+        check_mtp_parity(out, reference[m.name], (m.name, p.describe()), m, p)
 
 
 @pytest.mark.slow
 def test_world2_layouts_match_one_rank_slow(reference):
     """tp2+SP, cp2 Ulysses, dp2 ZeRO-3, pp2 1F1B, pp2 tied under ZeRO-1."""
     for (m, p), out in zip(WORLD2_SLOW, train_runs([(m, p, TRAIN) for m, p in WORLD2_SLOW])):
-        check_mtp_parity(out, reference[m.name], (m.name, p.describe()))
+        check_mtp_parity(out, reference[m.name], (m.name, p.describe()), m, p)
 
 
 @pytest.mark.slow
@@ -162,11 +169,28 @@ def test_world4_and_16_layouts_match_one_rank(reference):
     reference[tied4.name + "4"] = one_rank(tied4, TRAIN)
     w4[1] = (tied4, w4[1][1])
     outs = train_runs([(m, p, TRAIN) for m, p in w4])
-    check_mtp_parity(outs[0], reference[MOE.name], "ep2·tp2·sp")
-    check_mtp_parity(outs[1], reference[tied4.name + "4"], "pp4 tied")
+    check_mtp_parity(outs[0], reference[MOE.name], "ep2·tp2·sp", *w4[0])
+    check_mtp_parity(outs[1], reference[tied4.name + "4"], "pp4 tied", *w4[1])
     p16 = ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2)
     out = train_runs([(MTP, p16, TRAIN)])[0]
-    check_mtp_parity(out, reference[MTP.name], p16.describe())
+    check_mtp_parity(out, reference[MTP.name], p16.describe(), MTP, p16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", [ParallelConfig(pp=2, micro_batches=2),
+                                 ParallelConfig(tp=2, pp=2, sequence_parallel=True,
+                                                micro_batches=2),
+                                 ParallelConfig(cp=2, dp=2, zero=3)])
+def test_dry_run_equals_the_ledger(par):
+    """The dry run (fake tensors) of a D = 2 model: storages and traffic by (group, op) equal
+    the ledger's, the saved activations within its tolerance (``verify.compare_record``)."""
+    from fived.config import TrainConfig
+    from fived.ledger import verify
+    from fived.train.dryrun import distinct_ranks, dry_run
+
+    m = replace(preset("tiny"), mtp_depth=2)
+    out = dry_run(m, par, TrainConfig(global_batch=4), distinct_ranks(par), show=False)
+    assert verify.compare_record(m, par, 4, out) == []
 
 
 # ------------------------------------------------------------------------ checkpoint, export

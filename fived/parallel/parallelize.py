@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..config import AUTO, auto_precision
-from ..model.llama import Transformer
+from ..model.llama import Transformer, holds_embedding
 from .context import apply_cp
 from .data import make_engine
 from .expert import apply_ep
@@ -72,17 +72,18 @@ def cut_parts(model: Transformer, grid: Any, par: Any
             apply_ep(part, grid["ep"], pl, par.ep_dispatch)
         apply_recompute(part, par.recompute)
         placements.update(pl)
-    embed_group(placements, grid)
+    embed_group(model.cfg, placements, grid)
     return parts, ids, placements
 
 
-def embed_group(placements: dict[str, Placement], grid: Any) -> None:
+def embed_group(cfg: Any, placements: dict[str, Placement], grid: Any) -> None:
     """Megatron's embedding group: where the first and the last pipeline stage are two ranks
     and both hold the embedding (a tied head, multi-token prediction), each holds a copy of
     the same piece; its gradient, partial on each, is summed over ``embed`` (once per step,
     after the backward: ``fived.parallel.data.reduce``)."""
     name = "embed_tokens.weight"
-    if name in placements and grid["embed"].size > 1:
+    last_reads = holds_embedding(cfg, first=False, last=True)
+    if name in placements and last_reads and grid["embed"].size > 1:
         pl = placements[name]
         placements[name] = replace(pl, grad_sum=pl.grad_sum + ("embed",),
                                    copies=grid["embed"].size)
