@@ -109,6 +109,10 @@ MOE = replace(preset("tiny-moe"), name="mtp-moe", hidden=32, heads=4, kv_heads=2
               balance="bias")
 
 
+M4 = replace(MTP, name="mtp-4-layers", layers=4)  # two chunks per pipeline rank
+TIED4 = replace(M4, name="tied-4-layers", mtp_depth=0, tied_embeddings=True)
+
+
 @pytest.fixture(scope="module")
 def reference():
     return {m.name: one_rank(m, TRAIN) for m in (MTP, TIED, MOE)}
@@ -140,7 +144,15 @@ WORLD2_SLOW = [(MTP, ParallelConfig(tp=2, sequence_parallel=True)),
                (MTP, ParallelConfig(cp=2, cp_mode="ulysses")),
                (MTP, ParallelConfig(dp=2, zero=3)),
                (MTP, ParallelConfig(pp=2, micro_batches=4, schedule="1f1b", dp=1)),
-               (TIED, ParallelConfig(pp=2, micro_batches=2, zero=1))]
+               (TIED, ParallelConfig(pp=2, micro_batches=2, zero=1)),
+               (MTP, ParallelConfig(pp=2, micro_batches=2, recompute="full")),
+               # V-shaped: rank 0 holds the first and the last stage, one embedding for both
+               (M4, ParallelConfig(pp=2, micro_batches=4, schedule="zb-v", virtual_stages=2)),
+               (M4, ParallelConfig(pp=2, micro_batches=4, schedule="dualpipe-v",
+                                   virtual_stages=2)),
+               (M4, ParallelConfig(pp=2, micro_batches=4, schedule="interleaved",
+                                   virtual_stages=2)),
+               (TIED4, ParallelConfig(pp=2, micro_batches=4, schedule="zb-h1"))]
 
 
 def test_world2_layouts_match_one_rank(reference):
@@ -153,7 +165,10 @@ def test_world2_layouts_match_one_rank(reference):
 
 @pytest.mark.slow
 def test_world2_layouts_match_one_rank_slow(reference):
-    """tp2+SP, cp2 Ulysses, dp2 ZeRO-3, pp2 1F1B, pp2 tied under ZeRO-1."""
+    """tp2+SP, cp2 Ulysses, dp2 ZeRO-3, pp2 1F1B, pp2 tied under ZeRO-1, full recompute, ZB-V,
+    DualPipe-V, interleaved, ZB-H1 tied."""
+    for m in (M4, TIED4):
+        reference.setdefault(m.name, one_rank(m, TRAIN))
     for (m, p), out in zip(WORLD2_SLOW, train_runs([(m, p, TRAIN) for m, p in WORLD2_SLOW])):
         check_mtp_parity(out, reference[m.name], (m.name, p.describe()), m, p)
 
