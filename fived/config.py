@@ -724,16 +724,16 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
 def _check_mtp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
                ) -> None:
     """Module k of multi-token prediction predicts the token k+1 ahead: a sequence needs more
-    than mtp_depth + 1 tokens for the last module to have a target; under cp each rank fetches
+    than mtp_depth tokens for the last module to have a target; under cp each rank fetches
     the next mtp_depth targets after each of its zigzag chunks from the chunk's successor, so a
     chunk (seq_len / 2·cp tokens) must hold them."""
     d = model.mtp_depth
     if d <= 0:
         return
-    if model.seq_len <= d + 1:
+    if model.seq_len <= d:
         p.append(f"mtp_depth {d} with --seq-len {model.seq_len}: module {d} predicts the token "
-                 f"{d + 1} ahead, so a sequence needs more than {d + 1} tokens; use --seq-len "
-                 f"{d + 2} or more, or a smaller mtp_depth")
+                 f"{d + 1} ahead, so a sequence needs more than {d} tokens for it to have a "
+                 f"target; use --seq-len {d + 1} or more, or a smaller mtp_depth")
     elif par.cp > 1 and model.seq_len // (2 * par.cp) < d:
         p.append(f"mtp_depth {d} with --cp {par.cp}: each zigzag chunk of seq_len / 2·cp = "
                  f"{model.seq_len // (2 * par.cp)} tokens must hold the {d} shifted targets its "

@@ -97,8 +97,11 @@ def test_evaluation_and_generation_ignore_the_modules():
 
 def test_a_sequence_too_short_is_one_error():
     with pytest.raises(ConfigError) as e:
-        validate(replace(MTP, seq_len=3), ParallelConfig())
+        validate(replace(MTP, seq_len=2), ParallelConfig())
     assert len(e.value.problems) == 1 and "mtp_depth 2" in str(e.value)
+    validate(replace(MTP, seq_len=3), ParallelConfig())  # module 2: one position, one target
+    with pytest.raises(ConfigError, match="--cp 4"):  # a zigzag chunk of 2 < D = 3 tokens
+        validate(replace(MTP, mtp_depth=3), ParallelConfig(cp=4))
 
 
 # ------------------------------------------------------------------------ layouts
