@@ -29,6 +29,7 @@ def gaps(out, ref):
 
 def main():
     import torch
+
     from fived.model import build_model
     model = build_model(MTP, 3)
     t = torch.randint(0, MTP.vocab, (3, MTP.seq_len + 1),
@@ -49,7 +50,7 @@ def main():
                 (TIED, ParallelConfig(pp=2, micro_batches=2)), (MTP, ParallelConfig(dp=2, zero=3))],
             4: [(MOE, ParallelConfig(ep=2, tp=2, sequence_parallel=True))],
             16: [(MTP, ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2))]}
-    for w, lays in runs.items():
+    for lays in runs.values():
         for (m, p), out in zip(lays, train_runs([(m, p, TRAIN) for m, p in lays])):
             dl, dm, g = gaps(out, ref[m.name])
             desc = f"{m.name} {p.describe()}" + (f" {p.cp_mode}" if p.cp > 1 else "")
