@@ -38,6 +38,7 @@ from ..model import build_model
 from ..model.documents import Documents, micro_positions, reset_positions
 from ..model.init import InitSource
 from ..model.moe import moe_layers
+from ..model.mtp import mtp_blocks
 from ..optim import lr_at
 from ..parallel.balance import RouteBalancer, RoutingStatistics
 from ..parallel.context import balanced_positions, set_balance
@@ -88,8 +89,8 @@ class Trainer:
             source = HFSource(train.init_from, model_cfg)
         elif init:
             source = InitSource(train.seed, model.param_std)
-        if train.compile:  # torch.compile each block (the GPU path's option)
-            for blk in model.layers.values():
+        if train.compile:  # torch.compile each block (the GPU path's option), MTP's too
+            for blk in [*model.layers.values(), *mtp_blocks(model)]:
                 blk.compile()
         self.parallel = parallelize(model, self.grid, par, train, source, self.device)
         self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
