@@ -495,13 +495,19 @@ def block_of(name: str) -> int | None:
 
 
 def zero3_unit(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0):
-    """ZeRO-3's gather unit of a parameter name: its block (−1: the root, i.e. embedding, final
-    norm, head, MTP modules); with pp > 1 its (virtual) stage, the pipeline chunk the executor
+    """ZeRO-3's gather unit of a parameter name: its block (an MTP module's block k: L + k;
+    −1: the root, i.e. embedding, final norm, head, the MTP modules' norms and eh_proj); with
+    pp > 1 its (virtual) stage, the pipeline chunk the executor
     gathers (the embedding's copy on a last stage: that stage's). The engine's buckets
     (``memory._buckets``), its buffer replay and the optimizer's per-bucket parameters
     (``optimizers.opt_buckets``) all cut by it."""
-    if par.pp <= 1:
-        return lambda name: -1 if block_of(name) is None else block_of(name)
+    if par.pp <= 1:  # a block (an MTP module's block k: unit L + k), or the root
+        def block(name: str) -> int:
+            b = block_of(name)
+            if b is None and name.startswith("mtp.") and name.split(".")[2] == "block":
+                return m.layers + int(name.split(".")[1])
+            return -1 if b is None else b
+        return block
     n = par.pp * max(1, par.virtual_stages)
     stage_of = {i: k for k, ids in enumerate(stage_layers(m, par)) for i in ids}
     embed = 0 if 0 in rank_stages(par, pp_rank) else n - 1

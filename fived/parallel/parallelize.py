@@ -32,6 +32,7 @@ from torch import nn
 
 from ..config import AUTO, auto_precision
 from ..model.llama import Transformer, holds_embedding
+from ..model.mtp import mtp_blocks
 from .context import apply_cp
 from .data import make_engine
 from .expert import apply_ep
@@ -101,8 +102,10 @@ def parallelize(model: Transformer, grid: Any, par: Any, train: Any, source: Any
         executor = PipelineExecutor(model.cfg, par, grid, stage, next(stage.parameters()).dtype)
     else:
         stage, executor = parts[0], None
-    # ZeRO-3's gather units: the blocks; with pp the chunks (the executor gathers them)
-    units = list(stage.chunk_models) if par.pp > 1 else list(stage.layers.values())
+    # ZeRO-3's gather units: the blocks (the MTP modules' blocks after the trunk's); with pp
+    # the chunks (the executor gathers them)
+    units = (list(stage.chunk_models) if par.pp > 1
+             else [*stage.layers.values(), *mtp_blocks(stage)])
     engine = make_engine(stage, grid, par, train, placements, units, source, device)
     return Parallelized(stage, placements, engine, executor)
 
