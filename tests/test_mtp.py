@@ -283,3 +283,16 @@ def test_checkpoint_export_and_import_carry_the_modules(tmp_path):
     again = whole_model(resolve(back), read_manifest(resolve(back)))
     assert again.keys() == saved.keys()
     assert all(torch.equal(again[n], saved[n].to(again[n].dtype)) for n in saved)
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_with_the_embedding_group_matches_one_rank(reference):
+    """pp2 × hybrid sharding (dp 4 = 2 shards × 2 replicas): the embedding's bucket is reduced
+    over its shard group, across the replicas, then summed over the embedding group — with MTP
+    under ZeRO-3 and with tied embeddings under ZeRO-2; ``ledger --check`` exact."""
+    lays = [(MTP, ParallelConfig(pp=2, dp=4, dp_shard=2, dp_replicate=2, zero=3,
+                                 micro_batches=2)),
+            (TIED, ParallelConfig(pp=2, dp=4, dp_shard=2, dp_replicate=2, zero=2,
+                                  micro_batches=2))]
+    for (m, p), out in zip(lays, train_runs([(m, p, TRAIN) for m, p in lays])):
+        check_mtp_parity(out, reference[m.name], p.describe(), m, p)
