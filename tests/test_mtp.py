@@ -161,7 +161,11 @@ WORLD2_SLOW = [(MTP, ParallelConfig(tp=2, sequence_parallel=True)),
 def test_world2_layouts_match_one_rank(reference):
     """cp2 (the shifted targets fetched across the zigzag chunks), pp2 with the modules on the
     last stage (the embedding group sums the two copies' gradients) and pp2 with tied
-    embeddings, no MTP: the trunk's and each module's losses and the gradients of one rank."""
+    embeddings, no MTP: the trunk's and each module's losses and the gradients of one rank,
+    and the ledger's bytes of every rank.
+
+    Time: one spawn of three world-2 layouts, 9 s on 2 cores (15 s loaded), and the module's
+    one-rank references, 4.5 s."""
     for (m, p), out in zip(WORLD2_FAST, train_runs([(m, p, TRAIN) for m, p in WORLD2_FAST])):
         check_mtp_parity(out, reference[m.name], (m.name, p.describe()), m, p)
 
