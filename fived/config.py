@@ -87,6 +87,12 @@ class ModelConfig:
     rope_theta: float = spec(10000.0, "RoPE base", flag="", gt=0)
     tied_embeddings: bool = spec(False, "share the embedding and the output head", flag="")
     norm_eps: float = spec(1e-5, "RMSNorm epsilon", flag="", gt=0)
+    # Multi-token prediction (DeepSeek-V3 §2.2; fived.model.mtp): D sequential modules after
+    # the trunk, module k predicting token i+1+k; loss = trunk + λ/D · Σ_k module k's
+    mtp_depth: int = spec(0, "multi-token prediction modules D after the trunk (0: none; "
+                             "DeepSeek-V3: 1), module k predicting the token k+1 ahead", ge=0)
+    mtp_loss_weight: float = spec(0.3, "λ: the loss is the trunk's + λ·(mean of the D "
+                                       "modules' losses) (DeepSeek-V3: 0.3, then 0.1)", ge=0)
     # Attention shapes (Qwen): heads·head_dim may differ from hidden (``head_dim``)
     head_size: int = spec(0, "width of one attention head (0: hidden/heads; Hugging Face's "
                              "head_dim, e.g. 128 for Qwen3-30B-A3B's hidden 2048, 32 heads)",
@@ -590,7 +596,7 @@ def validate(
     if p:
         raise ConfigError(p)
     for check in (_check_world, _check_shapes, _check_tp, _check_pipeline, _check_cp,
-                  _check_experts, _check_routing):
+                  _check_experts, _check_routing, _check_mtp):
         check(p, model, par, world_size)
     if train is not None:
         _check_batch(p, par, train)
@@ -719,15 +725,37 @@ def _check_pipeline(p: list[str], model: ModelConfig, par: ParallelConfig, world
             p.append("--schedule interleaved needs --virtual-stages >= 2")
         _divides(p, par.pp, par.micro_batches, "--micro-batches over --pp (interleaved)",
                  "give a multiple of --pp")
-    # what the pipeline runtime cannot do
-    if par.pp > 1 and model.tied_embeddings:
-        p.append("--pp > 1 with tied embeddings: the embedding (first stage) and the head (last "
-                 "stage) would need their gradients all-reduced between stages; use an untied "
-                 "model (tied_embeddings = false)")
+    # tied embeddings and multi-token prediction with pp > 1: the first and the last stage
+    # both hold the embedding, its gradient summed over the embedding group (grid "embed")
+
+
+def _check_mtp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
+               ) -> None:
+    """Module k of multi-token prediction predicts the token k+1 ahead: a sequence needs more
+    than mtp_depth tokens for the last module to have a target; under cp each rank fetches
+    the next mtp_depth targets after each of its zigzag chunks from the chunk's successor, so a
+    chunk (seq_len / 2·cp tokens) must hold them."""
+    d = model.mtp_depth
+    if d <= 0:
+        return
+    if model.seq_len <= d:
+        p.append(f"mtp_depth {d} with --seq-len {model.seq_len}: module {d} predicts the token "
+                 f"{d + 1} ahead, so a sequence needs more than {d} tokens for it to have a "
+                 f"target; use --seq-len {d + 1} or more, or a smaller mtp_depth")
+    elif par.cp > 1 and model.seq_len // (2 * par.cp) < d:
+        p.append(f"mtp_depth {d} with --cp {par.cp}: each zigzag chunk of seq_len / 2·cp = "
+                 f"{model.seq_len // (2 * par.cp)} tokens must hold the {d} shifted targets its "
+                 f"rank fetches; use --seq-len {2 * par.cp * d} or more, or a smaller --cp")
 
 
 def _check_documents(p: list[str], model: ModelConfig, par: ParallelConfig,
                      train: TrainConfig) -> None:
+    if model.mtp_depth and train.cp_balance == "ptrr" and par.cp > 1:
+        p.append(f"mtp_depth {model.mtp_depth} with --cp-balance ptrr: multi-token prediction "
+                 "fetches its shifted targets from the zigzag chunks; use --cp-balance zigzag")
+    if model.mtp_depth and "=" in train.data:
+        p.append(f"mtp_depth {model.mtp_depth} with a --data mixture: the per-source losses "
+                 "do not split the modules' losses (not built); train one source")
     if train.cp_balance == "ptrr" and par.cp > 1:
         if par.cp_mode != "ring":
             p.append(f"--cp-balance ptrr is ring attention's sharding; --cp-mode {par.cp_mode} "

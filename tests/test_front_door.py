@@ -110,6 +110,7 @@ MISTYPES = [
     ("train --ep 2", "--ep 2 needs a MoE model"),
     ("train --pp 8", "pp·virtual_stages = 8 stages for 4 layers"),
     ("train --sequence-parallel", "--sequence-parallel needs --tp > 1"),
+    ("train --mtp-depth 3 --seq-len 3", "mtp_depth 3 with --seq-len 3: module 3 predicts"),
     ("train --micro-batches 0", "--micro-batches must be >= 1"),
     ("train --dp 2 --global-batch 15", "global batch 15 is not divisible by dp·ep = 2"),
     ("train --dry-run --model llama3-405b --tp 8 --pp 16 --dp 64 --ranks distinct",

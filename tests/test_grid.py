@@ -63,9 +63,9 @@ def test_pipeline_neighbours():
 # ------------------------------------------------------------------ names and connection
 def test_group_names_are_listed_once():
     from fived.config import DIMS
-    from fived.ranks.grid import DERIVED, GROUP_NAMES
+    from fived.ranks.grid import DERIVED, EMBED, GROUP_NAMES
 
-    assert GROUP_NAMES == (*DIMS, *DERIVED)
+    assert GROUP_NAMES == (*DIMS, *DERIVED, EMBED)
     assert set(DERIVED) == {"dense", "expert", "batch",  # + hybrid sharding's (test_hybrid.py)
                             "dense_shard", "expert_shard", "dp_replicate"}
     assert Grid.from_config(ParallelConfig()).group_names() == list(GROUP_NAMES)
@@ -120,3 +120,19 @@ def test_connected_groups_match_the_arithmetic():
         for name, (ranks, index, has_pg, members, idx) in groups.items():
             assert ranks == members and index == idx, (rank, name)
             assert has_pg == (len(ranks) > 1), (rank, name)
+
+
+def test_the_embedding_group_is_each_pipelines_two_ends():
+    """pp 0 and pp − 1 of each pipeline (same other coordinates); the middle stages and every
+    rank of a V-shaped schedule (both ends on pp 0) are groups of one."""
+    par = ParallelConfig(pp=4, tp=2)
+    g = Grid.from_config(par)
+    for r in range(8):
+        c = g.coords(r)
+        want = ((g.rank_of(pp=0, tp=c["tp"]), g.rank_of(pp=3, tp=c["tp"]))
+                if c["pp"] in (0, 3) else (r,))
+        assert g.members_of("embed", r) == want
+    parts = g.partition(Grid.named_dims("embed"))
+    assert sorted(len(p) for p in parts) == [1, 1, 1, 1, 2, 2]
+    v = Grid.from_config(ParallelConfig(pp=2, schedule="zb-v", micro_batches=4))
+    assert all(v.members_of("embed", r) == (r,) for r in range(2))

@@ -66,9 +66,11 @@ def test_rank_share_tp_pp_ep():
 def test_tied_embeddings_head_placement():
     m = replace(preset("tiny"), tied_embeddings=True)
     assert params.total_params(m) == params.total_params(preset("tiny")) - m.vocab * m.hidden
-    # with pp > 1 the runtime builds a separate head on the last stage
+    # with pp > 1 the last stage holds its copy of the embedding (Megatron's embedding group)
     two = params.all_rank_params(m, ParallelConfig(pp=2))
-    assert "head" in two[1].breakdown
+    assert "head" not in two[1].breakdown and two[1].breakdown["embed"] == m.vocab * m.hidden
+    assert params.embed_copies(m, ParallelConfig(pp=2)) == 2
+    assert params.embed_copies(m, ParallelConfig(pp=2, schedule="zb-v", micro_batches=4)) == 1
 
 
 # ------------------------------------------------------------------ model states

@@ -213,9 +213,22 @@ def test_any_split_builds_the_same_model(pp, v, layers, schedule):
         assert torch.equal(seen[n], p), n
 
 
-def test_tied_embeddings_are_rejected_with_pp():
-    from fived.config import ConfigError, validate
+def test_tied_embeddings_are_split_with_the_embedding_on_both_ends():
+    """Tied embeddings under pp (Megatron's embedding group): the first and the last stage both
+    hold ``embed_tokens.weight``, the last one's head reads it; the parts between hold none
+    (tests/test_mtp.py trains it equal to one rank)."""
+    from fived.config import validate
+    from fived.model import build_model
+    from fived.parallel.pipeline.stage import split
 
-    with pytest.raises(ConfigError, match="tied"):
-        validate(replace(preset("tiny"), tied_embeddings=True), ParallelConfig(pp=2))
-    validate(preset("tiny"), ParallelConfig(pp=2))
+    cfg = replace(preset("tiny"), tied_embeddings=True)
+    par = ParallelConfig(pp=4, micro_batches=4)
+    validate(cfg, par)
+    model = build_model(cfg, 0)
+    for r, want in enumerate((True, False, False, True)):
+        (part,), _ = split(model, par, r)
+        names = [n for n, _ in part.named_parameters()]
+        assert ("embed_tokens.weight" in names) == want, (r, names)
+        assert "lm_head.weight" not in names
+    (last,), _ = split(model, par, 3)
+    assert last.lm_head.embedding is last.embed_tokens is model.embed_tokens

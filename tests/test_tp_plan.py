@@ -106,7 +106,8 @@ def signature(cfg, sp: bool, plan) -> object:
 
 def test_every_row_is_needed():
     """Dropping any one row of the plan changes what some model's cut decides."""
-    cases = [(cfg, sp) for cfg in (QWEN, SHARED, MODELS[-1]) for sp in (False, True)]
+    mtp = replace(QWEN, name="mtp", mtp_depth=1)  # its rows: the modules' norms, eh_proj
+    cases = [(cfg, sp) for cfg in (QWEN, SHARED, MODELS[-1], mtp) for sp in (False, True)]
     full = [signature(cfg, sp, TP_PLAN) for cfg, sp in cases]
     for i, row in enumerate(TP_PLAN):
         less = TP_PLAN[:i] + TP_PLAN[i + 1:]

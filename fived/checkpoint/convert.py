@@ -76,10 +76,15 @@ def export_hf(ckpt: Path, man: dict[str, Any], out: Path, dtype: torch.dtype | N
     saved = getattr(torch, tensors[f"model.{param_names(man)[0]}"]["dtype"])
     esize = torch.empty((), dtype=dtype or saved).element_size()
     sizes = {n: math.prod(tensors[f"model.{n}"]["shape"]) * esize for n in param_names(man)}
-    shards = hf.plan_shards(sizes, max_shard_bytes)
     cfg = model_of(man)
+    alias = hf.mtp_aliases(cfg)  # MTP layers repeat the shared embedding and head
+    sizes.update({a: sizes[src] for a, src in alias.items()})
+    shards = hf.plan_shards(sizes, max_shard_bytes)
     for i, names in enumerate(shards):
-        hf.write_shard(whole_model(ckpt, man, dtype, names), out, i, len(shards), cfg)
+        read = sorted({alias.get(n, n) for n in names})
+        got = whole_model(ckpt, man, dtype, read)
+        hf.write_shard({n: got[alias[n]].clone() if n in alias else got[n] for n in names},
+                       out, i, len(shards), cfg)  # a copy: safetensors refuses shared storage
         if progress:
             progress(i + 1, len(shards))
     return hf.write_index(shards, sizes, cfg, out, str(dtype or saved).replace("torch.", ""))

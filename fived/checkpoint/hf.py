@@ -16,6 +16,17 @@ no ``lm_head.weight``):
     layers.i.block_sparse_moe.experts.e.w{1,3,2}  model.layers.i.block_sparse_moe.experts.e.w{1,3,2}
     norm.weight, lm_head.weight                   model.norm.weight, lm_head.weight
 
+Multi-token prediction modules (``mtp_depth`` D) are written under DeepSeek-V3's published
+names (its README_WEIGHTS: module k is decoder layer ``num_hidden_layers + k``), with D as
+``num_nextn_predict_layers`` in config.json; transformers' classes do not build them and leave
+those tensors unused, ``fived import`` and ``--init-from`` read them back:
+
+    mtp.k.{enorm,hnorm,eh_proj}.weight            model.layers.{L+k}.{enorm,hnorm,eh_proj}.weight
+    mtp.k.block.X                                 model.layers.{L+k}.X (X as a block's names)
+    mtp.k.norm.weight                             model.layers.{L+k}.shared_head.norm.weight
+    (the shared embedding and head, copies)       model.layers.{L+k}.embed_tokens.weight,
+                                                  model.layers.{L+k}.shared_head.head.weight
+
 Export writes the classic Mixtral expert names (what both transformers 4 and 5 load); import
 also reads transformers 5's fused experts (``mlp.experts.gate_up_proj`` = [w1; w3] stacked
 over experts, ``mlp.experts.down_proj`` = w2 stacked, ``mlp.gate`` = the router).
@@ -167,7 +178,8 @@ def model_config(hf: dict[str, Any], flag: str = "--init-from", seq_len: int | N
     cfg = ModelConfig(
         name=f"hf-{mt}", vocab=hf["vocab_size"], hidden=h, layers=hf["num_hidden_layers"],
         ffn=ffn, rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tied_embeddings=bool(hf.get("tie_word_embeddings", False)), **attn)
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mtp_depth=int(hf.get("num_nextn_predict_layers", 0) or 0), **attn)
     if mt == "mixtral":
         cfg = replace(cfg, experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                       moe_ffn=0, shared_expert=False, capacity_factor=0.0,
@@ -248,6 +260,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "initializer_range": 0.02, "use_cache": True,
         "torch_dtype": dtype, "dtype": dtype,
     }
+    if cfg.mtp_depth:  # DeepSeek-V3's field (transformers' classes keep it, build nothing)
+        out["num_nextn_predict_layers"] = cfg.mtp_depth
     if mt == "mixtral":
         out.update({"num_local_experts": cfg.experts, "num_experts_per_tok": cfg.top_k,
                     "router_aux_loss_coef": cfg.aux_loss_coef, "output_router_logits": False,
@@ -271,10 +285,48 @@ QWEN_NAMES = ((".block_sparse_moe.experts.", ".mlp.experts."), (".w1.weight", ".
               (".block_sparse_moe.", ".mlp."))
 
 
-def to_hf_name(name: str, family: str = "llama") -> str:
+MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+           "eh_proj.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight",
+           "embed_tokens.weight": "embed_tokens.weight",  # the two shared copies (export only)
+           "shared_head.head.weight": "shared_head.head.weight"}
+
+
+def mtp_aliases(cfg: ModelConfig) -> dict[str, str]:
+    """The shared tensors DeepSeek's files repeat in each MTP layer: alias -> fived's name."""
+    head = "embed_tokens.weight" if cfg.tied_embeddings else "lm_head.weight"
+    return {a: src for k in range(cfg.mtp_depth)
+            for a, src in ((f"mtp.{k}.embed_tokens.weight", "embed_tokens.weight"),
+                           (f"mtp.{k}.shared_head.head.weight", head))}
+
+
+def mtp_to_layer(name: str, layers: int) -> str:
+    """``mtp.k.…`` -> DeepSeek's ``layers.{layers+k}.…`` (other names unchanged)."""
+    if not name.startswith("mtp."):
+        return name
+    _, k, rest = name.split(".", 2)
+    pre = f"layers.{layers + int(k)}."
+    return pre + (rest[len("block."):] if rest.startswith("block.") else MTP_OWN[rest])
+
+
+def mtp_from_layer(k: str, layers: int, depth: int) -> str | None:
+    """``layers.{j}.…`` with layers <= j < layers + depth -> fived's ``mtp.{j−layers}.…``; the
+    key unchanged for a trunk name; None for a shared copy (the embedding, the head)."""
+    parts = k.split(".", 2)
+    if len(parts) < 3 or parts[0] != "layers" or not layers <= int(parts[1]) < layers + depth:
+        return k
+    j, rest = int(parts[1]) - layers, parts[2]
+    if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+        return None
+    own = {v: a for a, v in MTP_OWN.items()}
+    return f"mtp.{j}.{own[rest]}" if rest in own else f"mtp.{j}.block.{rest}"
+
+
+def to_hf_name(name: str, family: str = "llama", layers: int = 0) -> str:
     """fived's name -> the HF key (``model.`` prefix; Qwen-MoE's ``mlp.`` names for ``family``
     qwen2_moe / qwen3_moe: ``mlp.gate``, ``mlp.experts.e.{gate,up,down}_proj``,
-    ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``)."""
+    ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``; an MTP module's under DeepSeek's
+    ``layers.{layers+k}``)."""
+    name = mtp_to_layer(name, layers)
     if family in QWEN_MOE and ".block_sparse_moe." in name:
         for a, b in QWEN_NAMES if ".experts." in name else QWEN_NAMES[-1:]:
             name = name.replace(a, b)
@@ -349,6 +401,10 @@ class HFSource:
                         self.dtypes[k] = _dtype(sl.get_dtype())
             except Exception as e:  # noqa: BLE001 - safetensors raises its own errors
                 raise ConfigError([f"{flag} {f}: not a safetensors file ({e})"]) from None
+        if cfg is not None and cfg.mtp_depth:  # DeepSeek's MTP layers -> mtp.k
+            moved = {mtp_from_layer(k, cfg.layers, cfg.mtp_depth): v
+                     for k, v in self.tensors.items()}
+            self.tensors = {k: v for k, v in moved.items() if k is not None}
         if cfg is not None:
             self.check(cfg)
 
@@ -461,7 +517,8 @@ def write_shard(tensors: dict[str, torch.Tensor], out: Path, i: int, n: int,
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({to_hf_name(k, family(cfg)): t.contiguous() for k, t in tensors.items()},
+    save_file({to_hf_name(k, family(cfg), cfg.layers): t.contiguous()
+               for k, t in tensors.items()},
               str(out / shard_name(i, n)), metadata={"format": "pt"})
 
 
@@ -472,7 +529,7 @@ def write_index(shards: list[list[str]], sizes: dict[str, int], cfg: ModelConfig
     for i, names in enumerate(shards):
         fname = shard_name(i, len(shards))
         rows.append((fname, len(names), sum(sizes[k] for k in names)))
-        weight_map.update({to_hf_name(k, family(cfg)): fname for k in names})
+        weight_map.update({to_hf_name(k, family(cfg), cfg.layers): fname for k in names})
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": sum(sizes.values())},
          "weight_map": dict(sorted(weight_map.items()))}, indent=1))

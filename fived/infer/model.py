@@ -35,8 +35,10 @@ from ..parallel.parallelize import parallelize_parts
 def inference_model(cfg: ModelConfig, grid: Any, source: Any, device: torch.device | str,
                     dtype: torch.dtype = torch.float32) -> Transformer:
     """This rank's tensor-parallel piece of the model, in ``dtype`` on ``device``, in eval mode
-    and without gradients."""
+    and without gradients; without multi-token prediction's modules (a training objective:
+    generation neither builds nor reads them)."""
     cfg = replace(cfg, capacity_factor=0.0) if cfg.is_moe else cfg
+    cfg = replace(cfg, mtp_depth=0)
     par = ParallelConfig(tp=grid.degrees["tp"])
     model = build_model(cfg, 0, dtype, "meta", init=False)
     parts, placements = parallelize_parts(model, grid, par)

@@ -11,6 +11,13 @@ for MoE only the top-k experts plus the router; the embedding lookup is free). B
 twice forward, so model FLOPs per token = 3·F_fwd = 6·Ψ_matmul + 12·L·s·h_attn. Pass
 ``causal=True`` for the halved attention term (the work a causal kernel actually does).
 
+Multi-token prediction (``mtp_depth`` D) adds per token, forward, per module k: its
+projection 2·(2h·h), its block (2·Ψ_block + 4·s·h_attn, like a trunk layer of index L + k) and
+the shared head again 2·h·V — counted as model FLOPs (the modules are trained, and run over
+every position: the last k have no target, their work is done anyway). DeepSeek-V3's weights
+README counts 1.5B activated parameters in its one module (0.9B of them the shared head)
+against 36.6B in the main model: about 4 % more matmul FLOPs per token.
+
 Recompute FLOPs are extra hardware work and are *not* model FLOPs: ``full`` recompute adds one
 forward (F_fwd per token), ``selective`` adds the attention core's forward (4·L·s·h_attn).
 
@@ -22,19 +29,28 @@ FLOPs; a 7B model on 1T tokens is 6·7e9·1e12 = 4.2e22 FLOPs — at 400 TFLOP/s
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .params import block_matmul_params, layers_matmul_params
+from .params import block_matmul_params, layer_cfg, layers_matmul_params
+
+
+def mtp_matmul_params(m: ModelConfig) -> int:
+    """Parameters one token's matrix multiplies touch in the D MTP modules: eh_proj (2h·h),
+    the block (active experts) and the shared head (h·V), per module."""
+    return sum(2 * m.hidden * m.hidden + block_matmul_params(layer_cfg(m, m.layers + k))
+               + m.hidden * m.vocab for k in range(m.mtp_depth))
 
 
 def matmul_params(m: ModelConfig) -> int:
-    """Parameters touched by one token's matrix multiplies (active experts only)."""
-    return layers_matmul_params(m, range(m.layers)) + m.hidden * m.vocab
+    """Parameters touched by one token's matrix multiplies (active experts only; the MTP
+    modules' too)."""
+    return layers_matmul_params(m, range(m.layers)) + m.hidden * m.vocab + mtp_matmul_params(m)
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int | None = None, causal: bool = False,
                               layers: int | None = None) -> float:
-    """Forward FLOPs of QKᵀ and PV per token (all layers, or ``layers`` of them)."""
+    """Forward FLOPs of QKᵀ and PV per token (all layers and the MTP blocks, or ``layers``
+    blocks)."""
     s = seq_len or m.seq_len
-    n = m.layers if layers is None else layers
+    n = m.layers + m.mtp_depth if layers is None else layers
     full = 4.0 * n * s * m.heads * m.head_dim
     return full / 2 if causal else full
 
@@ -107,6 +123,7 @@ def stage_forward_flops_per_token(m: ModelConfig, layers, last: bool,
         ids = list(layers)
         mm, n = layers_matmul_params(m, ids), len(ids)
     f = 2.0 * mm + attention_flops_per_token(m, seq_len, causal, n)
-    if last:
-        f += 2.0 * m.hidden * m.vocab
+    if last:  # the head, and the MTP modules (their blocks' attention included)
+        f += 2.0 * m.hidden * m.vocab + 2.0 * mtp_matmul_params(m)
+        f += attention_flops_per_token(m, seq_len, causal, m.mtp_depth)
     return f

@@ -76,6 +76,7 @@ from .optimizers import opt_buckets
 from .optimizers import state_bytes as optimizer_state_bytes
 from .params import (
     ep_destinations_bound,
+    layer_cfg,
     layer_kinds,
     rank_stages,
     stage_layers,
@@ -213,6 +214,21 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
     return tuple(Bucket(g, n, shards(g), u) for g, n, u in runs)
 
 
+def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucket | None:
+    """The embedding's own bucket on a rank of the embedding group (the embedding held by two
+    pipeline ranks, ``params.embed_copies``); None elsewhere."""
+    from .params import alone, embed_copies, holds_embedding, param_list
+
+    if embed_copies(m, par) < 2 or not holds_embedding(m, par, pp_rank):
+        return None
+    key = _state_key(par)
+    plist = list(reversed(param_list(m, key, pp_rank)))
+    runs = _bucket_members(m, replace(key, dp=1, cp=1, dp_shard=0, dp_replicate=0,
+                                      zero=3 if par.zero == 3 else 0), pp_rank, plist)
+    i = next(i for i, (_, _, ks) in enumerate(runs) if alone(m, par, plist[ks[0]][0]))
+    return buckets(m, par, pp_rank)[i]
+
+
 @lru_cache(maxsize=1024)
 def _bucket_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
                  ) -> tuple[tuple[str, int, int], ...]:
@@ -220,27 +236,46 @@ def _bucket_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
     from .params import param_list
 
     plist = list(reversed(param_list(m, par, pp_rank)))
-    out: list[tuple[str, int, int]] = []
-    if par.zero == 3:
-        units: dict[int, list[tuple[str, int, bool]]] = {}
-        unit = zero3_unit(m, par)
-        for name, n, ex in plist:
-            units.setdefault(unit(name), []).append((name, n, ex))
-        order = sorted((u for u in units if u >= 0), reverse=True) + ([-1] if -1 in units else [])
-        for u in order:
-            by: dict[str, int] = {}
-            for _, n, ex in units[u]:
-                g = "expert" if ex else "dense"
-                by[g] = by.get(g, 0) + n
-            out += [(g, n, u) for g, n in by.items()]
-        return tuple(out)
+    return tuple((g, sum(plist[k][1] for k in ks), u)
+                 for g, u, ks in _bucket_members(m, par, pp_rank, plist))
+
+
+def _bucket_members(m: ModelConfig, par: ParallelConfig, pp_rank: int,
+                    plist: list[tuple[str, int, bool]]) -> list[tuple[str, int, list[int]]]:
+    """(group, ZeRO-3 unit, indexes into ``plist``) of every bucket, in launch order, as the
+    engine lays them out (``fived.parallel.data.layout``): ``plist`` (arrival order) by unit
+    (ZeRO-3: the last first, the root last; else one), each by group in order of first
+    parameter, each cut around a parameter that is a bucket of its own (``params.alone``: the
+    embedding group's copies), each run then split at ``bucket_mb`` (ZeRO-3: not split)."""
+    from .params import alone
+
+    units: dict[int, list[int]] = {}
+    unit = zero3_unit(m, par, pp_rank) if par.zero == 3 else (lambda name: -1)
+    for k, (name, _, _) in enumerate(plist):
+        units.setdefault(unit(name), []).append(k)
+    order = sorted((u for u in units if u >= 0), reverse=True) + ([-1] if -1 in units else [])
     cap = max(1, int(par.bucket_mb * 2**20 / grad_bytes(par)))
-    groups: dict[str, list[int]] = {}
-    for _, n, ex in plist:
-        groups.setdefault("expert" if ex else "dense", []).append(n)
-    for g, ns in groups.items():
-        out += [(g, sum(piece), -1) for piece in split_sizes(ns, cap)]
-    return tuple(out)
+    out: list[tuple[str, int, list[int]]] = []
+    for u in order:
+        groups: dict[str, list[int]] = {}
+        for k in units[u]:
+            groups.setdefault("expert" if plist[k][2] else "dense", []).append(k)
+        for g, ks in groups.items():
+            runs: list[list[int]] = [[]]
+            for k in ks:
+                if alone(m, par, plist[k][0]):
+                    runs += [[k], []]
+                else:
+                    runs[-1].append(k)
+            for run in (r for r in runs if r):
+                if par.zero == 3:
+                    out.append((g, u, run))
+                    continue
+                start = 0
+                for piece in split_sizes([plist[k][1] for k in run], cap):
+                    out.append((g, u, run[start:start + len(piece)]))
+                    start += len(piece)
+    return out
 
 
 def model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0, dense_index: int = 0,
@@ -470,6 +505,33 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
         out["logits"] = tokens * (e * m.vocab / par.tp + (8 if par.tp > 1 else 4))
         # the targets (int64); under tp their local index and an "inside this slice" bool
         out["targets"] = tokens * (8 + (1 if par.tp > 1 else 0))
+        if m.mtp_depth:
+            out["mtp"] = sum(mtp_activations(m, par, micro_batch, opts).values())
+    return out
+
+
+def mtp_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
+                    opts: ActivationOptions = EAGER) -> dict[str, float]:
+    """What the D multi-token prediction modules save per micro-batch on the last stage, per
+    module: the shifted token ids (int64); enorm and hnorm (input, output, 1/rms — hnorm's
+    input is the previous head's input, already saved); the block (by the recompute mode);
+    the output norm; its logits, loss numbers and targets (as the trunk's head)."""
+    e = act_bytes(par)
+    tokens = micro_batch * m.seq_len / par.cp
+    sp_div = par.tp if (par.sequence_parallel and par.tp > 1) else 1
+    norm = tokens * norm_bytes_per_token(m.hidden, e, opts.fused_norm) / sp_div
+    out = {"token_ids": 0.0, "norms": 0.0, "blocks": 0.0, "logits": 0.0, "targets": 0.0}
+    for k in range(m.mtp_depth):
+        c = layer_cfg(m, m.layers + k)
+        out["token_ids"] += tokens * 8
+        out["norms"] += 3 * norm - tokens * e * m.hidden / sp_div
+        if par.recompute == "full":
+            out["blocks"] += block_input_bytes(m, par, micro_batch)
+        else:
+            fn = selective_layer if par.recompute == "selective" else layer_activations
+            out["blocks"] += sum(fn(c, par, micro_batch, opts).values())
+        out["logits"] += tokens * (e * m.vocab / par.tp + (8 if par.tp > 1 else 4))
+        out["targets"] += tokens * (8 + (1 if par.tp > 1 else 0))
     return out
 
 
@@ -678,25 +740,10 @@ def arrival_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
     from .params import param_list
 
     plist = list(reversed(param_list(m, par, pp_rank)))
-    where: list[int] = []  # the bucket of each gradient, in arrival order
-    if par.zero == 3:
-        unit = zero3_unit(m, par)
-        index = {(b.unit, b.group): i for i, b in enumerate(_buckets(m, par, pp_rank))}
-        where = [index[(unit(n), "expert" if ex else "dense")] for n, _, ex in plist]
-    else:
-        cap = max(1, int(par.bucket_mb * 2**20 / grad_bytes(par)))
-        groups: dict[str, list[int]] = {}
-        for k, (_, _, ex) in enumerate(plist):
-            groups.setdefault("expert" if ex else "dense", []).append(k)
-        where = [0] * len(plist)
-        i = 0
-        for ks in groups.values():
-            start = 0
-            for piece in split_sizes([plist[k][1] for k in ks], cap):
-                for k in ks[start:start + len(piece)]:
-                    where[k] = i
-                start += len(piece)
-                i += 1
+    where: list[int] = [0] * len(plist)  # the bucket of each gradient, in arrival order
+    for i, (_, _, ks) in enumerate(_bucket_members(m, par, pp_rank, plist)):
+        for k in ks:
+            where[k] = i
     runs: list[list[int]] = []
     for i in where:
         if runs and runs[-1][0] == i:

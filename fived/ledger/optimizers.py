@@ -134,7 +134,7 @@ def opt_buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int, bks: tuple[An
     ``--zero-align rows``)."""
     align = par.zero_align == "rows" and par.zero > 0
     queues: dict[tuple[int, str], list[Param]] = {}
-    unit = zero3_unit(m, par) if par.zero == 3 else (lambda name: 0)
+    unit = zero3_unit(m, par, pp_rank) if par.zero == 3 else (lambda name: 0)
     for n, k, ex in reversed(param_list(m, par, pp_rank)):
         p = param_shape(m, par, n, k, ex)
         queues.setdefault((unit(n), "expert" if ex else "dense"), []).append(p)

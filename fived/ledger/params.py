@@ -9,7 +9,10 @@ Every weight of ``fived.model.llama`` is counted by name (no biases anywhere):
                  qk_norm 2·d                                     (``qk_norm``: q, k norm gains)
                  dense MLP: w_gate h·f, w_up h·f, w_down f·h     (SwiGLU)
                  MoE MLP:   router h·E + E·3·h·f_e (+ 3·h·f_s shared expert, + h its gate)
-    once         embed V·h, final norm h, head h·V (absent when tied_embeddings and pp == 1)
+    once         embed V·h, final norm h, head h·V (absent when tied_embeddings)
+    per MTP module (``mtp_depth`` D, ``fived.model.mtp``), on the last stage:
+                 enorm h, hnorm h, eh_proj 2h·h, a block (of layer L + k's shape), norm h
+                 (the embedding and the head are the trunk's)
 
 Known totals (tests): Llama-2-7B 6,738,415,616; Llama-3-8B 8,030,261,248; Llama-3-70B
 70,553,706,496.
@@ -24,16 +27,20 @@ One rank's share (``rank_params``) follows the runtime's cuts:
   minimises the costliest stage, head and embedding included, as the pipeline partitions);
   pipeline rank r holds virtual stages r, r+pp, r+2·pp, ... (V-shaped schedules: r and
   2pp−1−r). The embedding sits on virtual stage 0 (rank 0),
-  the final norm and head on the last virtual stage (rank pp−1). With tied embeddings and pp > 1
-  the last stage holds its own head matrix (the runtime builds one), so the count grows by V·h.
+  the final norm and head on the last virtual stage (rank pp−1), with the MTP modules. With
+  tied embeddings or MTP the last stage holds the embedding too (V·h/tp more on it; Megatron's
+  embedding group sums the two copies' gradients, ``embed_copies``).
+* MTP modules: the block cut as a trunk block; enorm, hnorm, eh_proj and norm whole on every
+  tp rank.
 * ep: each ep rank holds E/ep experts, each a full SwiGLU (experts are never cut across tp:
   they are replicated over tp, as ``fived.model.moe`` builds them). Expert parameters are reduced
   over the ``expert`` group, everything else over ``dense``.
 
 ``param_list`` lists one rank's parameters in the runtime's registration order (embedding,
 blocks — attn_norm, wq (its bias), wk (bias), wv (bias), wo, q_norm, k_norm, mlp_norm, then
-w_gate, w_up, w_down or router, experts, shared expert — final norm, head), which is what the
-data-parallel engine lays its flat buckets out from.
+w_gate, w_up, w_down or router, experts, shared expert — final norm, head, then each MTP
+module: enorm, hnorm, eh_proj, its block, norm), which is what the data-parallel engine lays
+its flat buckets out from.
 """
 
 from __future__ import annotations
@@ -102,8 +109,17 @@ def block_params(m: ModelConfig) -> dict[str, int]:
     return out
 
 
+def mtp_module_params(m: ModelConfig, k: int) -> dict[str, int]:
+    """One multi-token prediction module (k = 0 .. D−1; block index L + k), by kind: its two
+    input norms and output norm, eh_proj (2h -> h) and the block."""
+    h = m.hidden
+    return {"mtp_norms": 3 * h, "eh_proj": 2 * h * h,
+            "mtp_block": sum(block_params(layer_cfg(m, m.layers + k)).values())}
+
+
 def param_counts(m: ModelConfig) -> dict[str, int]:
-    """Whole-model parameters by kind: embed, blocks (all layers), norm, head, and total."""
+    """Whole-model parameters by kind: embed, blocks (all layers), norm, head, mtp (the D
+    modules' own: DeepSeek-V3's 11.5B "unique" MTP parameters), and total."""
     blocks = sum(sum(block_params(c).values()) * n for c, n in layer_kinds(m, range(m.layers)))
     embed = m.vocab * m.hidden
     head = 0 if m.tied_embeddings else m.hidden * m.vocab
@@ -111,9 +127,11 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
     out = {"embed": embed, "blocks": blocks, "norm": norm, "head": head}
     if m.positions == "learned":
         out["positions"] = m.seq_len * m.hidden
-    out["total"] = embed + blocks + norm + head + out.get("positions", 0)
+    if m.mtp_depth:
+        out["mtp"] = sum(sum(mtp_module_params(m, k).values()) for k in range(m.mtp_depth))
+    out["total"] = embed + blocks + norm + head + out.get("positions", 0) + out.get("mtp", 0)
     b = block_params(m)
-    out["expert"] = b.get("experts", 0) * m.moe_layers
+    out["expert"] = b.get("experts", 0) * (m.moe_layers + (m.mtp_depth if m.is_moe else 0))
     out["dense"] = out["total"] - out["expert"]
     return out
 
@@ -127,7 +145,8 @@ def active_params(m: ModelConfig) -> int:
     c = param_counts(m)
     if not m.is_moe:
         return c["total"]
-    return c["total"] - c["expert"] + m.moe_layers * m.top_k * 3 * m.hidden * m.expert_ffn
+    moe = m.moe_layers + m.mtp_depth  # an MTP module's block is a MoE block
+    return c["total"] - c["expert"] + moe * m.top_k * 3 * m.hidden * m.expert_ffn
 
 
 # ------------------------------------------------------------------------ pipeline split
@@ -165,6 +184,8 @@ def balanced_split(m: ModelConfig, stages: int) -> tuple[int, ...]:
     for c in costs:
         pre.append(pre[-1] + c)
     hc, ec = 2.0 * m.hidden * m.vocab + 5.0 * m.vocab, float(m.hidden)
+    hc += sum(_layer_cost(layer_cfg(m, L + k)) + 4.0 * m.hidden * m.hidden + hc  # MTP modules
+              for k in range(m.mtp_depth))
     if stages > L:
         raise ValueError(f"{stages} pipeline stages for {L} layers")
 
@@ -237,8 +258,11 @@ def rank_layer_ids(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> list[in
 
 
 def rank_moe_layers(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> int:
-    """MoE blocks on pipeline rank ``pp_rank`` (its blocks less the leading dense ones)."""
-    return sum(1 for i in rank_layer_ids(m, par, pp_rank) if m.is_moe_layer(i))
+    """MoE blocks on pipeline rank ``pp_rank`` (its blocks less the leading dense ones; the
+    last stage's MTP modules' blocks are MoE blocks of a MoE model)."""
+    mtp = m.mtp_depth if m.is_moe and par.pp * max(1, par.virtual_stages) - 1 in rank_stages(
+        par, pp_rank) else 0
+    return sum(1 for i in rank_layer_ids(m, par, pp_rank) if m.is_moe_layer(i)) + mtp
 
 
 # ------------------------------------------------------------------------ one rank's share
@@ -301,8 +325,42 @@ def expert_param_bytes(m: ModelConfig, ep: int, layers_on_rank: int | None = Non
 
 
 def has_head(m: ModelConfig, par: ParallelConfig) -> bool:
-    """The runtime builds a separate head unless embeddings are tied on a one-stage model."""
-    return not (m.tied_embeddings and par.pp * max(1, par.virtual_stages) == 1)
+    """The runtime builds a separate head unless embeddings are tied (the last stage then reads
+    the embedding, its own copy under pp: ``holds_embedding``)."""
+    return not m.tied_embeddings
+
+
+def holds_embedding(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> bool:
+    """Whether pipeline rank ``pp_rank`` holds the embedding: the first stage's, or the last
+    stage's copy (tied head, multi-token prediction: ``fived.model.llama.holds_embedding``)."""
+    stages = rank_stages(par, pp_rank)
+    last = par.pp * max(1, par.virtual_stages) - 1
+    return 0 in stages or (last in stages and (m.tied_embeddings or m.mtp_depth > 0))
+
+
+def embed_copies(m: ModelConfig, par: ParallelConfig) -> int:
+    """Pipeline ranks holding the embedding: 2 when the first and the last stage are two ranks
+    and the last reads it (Megatron's embedding group, summed over ``embed``), else 1."""
+    two = par.pp > 1 and par.schedule not in V_SCHEDULES
+    return 2 if two and (m.tied_embeddings or m.mtp_depth > 0) else 1
+
+
+def mtp_params_local(m: ModelConfig, tp: int, ep: int) -> tuple[int, int, int]:
+    """(elements, of which replicated over tp, of which routed experts) of the D MTP modules on
+    one (tp, ep) rank of the last stage: each block cut as a trunk block, the norms and
+    eh_proj whole."""
+    total = rep = expert = 0
+    for k in range(m.mtp_depth):
+        c = layer_cfg(m, m.layers + k)
+        blk = block_params_local(c, tp, ep)
+        own = 3 * m.hidden + 2 * m.hidden * m.hidden
+        total += sum(blk.values()) + own
+        rep += own + blk["attn_norm"] + blk["mlp_norm"] + blk.get("router", 0) + blk.get(
+            "experts", 0) + blk.get("qk_norm", 0)
+        if tp > c.kv_heads:
+            rep += blk["wk"] + blk["wv"]
+        expert += blk.get("experts", 0)
+    return total, rep, expert
 
 
 def rank_params(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> RankParams:
@@ -326,7 +384,7 @@ def rank_params(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> RankPa
                 rep += 2 * c.kv_heads * c.head_dim // min(tp, c.kv_heads) * n
         if c.bias:  # the row-parallel biases (o_proj, down_proj) are whole on every tp rank
             rep += 2 * c.hidden * n if not c.is_moe else c.hidden * n
-    if 0 in stages:
+    if holds_embedding(m, par, pp_rank):
         bd["embed"] = m.vocab * m.hidden // tp
         if m.positions == "learned":
             bd["positions"] = m.seq_len * m.hidden
@@ -336,6 +394,11 @@ def rank_params(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> RankPa
         rep += bd["norm"]
         if has_head(m, par):
             bd["head"] = m.hidden * m.vocab // tp
+        if m.mtp_depth:
+            bd["mtp"], mrep, mexp = mtp_params_local(m, tp, ep)
+            rep += mrep
+            bd["experts"] = bd.get("experts", 0) + mexp
+            bd["mtp"] -= mexp
     expert = bd.get("experts", 0)
     dense = sum(bd.values()) - expert
     return RankParams(pp_rank, layers, dense, expert, bd, rep)
@@ -345,12 +408,14 @@ def all_rank_params(m: ModelConfig, par: ParallelConfig) -> list[RankParams]:
     return [rank_params(m, par, r) for r in range(par.pp)]
 
 
-def _block_list(m: ModelConfig, par: ParallelConfig, i: int) -> list[tuple[str, int, bool]]:
+def _block_list(m: ModelConfig, par: ParallelConfig, i: int, p: str = ""
+                ) -> list[tuple[str, int, bool]]:
+    """Block ``i``'s parameters under the prefix ``p`` (default ``layers.{i}.``)."""
     m = layer_cfg(m, i)
     tp = par.tp
     h, d = m.hidden, m.head_dim
     kv_shards = min(tp, m.kv_heads)
-    p = f"layers.{i}."
+    p = p or f"layers.{i}."
     ln = m.norm == "layernorm"
     out = [(p + "input_layernorm.weight", h, False)]
     out += [(p + "input_layernorm.bias", h, False)] if ln else []
@@ -399,9 +464,10 @@ def param_list(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     n = par.pp * max(1, par.virtual_stages)
     st = stage_layers(m, par)
     out: list[tuple[str, int, bool]] = []
+    if holds_embedding(m, par, pp_rank):  # registered first (a pipeline stage: from any chunk)
+        out.append(("embed_tokens.weight", m.vocab * m.hidden // par.tp, False))
     for k in rank_stages(par, pp_rank):
         if k == 0:
-            out.append(("embed_tokens.weight", m.vocab * m.hidden // par.tp, False))
             if m.positions == "learned":  # replicated over tp
                 out.append(("embed_positions.weight", m.seq_len * m.hidden, False))
         for i in st[k]:
@@ -412,6 +478,13 @@ def param_list(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 out.append(("norm.bias", m.hidden, False))
             if has_head(m, par):
                 out.append(("lm_head.weight", m.hidden * m.vocab // par.tp, False))
+            for j in range(m.mtp_depth):
+                q = f"mtp.{j}."
+                out += [(q + "enorm.weight", m.hidden, False), (q + "hnorm.weight", m.hidden,
+                                                                False),
+                        (q + "eh_proj.weight", 2 * m.hidden * m.hidden, False)]
+                out += _block_list(m, par, m.layers + j, q + "block.")
+                out.append((q + "norm.weight", m.hidden, False))
     return out
 
 
@@ -421,22 +494,36 @@ def block_of(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
-def zero3_unit(m: ModelConfig, par: ParallelConfig):
-    """ZeRO-3's gather unit of a parameter name: its block (−1: the root, i.e. embedding, final
-    norm, head); with pp > 1 its (virtual) stage, the pipeline chunk the executor gathers. The
-    engine's buckets (``memory._buckets``), its buffer replay and the optimizer's per-bucket
-    parameters (``optimizers.opt_buckets``) all cut by it."""
-    if par.pp <= 1:
-        return lambda name: -1 if block_of(name) is None else block_of(name)
+def zero3_unit(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0):
+    """ZeRO-3's gather unit of a parameter name: its block (an MTP module's block k: L + k;
+    −1: the root, i.e. embedding, final norm, head, the MTP modules' norms and eh_proj); with
+    pp > 1 its (virtual) stage, the pipeline chunk the executor
+    gathers (the embedding's copy on a last stage: that stage's). The engine's buckets
+    (``memory._buckets``), its buffer replay and the optimizer's per-bucket parameters
+    (``optimizers.opt_buckets``) all cut by it."""
+    if par.pp <= 1:  # a block (an MTP module's block k: unit L + k), or the root
+        def block(name: str) -> int:
+            b = block_of(name)
+            if b is None and name.startswith("mtp.") and name.split(".")[2] == "block":
+                return m.layers + int(name.split(".")[1])
+            return -1 if b is None else b
+        return block
     n = par.pp * max(1, par.virtual_stages)
     stage_of = {i: k for k, ids in enumerate(stage_layers(m, par)) for i in ids}
+    embed = 0 if 0 in rank_stages(par, pp_rank) else n - 1
 
     def unit(name: str) -> int:
         b = block_of(name)
         if b is not None:
             return stage_of[b]
-        return 0 if name.startswith("embed_tokens") else n - 1
+        return embed if name.startswith("embed_tokens") else n - 1
     return unit
+
+
+def alone(m: ModelConfig, par: ParallelConfig, name: str) -> bool:
+    """A parameter in a bucket of its own: the embedding's copies of the embedding group
+    (``fived.parallel.data.layout.alone``)."""
+    return name == "embed_tokens.weight" and embed_copies(m, par) > 1
 
 
 def ep_destinations_bound(m: ModelConfig, par: ParallelConfig) -> int:

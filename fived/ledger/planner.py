@@ -71,6 +71,7 @@ from .memory import (
     states_floor,
 )
 from .params import (
+    layer_cfg,
     layer_kinds,
     rank_layer_ids,
     rank_layers,
@@ -86,7 +87,9 @@ GPU_ACTIVATIONS = FUSED
 _GROUP_DIMS = {"dense": ("dp", "ep", "cp"), "expert": ("dp", "cp"), "batch": ("dp", "ep"),
                # hybrid sharding (fived.ranks.grid): dp = dp_replicate·N + dp_shard
                "dense_shard": ("dp_shard", "ep", "cp"), "expert_shard": ("dp_shard", "cp"),
-               "dp_replicate": ("dp_replicate",)}
+               "dp_replicate": ("dp_replicate",),
+               # the embedding group: pp 0 and pp − 1, as far apart as the pp group's ends
+               "embed": ("pp",)}
 
 
 def group_dims(name: str) -> tuple[str, ...]:
@@ -252,6 +255,13 @@ def rank_compute(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, r: i
     for j, (shape, n) in enumerate(layer_kinds(m, rank_layer_ids(m, par, r))):
         t = roofline_model.micro_batch_times(shape, par, b, hw, n, first and j == 0, last and j == 0,
                                 clock or roofline_model.ClockOptions())
+        for k, v in t.items():
+            out[k] = out.get(k, 0.0) + v
+    # each multi-token prediction module on the last rank: its block, output norm, the shared
+    # head and the loss (eh_proj's 2h -> h GEMM is not timed)
+    for j in range(m.mtp_depth if last else 0):
+        t = roofline_model.micro_batch_times(layer_cfg(m, m.layers + j), par, b, hw, 1, False,
+                                             True, clock or roofline_model.ClockOptions())
         for k, v in t.items():
             out[k] = out.get(k, 0.0) + v
     return out

@@ -50,6 +50,14 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
 * MoE under cp (and tp with SP): each MoE layer forward all_reduces its (b, E) fp32 routed
   counts over the groups that cut its sequence (the balance loss needs whole-sequence counts);
   a MoE block without a shared expert has only the attention's tp cut, so half the tp pairs.
+* Multi-token prediction (``mtp_depth`` D, on the last stage): each module's block counts as a
+  layer in every formula above; tp adds per module and micro-batch the embedding's and the
+  head's collectives and the cross-entropy's (every local token: the positions without a
+  target are ignored, not dropped), and under SP the gradients of its 3 norms (h) and of
+  eh_proj (2h·h, whole on every tp rank); cp adds per micro-batch one all_gather of the chunk
+  heads, cp·b·2·D int64 (``fived.parallel.context.ContextAhead``).
+* Embedding group (``embed_traffic``): where the first and the last stage are two ranks that
+  both hold the embedding, one all_reduce over the 2 of the embedding bucket's reduced shard.
 * Loss-free balancing (``balance = "bias"``, ``bias_traffic``): once per step, after the
   optimizer step, all_reduce over ``batch`` (dp·ep) of the (ℓ_moe, E) int64 routed counts of
   the rank's MoE layers: 2·(n−1)/n · ℓ_moe·E·8 bytes, n = dp·ep.
@@ -63,7 +71,15 @@ from functools import lru_cache
 from ..comm.volume import bytes_sent
 from ..config import ModelConfig, ParallelConfig
 from .context import ulysses_kv_heads
-from .memory import _state_key, act_bytes, buckets, grad_bytes, group_sizes, param_bytes
+from .memory import (
+    _state_key,
+    act_bytes,
+    buckets,
+    embed_bucket,
+    grad_bytes,
+    group_sizes,
+    param_bytes,
+)
 from .optimizers import opt_buckets
 from .optimizers import traffic as optimizer_traffic_of
 from .params import ep_destinations_bound, rank_moe_layers, rank_stages, stage_layers
@@ -123,10 +139,11 @@ def micro_batch_size(par: ParallelConfig, global_batch: int) -> int:
 
 
 def _local(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, bool, bool]:
+    """(transformer blocks on the rank — the last stage's MTP blocks too —, first, last)."""
     stages = rank_stages(par, pp_rank)
     n = par.pp * max(1, par.virtual_stages)
     layers = sum(len(stage_layers(m, par)[k]) for k in stages)
-    return layers, 0 in stages, n - 1 in stages
+    return layers + (m.mtp_depth if n - 1 in stages else 0), 0 in stages, n - 1 in stages
 
 
 # ------------------------------------------------------------------------ data parallel
@@ -235,27 +252,35 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     if m.qk_norm:  # the q/k norm gains see this rank's heads only, with or without SP
         out.append(Collective("tp", "all_reduce", m.head_dim * grad_bytes(par), t, 2 * layers,
                               "q/k norm-gain grads", "step"))
-    if first:
+    # the embedding's lookups (the first stage's; each MTP module's on the last) and the heads
+    # (the trunk's and each MTP module's, each with its cross-entropy over every local token)
+    embeds = mb * ((1 if first else 0) + (m.mtp_depth if last else 0))
+    heads = mb * (1 + m.mtp_depth) if last else 0
+    if embeds:
         if sp:
-            out += [Collective("tp", "reduce_scatter", x, t, mb, "vocab embedding", "fwd"),
-                    Collective("tp", "all_gather", x, t, mb, "grad of embedding", "bwd")]
+            out += [Collective("tp", "reduce_scatter", x, t, embeds, "vocab embedding", "fwd"),
+                    Collective("tp", "all_gather", x, t, embeds, "grad of embedding", "bwd")]
         else:
-            out.append(Collective("tp", "all_reduce", x, t, mb, "vocab embedding", "fwd"))
-    if last:
+            out.append(Collective("tp", "all_reduce", x, t, embeds, "vocab embedding", "fwd"))
+    if heads:
         if sp:
-            out += [Collective("tp", "all_gather", x, t, mb, "head input", "fwd"),
-                    Collective("tp", "all_gather", x, t, mb, "head input re-gather", "bwd"),
-                    Collective("tp", "reduce_scatter", x, t, mb, "grad of head input", "bwd")]
+            out += [Collective("tp", "all_gather", x, t, heads, "head input", "fwd"),
+                    Collective("tp", "all_gather", x, t, heads, "head input re-gather", "bwd"),
+                    Collective("tp", "reduce_scatter", x, t, heads, "grad of head input", "bwd")]
         else:
-            out.append(Collective("tp", "all_reduce", x, t, mb, "grad of head input", "bwd"))
-        out.append(Collective("tp", "all_reduce", tokens * 4, t, mb, "vocab-parallel CE max",
+            out.append(Collective("tp", "all_reduce", x, t, heads, "grad of head input", "bwd"))
+        out.append(Collective("tp", "all_reduce", tokens * 4, t, heads, "vocab-parallel CE max",
                               "fwd"))
-        out.append(Collective("tp", "all_reduce", 2 * tokens * 4, t, mb,
+        out.append(Collective("tp", "all_reduce", 2 * tokens * 4, t, heads,
                               "vocab-parallel CE sum-exp + target logit", "fwd"))
     if sp:
-        norms = 2 * layers + (1 if last else 0)
+        mtp = m.mtp_depth if last else 0  # enorm, hnorm, norm and eh_proj of each module
+        norms = 2 * layers + (1 if last else 0) + 3 * mtp
         out.append(Collective("tp", "all_reduce", m.hidden * grad_bytes(par), t, norms,
                               "replicated norm-gain grads", "step"))
+        if mtp:
+            out.append(Collective("tp", "all_reduce", 2 * m.hidden * m.hidden * grad_bytes(par),
+                                  t, mtp, "MTP eh_proj grads (sequence shards)", "step"))
         if m.is_moe:  # router and experts are replicated over tp and see different tokens
             gb = grad_bytes(par)
             out.append(Collective("tp", "all_reduce", m.hidden * m.experts * gb, t, moe,
@@ -320,6 +345,9 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                Collective("cp", "send", 2 * b, c, hops, "dK/dV ring", "bwd")]
         if par.recompute in ("full", "selective"):  # the attention core's forward runs again
             out.append(Collective("cp", "send", 2 * b, c, hops, "recompute: K/V ring", "bwd"))
+    if m.mtp_depth and _local(m, par, pp_rank)[2]:  # the chunk heads of the shifted targets
+        out.append(Collective("cp", "all_gather", c * micro_batch * 2 * m.mtp_depth * COUNT_BYTES,
+                              c, par.micro_batches, "MTP: next chunks' first targets", "fwd"))
     return out + _moe_balance_counts(m, par, micro_batch, rank_moe_layers(m, par, pp_rank), "cp")
 
 
@@ -449,6 +477,18 @@ def bias_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[
                        1, "loss-free balance: routed counts (int64)", "step")]
 
 
+# ------------------------------------------------------------------------ embedding group
+def embed_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Collective]:
+    """Megatron's embedding group: on the pipeline's first and last rank, when both hold the
+    embedding (tied head, MTP), one all_reduce over ``embed`` (2 ranks) of the embedding
+    bucket's reduced shard (grad_bytes · padded/N; without ZeRO the whole V·h/tp) per step."""
+    b = embed_bucket(m, par, pp_rank)
+    if b is None:
+        return []
+    return [Collective("embed", "all_reduce", grad_bytes(par) * b.shard, 2, 1,
+                       "embedding group: the two copies' gradients", "step")]
+
+
 # ------------------------------------------------------------------------ everything
 def optimizer_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0,
                       optimizer: str = "adamw") -> list[Collective]:
@@ -469,7 +509,7 @@ def step_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank:
     return (dp_traffic(m, par, pp_rank) + tp_traffic(m, par, micro_batch, pp_rank)
             + pp_traffic(m, par, micro_batch, pp_rank) + cp_traffic(m, par, micro_batch, pp_rank)
             + ep_traffic(m, par, micro_batch, pp_rank) + bias_traffic(m, par, pp_rank)
-            + optimizer_traffic(m, par, pp_rank, optimizer))
+            + embed_traffic(m, par, pp_rank) + optimizer_traffic(m, par, pp_rank, optimizer))
 
 
 def step_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,

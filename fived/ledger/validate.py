@@ -85,7 +85,8 @@ def load(path: Path | str = RUNS) -> list[Run]:
                         ffn=md.get("ffn", kv.get("ffn_mult", 4) * h),
                         seq_len=md.get("seq_len", kv.get("seq_len")),
                         # with pp > 1 Megatron keeps the tied embedding's copy on the last
-                        # stage (a separate head, as an untied model; fived refuses tied + pp)
+                        # stage: the parameters of an untied model, as counted here (its
+                        # embedding-group all-reduce, once per step, is left out)
                         tied_embeddings=kv.get("tied_embeddings", False)
                         and row["parallel"].get("pp", 1) == 1,
                         mlp=md.get("mlp", kv.get("mlp", "swiglu")),

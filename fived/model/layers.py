@@ -195,29 +195,38 @@ class CausalAttention(nn.Module):
         return causal_attention(q, k, v)  # the one name every caller (and a test's patch) uses
 
 
+IGNORE = -1  # a target that adds nothing to the loss (multi-token prediction's last positions)
+
+
 class _TokenCE(torch.autograd.Function):
-    """Σ_t (lse_t − z_t[target_t]), z the logits in fp32, lse their log-sum-exp. Saves the
-    logits as given (the compute dtype: no fp32 copy in bf16), the fp32 lse (one per token)
-    and the targets; backward recomputes softmax(z) = exp(z − lse) from them."""
+    """Σ_t (lse_t − z_t[target_t]), z the logits in fp32, lse their log-sum-exp, over the
+    tokens whose target is not ``IGNORE``. Saves the logits as given (the compute dtype: no
+    fp32 copy in bf16), the fp32 lse (one per token) and the targets; backward recomputes
+    softmax(z) = exp(z − lse) from them (zero rows for ignored tokens)."""
 
     @staticmethod
     def forward(ctx, logits, targets):
         z = logits.float()
         lse = torch.logsumexp(z, dim=-1)
         ctx.save_for_backward(logits, lse, targets)
-        return (lse - z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).sum()
+        valid = targets != IGNORE
+        per = lse - z.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        return torch.where(valid, per, 0.0).sum()
 
     @staticmethod
     def backward(ctx, g):
         logits, lse, targets = ctx.saved_tensors
         p = (logits.float() - lse.unsqueeze(-1)).exp_()
-        p.scatter_add_(-1, targets.unsqueeze(-1), p.new_full(targets.shape + (1,), -1.0))
-        return (p * g).to(logits.dtype), None
+        valid = targets != IGNORE
+        p.scatter_add_(-1, targets.clamp_min(0).unsqueeze(-1),
+                       valid.unsqueeze(-1).to(p.dtype).neg())
+        return (p * (g * valid.unsqueeze(-1).to(p.dtype))).to(logits.dtype), None
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum over tokens of the cross-entropy, in fp32, keeping one copy of the logits in their
-    own dtype for backward (``_TokenCE``). A DTensor (``fived bench tp``'s torch peer, under
+    """Sum over tokens of the cross-entropy (tokens whose target is ``IGNORE`` add nothing), in
+    fp32, keeping one copy of the logits in their own dtype for backward (``_TokenCE``). A
+    DTensor (``fived bench tp``'s torch peer, under
     its ``loss_parallel``) takes torch's own cross-entropy."""
     dt = sys.modules.get("torch.distributed.tensor")
     if dt is not None and isinstance(logits, dt.DTensor):

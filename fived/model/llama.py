@@ -23,6 +23,13 @@ column-cut projection simply yields fewer heads.
 A ``Transformer`` may hold a contiguous part of the stack (``layer_ids``, with the embedding when
 ``first`` and the final norm, head and loss when ``last``): layers keep their global indices, so a
 part's parameters have the names they have in the whole model (``part`` cuts one from a model).
+
+Multi-token prediction (``mtp_depth`` D > 0, ``fived.model.mtp``): ``mtp.{k}.{enorm, hnorm,
+eh_proj, block, norm}`` after the head, ``block`` a ``Block`` at index layers + k; the last part
+holds them, and with them (or with tied embeddings) the embedding too (``holds_embedding``:
+under a pipeline the first and the last stage both hold ``embed_tokens.weight``, the embedding
+group sums its gradient). Training's objective is L⁰ + λ/D·Σ Lᵏ; without gradients (evaluation)
+the modules do not run.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from .cache import KVCache, LayerCache
 from .documents import Documents
 from .init import init_weights
 from .moe import MoE
+from .mtp import MultiTokenPrediction
 
 STD = nn_layers.STD
 OUT_PROJECTIONS = ("o_proj", "down_proj", "w2")  # residual outputs: std / √(2·layers)
@@ -105,16 +113,20 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         ids = list(range(cfg.layers)) if layer_ids is None else list(layer_ids)
-        if first:
+        if holds_embedding(cfg, first, last):
             self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, dtype) for i in ids})
         if last:
             self.norm = nn_layers.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
-            if cfg.tied_embeddings and first:
+            if cfg.tied_embeddings:
                 self.lm_head = nn_layers.TiedHead(self.embed_tokens)
             else:
                 self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
             self.loss = nn_layers.TokenLoss()
+            if cfg.mtp_depth:
+                blocks = [Block(cfg, cfg.layers + k, dtype) for k in range(cfg.mtp_depth)]
+                self.mtp = MultiTokenPrediction(cfg.hidden, cfg.norm_eps, blocks,
+                                                cfg.mtp_loss_weight, dtype)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -138,13 +150,15 @@ class Transformer(nn.Module):
         p = Transformer(self.cfg, [], False, False)
         p.first, p.last = first, last
         del p.layers  # registered again below, after the embedding: the whole model's order
-        if first:  # (ZeRO-3 with pp lays a chunk's flat buffer out in this order; the ledger too)
-            p.embed_tokens = self.embed_tokens
+        if holds_embedding(self.cfg, first, last):  # (ZeRO-3 with pp lays a chunk's flat
+            p.embed_tokens = self.embed_tokens       # buffer out in this order; the ledger too)
         p.layers = nn.ModuleDict()
         for i in layer_ids:
             p.layers[str(i)] = self.layers[str(i)]
         if last:
             p.norm, p.lm_head, p.loss = self.norm, self.lm_head, self.loss
+            if hasattr(self, "mtp"):
+                p.mtp = self.mtp
         return p
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
@@ -171,8 +185,21 @@ class Transformer(nn.Module):
             h = h[:, -1:]
         if not self.last:
             return h
-        logits = self.lm_head(self.norm(h))
-        return logits if targets is None else self.loss(logits, targets)
+        normed = self.norm(h)
+        logits = self.lm_head(normed)
+        if targets is None:
+            return logits
+        loss = self.loss(logits, targets)
+        if hasattr(self, "mtp") and torch.is_grad_enabled() and cache is None:
+            loss = loss + self.mtp(normed, targets, positions, rope, self.embed_tokens,
+                                   self.lm_head, self.loss)
+        return loss
+
+
+def holds_embedding(cfg: ModelConfig, first: bool, last: bool) -> bool:
+    """The first part holds the embedding; the last one too when it reads it (tied head,
+    multi-token prediction's shifted tokens)."""
+    return first or (last and (cfg.tied_embeddings or cfg.mtp_depth > 0))
 
 
 def build_model(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32,

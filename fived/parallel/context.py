@@ -65,6 +65,7 @@ from ..model import layers
 from ..model.documents import doc_mask
 from ..model.layers import doc_attention
 from ..model.moe import moe_layers
+from ..model.mtp import mtp_blocks
 from .counts import add_count_reduction
 from .cp_balance import (  # noqa: F401 - balanced_positions, ptrr_chunks re-exported
     BALANCERS,
@@ -542,15 +543,51 @@ class ContextAttention(nn.Module):
         return MODES[self.mode](q, k, v, self.group, docs=docs)
 
 
+class ContextAhead(nn.Module):
+    """Multi-token prediction's targets 0..D positions ahead (``fived.model.mtp.Ahead``) on a
+    zigzag shard: rank r holds chunks r and 2·cp−1−r of c = S/(2·cp) tokens; chunk g's
+    positions need, beyond its own targets, the first D targets of chunk g+1. One all-gather
+    over cp of every rank's chunk heads (b·2·D token ids per rank, D ≤ c) gives each rank
+    them: b·2·D·8·(cp−1) bytes received per rank per micro-batch, counted on ``cp``."""
+
+    def __init__(self, group: Any):
+        super().__init__()
+        self.group = group
+
+    def forward(self, targets: torch.Tensor, positions: Any, depth: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, r = self.group.size, self.group.rank
+        b, s = targets.shape
+        c = s // 2
+        heads = torch.stack([targets[:, :depth], targets[:, c:c + depth]], dim=1)  # (b, 2, D)
+        every = ops.all_gather(heads.contiguous(), self.group, dim=0).view(n, b, 2, depth)
+        head_of = {}
+        for q in range(n):
+            for a, g in enumerate(chunk_ids(q, n)):
+                head_of[g] = every[q, :, a]
+        cols, inside = [], []
+        for a, g in enumerate(chunk_ids(r, n)):
+            nxt = head_of.get(g + 1, targets.new_zeros(b, depth))
+            ext = torch.cat([targets[:, a * c:(a + 1) * c], nxt], dim=1)
+            cols.append(torch.stack([ext[:, j:j + c] for j in range(depth + 1)], dim=-1))
+            pos = torch.arange(g * c, (g + 1) * c, device=targets.device)
+            inside.append(pos[:, None] + torch.arange(depth + 1, device=targets.device)
+                          < 2 * n * c)
+        return torch.cat(cols, dim=1), torch.cat(inside, dim=0)
+
+
 def apply_cp(model: nn.Module, group: Any, mode: str = "ring", balance: str = "zigzag"
              ) -> nn.Module:
-    """Swap every attention core of a plain model for the cp one (``balance``: the sharding
-    of --cp-balance, ``zigzag`` or ``ptrr``); MoE layers (whose sequences are now cut) sum
-    their routed counts over cp. The batch is sharded by ``shard_batch``."""
+    """Swap every attention core of a plain model (its multi-token prediction blocks too) for
+    the cp one (``balance``: the sharding of --cp-balance, ``zigzag`` or ``ptrr``); MoE layers
+    (whose sequences are now cut) sum their routed counts over cp. The batch is sharded by
+    ``shard_batch``."""
     if group.size == 1:
         return model
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *mtp_blocks(model)]:
         block.self_attn.core = ContextAttention(group, mode, balance)
+    if hasattr(model, "mtp"):  # the shifted targets cross the zigzag chunks' boundaries
+        model.mtp.ahead = ContextAhead(group)
     for moe in moe_layers(model):
         add_count_reduction(moe, group)
     return model

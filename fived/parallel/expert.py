@@ -185,11 +185,12 @@ def apply_ep(model: nn.Module, group: Any, placements: dict[str, Placement],
     (``mode`` = ep_dispatch: ``dispatch``, one row per assignment, or ``dispatch_tokens``).
 
     With any ep (1 included) the routed experts' gradients reduce over ``expert`` (dp·cp)."""
+    names_of = {id(m): n for n, m in model.named_modules()}  # a trunk or an MTP block's MoE
     for moe in moe_layers(model):
         E = moe.cfg.experts
         per = E // group.size
         mine = range(group.rank * per, (group.rank + 1) * per)
-        prefix = f"layers.{moe.layer}.block_sparse_moe.experts."
+        prefix = f"{names_of[id(moe)]}.experts."
         for e in list(moe.experts):
             names = [prefix + n for n, _ in moe.experts[e].named_parameters(prefix=e)]
             if int(e) in mine:
@@ -220,7 +221,7 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
     ``expert_param_bytes``, ``forwards`` and ``counts`` (the routing, for the exact ledger);
     with ``ep_dispatch = tokens`` also ``sent_rows`` (rank × layer × ep rank: the token rows
     the layer sent to each member of its ep group, over the step's micro-batches)."""
-    Lyr, E = cfg.layers, cfg.experts
+    Lyr, E = cfg.layers + cfg.mtp_depth, cfg.experts  # an MTP block's MoE: layer L + k
     head = 6
     n = par.ep if par.ep > 1 and par.ep_dispatch == "tokens" else 0  # rows per (layer, ep rank)
     row = torch.zeros(head + Lyr * E + Lyr * n, dtype=torch.float64)
@@ -260,7 +261,7 @@ def collect_stats(model: torch.nn.Module, cfg: Any, par: Any, placements: dict[s
         "dropped": int(round(float(tot[5]))),
         "aux_loss": cfg.aux_loss_coef * float(tot[3]) / global_seqs,
         "z_loss": cfg.z_loss_coef * float(tot[4]) / global_tokens,
-        "balance": float(tot[3]) / global_seqs / max(cfg.moe_layers, 1),
+        "balance": float(tot[3]) / global_seqs / max(cfg.moe_layers + cfg.mtp_depth, 1),
         "a2a_seconds": float(rows[:, 1].max()),
         "a2a_share": float(rows[:, 2].mean()),
         "expert_param_bytes": [int(v) for v in rows[:, 0].tolist()],

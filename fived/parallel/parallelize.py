@@ -24,14 +24,15 @@ ledger check). The model never learns its layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..config import AUTO, auto_precision
-from ..model.llama import Transformer
+from ..model.llama import Transformer, holds_embedding
+from ..model.mtp import mtp_blocks
 from .context import apply_cp
 from .data import make_engine
 from .expert import apply_ep
@@ -73,7 +74,21 @@ def cut_parts(model: Transformer, grid: Any, par: Any, cp_balance: str = "zigzag
             apply_ep(part, grid["ep"], pl, par.ep_dispatch)
         apply_recompute(part, par.recompute)
         placements.update(pl)
+    embed_group(model.cfg, placements, grid)
     return parts, ids, placements
+
+
+def embed_group(cfg: Any, placements: dict[str, Placement], grid: Any) -> None:
+    """Megatron's embedding group: where the first and the last pipeline stage are two ranks
+    and both hold the embedding (a tied head, multi-token prediction), each holds a copy of
+    the same piece; its gradient, partial on each, is summed over ``embed`` (once per step,
+    after the backward: ``fived.parallel.data.reduce``)."""
+    name = "embed_tokens.weight"
+    last_reads = holds_embedding(cfg, first=False, last=True)
+    if name in placements and last_reads and grid["embed"].size > 1:
+        pl = placements[name]
+        placements[name] = replace(pl, grad_sum=pl.grad_sum + ("embed",),
+                                   copies=grid["embed"].size)
 
 
 def parallelize(model: Transformer, grid: Any, par: Any, train: Any, source: Any = None,
@@ -88,8 +103,10 @@ def parallelize(model: Transformer, grid: Any, par: Any, train: Any, source: Any
         executor = PipelineExecutor(model.cfg, par, grid, stage, next(stage.parameters()).dtype)
     else:
         stage, executor = parts[0], None
-    # ZeRO-3's gather units: the blocks; with pp the chunks (the executor gathers them)
-    units = list(stage.chunk_models) if par.pp > 1 else list(stage.layers.values())
+    # ZeRO-3's gather units: the blocks (the MTP modules' blocks after the trunk's); with pp
+    # the chunks (the executor gathers them)
+    units = (list(stage.chunk_models) if par.pp > 1
+             else [*stage.layers.values(), *mtp_blocks(stage)])
     engine = make_engine(stage, grid, par, train, placements, units, source, device)
     return Parallelized(stage, placements, engine, executor)
 

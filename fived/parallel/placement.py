@@ -18,8 +18,11 @@ gradient is summed over:
                    summed before the data-parallel reduction (e.g. ``("tp",)`` for norm weights
                    under sequence parallelism).
 
-The global gradient norm counts every element once: a piece held by ``tp / parts`` tp ranks is
-weighted by ``parts / tp`` (``norm_weight``).
+* ``copies``       pipeline ranks holding the same piece (2 for the embedding on the first and
+                   the last stage, Megatron's embedding group; summed over ``embed``).
+
+The global gradient norm counts every element once: a piece held by ``tp / parts`` tp ranks and
+``copies`` pipeline ranks is weighted by ``parts / (tp·copies)`` (``norm_weight``).
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ class Placement:
     index: int = 0
     grad_group: str = "dense"
     grad_sum: tuple[str, ...] = ()
+    copies: int = 1
 
     def norm_weight(self, tp: int) -> float:
-        """The share of this piece in the global norm: 1 / (tp ranks holding the same piece)."""
-        return self.parts / tp
+        """The share of this piece in the global norm: 1 / (tp and pipeline ranks holding the
+        same piece)."""
+        return self.parts / (tp * self.copies)
 
     def cut(self, dim: int, parts: int, index: int) -> Placement:
         return replace(self, dim=dim, parts=parts, index=index)

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..model.mtp import mtp_blocks
+
 
 def _checkpointed(module: nn.Module) -> None:
     inner = module.forward
@@ -36,6 +38,6 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     """``mode``: none | selective (attention cores) | full (whole blocks)."""
     if mode == "none":
         return model
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *mtp_blocks(model)]:
         _checkpointed(block if mode == "full" else block.self_attn.core)
     return model

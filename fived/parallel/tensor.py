@@ -291,7 +291,7 @@ class _VocabParallelCE(torch.autograd.Function):
         z = z - m.unsqueeze(-1)
         ez = z.exp()
         local = targets - start
-        inside = (local >= 0) & (local < v)
+        inside = (local >= 0) & (local < v)  # an ignored target (IGNORE) is inside no slice
         idx = local.clamp(0, v - 1)
         target_z = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * inside
         both = torch.stack([ez.sum(-1), target_z])
@@ -299,8 +299,11 @@ class _VocabParallelCE(torch.autograd.Function):
         sumexp, target_z = both[0].clone(), both[1]  # sumexp alone is kept
         # one copy of the logits, in their own dtype, and two fp32 numbers per token: the
         # softmax of the local slice is recomputed in backward by the same ops (same bits)
-        ctx.save_for_backward(logits, m, sumexp, idx, inside)
-        return (sumexp.log() - target_z).sum()
+        # an ignored token (target IGNORE, inside no slice) keeps an infinite Σexp: its
+        # softmax, and so its gradient row, is zero
+        valid = targets != nn_layers.IGNORE
+        ctx.save_for_backward(logits, m, torch.where(valid, sumexp, torch.inf), idx, inside)
+        return torch.where(valid, sumexp.log() - target_z, 0.0).sum()
 
     @staticmethod
     def backward(ctx, g):
@@ -490,7 +493,21 @@ TP_PLAN: tuple[PlanRow, ...] = (
     PlanRow("norm", Partial(), SP),
     PlanRow("lm_head", VocabOut()),
     PlanRow("loss", VocabLoss()),
+    # multi-token prediction: each module's block is cut by the block rows above (its names
+    # "mtp.{k}.block.X" match them as "layers.{k}.X": ``_plan_name``); its norms and eh_proj
+    # (2h -> h) stay whole on every tp rank, partial over tp under SP (a sequence shard)
+    PlanRow("mtp.*.enorm", Partial(), SP),
+    PlanRow("mtp.*.hnorm", Partial(), SP),
+    PlanRow("mtp.*.eh_proj", Partial(), SP),
+    PlanRow("mtp.*.norm", Partial(), SP),
 )
+
+
+def _plan_name(name: str) -> str:
+    """The name a module matches the plan under: a multi-token prediction block's modules
+    (``mtp.{k}.block.X``) as a trunk block's (``layers.{k}.X``), so every block row — those
+    of any attention or feed-forward a block is built with — cuts them alike."""
+    return re.sub(r"^mtp\.(\d+)\.block(\.|$)", r"layers.\1\2", name)
 
 
 def _matcher(pattern: str) -> re.Pattern:
@@ -510,7 +527,7 @@ def apply_tp(model: Transformer, group: Any, placements: dict[str, Placement],
     t = _TP(model, group, placements, sequence_parallel, Columns(group, sequence_parallel,
                                                                  overlap))
     rows = [(_matcher(r.pattern), r) for r in plan]
-    named = [(name, module, [r for m, r in rows if m.fullmatch(name)])
+    named = [(name, module, [r for m, r in rows if m.fullmatch(_plan_name(name))])
              for name, module in model.named_modules()]
     covered = {n for name, module, mine in named if any(r.cut.places for r in mine)
                for n, _ in module.named_parameters(prefix=name)}

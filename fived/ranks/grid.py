@@ -25,6 +25,12 @@ contiguous ranks), and adds:
 Without it (M = 1) they are ``dense``, ``expert`` and one rank, and ``connect`` makes no new
 process group for them (``--dp`` alone: today's groups exactly).
 
+One group is not a product of dimensions: ``embed``, Megatron's embedding group — inside a pp
+group, the rank holding the first pipeline stage and the one holding the last (pp 0 and
+pp − 1; a V-shaped schedule puts both on pp 0, a group of one), which both hold the embedding
+when the head is tied to it or multi-token prediction reads it; every other rank is a group of
+one. Its gradient is summed there once per step.
+
 ``DERIVED`` is the one list of derived groups and ``GROUP_NAMES`` (dimensions, then derived) the
 one list of every group name: code that needs the names (traffic keys, tables) imports them.
 
@@ -42,7 +48,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import DIMS, ParallelConfig
+from ..config import DIMS, V_SCHEDULES, ParallelConfig
 
 DERIVED: dict[str, tuple[str, ...]] = {
     "dense": ("dp", "ep", "cp"),
@@ -55,7 +61,8 @@ DERIVED: dict[str, tuple[str, ...]] = {
     "expert_shard": ("dp_shard", "cp"),
     "dp_replicate": ("dp_replicate",),
 }
-GROUP_NAMES: tuple[str, ...] = (*DIMS, *DERIVED)
+EMBED = "embed"  # the embedding group: the ends of each pipeline (not a product of dimensions)
+GROUP_NAMES: tuple[str, ...] = (*DIMS, *DERIVED, EMBED)
 HYBRID_GROUPS: tuple[str, ...] = ("dense_shard", "expert_shard", "dp_replicate")
 SUB_DIMS = ("dp_shard", "dp_replicate")  # dp's two sub-dimensions (hybrid sharding)
 
@@ -89,11 +96,17 @@ class Grid:
     rank: int = 0
     groups: dict[str, DimGroup] = field(default_factory=dict)
     dp_shard: int = 0  # N, the shard part of dp (0: all of dp, flat ZeRO)
+    v_shaped: bool = False  # a V-shaped pipeline schedule: the first and last stage on pp 0
 
     @classmethod
     def from_config(cls, par: ParallelConfig, rank: int = 0) -> Grid:
         shard = par.shard_degree if par.hybrid else 0
-        return cls({d: par.degree(d) for d in DIMS}, tuple(par.order), rank, dp_shard=shard)
+        return cls({d: par.degree(d) for d in DIMS}, tuple(par.order), rank, dp_shard=shard,
+                   v_shaped=par.schedule in V_SCHEDULES)
+
+    def embed_ends(self) -> tuple[int, ...]:
+        """The pp coordinates of the pipeline's first and last stage (one with a V)."""
+        return (0,) if self.v_shaped else tuple(sorted({0, self.degrees["pp"] - 1}))
 
     # ------------------------------------------------------------ hybrid sharding
     def sub_degrees(self) -> dict[str, int]:
@@ -142,6 +155,11 @@ class Grid:
         may name dp's sub-dimensions dp_shard, dp_replicate: dp = dp_replicate·N + dp_shard)."""
         c = self.coords(rank)
         st = self.strides()
+        if dims == (EMBED,):  # the embedding group: the pipeline's two ends, or one rank
+            if c["pp"] not in self.embed_ends():
+                return (sum(c[d] * st[d] for d in DIMS),)
+            return tuple(sorted(sum((e if d == "pp" else c[d]) * st[d] for d in DIMS)
+                                for e in self.embed_ends()))
         sub = self.sub_degrees()
         n = sub["dp_shard"]
         c["dp_shard"], c["dp_replicate"] = c["dp"] % n, c["dp"] // n
@@ -201,7 +219,15 @@ class Grid:
             dims = self.named_dims(name)
             parts = self.partition(dims)
             mine = self.members(dims)
-            if len(mine) == 1:
+            if name == EMBED:  # groups of two and of one side by side: every rank calls
+                multi = [list(p) for p in parts if len(p) > 1]
+                pg = None
+                if len(mine) == self.world_size:
+                    pg = dist.group.WORLD
+                elif multi:
+                    got, _ = dist.new_subgroups_by_enumeration(multi, backend=backend)
+                    pg = got if len(mine) > 1 else None
+            elif len(mine) == 1:
                 pg = None
             elif len(mine) == self.world_size:
                 pg = dist.group.WORLD

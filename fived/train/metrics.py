@@ -30,13 +30,16 @@ class LiveDisplay:
             TextColumn("tok/s {task.fields[tps]}"),
             TextColumn("MFU {task.fields[mfu]}"),
             *([TextColumn("a2a {task.fields[moe]}")] if getattr(model, "is_moe", False) else []),
+            # multi-token prediction: each module's loss, module 1 first
+            *([TextColumn("mtp [cyan]{task.fields[mtp]}")] if getattr(model, "mtp_depth", 0)
+              else []),
             TimeRemainingColumn(),
             console=self.console,
             transient=False,
         )
         self.progress.start()
         self.task = self.progress.add_task("train", total=train.steps, loss="-", tps="-", mfu="-",
-                                           moe="")
+                                           moe="", mtp="-")
         self.first_loss: float | None = None
 
     def update(self, rec: dict[str, Any]) -> None:
@@ -46,6 +49,7 @@ class LiveDisplay:
             self.task, completed=rec["step"] + 1, loss=f"{rec['loss']:.4f}", tps=f"{rec['tokens_per_s']:.0f}",
             mfu=_mfu(rec["mfu"]),
             moe=f"{100 * rec['moe']['a2a_share']:.0f}%" if rec.get("moe") else "",
+            mtp="/".join(f"{v:.4f}" for v in rec.get("mtp_losses", [])),
         )
         if rec.get("moe"):
             self.progress.console.print(f"step {rec['step']}: {moe_line(rec['moe'])}")

@@ -34,6 +34,8 @@ class TensorBoard:
         for name, v in (rec.get("loss_by_source") or {}).items():
             if v is not None:
                 w.add_scalar(f"train/loss_{name}", float(v), s)
+        for k, v in enumerate(rec.get("mtp_losses") or [], start=1):  # each MTP module's
+            w.add_scalar(f"train/mtp_loss_{k}", float(v), s)
         mems = rec.get("memory_per_rank") or []
         if mems:
             worst = max(mems, key=lambda m: sum(m.get(k, 0) for k in STATE))

@@ -38,6 +38,7 @@ from ..model import build_model
 from ..model.documents import micro_positions
 from ..model.init import InitSource
 from ..model.moe import moe_layers
+from ..model.mtp import mtp_blocks
 from ..optim import lr_at
 from ..parallel.balance import RouteBalancer, RoutingStatistics
 from ..parallel.parallelize import dtype_of, parallelize
@@ -90,8 +91,8 @@ class Trainer:
             source = HFSource(train.init_from, model_cfg)
         elif init:
             source = InitSource(train.seed, model.param_std)
-        if train.compile:  # torch.compile each block (the GPU path's option)
-            for blk in model.layers.values():
+        if train.compile:  # torch.compile each block (the GPU path's option), MTP's too
+            for blk in [*model.layers.values(), *mtp_blocks(model)]:
                 blk.compile()
         self.parallel = parallelize(model, self.grid, par, train, source, self.device)
         self.world_metrics = DimGroup("metrics", tuple(range(world)), rank,
@@ -232,6 +233,9 @@ class Trainer:
         scaler = getattr(self.engine, "scaler", None)  # fp16: the aux losses are scaled too
         for hook in self.pre_step:  # MoE: d(step loss)/d(local aux sum); a mixture's tallies
             hook((scaler.scale if scaler else 1.0) / global_tokens)
+        mtp = getattr(self.stage, "mtp", None)  # multi-token prediction: its modules' tallies
+        if mtp is not None:
+            mtp.reset()
         local_loss = self.forward_backward(x, y, positions, 1.0 / global_tokens)
         phases.enter("reduce")
         self.engine.finish()
@@ -243,7 +247,8 @@ class Trainer:
         # the loss before the update: both it and the norm are global, so every rank sees the
         # same bad step (fived.train.resilience) and skips it (the engine's overflow skip
         # covers a non-finite norm; a non-finite loss alone is skipped here)
-        loss = self.global_loss(local_loss, preempt) / global_tokens
+        losses = self.global_losses(self.step_losses(local_loss, mtp), preempt)
+        loss = losses[0] / global_tokens
         bad = non_finite(loss, grad_norm, self.par.precision == "fp16")
         phases.enter("optimizer")
         stepped = (self.engine.step(lr) if math.isfinite(loss)
@@ -255,6 +260,8 @@ class Trainer:
         seconds = time.perf_counter() - t0
         rec = {"step": step, "loss": loss, "tokens": global_tokens, "seconds": seconds,
                "lr": lr, "grad_norm": grad_norm, "skipped": not stepped, "bad": bad}
+        if self.cfg.mtp_depth:  # each module's loss, over the same tokens as the trunk's
+            rec["mtp_losses"] = [v / global_tokens for v in losses[1:]]
         if self.loader is not None:  # seconds this step waited for the prefetch thread
             rec["data_wait_s"] = self.loader.wait_s - waited
         for record in self.on_record:  # a mixture's loss per source; MoE: tokens per expert,
@@ -323,19 +330,36 @@ class Trainer:
             self.trace.__exit__(None, None, None)
             self.trace = None
 
+    def step_losses(self, local: torch.Tensor, mtp: Any) -> torch.Tensor:
+        """This rank's summed losses: the objective's alone, or with multi-token prediction
+        [the trunk's, module 1's, ..., module D's] (the trunk's is the objective less
+        λ/D·Σ modules'; zeros on a pipeline rank without the last stage)."""
+        d = self.cfg.mtp_depth
+        if not d:
+            return local.double().reshape(1)
+        each = (mtp.tally.to(local.device) if mtp is not None
+                else torch.zeros(d, dtype=torch.float64, device=local.device))
+        trunk = local.double().reshape(1) - self.cfg.mtp_loss_weight / d * each.sum()
+        return torch.cat([trunk, each])
+
     def global_loss(self, local: torch.Tensor, preempt: Any = None) -> float:
         """Σ token losses over the world: each token's loss is counted on one tp rank's copy.
-        dense × tp × pp is the world, so an active ``preempt``'s vote, a second element beside
-        the loss, is summed over every rank and handed back (``preempt.count``): the preemption
+        dense × tp × pp is the world, so an active ``preempt``'s vote, an element after the
+        losses, is summed over every rank and handed back (``preempt.count``): the preemption
         agreement costs no collective of its own (fived.train.resilience)."""
-        t = local.double().reshape(1) / self.grid.degrees["tp"]
+        return self.global_losses(local.double().reshape(1), preempt)[0]
+
+    def global_losses(self, local: torch.Tensor, preempt: Any = None) -> list[float]:
+        """``global_loss`` of each element of ``local`` (one all-reduce per group for all)."""
+        t = local.double().reshape(-1) / self.grid.degrees["tp"]
+        n = t.numel()
         if preempt is not None and preempt.active:
             t = torch.cat([t, t.new_tensor([preempt.vote()])])
         for group in self.loss_groups:
             ops.all_reduce(t, group)
-        if t.numel() > 1:
-            preempt.count(float(t[1]))
-        return float(t[0])
+        if t.numel() > n:
+            preempt.count(float(t[n]))
+        return [float(v) for v in t[:n]]
 
     def gather_stats(self, mem: dict[str, int]) -> tuple[list[dict], list[dict]]:
         """Every rank's memory and traffic, on every rank (a metrics-only collective)."""

@@ -7,6 +7,8 @@ dp·ep·cp, ``expert`` dp·cp; hybrid sharding: their shard parts ``dense_shard`
 ``Grid.shard_group``), then cut into buckets of at most ``par.bucket_mb`` of gradient
 (``buckets.split_buckets``, the ledger's cut). ZeRO-3 lays out per gather unit instead
 (``zero3.UnitLayout``: one bucket per (unit, group), the last unit first, the root last).
+A parameter summed over the embedding group (the embedding's copies on the first and the last
+pipeline stage) is a bucket of its own (``alone``).
 
 Build (per bucket): a zeroed flat buffer of ``padded`` elements in the compute dtype on the
 rank's device; each parameter still on the meta device gets its slot filled from ``source``
@@ -28,6 +30,19 @@ from torch import nn
 
 from ..placement import Placement
 from .buckets import Bucket, Named, by_group, split_buckets
+
+
+def alone(named: list[Named], placements: dict[str, Placement]) -> list[list[Named]]:
+    """``named`` cut so that every parameter summed over the embedding group (``embed`` in its
+    ``grad_sum``) is a run of its own: its bucket, and so its shards, are laid out alike on the
+    first and the last pipeline stage, and the reduced shards are summed over the group."""
+    out: list[list[Named]] = [[]]
+    for item in named:
+        if "embed" in placements[item[0]].grad_sum:
+            out += [[item], []]
+        else:
+            out[-1].append(item)
+    return [r for r in out if r]
 
 
 class Layout:
@@ -57,7 +72,8 @@ class Layout:
             for name, items in by_group(run, self.placements).items():
                 # hybrid sharding: ZeRO over the group's shard part (dense_shard, expert_shard)
                 group = self.grid[self.grid.shard_group(name)]
-                for piece in self.split(items):
+                for piece in [p for run in alone(items, self.placements)
+                              for p in self.split(run)]:
                     buckets.append(Bucket(piece, [self.placements[n] for n, _ in piece], name,
                                           group, self.sharding.shard_count(group),
                                           len(buckets), tp, unit, align_rows=self.align_rows))

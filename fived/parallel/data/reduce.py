@@ -14,6 +14,13 @@ communication overlaps the rest of backward. With transient buffers (``GradStore
 k) launching bucket n waits for bucket n − k − 1 of the group first. ``finish()`` starts
 whatever is left (a bucket with an unused parameter, or everything with ``--no-overlap``) and
 waits for all of them. Bytes sent per rank per step: the ``Sharding``'s (ddp.py, zero12.py).
+
+A gradient summed over the embedding group (``embed``: the first and last pipeline stage's
+copies of the embedding, a bucket of their own laid out alike on both: ``layout.alone``) is
+summed in ``finish``, once its bucket is reduced over data parallelism: the owned shard (the
+whole buffer without ZeRO) is all-reduced over ``embed``, after the backward as Megatron does —
+never in the hook, where a blocking all-reduce inside the last stage's backward would hold back
+the gradient the first stage waits for — and last, so both copies get the same bits.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from torch import nn
 
 from ...comm import ops
 from .buckets import Bucket
+
+DEFERRED = "embed"  # summed in ``finish``, over the reduced shard (the embedding group)
 
 
 class Reduction:
@@ -76,6 +85,8 @@ class Reduction:
         if not self.last_micro or not self.overlap:
             return
         for name in b.grad_sum[j]:
+            if name == DEFERRED:
+                continue
             ops.all_reduce(b.view(self.stage.ensure_grad(b), j), self.grid[name])
         b.ready += 1
         if b.ready == len(b.params):
@@ -108,7 +119,7 @@ class Reduction:
         weights under sequence parallelism (with overlap the hook does it)."""
         for b in self.buckets:
             for j, names in enumerate(b.grad_sum):
-                for name in names:
+                for name in (n for n in names if n != DEFERRED):
                     ops.all_reduce(b.view(self.stage.ensure_grad(b), j), self.grid[name])
 
     def finish(self) -> None:
@@ -122,4 +133,7 @@ class Reduction:
             self.next[name] = len(seq)
         for b in self.buckets:
             self.wait(b)
+        for b in self.buckets:  # the embedding group: the reduced shards, summed
+            if any(DEFERRED in names for names in b.grad_sum):
+                ops.all_reduce(b.grad_shard, self.grid[DEFERRED])
         self.gathers.after_finish()

@@ -198,14 +198,17 @@ class StageModel(nn.Module):
         self.stage_ids = stage_ids
         self.chunk_models = chunks
         self.first, self.last = chunks[0].first, chunks[-1].last
-        if self.first:
-            self.embed_tokens = chunks[0].embed_tokens
+        embed = [c.embed_tokens for c in chunks if hasattr(c, "embed_tokens")]
+        if embed:  # the first stage's; the last stage's too (tied head, multi-token prediction)
+            self.embed_tokens = embed[0]
         self.layers = nn.ModuleDict()
         for c in chunks:
             for k, blk in c.layers.items():
                 self.layers[k] = blk
         if self.last:
             self.norm, self.lm_head = chunks[-1].norm, chunks[-1].lm_head
+            if hasattr(chunks[-1], "mtp"):
+                self.mtp = chunks[-1].mtp
 
     @property
     def layer_ids(self) -> list[int]:

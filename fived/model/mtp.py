@@ -1,0 +1,121 @@
+"""Multi-token prediction (DeepSeek-V3 §2.2): D modules after the trunk, module k predicting the
+token k+1 positions ahead, sharing the embedding E and the output head W_head with the trunk.
+
+With tokens t (the inputs x and the targets y, y_i = t_{i+1}) and h⁰ = RMSNorm_final(h_L), the
+trunk's normed output:
+
+    h'ᵏ_i = W_ehᵏ [ RMSNorm_eᵏ(E[t_{i+k}]) ; RMSNorm_hᵏ(hᵏ⁻¹_i) ]         (2h -> h)
+    hᵏ    = RMSNorm_outᵏ( Blockᵏ(h'ᵏ) )                                 (one transformer block)
+    Lᵏ    = Σ_{i : i+k < S} CE(W_head hᵏ_i, t_{i+1+k})
+    loss  = L⁰ + λ/D · Σ_k Lᵏ                                           (L⁰: the trunk's)
+
+Every Lᵏ is a sum over tokens, divided by the same global token count as the trunk's (fived's
+loss convention): DeepSeek's 1/T · Σ_{i=2+k}^{T+1}, so the last k positions of a sequence, whose
+target lies beyond it, add nothing. The concatenation puts the embedding first (the order of
+DeepSeek's released ``eh_proj`` and of Megatron-Core; the report's equation writes h first),
+and every module has its own output norm (``shared_head.norm`` in DeepSeek's weights,
+``final_layernorm`` in Megatron-Core); the head itself and the embedding are the trunk's.
+hᵏ⁻¹ is the previous module's normed output (h⁰ the trunk's, after the final norm), as in
+both.
+
+Module k reads the token t_{i+k} = y_{i+k−1} and the target t_{i+1+k} = y_{i+k}: everything it
+needs is the targets, shifted, so a pipeline's last stage (which has the targets) runs the
+modules. ``Ahead`` gives, for every local position, the targets 0..D positions ahead and
+whether they exist; on one rank a shift of the local rows, under context parallelism a module
+of ``fived.parallel.context`` that fetches the heads of the successor chunks.
+
+The sequence keeps its length through every module (a position without a target gets the
+target ``IGNORE``, which adds nothing to the loss), so tensor, sequence and context
+parallelism cut a module exactly as a trunk block, and the vocab-parallel loss exchanges the
+same per-token values on every rank. Evaluation and generation ignore the modules (they run
+only where gradients are recorded: the objective of a training step);
+``MultiTokenPrediction.tally`` keeps each micro-batch's Lᵏ, detached, for the step's report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import layers as nn_layers
+
+
+def ahead_of(targets: torch.Tensor, depth: int) -> torch.Tensor:
+    """(b, s, depth+1): [..., j] the targets j positions ahead (0 beyond the sequence)."""
+    padded = F.pad(targets, (0, depth))
+    return torch.stack([padded[:, j:j + targets.shape[1]] for j in range(depth + 1)], dim=-1)
+
+
+class Ahead(nn.Module):
+    """The targets 0..D positions ahead of each local position, and where they exist: the
+    whole sequence is on this rank (context parallelism swaps in its fetching module)."""
+
+    def forward(self, targets: torch.Tensor, positions: torch.Tensor, depth: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        s = targets.shape[1]
+        inside = torch.arange(s, device=targets.device)[:, None] + torch.arange(
+            depth + 1, device=targets.device) < s
+        return ahead_of(targets, depth), inside
+
+
+def mtp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of ``model``'s multi-token prediction modules ([] without): the
+    dimensions that act on every block (context, recompute) act on these too."""
+    mtp = getattr(model, "mtp", None)
+    return [m.block for m in mtp.modules_in_order()] if mtp is not None else []
+
+
+class MTPModule(nn.Module):
+    """One module: ``enorm``, ``hnorm``, ``eh_proj`` (2h -> h), the transformer ``block`` (built
+    by the model: the trunk's block class at index layers + k) and its output ``norm``."""
+
+    def __init__(self, hidden: int, eps: float, block: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.enorm = nn_layers.RMSNorm(hidden, eps, dtype)
+        self.hnorm = nn_layers.RMSNorm(hidden, eps, dtype)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False, dtype=dtype)
+        self.block = block
+        self.norm = nn_layers.RMSNorm(hidden, eps, dtype)
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, rope: tuple) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
+        return self.norm(self.block(x, rope))
+
+
+class MultiTokenPrediction(nn.Module):
+    """The D modules (``0 .. D−1`` predict 2 .. D+1 tokens ahead), the ``Ahead`` lookup and the
+    step's tally of each module's loss."""
+
+    def __init__(self, hidden: int, eps: float, blocks: list[nn.Module], weight: float,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.depth, self.weight = len(blocks), weight
+        for k, blk in enumerate(blocks):
+            self.add_module(str(k), MTPModule(hidden, eps, blk, dtype))
+        self.ahead = Ahead()
+        self.reset()
+
+    def modules_in_order(self) -> list[MTPModule]:
+        return [self._modules[str(k)] for k in range(self.depth)]
+
+    def reset(self) -> None:
+        """A new step: nothing tallied."""
+        self.tally = torch.zeros(self.depth, dtype=torch.float64)
+
+    def forward(self, h0: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+                rope: tuple, embed: Callable, head: Callable, loss: Callable) -> torch.Tensor:
+        """λ/D · Σ_k Lᵏ for one micro-batch (h0: the trunk's normed output, local shape);
+        each Lᵏ, detached, is added to ``tally``."""
+        ahead, inside = self.ahead(targets, positions, self.depth)
+        total, h = None, h0
+        losses = []
+        for k, mod in enumerate(self.modules_in_order(), start=1):
+            h = mod(h, embed(ahead[..., k - 1].contiguous()), rope)
+            lk = loss(head(h), torch.where(inside[:, k], ahead[..., k], nn_layers.IGNORE))
+            losses.append(lk.detach().double().reshape(1))
+            total = lk if total is None else total + lk
+        self.tally = self.tally.to(h0.device) + torch.cat(losses)
+        return total * (self.weight / self.depth)
