@@ -76,10 +76,21 @@ def export_hf(ckpt: Path, man: dict[str, Any], out: Path, dtype: torch.dtype | N
     saved = getattr(torch, tensors[f"model.{param_names(man)[0]}"]["dtype"])
     esize = torch.empty((), dtype=dtype or saved).element_size()
     sizes = {n: math.prod(tensors[f"model.{n}"]["shape"]) * esize for n in param_names(man)}
-    shards = hf.plan_shards(sizes, max_shard_bytes)
     cfg = model_of(man)
+    buffers = {}  # DeepSeek-V3 carries each MoE layer's selection bias (zeros if never trained)
+    if hf.family(cfg) == "deepseek_v3":
+        src = CheckpointSource(ckpt, man)
+        for layer in range(cfg.first_dense_layers, cfg.layers):
+            name = f"layers.{layer}.block_sparse_moe.route_bias"
+            saved = src.buffer(name)
+            buffers[name] = (saved if saved is not None
+                             else torch.zeros(cfg.experts)).to(torch.float32)
+            sizes[name] = buffers[name].numel() * 4
+    shards = hf.plan_shards(sizes, max_shard_bytes)
     for i, names in enumerate(shards):
-        hf.write_shard(whole_model(ckpt, man, dtype, names), out, i, len(shards), cfg)
+        params = whole_model(ckpt, man, dtype, [n for n in names if n not in buffers])
+        params.update({n: buffers[n] for n in names if n in buffers})
+        hf.write_shard(params, out, i, len(shards), cfg)
         if progress:
             progress(i + 1, len(shards))
     return hf.write_index(shards, sizes, cfg, out, str(dtype or saved).replace("torch.", ""))
@@ -95,6 +106,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, seq_len: int | None = No
     # streamed: DCP's writer asks for one tensor at a time, read from the files only then
     state = {f"model.{n}": Pieces.lazy(s, DTYPES[dtype], lambda n=n: src.read(n))
              for n, s in shapes.items()}
+    if cfg.is_moe and cfg.balance == "bias":  # the selection biases (DeepSeek-V3's), fp32
+        state.update({f"buffer.{n}": src.buffer(n) for n in src.buffers})
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
     storage.clean_tmp(root)

@@ -1,0 +1,109 @@
+"""Hugging Face DeepSeek-V3 (multi-head latent attention, YaRN, sigmoid routing over node
+groups with the selection bias, shared experts, dense first blocks, routed scaling) in and out:
+random ``DeepseekV3ForCausalLM`` models from small configs, saved locally, import into fived
+with transformers' logits to 1e-5 — one rank with and without query compression, then tp2+SP,
+ep2·tp2, ep2·pp2 and cp2 — and a fived checkpoint trained from one exports back, loading in
+transformers with fived's logits. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_hf import (  # noqa: E402
+    SEQ,
+    _layout_logits,
+    check_export_is_trained,
+    close,
+    hf_logits,
+    tokens,
+    train_and_export,
+)
+
+from fived.checkpoint import hf  # noqa: E402
+from fived.config import ConfigError, ParallelConfig  # noqa: E402
+from fived.testing import run_ranks  # noqa: E402
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def deepseek_config(q_lora: bool = True, yarn: bool = True, **over):
+    kw = dict(vocab_size=256, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+              q_lora_rank=16 if q_lora else None, kv_lora_rank=12, qk_nope_head_dim=8,
+              qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=3,
+              n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+              routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+              max_position_embeddings=32, num_mtp_layers=0,
+              rope_parameters=YARN if yarn else {"rope_type": "default", "rope_theta": 50000.0})
+    kw.update(over)
+    return transformers.DeepseekV3Config(**kw)
+
+
+def make_deepseek(path, q_lora: bool = True, yarn: bool = True, **over):
+    """A random DeepSeek-V3 saved to ``path``; returns it (eval, fp32). Norm gains away from 1,
+    the selection bias away from 0 (it changes which experts are chosen)."""
+    torch.manual_seed(0)
+    m = transformers.DeepseekV3ForCausalLM(deepseek_config(q_lora, yarn, **over))
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+        for n, b in m.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    m.save_pretrained(path)
+    return m.eval()
+
+
+@pytest.mark.parametrize("q_lora,yarn", [(True, True), (False, False)])
+def test_import_gives_transformers_logits(tmp_path, q_lora, yarn):
+    ref = make_deepseek(tmp_path, q_lora, yarn)
+    from fived.model import build_model
+
+    cfg = hf.model_config(hf.read_config(tmp_path, "--init-from"), seq_len=SEQ)
+    assert cfg.is_mla and cfg.kv_lora_rank == 12 and cfg.q_lora_rank == (16 if q_lora else 0)
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (8, 4, 6)
+    assert cfg.yarn == yarn and cfg.routed_scaling_factor == 2.5
+    assert (cfg.route_groups, cfg.route_top_groups, cfg.shared_ffn) == (4, 2, 32)
+    assert cfg.first_dense_layers == 1 and cfg.router == "sigmoid" and cfg.balance == "bias"
+    model = build_model(cfg, 0)
+    hf.load_hf_into(model, tmp_path)
+    assert model.layers["1"].block_sparse_moe.route_bias.abs().max() > 0
+    with torch.no_grad():
+        got = model(tokens(), torch.arange(SEQ)).numpy()
+    close(got, hf_logits(ref))
+
+
+def test_interleaved_rope_rows_round_trip():
+    cfg = hf.model_config(deepseek_config().to_dict())
+    w = torch.randn(4 * 12, 16)
+    for name in ("layers.0.self_attn.q_b_proj.weight", "layers.0.self_attn.kv_a_proj_with_mqa.weight"):
+        t = w if "q_b" in name else torch.randn(16, 32)
+        there = hf.interleave_rope(name, t, cfg)
+        assert not torch.equal(there, t)
+        assert torch.equal(hf.interleave_rope(name, there, cfg, inverse=True), t)
+
+
+def test_deepseek_refusals():
+    base = deepseek_config().to_dict()
+    for bad, word in [({"scoring_func": "softmax"}, "scoring_func"),
+                      ({"n_shared_experts": 0}, "n_shared_experts"),
+                      ({"attention_bias": True}, "attention_bias")]:
+        with pytest.raises(ConfigError, match=word):
+            hf.model_config({**base, **bad})
+    cfg = hf.model_config(base)
+    from dataclasses import replace
+    with pytest.raises(ConfigError, match="router"):
+        hf.hf_config(replace(cfg, router="softmax"))
+    assert hf.hf_config(cfg)["model_type"] == "deepseek_v3"
