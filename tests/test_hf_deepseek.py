@@ -7,11 +7,9 @@ transformers with fived's logits. Nothing is downloaded."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,17 +18,13 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(__file__))
 from test_hf import (  # noqa: E402
     SEQ,
-    _layout_logits,
-    check_export_is_trained,
     close,
     hf_logits,
     tokens,
-    train_and_export,
 )
 
 from fived.checkpoint import hf  # noqa: E402
-from fived.config import ConfigError, ParallelConfig  # noqa: E402
-from fived.testing import run_ranks  # noqa: E402
+from fived.config import ConfigError  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,

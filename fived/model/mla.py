@@ -108,7 +108,7 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
                 cache: LayerCache | None = None) -> torch.Tensor:
         cos, sin = rope[0], rope[1]  # a third item: the document ids (--doc-mask)
-        dn, dr, dv = self.dn, self.dr, self.dv
+        dn, dr = self.dn, self.dr
         q = self.query(x)
         b, s = q.shape[0], q.shape[1]
         q = q.view(b, s, -1, dn + dr)
