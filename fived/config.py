@@ -237,6 +237,16 @@ PRESETS: dict[str, ModelConfig] = {
     # Qwen3-MoE's routing (softmax, top-k renormalised) on tiny shapes, for tests
     "qwen3-moe-tiny": ModelConfig(name="qwen3-moe-tiny", ffn=96, moe_ffn=32, experts=8,
                                   top_k=4, norm_topk_prob=True, router="softmax"),
+    # DeepSeek-V3's shapes on tiny widths, for tests: MLA with query compression and YaRN,
+    # sigmoid routing over 4 groups (best 2) with the selection bias, a shared expert of twice
+    # the experts' width, the first block dense, routed scaling
+    "deepseek-v3-tiny": ModelConfig(
+        name="deepseek-v3-tiny", hidden=32, layers=3, heads=4, kv_heads=4, ffn=64, seq_len=16,
+        norm_eps=1e-6, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=6, rope_factor=4.0, rope_original_max_positions=8, rope_mscale_all_dim=0.8,
+        experts=8, top_k=3, moe_ffn=16, shared_expert=True, shared_expert_ffn=32,
+        router="sigmoid", balance="bias", route_groups=4, route_top_groups=2,
+        first_dense_layers=1, routed_scaling_factor=2.5, aux_loss_coef=0.0001, z_loss_coef=0.0),
     "small": ModelConfig(
         name="small", vocab=256, hidden=128, layers=8, heads=8, kv_heads=4, ffn=352, seq_len=128
     ),
@@ -281,6 +291,36 @@ PRESETS: dict[str, ModelConfig] = {
         ffn=10944, seq_len=4096, norm_eps=1e-6, experts=64, top_k=6, moe_ffn=1408,
         norm_topk_prob=False, shared_expert=True, shared_expert_ffn=2816, first_dense_layers=1,
         aux_loss_coef=0.001,
+    ),
+    # DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3; DeepSeek-AI, "DeepSeek-V3 Technical
+    # Report", 2024): MLA (q_lora_rank 1536, kv_lora_rank 512, heads of 128 + 64 rotary, v 128),
+    # YaRN (factor 40 over 4096, mscale = mscale_all_dim = 1), 256 routed experts of 2048 top-8
+    # over 8 groups (best 4), sigmoid scores with the selection bias, 1 shared expert, the
+    # first 3 blocks dense (18432), routed_scaling_factor 2.5, aux_loss_alpha 0.001; trained
+    # at seq 4096. The MTP module (num_nextn_predict_layers 1) is not part of this preset
+    "deepseek-v3-671b": ModelConfig(
+        name="deepseek-v3-671b", vocab=129280, hidden=7168, layers=61, heads=128,
+        kv_heads=128, ffn=18432, seq_len=4096, rope_theta=10000.0, norm_eps=1e-6,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, rope_factor=40.0, rope_original_max_positions=4096,
+        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+        experts=256, top_k=8, moe_ffn=2048, shared_expert=True, shared_expert_ffn=2048,
+        router="sigmoid", balance="bias", route_groups=8, route_top_groups=4,
+        first_dense_layers=3, routed_scaling_factor=2.5, aux_loss_coef=0.001, z_loss_coef=0.0,
+    ),
+    # Kimi K2 (config.json of moonshotai/Kimi-K2-Instruct; Kimi Team, "Kimi K2: Open Agentic
+    # Intelligence", 2025): DeepSeek-V3's architecture with 64 heads, 384 routed experts top-8
+    # without groups (n_group 1), the first block dense, routed_scaling_factor 2.827, vocab
+    # 163840, rope_theta 50000, YaRN factor 32 with beta_fast = beta_slow = 1
+    "kimi-k2": ModelConfig(
+        name="kimi-k2", vocab=163840, hidden=7168, layers=61, heads=64, kv_heads=64,
+        ffn=18432, seq_len=4096, rope_theta=50000.0, norm_eps=1e-6,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, rope_factor=32.0, rope_original_max_positions=4096,
+        rope_beta_fast=1.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+        experts=384, top_k=8, moe_ffn=2048, shared_expert=True, shared_expert_ffn=2048,
+        router="sigmoid", balance="bias", first_dense_layers=1, routed_scaling_factor=2.827,
+        aux_loss_coef=0.001, z_loss_coef=0.0,
     ),
 }
 

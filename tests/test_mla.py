@@ -1,0 +1,163 @@
+"""Multi-head latent attention (``fived.model.mla``) under every dimension: the tiny
+DeepSeek-V3-shaped preset (query compression, YaRN, sigmoid routing over groups with the
+selection bias, a shared expert, a dense first block) trains at tp2 (± SP), cp2 (ring and
+Ulysses), pp2, dp2 ZeRO-3, ep2 and full recompute to the one-rank reference's losses and
+gradients; the 4-rank layouts (ep2·tp2+SP, tp2·cp2·pp… ) are under ``-m slow``; bad MLA fields
+are one clear error."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fived.config import ConfigError, ParallelConfig, preset, validate
+from fived.testing import small_train
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parity_helpers import check_parity, one_rank, train_runs  # noqa: E402
+
+DS = preset("deepseek-v3-tiny")
+PLAIN_Q = replace(DS, name="mla-plain-q", q_lora_rank=0, rope_factor=1.0,
+                  rope_mscale_all_dim=0.0, experts=0, shared_expert=False, route_groups=0,
+                  route_top_groups=0, first_dense_layers=0, balance="aux_loss",
+                  router="softmax", layers=2)
+TRAIN = small_train(steps=3)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {m.name: one_rank(m, TRAIN) for m in (DS, PLAIN_Q)}
+
+
+WORLD2 = [
+    (DS, ParallelConfig(tp=2), TRAIN),
+    (DS, ParallelConfig(tp=2, sequence_parallel=True), TRAIN),
+    (PLAIN_Q, ParallelConfig(tp=2, sequence_parallel=True), TRAIN),
+    (DS, ParallelConfig(cp=2), TRAIN),
+    (DS, ParallelConfig(cp=2, cp_mode="ulysses"), TRAIN),
+    (DS, ParallelConfig(pp=2, micro_batches=2), TRAIN),
+    (DS, ParallelConfig(dp=2, zero=3, recompute="full"), TRAIN),
+    (DS, ParallelConfig(ep=2), TRAIN),
+]
+
+
+def test_world2_layouts_match_one_rank(reference):
+    """One spawn of 2 ranks trains every layout; each equals the one-rank run (losses of every
+    step on every rank, the gathered first-step gradients: the latent projections and norms,
+    the rotary key's projection rows summed over tp)."""
+    outs = train_runs(WORLD2)
+    for (m, par, _), out in zip(WORLD2, outs):
+        check_parity(out, reference[m.name], (m.name, par.describe()))
+    ref = reference[DS.name]
+    assert ref["losses"][-1] < ref["losses"][0]
+
+
+@pytest.mark.slow
+def test_world4_layouts_match_one_rank(reference):
+    runs = [(DS, ParallelConfig(ep=2, tp=2, sequence_parallel=True)),
+            (DS, ParallelConfig(tp=2, cp=2, pp=2, micro_batches=2, sequence_parallel=True,
+                                zero=1)),
+            (DS, ParallelConfig(tp=4))]
+    outs = train_runs([(m, p, TRAIN) for m, p in runs])
+    for (m, par), out in zip(runs, outs):
+        check_parity(out, reference[m.name], (m.name, par.describe()))
+
+
+def test_the_model_has_deepseeks_shapes():
+    from fived.model import build_model
+
+    model = build_model(DS, 1)
+    p = dict(model.named_parameters())
+    a = "layers.0.self_attn."
+    assert p[a + "q_a_proj.weight"].shape == (16, 32)
+    assert p[a + "q_b_proj.weight"].shape == (4 * 12, 16)
+    assert p[a + "kv_a_proj_with_mqa.weight"].shape == (12 + 4, 32)
+    assert p[a + "kv_b_proj.weight"].shape == (4 * (8 + 6), 12)
+    assert p[a + "o_proj.weight"].shape == (32, 4 * 6)
+    x = torch.randint(0, DS.vocab, (2, DS.seq_len))
+    model(x, torch.arange(DS.seq_len), x).backward()
+    assert all(q.grad is not None and q.grad.abs().sum() > 0 for q in p.values())
+
+
+@pytest.mark.parametrize("change,par,words", [
+    (dict(qk_rope_head_dim=5), ParallelConfig(), "qk_rope_head_dim 5 must be even"),
+    (dict(kv_lora_rank=0), ParallelConfig(), "kv_lora_rank 0:"),
+    (dict(), ParallelConfig(tp=3), "attention heads 4"),
+    (dict(v_head_dim=20), ParallelConfig(), "v_head_dim 20"),
+    (dict(qk_norm=True), ParallelConfig(), "qk_norm = True with MLA"),
+])
+def test_bad_mla_fields_are_one_clear_error(change, par, words):
+    with pytest.raises(ConfigError) as e:
+        validate(replace(DS, **change), par)
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize("par", [ParallelConfig(), ParallelConfig(tp=2),
+                                 ParallelConfig(tp=2, pp=2), ParallelConfig(ep=2, tp=2)],
+                         ids=["one-rank", "tp2", "tp2-pp2", "ep2-tp2"])
+def test_ledger_params_are_the_runtime_pieces(par):
+    """``param_list`` (names, elements) and ``rank_params`` (with what tp replicates: the
+    down-projections and latent norms) are each rank's cut MLA model."""
+    from parity_helpers import offline_grid
+
+    from fived.ledger import params
+    from fived.model import build_model
+    from fived.parallel.parallelize import parallelize_parts
+
+    for rank in range(par.world_size):
+        grid = offline_grid(par, rank)
+        parts, placements = parallelize_parts(build_model(DS, 0, device="meta", init=False),
+                                              grid, par)
+        have = [(n, p.numel()) for part in parts for n, p in part.named_parameters()]
+        pp_rank = grid.coords(rank)["pp"]
+        want = [(n, k) for n, k, _ in params.param_list(DS, par, pp_rank)]
+        if par.pp > 1:
+            have, want = sorted(have), sorted(want)
+        if par.ep > 1:  # the ledger numbers a rank's experts from 0: compare the counts
+            have, want = sorted(k for _, k in have), sorted(k for _, k in want)
+        assert have == want, (rank, par.describe())
+        rp = params.rank_params(DS, par, pp_rank)
+        assert rp.total == sum(p.numel() for part in parts for p in part.parameters())
+        whole = sum(p.numel() for part in parts for n, p in part.named_parameters()
+                    if placements[n].parts == 1)
+        assert rp.replicated_in_tp == (whole if par.tp > 1 else rp.replicated_in_tp)
+
+
+def test_ledger_flops_count_mla_matmuls():
+    """2·Ψ_matmul per token is what the forward's matmuls do (torch's FLOP counter, a dense
+    MLA block with and without query compression); the core's 2·s·H·(d_q + d_v) is GQA's
+    4·s·heads·head_dim when v is as wide as q/k (CPU SDPA is not counted by torch)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fived.ledger import compute, params
+    from fived.model import build_model
+
+    for m in (replace(PLAIN_Q, q_lora_rank=16), PLAIN_Q, replace(PLAIN_Q, v_head_dim=12)):
+        model = build_model(m, 0)
+        x = torch.randint(0, m.vocab, (2, m.seq_len))
+        with FlopCounterMode(display=False) as fc:
+            model(x, torch.arange(m.seq_len))
+        got = fc.get_flop_counts()["Global"]
+        mm = sum(v for k, v in got.items() if "mm" in str(k))
+        tokens = 2 * m.seq_len
+        assert mm == 2 * params.layers_matmul_params(m, range(m.layers)) * tokens \
+            + 2 * m.hidden * m.vocab * tokens
+        if m.v_head_dim == m.qk_head_dim:  # GQA's 4·s·heads·head_dim at head_dim = d_q
+            assert compute.attention_flops_per_token(m) == \
+                4 * m.layers * m.seq_len * m.heads * m.qk_head_dim
+
+
+def test_deepseek_v3_and_kimi_k2_presets_count_their_published_sizes():
+    from fived.ledger import params
+
+    ds, k2 = preset("deepseek-v3-671b"), preset("kimi-k2")
+    assert params.total_params(ds) == 671_026_404_352  # "671B total, 37B activated"
+    assert round(params.active_params(ds) / 1e9) == 38 and params.active_params(ds) > 37e9
+    assert round(params.total_params(k2) / 1e12, 2) == 1.03  # "1.04T total, 32B activated"
+    assert round(params.active_params(k2) / 1e9) == 33
+    for m in (ds, k2):
+        validate(m, ParallelConfig())
