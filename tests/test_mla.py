@@ -45,13 +45,27 @@ WORLD2 = [
 ]
 
 
+def check_traffic(out: dict, model, par: ParallelConfig) -> None:
+    """The tp and cp bytes every rank recorded in the last step == the ledger's formulas."""
+    from fived.ledger.traffic import cp_traffic, tp_traffic
+
+    micro = TRAIN.global_batch // (par.dp * par.ep) // par.micro_batches
+    for s in out["ranks"]:
+        pp_rank = s.get("coords", {}).get("pp", 0) if par.pp > 1 else 0
+        for group, fn in (("tp", tp_traffic), ("cp", cp_traffic)):
+            want = sum(c.bytes for c in fn(model, par, micro, pp_rank))
+            assert s["history"][-1]["traffic"].get(group, 0) == want, (par.describe(), group)
+
+
 def test_world2_layouts_match_one_rank(reference):
     """One spawn of 2 ranks trains every layout; each equals the one-rank run (losses of every
     step on every rank, the gathered first-step gradients: the latent projections and norms,
-    the rotary key's projection rows summed over tp)."""
+    the rotary key's projection rows summed over tp), and its tp and cp bytes are the
+    ledger's."""
     outs = train_runs(WORLD2)
     for (m, par, _), out in zip(WORLD2, outs):
         check_parity(out, reference[m.name], (m.name, par.describe()))
+        check_traffic(out, m, par)
     ref = reference[DS.name]
     assert ref["losses"][-1] < ref["losses"][0]
 
