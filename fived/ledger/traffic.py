@@ -39,7 +39,8 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
 * CP ring (``cp_traffic``), per layer per micro-batch, B = b·s_l·kv_local·d·e (one of K or V):
   forward (cp−1) sends of K and V (2B each), backward (cp−1)·2B again plus (cp−1)·2B of dK/dV;
   selective or full recompute reruns the forward ring once more.
-  Ulysses: per layer and direction 4 all_to_all of q, k', v', out.
+  Ulysses: per layer and direction 4 all_to_all of q, k', v', out (full recompute: the
+  forward's 4 once more; selective: q, k', v' once more).
 * EP (``ep_traffic``), per MoE layer per micro-batch, T = b·s_l·top_k·h·e routed token bytes
   (s_l/tp under SP): the routing counts all_to_all(E·8 bytes), forward dispatch and combine
   all_to_all(T), backward the same two — (E − E/n)·8 + 4·(n−1)/n·T with uniform routing. The
@@ -364,6 +365,12 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                Collective("cp", "all_to_all", k, c, 2 * per, "k and v", "fwd"),
                Collective("cp", "all_to_all", q, c, 2 * per, "grads of q and out", "bwd"),
                Collective("cp", "all_to_all", k, c, 2 * per, "grads of k and v", "bwd")]
+        if par.recompute in ("full", "selective"):  # the forward's all-to-alls again: full
+            # reruns the block (q, k, v and out), selective the core (q, k, v in; its output
+            # is not checkpointed's to redo)
+            out += [Collective("cp", "all_to_all", q, c, (2 if par.recompute == "full" else 1)
+                               * per, "recompute: q (and out)", "bwd"),
+                    Collective("cp", "all_to_all", k, c, 2 * per, "recompute: k and v", "bwd")]
     else:
         b = tokens * kv_local * d * 4  # one of K or V: the ring sends them (and dK/dV) in fp32
         hops = (c - 1) * per
