@@ -230,3 +230,29 @@ def test_dry_run_matches_the_ledger():
     ids=["tp2-cp2-ep2-sp", "tp2-pp2-selective", "ulysses-full"])
 def test_dry_run_matches_the_ledger_4d(par):
     check_dry_run(par)
+
+
+def megatron_mla_bytes_per_token(m, t: int) -> float:
+    """Megatron-Core's saved bytes per token of one dense MLA layer, bf16, SP, no recompute,
+    TE spec (docs/ledger.md derives it from multi_latent_attention.py): 8h/t + 4·r_q/t +
+    (4·r_kv + 2·d_r)/t + 4·H·(d_q + d_v)/t + 6f/t."""
+    return (8 * m.hidden + 4 * m.q_lora_rank + 4 * m.kv_lora_rank + 2 * m.qk_rope_head_dim
+            + 4 * m.heads * (m.qk_head_dim + m.v_head_dim) + 6 * m.ffn) / t
+
+
+@pytest.mark.parametrize("t", [1, 8])
+def test_layer_activations_against_megatron_mla(t):
+    """DeepSeek-V3's dense block at seq 4096, bf16, SP: the ledger's bytes are Megatron-Core's
+    plus what fived keeps besides — the fp32 1/rms of four norms and the log-sum-exp,
+    (16 + 4H)/t, and v and the core's output padded to d_q with o_proj's d_v copy,
+    2·H·(2·d_q − d_v)/t (Megatron's cuDNN core takes v at d_v)."""
+    from fived.ledger import memory
+    from fived.ledger.params import dense_block_cfg
+
+    m = dense_block_cfg(preset("deepseek-v3-671b"))
+    par = ParallelConfig(tp=t, sequence_parallel=t > 1, precision="bf16")
+    ours = sum(memory.layer_activations(m, par, 1, memory.FUSED).values()) / m.seq_len
+    meg = megatron_mla_bytes_per_token(m, t)
+    pad = 2 * m.heads * (2 * m.qk_head_dim - m.v_head_dim) / t
+    assert ours == pytest.approx(meg + (16 + 4 * m.heads) / t + pad)
+    assert 1.19 < ours / meg < 1.20
