@@ -24,7 +24,7 @@ from test_hf import (  # noqa: E402
 )
 
 from fived.checkpoint import hf  # noqa: E402
-from fived.config import ConfigError  # noqa: E402
+from fived.config import ConfigError, ParallelConfig  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -101,3 +101,26 @@ def test_deepseek_refusals():
     with pytest.raises(ConfigError, match="router"):
         hf.hf_config(replace(cfg, router="softmax"))
     assert hf.hf_config(cfg)["model_type"] == "deepseek_v3"
+
+
+def test_greedy_equals_transformers_generate(tmp_path):
+    """fived generate's latent cache (absorbed decode steps) gives transformers' greedy tokens
+    for a random DeepSeek-V3 (YaRN, query compression, groups, the selection bias)."""
+    from fived.comm.ops import Traffic
+    from fived.infer.generate import generate
+    from fived.infer.model import inference_model
+    from fived.ranks.grid import Grid
+
+    ref = make_deepseek(tmp_path, max_position_embeddings=64)
+    ref.generation_config.eos_token_id = None
+    prompts = [[1, 2, 3, 4, 5], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            y = ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                             pad_token_id=0)
+            want.append(y[0, len(p):].tolist())
+    cfg = hf.model_config(hf.read_config(tmp_path, "--hf"), "--hf", 64)
+    grid = Grid.from_config(ParallelConfig(), 0).connect(Traffic())
+    model = inference_model(cfg, grid, hf.HFSource(tmp_path, cfg, "--hf"), "cpu")
+    assert generate(model, prompts, 12).tokens == want

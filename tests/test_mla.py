@@ -256,3 +256,51 @@ def test_layer_activations_against_megatron_mla(t):
     pad = 2 * m.heads * (2 * m.qk_head_dim - m.v_head_dim) / t
     assert ours == pytest.approx(meg + (16 + 4 * m.heads) / t + pad)
     assert 1.19 < ours / meg < 1.20
+
+
+# ------------------------------------------------------------------ generation: the latent cache
+def _tp_generate(rank: int, world: int, cfg) -> list[list[int]]:
+    from fived.comm import ops
+    from fived.comm.ops import Traffic
+    from fived.infer.generate import generate
+    from fived.infer.model import inference_model
+    from fived.model.init import InitSource
+    from fived.model.llama import Transformer
+    from fived.ranks.grid import Grid
+
+    grid = Grid.from_config(ParallelConfig(tp=world), rank).connect(Traffic())
+    src = InitSource(3, Transformer(cfg, [], False, False).param_std)
+    model = inference_model(cfg, grid, src, "cpu")
+    return generate(model, PROMPTS, 12,
+                    gather=lambda z: ops.all_gather(z, grid["tp"], dim=-1)).tokens
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+
+
+def test_latent_cache_generates_the_no_cache_tokens_absorbed_or_not_and_at_tp2():
+    """Greedy tokens with the latent cache equal a no-cache loop over the plain model, batched
+    or alone, with the up-projections absorbed, expanded or "auto"; the cache holds
+    layers·b·slots·(r_kv + d_r) values; tp2 (each rank its heads, the latent whole) gives the
+    same tokens."""
+    from test_generate import no_cache
+
+    from fived.infer.generate import generate
+    from fived.model import build_model
+    from fived.model.mla import MLAttention
+    from fived.testing import run_ranks
+
+    cfg = replace(DS, seq_len=64)
+    model = build_model(cfg, 3).eval()
+    want = [no_cache(model, p, 12) for p in PROMPTS]
+    for mode in (False, True, "auto"):
+        for m in model.modules():
+            if isinstance(m, MLAttention):
+                m.absorb = mode
+        out = generate(model, PROMPTS, 12)
+        assert out.tokens == want, mode
+        assert generate(model, PROMPTS[1:2], 12).tokens[0] == want[1]
+    slots = max(map(len, PROMPTS)) + 12
+    assert out.cache_bytes == cfg.layers * 3 * slots * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    for got in run_ranks(_tp_generate, 2, cfg):
+        assert got == want

@@ -29,9 +29,10 @@ with SP). Names are DeepSeek's and transformers' ``DeepseekV3Attention``'s:
 
 Generation keeps the latent: per token and layer r_kv + d_r values (c after its norm, kᴿ after
 RoPE) in the ``KVCache`` slots of keys and values — against GQA's 2·kv_heads·head_dim. Each
-decode step expands the cached latent through W_kvb (``absorb = False``), or folds W_kvb's key
-half into the query and its value half into the output (``absorb = True``: q̃ = qᴺ·W_kbᵀ
-attends to c directly, o_h = (softmax · c) W_vbᵀ), which needs no per-token expansion.
+forward expands the cached latent through W_kvb (``absorb = False``), or folds W_kvb's key half
+into the query and its value half into the output (``absorb = True``: q̃ = qᴺ·W_kbᵀ attends to
+c directly, o_h = (softmax · c) W_vbᵀ), which needs no per-token expansion; the default
+``"auto"`` absorbs for decode steps and expands at prefill.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from ..config import ModelConfig
 from . import layers as nn_layers
 from .cache import LayerCache
 
+ABSORB_BELOW = 8  # generation's "auto": absorbed for fewer new tokens (decode), expanded at
+# prefill (benchmarks/mla_generate.py measured both on this CPU: docs/generate.md)
 LATENT_EPS = 1e-6  # the latent norms' epsilon (DeepSeek's RMSNorm default; transformers' too)
 
 
@@ -98,7 +101,9 @@ class MLAttention(nn.Module):
         self.rope_key = nn.Identity()  # tensor parallelism sums its gradient over tp
         self.core = nn_layers.CausalAttention()
         self.gain = softmax_gain(cfg)
-        self.absorb = False  # generation: fold W_kvb into the query and output
+        # generation: fold W_kvb into the query and output (True), expand the cached latent
+        # (False), or "auto": absorbed when fewer new tokens than ABSORB_BELOW (decode steps)
+        self.absorb: bool | str = "auto"
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -144,7 +149,8 @@ class MLAttention(nn.Module):
         """The new queries against every cached latent: (b, n, H, d_v)."""
         c_all, kr_all, allowed = cache.update(c.unsqueeze(2), k_rope)
         c_all = c_all.squeeze(2)  # (b, t, r_kv), kr_all (b, t, 1, d_r)
-        if not self.absorb:
+        absorb = q.shape[1] < ABSORB_BELOW if self.absorb == "auto" else self.absorb
+        if not absorb:
             k, v = self.expand(c_all, kr_all)
             return nn_layers.masked_attention(q, k, v, allowed)[..., :self.dv]
         # absorbed: scores = qᴺ·W_kb·c + qᴿ·kᴿ, output = (p·c)·W_vbᵀ (per head)
