@@ -2,14 +2,16 @@
 groups with the selection bias, shared experts, dense first blocks, routed scaling) in and out:
 random ``DeepseekV3ForCausalLM`` models from small configs, saved locally, import into fived
 with transformers' logits to 1e-5 — one rank with and without query compression, then tp2+SP,
-ep2·tp2, ep2·pp2 and cp2 — and a fived checkpoint trained from one exports back, loading in
+ep2·tp2 and ep2·pp2 — and a fived checkpoint trained from one exports back, loading in
 transformers with fived's logits. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,13 +20,16 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(__file__))
 from test_hf import (  # noqa: E402
     SEQ,
+    _layout_logits,
     close,
     hf_logits,
     tokens,
+    train_and_export,
 )
 
 from fived.checkpoint import hf  # noqa: E402
 from fived.config import ConfigError, ParallelConfig  # noqa: E402
+from fived.testing import run_ranks  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -124,3 +129,52 @@ def test_greedy_equals_transformers_generate(tmp_path):
     grid = Grid.from_config(ParallelConfig(), 0).connect(Traffic())
     model = inference_model(cfg, grid, hf.HFSource(tmp_path, cfg, "--hf"), "cpu")
     assert generate(model, prompts, 12).tokens == want
+
+
+def test_import_into_layouts_gives_transformers_logits(tmp_path):
+    """--init-from into tp2+SP, ep2·tp2 and ep2·pp2 (the selection bias read too):
+    transformers' logits to 1e-5 on every rank that holds them (cp2's parity with one rank:
+    tests/test_mla.py)."""
+    d = tmp_path / "ds"
+    ref = make_deepseek(d)
+    jobs = [(d, ParallelConfig(tp=2, dp=2, sequence_parallel=True)),
+            (d, ParallelConfig(ep=2, tp=2)),
+            (d, ParallelConfig(ep=2, pp=2))]
+    res = run_ranks(_layout_logits, 4, jobs, timeout=600)
+    want = hf_logits(ref)
+    for i in range(len(jobs)):
+        got = [r[i] for r in res if r[i] is not None]
+        assert got
+        for g in got:
+            close(g, want)
+
+
+def test_export_loads_in_transformers_with_fived_logits(tmp_path):
+    """Train 2 steps from a DeepSeek-V3 at ep2 (ZeRO-1), export: transformers loads a
+    DeepseekV3ForCausalLM with DeepSeek's names (interleaved rotary rows, the selection bias as
+    e_score_correction_bias) and gives fived's logits of the trained checkpoint."""
+    src = tmp_path / "src"
+    make_deepseek(src)
+    cfg, ck, out = train_and_export(tmp_path, src, ParallelConfig(ep=2, zero=1))
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["DeepseekV3ForCausalLM"] and conf["rope_interleave"]
+    keys = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in keys
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in keys
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in keys
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in keys
+    from fived.checkpoint.convert import CheckpointSource, whole_model
+    from fived.checkpoint.storage import read_manifest, resolve
+    from fived.model import build_model
+
+    ckpt = resolve(ck)
+    man = read_manifest(ckpt)
+    model = build_model(cfg, 0)
+    model.load_state_dict(whole_model(ckpt, man), strict=False)
+    for n, b in model.named_buffers():  # the trained selection biases
+        b.copy_(CheckpointSource(ckpt, man).buffer(n))
+    with torch.no_grad():
+        mine = model(tokens(), torch.arange(SEQ)).numpy()
+    trained = hf_logits(out)
+    close(trained, mine)
+    assert np.abs(trained - hf_logits(src)).max() > 1e-4
