@@ -304,3 +304,22 @@ def test_latent_cache_generates_the_no_cache_tokens_absorbed_or_not_and_at_tp2()
     assert out.cache_bytes == cfg.layers * 3 * slots * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     for got in run_ranks(_tp_generate, 2, cfg):
         assert got == want
+
+
+def test_the_clock_times_mla_at_its_own_shapes():
+    """The roofline's GEMMs of an MLA block are 2·block_matmul_params FLOPs per token (tp1 and
+    tp8+SP, where the down-projections see the sequence shard but are whole), its flash core
+    2·s²·H·(d_q + d_v)/2 forward."""
+    from fived.ledger import params, roofline
+
+    m = preset("deepseek-v3-671b")
+    dense = params.dense_block_cfg(m)
+    ops = roofline.block_ops(dense, ParallelConfig(precision="bf16"), 1, roofline.ClockOptions())
+    gemm = sum(o.flops for o in ops["fwd"] if o.kind == "gemm")
+    assert gemm == pytest.approx(2 * params.block_matmul_params(dense) * m.seq_len)
+    attn = sum(o.flops for o in ops["fwd"] if o.kind == "attn")
+    assert attn == pytest.approx(2 * m.seq_len ** 2 * m.heads * (192 + 128) / 2)
+    sp = ParallelConfig(tp=8, sequence_parallel=True, precision="bf16")
+    ops8 = roofline.block_ops(dense, sp, 1, roofline.ClockOptions())
+    down = sum(o.flops for o in ops8["fwd"] if o.name in ("q_a", "kv_a"))
+    assert down == pytest.approx(2 * m.hidden * (1536 + 512 + 64) * m.seq_len / 8)
