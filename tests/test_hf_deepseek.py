@@ -2,7 +2,7 @@
 groups with the selection bias, shared experts, dense first blocks, routed scaling) in and out:
 random ``DeepseekV3ForCausalLM`` models from small configs, saved locally, import into fived
 with transformers' logits to 1e-5 — one rank with and without query compression, then tp2+SP,
-ep2·tp2 and ep2·pp2 — and a fived checkpoint trained from one exports back, loading in
+ep2·tp2, ep2·pp2 and cp2 (ring and Ulysses) — and a fived checkpoint trained from one exports back, loading in
 transformers with fived's logits. Nothing is downloaded."""
 
 from __future__ import annotations
@@ -133,8 +133,7 @@ def test_greedy_equals_transformers_generate(tmp_path):
 
 def test_import_into_layouts_gives_transformers_logits(tmp_path):
     """--init-from into tp2+SP, ep2·tp2 and ep2·pp2 (the selection bias read too):
-    transformers' logits to 1e-5 on every rank that holds them (cp2's parity with one rank:
-    tests/test_mla.py)."""
+    transformers' logits to 1e-5 on every rank that holds them (cp2: the next test)."""
     d = tmp_path / "ds"
     ref = make_deepseek(d)
     jobs = [(d, ParallelConfig(tp=2, dp=2, sequence_parallel=True)),
@@ -147,6 +146,19 @@ def test_import_into_layouts_gives_transformers_logits(tmp_path):
         assert got
         for g in got:
             close(g, want)
+
+
+def test_import_at_cp2_gives_transformers_logits(tmp_path):
+    """--init-from at cp2, ring and Ulysses over the decompressed heads (YaRN positions of
+    each zigzag shard): transformers' logits to 1e-5, put back in sequence order."""
+    from hf_ranks import _cp_logits
+
+    ref = make_deepseek(tmp_path)
+    want = hf_logits(ref)
+    layouts = [ParallelConfig(cp=2), ParallelConfig(cp=2, cp_mode="ulysses")]
+    for per_rank in run_ranks(_cp_logits, 2, tmp_path, layouts):
+        for got in per_rank:
+            close(got, want)
 
 
 def test_export_loads_in_transformers_with_fived_logits(tmp_path):
