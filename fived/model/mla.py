@@ -161,6 +161,6 @@ class MLAttention(nn.Module):
         scores = (torch.einsum("bnhr,btr->bhnt", q_lat, c_all)
                   + torch.einsum("bnhd,btd->bhnt", q[..., dn:], kr_all.squeeze(2)))
         scores = scores / math.sqrt(dn + self.dr)
-        p = scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(c_all.dtype)
+        p = scores.float().masked_fill(~allowed, float("-inf")).softmax(-1).to(c_all.dtype)
         o_lat = torch.einsum("bhnt,btr->bnhr", p, c_all)
         return torch.einsum("bnhr,hvr->bnhv", o_lat, w_v)
