@@ -79,7 +79,7 @@ def test_world2_layouts_match_one_rank(reference):
 def test_world4_layouts_match_one_rank(reference):
     runs = [(DS, ParallelConfig(ep=2, tp=2, sequence_parallel=True)),
             (DS, ParallelConfig(tp=2, cp=2, sequence_parallel=True)),
-            (DS, ParallelConfig(tp=2, dp=2, zero=1, cp_mode="ulysses", sequence_parallel=True)),
+            (DS, ParallelConfig(tp=2, cp=2, zero=1, cp_mode="ulysses", sequence_parallel=True)),
             (DS, ParallelConfig(tp=4))]
     outs = train_runs([(m, p, TRAIN) for m, p in runs])
     for (m, par), out in zip(runs, outs):
