@@ -101,6 +101,34 @@ class ModelConfig:
                                 "before RoPE (Qwen3: self_attn.{q,k}_norm)", flag="")
     qkv_bias: bool = spec(False, "a bias on the q, k and v projections, none on o (Qwen2)",
                           flag="")
+    # Multi-head latent attention (DeepSeek-V2/V3, fived.model.mla): kv_lora_rank > 0 turns it
+    # on; heads then have q/k width qk_nope_head_dim + qk_rope_head_dim and v width v_head_dim
+    q_lora_rank: int = spec(0, "MLA: the query's latent width (0: a plain query projection; "
+                               "DeepSeek-V3: 1536)", flag="", ge=0)
+    kv_lora_rank: int = spec(0, "MLA: the joint key/value latent width (0: no MLA, grouped-query "
+                                "attention; DeepSeek-V3: 512)", flag="", ge=0)
+    qk_nope_head_dim: int = spec(0, "MLA: the per-head query/key width without RoPE "
+                                    "(DeepSeek-V3: 128)", flag="", ge=0)
+    qk_rope_head_dim: int = spec(0, "MLA: the rotary query/key width, the rotary key shared by "
+                                    "all heads (DeepSeek-V3: 64)", flag="", ge=0)
+    v_head_dim: int = spec(0, "MLA: the per-head value width (DeepSeek-V3: 128)", flag="", ge=0)
+    # YaRN rope scaling (Peng et al. 2023; DeepSeek-V3's rope_scaling): factor 1 = plain RoPE
+    rope_factor: float = spec(1.0, "YaRN: the context extension factor (1: plain RoPE; "
+                                   "DeepSeek-V3: 40)", flag="", ge=1)
+    rope_original_max_positions: int = spec(4096, "YaRN: the pre-training context length "
+                                                  "(original_max_position_embeddings)",
+                                            flag="", ge=1)
+    rope_beta_fast: float = spec(32.0, "YaRN: rotations above which a frequency is kept "
+                                       "(beta_fast)", flag="", gt=0)
+    rope_beta_slow: float = spec(1.0, "YaRN: rotations below which a frequency is interpolated "
+                                      "(beta_slow)", flag="", gt=0)
+    rope_mscale: float = spec(1.0, "YaRN: mscale, the cos/sin gain's numerator 0.1·m·ln f + 1",
+                              flag="", ge=0)
+    rope_mscale_all_dim: float = spec(0.0, "YaRN: mscale_all_dim, the gain's denominator and "
+                                           "the softmax scale's (0.1·m·ln f + 1)² (0: none)",
+                                      flag="", ge=0)
+    routed_scaling_factor: float = spec(1.0, "MoE: the routed experts' weights times this "
+                                             "(DeepSeek-V3: 2.5)", flag="", gt=0)
     # Mixture of experts: experts == 0 means a dense model.
     experts: int = spec(0, "experts per MoE layer (0: dense)", flag="", ge=0)
     top_k: int = spec(2, "experts each token is routed to", flag="", ge=1)
@@ -154,9 +182,33 @@ class ModelConfig:
 
     @property
     def attn_dim(self) -> int:
-        """heads·head_dim: the width of q and of the attention output (hidden unless
-        ``head_size`` says otherwise)."""
-        return self.heads * self.head_dim
+        """The attention output's width, o_proj's input: heads·head_dim (hidden unless
+        ``head_size`` says otherwise; q's width too), heads·v_head_dim with MLA."""
+        return self.heads * (self.v_head_dim if self.kv_lora_rank > 0 else self.head_dim)
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank`` > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """One head's query/key width: qk_nope + qk_rope with MLA, else head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """One head's value (and attention output) width: v_head_dim with MLA, else head_dim."""
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated width of a query/key head: qk_rope_head_dim with MLA, else head_dim."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def yarn(self) -> bool:
+        return self.rope_factor != 1.0
 
     @property
     def is_moe(self) -> bool:
@@ -191,6 +243,16 @@ PRESETS: dict[str, ModelConfig] = {
     # Qwen3-MoE's routing (softmax, top-k renormalised) on tiny shapes, for tests
     "qwen3-moe-tiny": ModelConfig(name="qwen3-moe-tiny", ffn=96, moe_ffn=32, experts=8,
                                   top_k=4, norm_topk_prob=True, router="softmax"),
+    # DeepSeek-V3's shapes on tiny widths, for tests: MLA with query compression and YaRN,
+    # sigmoid routing over 4 groups (best 2) with the selection bias, a shared expert of twice
+    # the experts' width, the first block dense, routed scaling
+    "deepseek-v3-tiny": ModelConfig(
+        name="deepseek-v3-tiny", hidden=32, layers=3, heads=4, kv_heads=4, ffn=64, seq_len=16,
+        norm_eps=1e-6, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=6, rope_factor=4.0, rope_original_max_positions=8, rope_mscale_all_dim=0.8,
+        experts=8, top_k=3, moe_ffn=16, shared_expert=True, shared_expert_ffn=32,
+        router="sigmoid", balance="bias", route_groups=4, route_top_groups=2,
+        first_dense_layers=1, routed_scaling_factor=2.5, aux_loss_coef=0.0001, z_loss_coef=0.0),
     "small": ModelConfig(
         name="small", vocab=256, hidden=128, layers=8, heads=8, kv_heads=4, ffn=352, seq_len=128
     ),
@@ -235,6 +297,36 @@ PRESETS: dict[str, ModelConfig] = {
         ffn=10944, seq_len=4096, norm_eps=1e-6, experts=64, top_k=6, moe_ffn=1408,
         norm_topk_prob=False, shared_expert=True, shared_expert_ffn=2816, first_dense_layers=1,
         aux_loss_coef=0.001,
+    ),
+    # DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3; DeepSeek-AI, "DeepSeek-V3 Technical
+    # Report", 2024): MLA (q_lora_rank 1536, kv_lora_rank 512, heads of 128 + 64 rotary, v 128),
+    # YaRN (factor 40 over 4096, mscale = mscale_all_dim = 1), 256 routed experts of 2048 top-8
+    # over 8 groups (best 4), sigmoid scores with the selection bias, 1 shared expert, the
+    # first 3 blocks dense (18432), routed_scaling_factor 2.5, aux_loss_alpha 0.001; trained
+    # at seq 4096. The MTP module (num_nextn_predict_layers 1) is not part of this preset
+    "deepseek-v3-671b": ModelConfig(
+        name="deepseek-v3-671b", vocab=129280, hidden=7168, layers=61, heads=128,
+        kv_heads=128, ffn=18432, seq_len=4096, rope_theta=10000.0, norm_eps=1e-6,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, rope_factor=40.0, rope_original_max_positions=4096,
+        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+        experts=256, top_k=8, moe_ffn=2048, shared_expert=True, shared_expert_ffn=2048,
+        router="sigmoid", balance="bias", route_groups=8, route_top_groups=4,
+        first_dense_layers=3, routed_scaling_factor=2.5, aux_loss_coef=0.001, z_loss_coef=0.0,
+    ),
+    # Kimi K2 (config.json of moonshotai/Kimi-K2-Instruct; Kimi Team, "Kimi K2: Open Agentic
+    # Intelligence", 2025): DeepSeek-V3's architecture with 64 heads, 384 routed experts top-8
+    # without groups (n_group 1), the first block dense, routed_scaling_factor 2.827, vocab
+    # 163840, rope_theta 50000, YaRN factor 32 with beta_fast = beta_slow = 1
+    "kimi-k2": ModelConfig(
+        name="kimi-k2", vocab=163840, hidden=7168, layers=61, heads=64, kv_heads=64,
+        ffn=18432, seq_len=4096, rope_theta=50000.0, norm_eps=1e-6,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, rope_factor=32.0, rope_original_max_positions=4096,
+        rope_beta_fast=1.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+        experts=384, top_k=8, moe_ffn=2048, shared_expert=True, shared_expert_ffn=2048,
+        router="sigmoid", balance="bias", first_dense_layers=1, routed_scaling_factor=2.827,
+        aux_loss_coef=0.001, z_loss_coef=0.0,
     ),
 }
 
@@ -634,14 +726,45 @@ def _check_world(p: list[str], model: ModelConfig, par: ParallelConfig, world: i
                  f"{par.tp} = {par.world_size}; {hint}")
 
 
+MLA_FIELDS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _check_mla(p: list[str], model: ModelConfig) -> None:
+    """Multi-head latent attention's fields (``fived.model.mla``) and what it excludes."""
+    asked = [f for f in MLA_FIELDS if getattr(model, f)]
+    if not model.is_mla:
+        if asked:
+            p.append(f"kv_lora_rank {model.kv_lora_rank}: {', '.join(asked)} "
+                     f"{'are' if len(asked) > 1 else 'is'} multi-head latent attention's; give "
+                     "kv_lora_rank > 0 (the key/value latent width, DeepSeek-V3: 512)")
+        if model.yarn:
+            p.append(f"rope_factor {model.rope_factor:g}: YaRN scaling is built for MLA models "
+                     "only (kv_lora_rank > 0); use rope_factor = 1")
+        return
+    if model.qk_rope_head_dim <= 0 or model.qk_rope_head_dim % 2:
+        p.append(f"qk_rope_head_dim {model.qk_rope_head_dim} must be even and > 0 for RoPE (it "
+                 "rotates pairs; DeepSeek-V3: 64)")
+    if model.v_head_dim <= 0:
+        p.append(f"v_head_dim {model.v_head_dim} must be > 0 with MLA (DeepSeek-V3: 128)")
+    elif model.v_head_dim > model.qk_nope_head_dim + model.qk_rope_head_dim:
+        p.append(f"v_head_dim {model.v_head_dim} > qk_nope_head_dim + qk_rope_head_dim = "
+                 f"{model.qk_nope_head_dim + model.qk_rope_head_dim}: the flash core pads v to "
+                 "the query's width, never cuts it")
+    for f in ("qk_norm", "qkv_bias", "head_size"):
+        if getattr(model, f):
+            p.append(f"{f} = {getattr(model, f)!r} with MLA (kv_lora_rank > 0): MLA has its own "
+                     "head widths and no q/k norms or biases; drop it")
+
+
 def _check_shapes(p: list[str], model: ModelConfig, par: ParallelConfig, world: int | None
                   ) -> None:
-    if model.hidden % model.heads and not model.head_size:
+    _check_mla(p, model)
+    if model.hidden % model.heads and not model.head_size and not model.is_mla:
         p.append(f"hidden {model.hidden} is not divisible by heads {model.heads}; give "
                  "head_size (the width of one head) or a hidden that heads divides")
-    if model.heads % model.kv_heads:
+    if model.heads % model.kv_heads and not model.is_mla:
         p.append(f"heads {model.heads} is not divisible by kv_heads {model.kv_heads}")
-    if model.head_dim % 2 and model.positions == "rope":
+    if model.head_dim % 2 and model.positions == "rope" and not model.is_mla:
         what = (f"head_size {model.head_size}" if model.head_size else
                 f"head_dim {model.head_dim} (hidden/heads)")
         p.append(f"{what} must be even for RoPE (it rotates pairs); give an even head_size")
@@ -659,7 +782,9 @@ def _tp_problems(model: ModelConfig, tp: int) -> list[str]:
         return out
     if model.heads % tp:
         out.append(f"attention heads {model.heads}")
-    if tp > model.kv_heads and tp % model.kv_heads:
+    if model.is_mla:  # no kv heads: the latent is whole on every rank
+        pass
+    elif tp > model.kv_heads and tp % model.kv_heads:
         out.append(f"kv_heads {model.kv_heads} (a tp above kv_heads must be a multiple of kv_heads)")
     elif tp <= model.kv_heads and model.kv_heads % tp:
         out.append(f"kv_heads {model.kv_heads}")

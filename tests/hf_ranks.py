@@ -55,3 +55,28 @@ def _train_and_save(rank, world, m, par, t):
     from fived.train.trainer import train_rank
 
     return train_rank(rank, world, m, par, t, show=False)["losses"]
+
+
+def _cp_logits(rank: int, world: int, hf_dir, layouts: list) -> list:
+    """--init-from into each context-parallel layout: this rank's zigzag shard of ``tokens()``
+    through the model, the cp shards' logits all-gathered and put back in sequence order."""
+    import torch.distributed as dist
+
+    from fived.parallel.context import shard_positions
+    from fived.train.trainer import Trainer
+
+    cfg = hf.model_config(hf.read_config(hf_dir, "--init-from"), seq_len=SEQ)
+    out = []
+    for par in layouts:
+        t = Trainer(cfg, par, replace(small_train(), init_from=str(hf_dir)), rank, world)
+        cp = t.grid["cp"]
+        pos = shard_positions(SEQ, cp.size, cp.rank)
+        with torch.no_grad():
+            y = t.stage(tokens()[:, pos].contiguous(), pos)
+        parts = [torch.empty_like(y) for _ in range(cp.size)]
+        dist.all_gather(parts, y.contiguous(), group=cp.pg)
+        where = torch.cat([shard_positions(SEQ, cp.size, r) for r in range(cp.size)])
+        full = torch.empty(y.shape[0], SEQ, y.shape[-1])
+        full[:, where] = torch.cat(parts, dim=1)
+        out.append(full.numpy())
+    return out

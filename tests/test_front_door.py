@@ -70,13 +70,18 @@ def files(tmp_path_factory):
         (root / f"{key}.toml").write_text(
             f'[data]\ncode = {{ dir = "{root / "data"}", weight = {weight} }}\n'
             f'web = {{ dir = "{root / "data"}", weight = 0 }}\n')
+    mla = {}  # multi-head latent attention's bad fields (TOML-only)
+    for key, body in (("mla_odd", "qk_rope_head_dim = 5"), ("mla_rank", "kv_lora_rank = 0")):
+        mla[key] = root / f"{key}.toml"
+        mla[key].write_text(f'[model]\nname = "deepseek-v3-tiny"\n{body}\n')
     return {"ck": str(ck), "evil": str(evil), "data": str(root / "data"), "toml": str(toml),
             "file": str(text), "tmp": str(root), "pwned": root / "pwned",
-            **{key: str(root / f"{key}.toml") for key in mixes}}
+            **{key: str(root / f"{key}.toml") for key in mixes},
+            **{k: str(v) for k, v in mla.items()}}
 
 
 # (command, what its message must say). {ck}, {evil}, {data}, {toml}, {file}, {tmp},
-# {mixword}, {mixzero}: ``files``.
+# {mixword}, {mixzero}, {mla_odd}, {mla_rank}: ``files``.
 MISTYPES = [
     # unknown flags and choices: "did you mean", at most 3 lines of usage (argparse's own)
     ("train --stpes 5", "unknown flag --stpes; did you mean --steps?"),
@@ -107,6 +112,11 @@ MISTYPES = [
     ("ledger --model llama3-8b --gpus 8 --tp 3", "--tp can be 1, 2, 4 or 8 for llama3-8b"),
     ("train --seq-len 65 --cp 2", "seq_len must be divisible by 4; use --seq-len 64 or 68"),
     ("train --model tiny-moe --ep 3", "pick --ep from the divisors of 4 experts: 1, 2, 4"),
+    # multi-head latent attention: the field named
+    ("train --config {mla_odd}", "qk_rope_head_dim 5 must be even and > 0 for RoPE"),
+    ("train --config {mla_rank}", "kv_lora_rank 0: q_lora_rank, qk_nope_head_dim, "
+     "qk_rope_head_dim, v_head_dim are multi-head latent attention's"),
+    ("train --model deepseek-v3-tiny --tp 3 --nprocs 3", "deepseek-v3-tiny's attention heads 4"),
     ("train --ep 2", "--ep 2 needs a MoE model"),
     ("train --pp 8", "pp·virtual_stages = 8 stages for 4 layers"),
     ("train --sequence-parallel", "--sequence-parallel needs --tp > 1"),

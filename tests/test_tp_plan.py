@@ -27,7 +27,9 @@ QWEN = replace(preset("tiny"), name="attn-shapes", hidden=32, heads=4, kv_heads=
                head_size=12, qk_norm=True, qkv_bias=True, ffn=64, layers=2)
 SHARED = replace(preset("tiny-moe"), name="shared-gate", shared_expert=True,
                  shared_expert_gate=True, first_dense_layers=1, layers=3)
+MLA_PLAIN_Q = replace(preset("deepseek-v3-tiny"), name="mla-plain-q", q_lora_rank=0)
 MODELS = [preset("tiny"), preset("tiny-moe"), preset("qwen3-moe-tiny"), QWEN, SHARED,
+          preset("deepseek-v3-tiny"), MLA_PLAIN_Q,
           replace(preset("tiny"), name="tied", tied_embeddings=True)]
 SPLITS = ("whole", "first", "last")
 
@@ -54,7 +56,9 @@ def expected(name: str, shape: tuple[int, ...], cfg, tp: int, rank: int, sp: boo
         dim, parts, index, grad_sum = 0, tp, rank, ()
     elif ".experts." in name or module in ("gate", "shared_expert_gate"):
         dim, parts, index, grad_sum = 0, 1, 0, on_sp  # the router and the routed experts
-    elif module in ("q_proj", "gate_proj", "up_proj"):
+    elif module in ("q_a_proj", "kv_a_proj_with_mqa"):  # MLA's down-projections: whole
+        dim, parts, index, grad_sum = 0, 1, 0, on_sp
+    elif module in ("q_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj"):
         dim, parts, index, grad_sum = 0, tp, rank, ()
     elif module in ("k_proj", "v_proj"):
         dim, parts, index, grad_sum = 0, kv, rank * kv // tp, ()
@@ -107,7 +111,8 @@ def signature(cfg, sp: bool, plan) -> object:
 def test_every_row_is_needed():
     """Dropping any one row of the plan changes what some model's cut decides."""
     mtp = replace(QWEN, name="mtp", mtp_depth=1)  # its rows: the modules' norms, eh_proj
-    cases = [(cfg, sp) for cfg in (QWEN, SHARED, MODELS[-1], mtp) for sp in (False, True)]
+    cases = [(cfg, sp) for cfg in (QWEN, SHARED, MODELS[5], MLA_PLAIN_Q, MODELS[-1], mtp)
+             for sp in (False, True)]
     full = [signature(cfg, sp, TP_PLAN) for cfg, sp in cases]
     for i, row in enumerate(TP_PLAN):
         less = TP_PLAN[:i] + TP_PLAN[i + 1:]

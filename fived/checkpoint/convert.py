@@ -79,12 +79,23 @@ def export_hf(ckpt: Path, man: dict[str, Any], out: Path, dtype: torch.dtype | N
     cfg = model_of(man)
     alias = hf.mtp_aliases(cfg)  # MTP layers repeat the shared embedding and head
     sizes.update({a: sizes[src] for a, src in alias.items()})
+    buffers = {}  # DeepSeek-V3 carries each MoE layer's selection bias (zeros if never trained)
+    if hf.family(cfg) == "deepseek_v3":
+        src = CheckpointSource(ckpt, man)
+        for layer in range(cfg.first_dense_layers, cfg.layers):
+            name = f"layers.{layer}.block_sparse_moe.route_bias"
+            saved = src.buffer(name)
+            buffers[name] = (saved if saved is not None
+                             else torch.zeros(cfg.experts)).to(torch.float32)
+            sizes[name] = buffers[name].numel() * 4
     shards = hf.plan_shards(sizes, max_shard_bytes)
     for i, names in enumerate(shards):
-        read = sorted({alias.get(n, n) for n in names})
-        got = whole_model(ckpt, man, dtype, read)
-        hf.write_shard({n: got[alias[n]].clone() if n in alias else got[n] for n in names},
-                       out, i, len(shards), cfg)  # a copy: safetensors refuses shared storage
+        params = [n for n in names if n not in buffers]
+        got = whole_model(ckpt, man, dtype, sorted({alias.get(n, n) for n in params}))
+        out_tensors = {n: got[alias[n]].clone() if n in alias else got[n]  # a copy:
+                       for n in params}  # safetensors refuses shared storage
+        out_tensors.update({n: buffers[n] for n in names if n in buffers})
+        hf.write_shard(out_tensors, out, i, len(shards), cfg)
         if progress:
             progress(i + 1, len(shards))
     return hf.write_index(shards, sizes, cfg, out, str(dtype or saved).replace("torch.", ""))
@@ -100,6 +111,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, seq_len: int | None = No
     # streamed: DCP's writer asks for one tensor at a time, read from the files only then
     state = {f"model.{n}": Pieces.lazy(s, DTYPES[dtype], lambda n=n: src.read(n))
              for n, s in shapes.items()}
+    if cfg.is_moe and cfg.balance == "bias":  # the selection biases (DeepSeek-V3's), fp32
+        state.update({f"buffer.{n}": src.buffer(n) for n in src.buffers})
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
     storage.clean_tmp(root)

@@ -77,7 +77,8 @@ def read_config(hf_dir: str | Path, flag: str) -> dict[str, Any]:
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM"}
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 QK_NORM = ("qwen3", "qwen3_moe")  # families whose attention normalises q and k per head
 QKV_BIAS = {"qwen2": True, "qwen2_moe": None}  # always a q/k/v bias | config.json's qkv_bias
@@ -160,6 +161,8 @@ def model_config(hf: dict[str, Any], flag: str = "--init-from", seq_len: int | N
     if mt not in FAMILIES:
         raise ConfigError([f"{flag}: model_type {mt!r} is another model family; fived reads "
                            + ", ".join(f"{k!r} ({v})" for k, v in FAMILIES.items())])
+    if mt == "deepseek_v3":
+        return deepseek_config(hf, flag, seq_len)
     h = hf["hidden_size"]
     attn, problems = attention_fields(hf, flag)
     rope = hf.get("rope_parameters") or {}
@@ -244,6 +247,14 @@ def _check_moe(cfg: ModelConfig, mt: str) -> list[str]:
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """The config.json transformers loads as LlamaForCausalLM, Qwen2ForCausalLM,
     Qwen3ForCausalLM (``dense_family``) or MixtralForCausalLM."""
+    if cfg.is_mla:
+        return deepseek_hf_config(cfg, dtype)
+    problems = [f"export: {f} = {getattr(cfg, f)!r}: only DeepSeek-V3's MLA models carry it "
+                "(kv_lora_rank > 0)" for f, d in (("rope_factor", 1.0),
+                                                  ("routed_scaling_factor", 1.0))
+                if getattr(cfg, f) != d]
+    if problems:
+        raise ConfigError(problems)
     mt = moe_family(cfg) if cfg.is_moe else dense_family(cfg)
     problems = check_attention(cfg, mt) + (_check_moe(cfg, mt) if cfg.is_moe else [])
     if problems:
@@ -324,9 +335,11 @@ def mtp_from_layer(k: str, layers: int, depth: int) -> str | None:
 def to_hf_name(name: str, family: str = "llama", layers: int = 0) -> str:
     """fived's name -> the HF key (``model.`` prefix; Qwen-MoE's ``mlp.`` names for ``family``
     qwen2_moe / qwen3_moe: ``mlp.gate``, ``mlp.experts.e.{gate,up,down}_proj``,
-    ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``; an MTP module's under DeepSeek's
-    ``layers.{layers+k}``)."""
+    ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``; DeepSeek-V3's own names; an MTP
+    module's under DeepSeek's ``layers.{layers+k}``)."""
     name = mtp_to_layer(name, layers)
+    if family == "deepseek_v3":
+        return deepseek_name(name)
     if family in QWEN_MOE and ".block_sparse_moe." in name:
         for a, b in QWEN_NAMES if ".experts." in name else QWEN_NAMES[-1:]:
             name = name.replace(a, b)
@@ -390,8 +403,15 @@ class HFSource:
         from safetensors import safe_open
 
         self.dir, self.flag = Path(hf_dir), flag
+        conf = self.dir / "config.json"
+        hfc = json.loads(conf.read_text()) if conf.is_file() else {}
+        # DeepSeek's rotary rows are interleaved pairs: read as halves (``interleave_rope``)
+        self.interleaved = hfc.get("model_type") == "deepseek_v3" and \
+            hfc.get("rope_interleave", True)
+        self.cfg = cfg
         self.tensors: dict[str, tuple[Path, str, tuple, tuple[int, ...]]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
+        self.buffers: dict[str, tuple[Path, str, tuple, tuple[int, ...]]] = {}
         for f in hf_files(hf_dir, flag):
             try:
                 with safe_open(str(f), framework="pt") as h:
@@ -420,6 +440,12 @@ class HFSource:
             pre = k[:-len(FUSED[1])] + ".block_sparse_moe.experts."
             for e in range(shape[0]):
                 self.tensors[f"{pre}{e}.w2.weight"] = (f, key, (e, 0), tuple(shape[1:]))
+        elif k.endswith(".mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's selection bias
+            self.buffers[k[:-len(".mlp.gate.e_score_correction_bias")]
+                         + ".block_sparse_moe.route_bias"] = (f, key, (), shape)
+        elif ".mlp.shared_experts." in k:  # DeepSeek-V3's shared expert(s)
+            self.tensors[k.replace(".mlp.shared_experts.", ".block_sparse_moe.shared_expert.")
+                         ] = (f, key, (), shape)
         elif ".mlp.experts." in k or ".mlp.shared_expert" in k or k.endswith(".mlp.gate.weight"):
             # Qwen-MoE's per-expert names (and transformers 5's router name, Mixtral's too)
             self.tensors[from_qwen_moe_name(k)] = (f, key, (), shape)
@@ -447,7 +473,21 @@ class HFSource:
 
         f, key, lead, _ = self.tensors[name]
         with safe_open(str(f), framework="pt") as h:  # mapped for this tensor only: unmapped
-            return self._fill(h.get_slice(key), out, lead, shape, dim, parts, index)  # after
+            self._fill(h.get_slice(key), out, lead, shape, dim, parts, index)  # after
+        if self.interleaved and self.cfg is not None and (dim == 0 or parts == 1):
+            out.copy_(interleave_rope(name, out, self.cfg))
+        return out
+
+    def buffer(self, name: str) -> torch.Tensor | None:
+        """Buffer ``name`` whole (DeepSeek-V3's ``e_score_correction_bias`` as fived's
+        ``route_bias``, fp32); None when the files have none."""
+        from safetensors import safe_open
+
+        if name not in self.buffers:
+            return None
+        f, key, _, _ = self.buffers[name]
+        with safe_open(str(f), framework="pt") as h:
+            return h.get_tensor(key).float()
 
     def _fill(self, sl: Any, out: torch.Tensor, lead: tuple, shape: tuple[int, ...], dim: int,
               parts: int, index: int) -> torch.Tensor:
@@ -488,6 +528,10 @@ def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, flag: str = "--init
     src = HFSource(hf_dir, model.cfg, flag)
     for n, p in model.named_parameters():
         src.fill(p.data, n, tuple(p.shape))
+    for n, b in model.named_buffers():
+        saved = src.buffer(n)
+        if saved is not None:
+            b.copy_(saved)
 
 
 def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
@@ -509,6 +553,8 @@ def shard_name(i: int, n: int) -> str:
 
 def family(cfg: ModelConfig) -> str:
     """The transformers ``model_type`` ``cfg`` exports as."""
+    if cfg.is_mla:
+        return "deepseek_v3"
     return moe_family(cfg) if cfg.is_moe else dense_family(cfg)
 
 
@@ -517,8 +563,10 @@ def write_shard(tensors: dict[str, torch.Tensor], out: Path, i: int, n: int,
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({to_hf_name(k, family(cfg), cfg.layers): t.contiguous()
-               for k, t in tensors.items()},
+    fam = family(cfg)
+    if fam == "deepseek_v3":
+        tensors = {k: interleave_rope(k, t, cfg, inverse=True) for k, t in tensors.items()}
+    save_file({to_hf_name(k, fam, cfg.layers): t.contiguous() for k, t in tensors.items()},
               str(out / shard_name(i, n)), metadata={"format": "pt"})
 
 
@@ -535,3 +583,156 @@ def write_index(shards: list[list[str]], sizes: dict[str, int], cfg: ModelConfig
          "weight_map": dict(sorted(weight_map.items()))}, indent=1))
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=1))
     return rows
+
+
+# ------------------------------------------------------------------ DeepSeek-V3 (MLA)
+def _rope_rows(r: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Rows (..., d_r, cols) of a rotary block: interleaved pairs (x0, x1), (x2, x3) ... ->
+    halves (x0, x2, ... | x1, x3, ...), or back with ``inverse``."""
+    if not inverse:
+        return torch.cat([r[..., 0::2, :], r[..., 1::2, :]], dim=-2)
+    out = torch.empty_like(r)
+    half = r.shape[-2] // 2
+    out[..., 0::2, :], out[..., 1::2, :] = r[..., :half, :], r[..., half:, :]
+    return out
+
+
+def interleave_rope(name: str, t: torch.Tensor, cfg: ModelConfig, inverse: bool = False
+                    ) -> torch.Tensor:
+    """DeepSeek's checkpoints rotate interleaved pairs; fived rotates halves (``apply_rope``).
+    Permuting the rotary rows of the query projection (every head's last d_r rows) and of
+    ``kv_a_proj_with_mqa`` (its last d_r rows) the same way leaves every score unchanged;
+    ``inverse`` permutes back for export. Other tensors are returned as they are."""
+    dr = cfg.qk_rope_head_dim
+    if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+        dq = cfg.qk_head_dim
+        w = t.reshape(-1, dq, t.shape[-1])
+        rot = _rope_rows(w[:, dq - dr:], inverse)
+        return torch.cat([w[:, :dq - dr], rot], dim=1).reshape(t.shape)
+    if name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+        return torch.cat([t[:-dr], _rope_rows(t[-dr:], inverse)])
+    return t
+
+
+def deepseek_name(name: str) -> str:
+    """fived's name -> DeepSeek-V3's published key (``model.`` prefix; ``mlp.gate``,
+    ``mlp.experts.e.{gate,up,down}_proj``, ``mlp.shared_experts.*``,
+    ``mlp.gate.e_score_correction_bias`` for the selection bias ``route_bias``)."""
+    if name.endswith(".block_sparse_moe.route_bias"):
+        name = name.replace(".block_sparse_moe.route_bias", ".mlp.gate.e_score_correction_bias")
+    elif ".block_sparse_moe.shared_expert." in name:
+        name = name.replace(".block_sparse_moe.shared_expert.", ".mlp.shared_experts.")
+    elif ".block_sparse_moe." in name:
+        for a, b in QWEN_NAMES if ".experts." in name else QWEN_NAMES[-1:]:
+            name = name.replace(a, b)
+    return name if name == "lm_head.weight" else f"model.{name}"
+
+
+def _rope_fields(hf: dict[str, Any], flag: str) -> tuple[dict[str, Any], list[str]]:
+    """rope_theta and YaRN's fields of a config.json (``rope_parameters``, transformers 5, or
+    ``rope_scaling``, DeepSeek's own files)."""
+    rope = dict(hf.get("rope_scaling") or {})
+    rope.update(hf.get("rope_parameters") or {})
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind == "default":
+        return out, []
+    if kind != "yarn":
+        return out, [f"{flag}: rope scaling {kind!r} is not supported (plain RoPE or yarn)"]
+    if rope.get("attention_factor") is not None:
+        return out, [f"{flag}: yarn's attention_factor is not supported (fived derives the "
+                     "gain from factor, mscale and mscale_all_dim)"]
+    original = rope.get("original_max_position_embeddings") or 4096
+    factor = rope.get("factor") or hf.get("max_position_embeddings", original) / original
+    out.update(rope_factor=float(factor), rope_original_max_positions=int(original),
+               rope_beta_fast=float(rope.get("beta_fast") or 32),
+               rope_beta_slow=float(rope.get("beta_slow") or 1),
+               rope_mscale=float(rope.get("mscale") or 0.0),
+               rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+    if not rope.get("truncate", True):
+        return out, [f"{flag}: yarn with truncate = false is not supported"]
+    return out, []
+
+
+def deepseek_config(hf: dict[str, Any], flag: str = "--init-from", seq_len: int | None = None
+                    ) -> ModelConfig:
+    """fived's ModelConfig of a DeepSeek-V3 config.json (Kimi K2's too: the same
+    architecture): MLA, YaRN, sigmoid routing with the selection bias over ``n_group`` groups
+    (best ``topk_group``), ``n_shared_experts`` shared experts as one of their summed width,
+    the first ``first_k_dense_replace`` blocks dense, ``routed_scaling_factor``."""
+    rope, problems = _rope_fields(hf, flag)
+    heads = hf["num_attention_heads"]
+    if hf.get("attention_bias"):
+        problems.append(f"{flag}: attention_bias = true is not supported (MLA without biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"{flag}: hidden_act {hf.get('hidden_act')!r} (fived's MLP is SwiGLU)")
+    if hf.get("scoring_func", "sigmoid") != "sigmoid":
+        problems.append(f"{flag}: scoring_func {hf['scoring_func']!r} (DeepSeek-V3 routes by "
+                        "sigmoid; fived reads only that)")
+    shared = int(hf.get("n_shared_experts") or 0)
+    if shared < 1:
+        problems.append(f"{flag}: n_shared_experts {shared}: transformers' DeepSeek-V3 always "
+                        "builds its shared expert; fived needs at least 1")
+    groups, top_groups = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    if problems:
+        raise ConfigError(problems)
+    moe_ffn = hf["moe_intermediate_size"]
+    cfg = ModelConfig(
+        name="hf-deepseek_v3", vocab=hf["vocab_size"], hidden=hf["hidden_size"],
+        layers=hf["num_hidden_layers"], heads=heads, kv_heads=heads,
+        ffn=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        q_lora_rank=int(hf.get("q_lora_rank") or 0), kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"], **rope,
+        experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"], moe_ffn=moe_ffn,
+        shared_expert=True, shared_expert_ffn=moe_ffn * shared, router="sigmoid",
+        balance="bias", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        route_groups=groups if groups > 1 else 0, route_top_groups=top_groups if groups > 1 else 0,
+        first_dense_layers=int(hf.get("first_k_dense_replace") or 0),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        aux_loss_coef=float(hf.get("aux_loss_alpha", 0.0001)), z_loss_coef=0.0,
+        capacity_factor=0.0)
+    return cfg if seq_len is None else replace(cfg, seq_len=seq_len)
+
+
+def deepseek_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """The config.json transformers loads as ``DeepseekV3ForCausalLM`` (``deepseek_config``'s
+    inverse; its refusals name what the class cannot hold)."""
+    want = [("router", "sigmoid"), ("shared_expert_gate", False), ("qk_norm", False),
+            ("qkv_bias", False), ("capacity_factor", 0.0)]
+    problems = [f"export: {f} = {getattr(cfg, f)!r}; transformers' DeepSeek-V3 has only "
+                f"{f} = {w!r}" for f, w in want if getattr(cfg, f) != w]
+    if not cfg.is_moe or not cfg.shared_expert or cfg.shared_ffn % cfg.expert_ffn:
+        problems.append("export: an MLA model exports as DeepSeek-V3, a MoE with shared "
+                        "experts whose width is a multiple of the experts' (experts > 0, "
+                        "shared_expert = true)")
+    if problems:
+        raise ConfigError(problems)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.yarn:
+        rope = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_positions,
+                "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim}
+    return {
+        "architectures": [FAMILIES["deepseek_v3"]], "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
+        "moe_intermediate_size": cfg.expert_ffn, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.heads,
+        "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "rope_interleave": True, "attention_bias": False,
+        "attention_dropout": 0.0, "hidden_act": "silu",
+        "n_routed_experts": cfg.experts, "num_experts_per_tok": cfg.top_k,
+        "n_shared_experts": cfg.shared_ffn // cfg.expert_ffn,
+        "n_group": cfg.route_groups or 1, "topk_group": cfg.route_top_groups or 1,
+        "norm_topk_prob": cfg.norm_topk_prob, "routed_scaling_factor": cfg.routed_scaling_factor,
+        "first_k_dense_replace": cfg.first_dense_layers, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "aux_loss_alpha": cfg.aux_loss_coef,
+        "num_nextn_predict_layers": cfg.mtp_depth,
+        "max_position_embeddings": max(cfg.seq_len, 2048), "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tied_embeddings, "initializer_range": 0.02,
+        "use_cache": True, "torch_dtype": dtype, "dtype": dtype,
+    }

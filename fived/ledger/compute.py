@@ -2,7 +2,8 @@
 
 Convention: a multiply-add is 2 FLOPs; attention is *not* causal-halved (the PaLM / Megatron
 MFU convention: the scores and the score-weighted values cost 2·2·s·(heads·head_dim) per token
-per layer as if no position were masked), so per token, forward:
+per layer as if no position were masked; with MLA 2·s·heads·(d_q + d_v), ``fived.ledger.mla``),
+so per token, forward:
 
     F_fwd = 2·Ψ_matmul + 4·L·s·(heads·head_dim)
 
@@ -29,6 +30,7 @@ FLOPs; a 7B model on 1T tokens is 6·7e9·1e12 = 4.2e22 FLOPs — at 400 TFLOP/s
 from __future__ import annotations
 
 from ..config import ModelConfig
+from . import mla
 from .params import block_matmul_params, layer_cfg, layers_matmul_params
 
 
@@ -51,7 +53,7 @@ def attention_flops_per_token(m: ModelConfig, seq_len: int | None = None, causal
     blocks)."""
     s = seq_len or m.seq_len
     n = m.layers + m.mtp_depth if layers is None else layers
-    full = 4.0 * n * s * m.heads * m.head_dim
+    full = n * mla.core_flops_per_token(m, s) if m.is_mla else 4.0 * n * s * m.heads * m.head_dim
     return full / 2 if causal else full
 
 

@@ -357,16 +357,18 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     tp, cp = par.tp, par.cp
     sp = par.sequence_parallel and tp > 1
     tokens = micro_batch * m.seq_len / cp
-    h, d = m.hidden, m.head_dim
+    # MLA: the core sees every head at d_q, v padded to it (``mla_activation_terms``)
+    h, d = m.hidden, m.qk_head_dim
+    kv_heads = m.heads if m.is_mla else m.kv_heads
     hq = m.heads * d / tp
     heads_local = m.heads / tp
     if opts.kv_repeat:
         hkv = hq
     else:
-        hkv = m.kv_heads * d / min(tp, m.kv_heads)
+        hkv = kv_heads * d / min(tp, kv_heads)
     if cp > 1 and par.cp_mode == "ulysses":  # k, v enter the all-to-all replicated to
         # ulysses_kv_heads local heads when cp does not divide the local kv heads
-        hkv = ulysses_kv_heads(m.heads // tp, max(1, m.kv_heads // tp), cp) * d
+        hkv = ulysses_kv_heads(m.heads // tp, max(1, kv_heads // tp), cp) * d
     norm_div = tp if sp else 1
     out = {  # under SP the column matmuls save the norm output's shard (counted in the norm)
         "norms": tokens * 2 * norm_bytes_per_token(h, e, opts.fused_norm) / norm_div,
@@ -380,7 +382,7 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         # repeated) as fp32 copies and its fp32 log-sum-exp (``fived.ledger.context``); its
         # own kernel keeps no RNG state
         out["softmax"] = tokens * 4 * heads_local
-        out["qkv"] = tokens * (4 * hq + 8 * m.kv_heads * d / min(tp, m.kv_heads))
+        out["qkv"] = tokens * (4 * hq + 8 * kv_heads * d / min(tp, kv_heads))
     out["attn_out"] = tokens * e * hq
     if cp > 1 and par.cp_mode == "ulysses":  # the kernel keeps its head-sharded output, and
         # the all-to-alls' reorderings their index (full sequence, int64): q, k, v and out
@@ -390,6 +392,9 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         out.update(doc_core_bytes(m, par, micro_batch))
     if m.qk_norm:
         out["qk_norm"] = tokens * qk_norm_bytes_per_token(m, par, e, opts.fused_norm)
+    if m.is_mla:
+        for k, v in mla_activation_terms(m, par, e, opts.fused_norm).items():
+            out[k] = out.get(k, 0.0) + tokens * v
     if m.is_moe:
         # experts are whole on every tp rank (replicated), the shared expert is tp-cut
         out["mlp"] = tokens * 3 * e * m.expert_ffn * m.top_k / norm_div
@@ -430,6 +435,35 @@ def qk_norm_bytes_per_token(m: ModelConfig, par: ParallelConfig, e: int, fused: 
     return heads * ((e if fused else 8) * m.head_dim + 4)
 
 
+def mla_activation_terms(m: ModelConfig, par: ParallelConfig, e: int, fused: bool
+                         ) -> dict[str, float]:
+    """What multi-head latent attention (``fived.model.mla``) saves per token on one rank
+    beyond the core's q, k, v (every head at d_q), output and log-sum-exp, which the GQA terms
+    count with kv heads = heads and d = d_q:
+
+    * ``mla_latent``: the query latent W_qa·x (the latent norm's input) and the norm's output
+      (saved by W_qb) with its fp32 1/rms: 2e·r_q + 4 (none without query compression: q_proj
+      saves x, the block norm's output); the joint down-projection's output, whose latent part
+      its norm saves (the storage holds the rotary key's d_r too): e·(r_kv + d_r), the norm's
+      output e·r_kv and its 1/rms 4. Whole on every tp rank (the down-projections are
+      replicated); under SP a sequence shard (÷ tp). Eager fp32 norm math (``fused`` False)
+      keeps the fp32 copies too (+ 8·r − e·r per norm).
+    * ``attn_out``: o_proj's input, the output cut back to d_v and made contiguous,
+      e·(H/tp)·d_v — a copy only when d_v < d_q (otherwise the core's output itself)."""
+    tp = par.tp
+    sp = par.sequence_parallel and tp > 1
+
+    def norm(r: int) -> float:
+        return (e * r + 4) if fused else (8 * r + 4)
+
+    q = (e * m.q_lora_rank + norm(m.q_lora_rank)) if m.q_lora_rank else 0.0
+    kv = e * (m.kv_lora_rank + m.qk_rope_head_dim) + norm(m.kv_lora_rank)
+    out = {"mla_latent": (q + kv) / (tp if sp else 1)}
+    if m.v_head_dim != m.qk_head_dim:
+        out["attn_out"] = e * m.heads / tp * m.v_head_dim
+    return out
+
+
 FLASH_RNG_BYTES = 24  # what torch's flash attention saves besides its outputs: (2,) + () uint64
 
 
@@ -463,13 +497,16 @@ def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     out = layer_activations(m, par, micro_batch, opts)
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
-    d = m.head_dim
+    d = m.qk_head_dim
+    kv_heads = m.heads if m.is_mla else m.kv_heads
     hq = m.heads * d / par.tp
-    hkv = m.kv_heads * d / min(par.tp, m.kv_heads)
+    hkv = kv_heads * d / min(par.tp, kv_heads)
     out["qkv"] = tokens * e * (hq + 2 * hkv)
     out["softmax"] = 0.0
     out.pop("doc_index", None)  # --doc-mask: the varlen core's saves are recomputed too
     out.pop("doc_out", None)
+    if m.is_mla and m.v_head_dim != m.qk_head_dim:  # the core's padded output is not kept:
+        out["attn_out"] = tokens * e * m.heads / par.tp * m.v_head_dim  # o_proj's copy only
     if par.cp > 1 and par.cp_mode == "ulysses":  # the core's all-to-alls are recomputed too
         out["attn_out"] = tokens * e * hq
         out["ulysses_index"] = 0.0
@@ -490,7 +527,7 @@ def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: in
     out: dict[str, float] = {}
     # RoPE cos/sin tables (the compute dtype, s_local × d/2 each), one pair per forward, shared
     # by every layer of the chunk
-    out["rope_tables"] = m.seq_len / par.cp * m.head_dim * e
+    out["rope_tables"] = m.seq_len / par.cp * m.rope_dim * e
     if opts.doc_mask:  # per-row positions (fived.model.documents): a pair of tables per row
         out["rope_tables"] *= micro_batch
         if par.recompute == "selective":  # the recomputed core's input: the rows' ids (int64)
@@ -985,7 +1022,8 @@ def _comm_buffers(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank
     if sp:
         out["sp_gather"] = tokens * m.hidden * e
     if par.cp > 1:
-        kv = tokens * 2 * max(1, m.kv_heads // par.tp) * m.head_dim * e
+        kv_heads = m.heads if m.is_mla else m.kv_heads
+        kv = tokens * 2 * max(1, kv_heads // par.tp) * m.qk_head_dim * e
         out["cp_ring"] = 2 * kv * 2  # K/V in flight + dK/dV in flight, double-buffered
     if par.ep > 1 and m.is_moe:
         out["ep_a2a"] = 2 * tokens * m.top_k * m.hidden * e

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..config import V_SCHEDULES, ModelConfig, ParallelConfig
+from . import mla
 
 
 # ------------------------------------------------------------------------ whole model
@@ -88,6 +89,9 @@ def block_params(m: ModelConfig) -> dict[str, int]:
         "wo": m.heads * d * h,
         "mlp_norm": ln * h,
     }
+    if m.is_mla:  # multi-head latent attention (fived.ledger.mla)
+        del out["wq"], out["wk"], out["wv"]
+        out.update(mla.by_kind(m))
     if m.bias:
         out["attn_bias"] = (m.heads + 2 * m.kv_heads) * d + h
     if m.qkv_bias:
@@ -153,7 +157,8 @@ def active_params(m: ModelConfig) -> int:
 def block_matmul_params(m: ModelConfig) -> int:
     """Parameters one token's matrix multiplies touch in one block (active experts + router)."""
     hd = m.head_dim
-    attn = m.hidden * (m.heads + 2 * m.kv_heads) * hd + m.heads * hd * m.hidden
+    attn = (mla.matmul_params(m) if m.is_mla
+            else m.hidden * (m.heads + 2 * m.kv_heads) * hd + m.heads * hd * m.hidden)
     if m.is_moe:
         mlp = 3 * m.hidden * m.expert_ffn * m.top_k + m.hidden * m.experts
         if m.shared_expert:
@@ -295,6 +300,9 @@ def block_params_local(m: ModelConfig, tp: int, ep: int) -> dict[str, int]:
         "wo": m.heads * d * h // tp,
         "mlp_norm": ln * h,
     }
+    if m.is_mla:  # up-projections and o_proj cut by heads, the rest whole (fived.ledger.mla)
+        del out["wq"], out["wk"], out["wv"]
+        out.update(mla.by_kind(m, tp))
     if m.bias:  # q/k/v biases cut with their columns, the o_proj bias whole
         out["attn_bias"] = (m.heads * d // tp + 2 * m.kv_heads * d // kv_shards) + h
     if m.qkv_bias:  # cut with their columns
@@ -378,7 +386,9 @@ def rank_params(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> RankPa
             bd[k] = bd.get(k, 0) + v * n
         rep += (blk["attn_norm"] + blk["mlp_norm"] + blk.get("router", 0)
                 + blk.get("experts", 0) + blk.get("qk_norm", 0)) * n
-        if tp > c.kv_heads:
+        if c.is_mla:
+            rep += mla.replicated(c, tp) * n
+        elif tp > c.kv_heads:
             rep += (blk["wk"] + blk["wv"]) * n
             if c.qkv_bias:  # the k, v biases of a replicated kv chunk
                 rep += 2 * c.kv_heads * c.head_dim // min(tp, c.kv_heads) * n
@@ -419,12 +429,15 @@ def _block_list(m: ModelConfig, par: ParallelConfig, i: int, p: str = ""
     ln = m.norm == "layernorm"
     out = [(p + "input_layernorm.weight", h, False)]
     out += [(p + "input_layernorm.bias", h, False)] if ln else []
-    for w, n, cut in (("q", m.heads, tp), ("k", m.kv_heads, kv_shards), ("v", m.kv_heads,
-                                                                          kv_shards)):
+    if m.is_mla:
+        out += [(p + "self_attn." + name, n, False) for name, n, _ in mla.weights(m, tp)]
+    for w, n, cut in (() if m.is_mla else (("q", m.heads, tp), ("k", m.kv_heads, kv_shards),
+                                            ("v", m.kv_heads, kv_shards))):
         out.append((p + f"self_attn.{w}_proj.weight", h * n * d // cut, False))
         if m.bias or m.qkv_bias:  # column-parallel: the bias is cut with the output
             out.append((p + f"self_attn.{w}_proj.bias", n * d // cut, False))
-    out.append((p + "self_attn.o_proj.weight", m.heads * d * h // tp, False))
+    if not m.is_mla:
+        out.append((p + "self_attn.o_proj.weight", m.heads * d * h // tp, False))
     if m.bias:  # row-parallel: the bias is whole on every tp rank
         out.append((p + "self_attn.o_proj.bias", h, False))
     if m.qk_norm:  # whole on every tp rank

@@ -25,7 +25,10 @@ this-machine``) the eager runtime's own cost is measured instead, per block and 
 e is the compute dtype's bytes; peak the dense bf16 (or fp32) matmul FLOP/s; bw the HBM
 bandwidth. The cuts follow the runtime: q/o and the MLP are cut tp ways, k/v
 min(tp, kv_heads) ways; routed experts are whole on every tp rank and see T·top_k·ep/E tokens
-each (balanced routing), T/tp with SP; the head is cut tp ways.
+each (balanced routing), T/tp with SP; the head is cut tp ways. MLA (``_mla_gemms``): the
+down-projections whole over the rank's tokens (T/tp with SP), the up-projections and o_proj
+over H/tp heads; its flash core 2·b·(s/cp)·s·(H/tp)·(d_q + d_v) FLOPs forward, halved (v at its
+own width, as a GPU kernel takes it; the CPU runtime pads it).
 
 Per micro-batch on a pipeline rank (its layers, + the embedding on the first stage, + final
 norm, head and loss on the last): ``fwd``, ``bwd``, ``recompute`` (full: the blocks' forward
@@ -165,7 +168,11 @@ def block_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions
     h, d = m.hidden, m.head_dim
     hq = m.heads * d / tp
     hkv = m.kv_heads * d / min(tp, m.kv_heads)
-    if opts.fused_gemm:
+    if m.is_mla:  # the latents (whole on every tp rank, the sequence shard under SP), the
+        # per-head up-projections and o_proj (heads cut); RoPE on the rotary widths only
+        gemms = _mla_gemms(m, tp, t, t_sp, e)
+        hq, hkv = m.heads * m.qk_rope_head_dim / tp, m.qk_rope_head_dim
+    elif opts.fused_gemm:
         gemms = [_gemm("qkv", t, hq + 2 * hkv, h, e), _gemm("o", t, h, hq, e)]
     else:
         gemms = [_gemm("q", t, hq, h, e), _gemm("k", t, hkv, h, e), _gemm("v", t, hkv, h, e),
@@ -212,19 +219,35 @@ def block_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions
     return {"fwd": fwd, "bwd": bwd, "core_fwd": core["fwd"]}
 
 
+def _mla_gemms(m: ModelConfig, tp: int, t: float, t_sp: float, e: int) -> list[Op]:
+    """MLA's matmuls on one tp rank (``fived.ledger.mla``): the down-projections over the
+    rank's tokens (t_sp: the sequence shard under SP), the up-projections and o_proj over its
+    heads."""
+    h, H = m.hidden, m.heads / tp
+    rq, rkv, dr = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    out = ([_gemm("q_a", t_sp, rq, h, e), _gemm("q_b", t, H * m.qk_head_dim, rq, e)] if rq
+           else [_gemm("q", t, H * m.qk_head_dim, h, e)])
+    return out + [_gemm("kv_a", t_sp, rkv + dr, h, e),
+                  _gemm("kv_b", t, H * (m.qk_nope_head_dim + m.v_head_dim), rkv, e),
+                  _gemm("o", t, h, H * m.v_head_dim, e)]
+
+
 def _attention_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions, e: int
                    ) -> dict[str, list[Op]]:
     tp, cp = par.tp, par.cp
-    s, d = m.seq_len, m.head_dim
+    s, d = m.seq_len, m.qk_head_dim
     q_len = s / cp
     heads = m.heads / tp
     hq = heads * d
-    hkv = m.kv_heads * d / min(tp, m.kv_heads)
+    hkv = heads * d if m.is_mla else m.kv_heads * d / min(tp, m.kv_heads)
     t = b * q_len
     if opts.attention == "flash":
         ctx = min(opts.attn_context or s, s)  # --doc-mask: Σ Lᵢ²/S instead of S
-        flops = 4.0 * t * ctx * hq / 2  # causal: half the score blocks are skipped
-        io = e * t * (2 * hq + 2 * hkv)
+        # causal: half the score blocks are skipped; MLA: q·kᵀ over d_q, p·v over d_v
+        flops = (2.0 * t * ctx * heads * (m.qk_head_dim + m.v_head_dim) / 2 if m.is_mla
+                 else 4.0 * t * ctx * hq / 2)
+        io = (e * t * heads * (2 * m.qk_head_dim + 2 * m.v_head_dim) if m.is_mla
+              else e * t * (2 * hq + 2 * hkv))
         fwd = Op("attn.flash", "attn", flops, io)
         return {"fwd": [fwd], "bwd": [Op("attn.flash.bwd", "attn", 2.5 * flops, 2 * io)]}
     n = b * heads  # one batched GEMM over (batch, head)

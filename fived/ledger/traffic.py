@@ -39,7 +39,8 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
 * CP ring (``cp_traffic``), per layer per micro-batch, B = b·s_l·kv_local·d·e (one of K or V):
   forward (cp−1) sends of K and V (2B each), backward (cp−1)·2B again plus (cp−1)·2B of dK/dV;
   selective or full recompute reruns the forward ring once more.
-  Ulysses: per layer and direction 4 all_to_all of q, k', v', out.
+  Ulysses: per layer and direction 4 all_to_all of q, k', v', out (full recompute: the
+  forward's 4 once more; selective: q, k', v' once more).
 * EP (``ep_traffic``), per MoE layer per micro-batch, T = b·s_l·top_k·h·e routed token bytes
   (s_l/tp under SP): the routing counts all_to_all(E·8 bytes), forward dispatch and combine
   all_to_all(T), backward the same two — (E − E/n)·8 + 4·(n−1)/n·T with uniform routing. The
@@ -70,6 +71,7 @@ from functools import lru_cache
 
 from ..comm.volume import bytes_sent
 from ..config import ModelConfig, ParallelConfig
+from . import mla
 from .context import ulysses_kv_heads
 from .memory import (
     _state_key,
@@ -224,7 +226,9 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     # full recompute reruns each block's forward up to its last saved tensor (torch's
     # checkpoint stops early): the gathers and the attention's reduction again, not the MLP's
     again = par.recompute == "full"
-    if sp:
+    if m.is_mla:
+        out += _mla_tp(m, par, micro_batch, e, layers, moe, cut - per, again)
+    elif sp:
         if again:
             out += [Collective("tp", "all_gather", x, t, cut, "recompute: SP gathers", "bwd"),
                     Collective("tp", "reduce_scatter", x, t, per, "recompute: SP scatter after wo",
@@ -242,7 +246,7 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
             out.append(Collective("tp", "all_reduce", x, t, per, "recompute: after wo", "bwd"))
         out += [Collective("tp", "all_reduce", x, t, cut, "after wo, w_down", "fwd"),
                 Collective("tp", "all_reduce", x, t, cut, "input grads of attn, mlp", "bwd")]
-    if t > m.kv_heads:  # replicated kv chunks: the wk, wv gradients summed over tp in backward
+    if t > m.kv_heads and not m.is_mla:  # replicated kv chunks: wk, wv grads summed over tp
         kv_weight = m.kv_heads * m.head_dim * m.hidden * e
         out.append(Collective("tp", "all_reduce", kv_weight, t, 2 * per,
                               "replicated kv-head weight grads", "bwd"))
@@ -293,6 +297,55 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     return out
 
 
+def _mla_tp(m: ModelConfig, par: ParallelConfig, micro_batch: int, e: int, layers: int,
+            moe: int, mlp: int, again: bool) -> list[Collective]:
+    """MLA's tp collectives (``fived.parallel.tensor``'s MLA rows) and its MLP's, per step:
+    the column regions read the latents (r_q, or x without query compression, and r_kv), the
+    rotary key (d_r) is summed over tp (gathered with SP), o_proj is a row layer; ``mlp``
+    counts the blocks·micro-batches whose MLP is tp-cut. With SP the down-projections and
+    latent norms see this rank's sequence shard: their gradients are all-reduced per step."""
+    t, mb, sp = par.tp, par.micro_batches, par.sequence_parallel
+    per = layers * mb
+    tokens = micro_batch * m.seq_len // par.cp
+    x = tokens * m.hidden * e
+    cols = [tokens * w * e for w in (m.q_lora_rank or m.hidden, m.kv_lora_rank)]
+    key = tokens * m.qk_rope_head_dim * e
+    out: list[Collective] = []
+
+    def add(op: str, size: float, count: int, what: str, phase: str) -> None:
+        if count:
+            out.append(Collective("tp", op, size, t, count, what, phase))
+
+    if not sp:
+        if again:
+            add("all_reduce", x, per, "recompute: after o_proj", "bwd")
+        add("all_reduce", x, per + mlp, "after o_proj, w_down", "fwd")
+        for c in cols:
+            add("all_reduce", c, per, "input grads of MLA's up-projections", "bwd")
+        add("all_reduce", key, per, "rotary key grad (shared by the heads)", "bwd")
+        add("all_reduce", x, mlp, "input grads of mlp", "bwd")
+        return out
+    gathers = [(c, per) for c in cols] + [(key, per), (x, mlp)]
+    if again:
+        for c, n in gathers:
+            add("all_gather", c, n, "recompute: SP gathers", "bwd")
+        add("reduce_scatter", x, per, "recompute: SP scatter after o_proj", "bwd")
+    for c, n in gathers:
+        add("all_gather", c, n, "SP gather of the latents, rotary key, mlp input", "fwd")
+    add("reduce_scatter", x, per + mlp, "SP scatter after o_proj/w_down", "fwd")
+    add("all_gather", x, per + mlp, "grad of SP scatter", "bwd")
+    for c, n in [(c, per) for c in cols] + [(x, mlp)]:
+        add("all_gather", c, n, "re-gather of SP column inputs", "bwd")
+    for c, n in gathers:
+        add("reduce_scatter", c, n, "grad of SP gather", "bwd")
+    out += _moe_balance_counts(m, par, micro_batch, moe, "tp")
+    gb = grad_bytes(par)
+    for name, n, whole in mla.weights(m, t):
+        if whole:
+            add("all_reduce", n * gb, layers, f"{name} grad (sequence shard)", "step")
+    return out
+
+
 # ------------------------------------------------------------------------ pipeline
 def pp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
                dtype_bytes: int | None = None) -> list[Collective]:
@@ -327,8 +380,8 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     layers, _, _ = _local(m, par, pp_rank)
     per = layers * par.micro_batches
     tokens = micro_batch * m.seq_len // c
-    d = m.head_dim
-    kv_local = max(1, m.kv_heads // par.tp)
+    d = m.qk_head_dim  # MLA: the decompressed heads, v padded to d_q (fived.model.mla)
+    kv_local = m.heads // par.tp if m.is_mla else max(1, m.kv_heads // par.tp)
     if par.cp_mode == "ulysses":
         q = tokens * (m.heads // par.tp) * d * e
         # kv heads as the all-to-all sees them (replicated up to cp, or to the query heads)
@@ -337,6 +390,12 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                Collective("cp", "all_to_all", k, c, 2 * per, "k and v", "fwd"),
                Collective("cp", "all_to_all", q, c, 2 * per, "grads of q and out", "bwd"),
                Collective("cp", "all_to_all", k, c, 2 * per, "grads of k and v", "bwd")]
+        if par.recompute in ("full", "selective"):  # the forward's all-to-alls again: full
+            # reruns the block (q, k, v and out), selective the core (q, k, v in; its output
+            # is not checkpointed's to redo)
+            out += [Collective("cp", "all_to_all", q, c, (2 if par.recompute == "full" else 1)
+                               * per, "recompute: q (and out)", "bwd"),
+                    Collective("cp", "all_to_all", k, c, 2 * per, "recompute: k and v", "bwd")]
     else:
         b = tokens * kv_local * d * 4  # one of K or V: the ring sends them (and dK/dV) in fp32
         hops = (c - 1) * per

@@ -12,7 +12,10 @@ prompt at prefill, one token per step after it) writes its keys and values into 
 stays finite. Each row's RoPE positions count its real tokens only (the caller passes them), so
 a padded row computes what it computes alone. Memory: 2 · layers · b · slots · kv_heads/tp ·
 head_dim elements in the compute dtype, allocated at the first forward from the layer's own
-key shape (a tensor-parallel rank holds its heads only).
+key and value shapes (a tensor-parallel rank holds its heads only). Multi-head latent
+attention (``fived.model.mla``) stores its latent (kv_lora_rank) as the "key" and its rotary
+key (qk_rope_head_dim) as the "value" of one shared head: layers · b · slots · (kv_lora_rank
++ qk_rope_head_dim) elements, whole on every tp rank.
 """
 
 from __future__ import annotations
@@ -53,10 +56,9 @@ class KVCache:
         far and the attention mask (``fived.model.layers.masked_attention``)."""
         if self._allowed is None or k.shape[1] != self._n:
             raise RuntimeError("KVCache.begin(real) must announce each forward's tokens")
-        if layer not in self.keys:
-            shape = (self.batch, self.slots) + tuple(k.shape[2:])
-            self.keys[layer] = k.new_zeros(shape)
-            self.values[layer] = v.new_zeros(shape)
+        if layer not in self.keys:  # each its own width (MLA: the latent, the rotary key)
+            self.keys[layer] = k.new_zeros((self.batch, self.slots) + tuple(k.shape[2:]))
+            self.values[layer] = v.new_zeros((self.batch, self.slots) + tuple(v.shape[2:]))
         end = self.filled + self._n
         self.keys[layer][:, self.filled:end] = k
         self.values[layer][:, self.filled:end] = v

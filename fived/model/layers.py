@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,16 +95,53 @@ class RMSNorm(nn.Module):
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
+class Yarn(NamedTuple):
+    """YaRN's rope scaling (Peng et al. 2023, as DeepSeek-V3's config.json states it): the
+    extension ``factor``, the pre-training length ``original``, the ramp's rotation bounds
+    ``beta_fast`` / ``beta_slow``, and the ``gain`` the cos/sin tables are multiplied by."""
+
+    factor: float
+    original: int
+    beta_fast: float
+    beta_slow: float
+    gain: float
+
+
+def inverse_frequencies(dim: int, theta: float, yarn: Yarn | None = None,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """θ^(−2i/dim), i < dim/2, in float64; with YaRN, each frequency blends its interpolated
+    value (÷ factor) and itself by a linear ramp over the dimensions whose wavelength makes
+    between beta_fast and beta_slow rotations in ``original`` positions (bounds floored and
+    ceiled, as transformers' ``truncate``)."""
+    inv = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
+    if yarn is None:
+        return inv
+
+    def at(rotations: float) -> float:
+        return dim * math.log(yarn.original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = max(math.floor(at(yarn.beta_fast)), 0), min(math.ceil(at(yarn.beta_slow)), dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=device) - lo) / (hi - lo)
+            ).clamp(0, 1)
+    return inv / yarn.factor * ramp + inv * (1 - ramp)
+
+
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
-                dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                dtype=torch.float32, yarn: Yarn | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (*positions.shape, head_dim/2) for the (possibly non-contiguous)
     ``positions`` — (s,) in training, (b, s) per row when generating — in ``dtype`` (rounded
     through fp32: the values any dtype's tables had when they were cast per layer); one pair
-    per forward, which every layer's ``apply_rope`` saves without a copy."""
-    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
-                    / head_dim)
+    per forward, which every layer's ``apply_rope`` saves without a copy. With ``yarn`` the
+    frequencies are YaRN's and both tables carry its gain."""
+    inv = inverse_frequencies(head_dim, theta, yarn, positions.device)
     ang = positions.to(torch.float64)[..., None] * inv
-    return ang.cos().float().to(dtype), ang.sin().float().to(dtype)
+    cos, sin = ang.cos(), ang.sin()
+    if yarn is not None and yarn.gain != 1.0:
+        cos, sin = cos * yarn.gain, sin * yarn.gain
+    return cos.float().to(dtype), sin.float().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ from . import layers as nn_layers
 from .cache import KVCache, LayerCache
 from .documents import Documents
 from .init import init_weights
+from .mla import MLAttention, yarn_of
 from .moe import MoE
 from .mtp import MultiTokenPrediction
 
@@ -87,7 +88,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = nn_layers.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = MLAttention(cfg, dtype) if cfg.is_mla else Attention(cfg, dtype)
         self.post_attention_layernorm = nn_layers.RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
         if cfg.is_moe_layer(index):  # the first ``first_dense_layers`` blocks stay dense
             self.block_sparse_moe = MoE(cfg, index, dtype)
@@ -175,7 +176,8 @@ class Transformer(nn.Module):
         if isinstance(positions, Documents):
             positions, docs = positions.positions, positions.docs
         h = self.embed_tokens(x) if self.first else x
-        rope = nn_layers.rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        rope = nn_layers.rope_tables(positions, self.cfg.rope_dim, self.cfg.rope_theta, h.dtype,
+                                     yarn_of(self.cfg))
         if docs is not None:
             rope = (*rope, docs)
         for i, block in self.layers.items():

@@ -2,10 +2,11 @@
 
 For a token x (hidden h) and E experts with router W_r (E × h), computed in fp32:
 
-    logits = W_r x,   p = softmax(logits),   (v, i) = top-k(p),   w = v / Σ v
+    logits = W_r x,   p = softmax(logits),   (v, i) = top-k(p),   w = ρ · v / Σ v
     y = Σ_j w_j · Expert_{i_j}(x)  [+ g(x) · SharedExpert(x)]
-    g(x) = σ(w_g · x) with ``shared_expert_gate`` (Qwen2-MoE), else 1; the shared expert is a
-    dense SwiGLU of width ``shared_expert_ffn`` (tp-cut like any MLP, never expert-parallel)
+    ρ = ``routed_scaling_factor`` (1; DeepSeek-V3: 2.5); g(x) = σ(w_g · x) with
+    ``shared_expert_gate`` (Qwen2-MoE), else 1; the shared expert is a dense SwiGLU of width
+    ``shared_expert_ffn`` (tp-cut like any MLP, never expert-parallel)
 
 Node-limited routing (``route_groups`` G, ``route_top_groups`` M, ``MoE.select``): top-k runs
 over the experts of each token's M best groups only, so with G a multiple of ep (each ep rank
@@ -324,6 +325,8 @@ class MoE(nn.Module):
         top_i = self.select(scores, k)  # (N, k)
         top_p = scores.gather(-1, top_i)  # the unbiased scores of the chosen experts
         weights = top_p / top_p.sum(dim=-1, keepdim=True) if cfg.norm_topk_prob else top_p
+        if cfg.routed_scaling_factor != 1.0:  # DeepSeek-V3: 2.5
+            weights = weights * cfg.routed_scaling_factor
         keep = capacity_keep(top_i.view(b, s, k), E, capacity(cfg, s)).reshape(-1)
 
         # auxiliary losses (local sums; see the module docstring for the normalisation)

@@ -51,10 +51,16 @@ class RoutingStatistics:
 class RouteBalancer:
     """balance = bias on one rank: its counters' collective, the update, the state."""
 
-    def __init__(self, model: nn.Module, batch_group: Any, device: Any, rate: float):
+    def __init__(self, model: nn.Module, batch_group: Any, device: Any, rate: float,
+                 source: Any = None):
         self.model, self.group, self.device, self.rate = model, batch_group, device, rate
         self.layers = bias_layers(model)
         materialize_route_bias(model, device)  # built on meta with the model: zeros here
+        read = getattr(source, "buffer", None)  # --init-from: DeepSeek-V3's trained biases
+        for m in self.layers if read is not None else ():
+            saved = read(route_bias_name(m))
+            if saved is not None:
+                m.route_bias.copy_(saved)
 
     def __bool__(self) -> bool:
         return bool(self.layers)

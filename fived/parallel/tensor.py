@@ -58,8 +58,9 @@ A module a model lacks (q/k norms, the MLP of a MoE block, the shared expert, th
 later pipeline part) matches no row; a row whose condition is false (``SP`` without SP)
 leaves its module whole with a complete gradient. Every parameter must lie under a module some
 row names: a parameter no row names is an error, not a silent replica. A new module adds rows,
-not branches: MLA's per-head up-projections, say, add ``PlanRow(ATTN + "q_b_proj", Column())``
-and its latent norms ``Partial`` rows (a new ``Cut`` only for a new kind of cut). Each cut
+not branches: MLA's per-head up-projections are ``Column`` rows, its down-projections and latent
+norms ``Partial`` rows under SP, and its rotary key, read by every head, the one new kind of cut
+(``SharedKey``: forward identity, backward all-reduce; with SP all-gather / reduce-scatter). Each cut
 records itself in the parameters' ``Placement``. The column layers of one model share one
 ``Columns`` object: the layers that read the same input (q/k/v; gate/up) share its gathered copy
 and the reduction of its gradient.
@@ -441,6 +442,29 @@ class RoutedCounts(Cut):
         add_count_reduction(module, t.group)
 
 
+class SharedKeyRegion(nn.Module):
+    """MLA's rotary key kᴿ, which every head reads: forward identity (SP: all-gather of the
+    sequence), backward all-reduce of its partial gradient (SP: reduce-scatter)."""
+
+    def __init__(self, group: Any, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sp = group, sequence_parallel
+
+    def forward(self, k: torch.Tensor) -> torch.Tensor:
+        return (autograd.gather_from(k, self.group, dim=1) if self.sp
+                else autograd.copy_to(k, self.group))
+
+
+@dataclass(frozen=True)
+class SharedKey(Cut):
+    """MLA's ``rope_key`` -> ``SharedKeyRegion``: the rotary key shared by the heads tp cuts."""
+
+    places = False
+
+    def apply(self, t: _TP, name: str, module: nn.Module) -> None:
+        t.swap(name, SharedKeyRegion(t.group, t.sp))
+
+
 def always(t: _TP) -> bool:
     return True
 
@@ -475,6 +499,17 @@ TP_PLAN: tuple[PlanRow, ...] = (
     PlanRow(ATTN + "o_proj", Row()),
     PlanRow(ATTN + "q_norm", Partial()),
     PlanRow(ATTN + "k_norm", Partial()),
+    # MLA (fived.model.mla), as Megatron-Core cuts it: the down-projections and the latent
+    # norms whole on every rank (under SP on this rank's sequence shard: gradients partial);
+    # the per-head up-projections column-cut (their region gathers the latent, not x, with
+    # SP); the rotary key every head reads summed over tp (gathered with SP); o_proj above
+    PlanRow(ATTN + "q_a_proj", Partial(), SP),
+    PlanRow(ATTN + "q_a_layernorm", Partial(), SP),
+    PlanRow(ATTN + "q_b_proj", Column()),
+    PlanRow(ATTN + "kv_a_proj_with_mqa", Partial(), SP),
+    PlanRow(ATTN + "kv_a_layernorm", Partial(), SP),
+    PlanRow(ATTN + "kv_b_proj", Column()),
+    PlanRow(ATTN + "rope_key", SharedKey()),
     # the dense MLP: ffn cut (gate/up column, down row)
     PlanRow("layers.*.post_attention_layernorm", Partial(), SP),
     PlanRow(MLP + "gate_proj", Column()),

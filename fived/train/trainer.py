@@ -104,7 +104,7 @@ class Trainer:
         routing = RoutingStatistics(self.parallel.model, model_cfg, par, self.parallel.placements,
                                     self.world_metrics, self.traffic)
         self.balancer = RouteBalancer(self.parallel.model, self.grid["batch"], self.device,
-                                      model_cfg.bias_update_rate)
+                                      model_cfg.bias_update_rate, source)
         self.pre_step = [routing.before_step] if model_cfg.is_moe else []
         self.post_step = [self.balancer.after_step] if self.balancer else []
         self.on_record = [routing.record] if model_cfg.is_moe else []
