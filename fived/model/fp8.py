@@ -2,16 +2,24 @@
 
 A matrix X is held as q = sat(X / s) in an fp8 format and a decode scale s, X ≈ q · s, with
 
-    s = amax / fmax          (e4m3: fmax = 448, e5m2: fmax = 57344; amax = 0 gives s = 1)
+    s = 2^⌈log₂(amax / fmax)⌉   (e4m3: fmax = 448, e5m2: fmax = 57344; amax = 0 gives s = 1)
     sat(v) = clamp(v, −fmax, fmax), then rounded to the nearest fp8 value
 
 and amax taken, at the moment of the cast, over the values one scale covers (its *tile*):
 
     tensorwise  one s per matrix                          torchao float8 "tensorwise"
     rowwise     one s per row of the left operand and per column of the right one (over the
-                contraction dimension), s rounded up to a power of 2   torchao "rowwise"
+                contraction dimension)                                 torchao "rowwise"
     blockwise   one s per 1×128 tile along the contraction (activations, gradients) and per
                 128×128 block (weights)                                DeepSeek-V3 §3.3
+
+Every scale is a power of 2 (torchao's ``round_scales_to_power_of_2``, on by default in its
+rowwise recipe; MXFP8's E8M0 scales are nothing else): x / s then only moves the exponent, the
+one rounding is fp8's, at the price of at most one bit of range (the largest value lands in
+(fmax/2, fmax]). It also makes a cast robust to an amax that differs in its last bit — a sum
+taken in another order under another layout: with s = amax / fmax the tp2 tensorwise model's
+first-step gradients were 1e-2 from one rank's (single elements re-rounded across an e5m2
+step), with power-of-2 scales 1e-7 (``tests/test_fp8.py``).
 
 A product A·B (A: M×K, B: K×N) runs as fp8 × fp8 → fp32, one ``torch._scaled_mm`` per tile of
 the contraction, its partial sum scaled and accumulated in fp32 (DeepSeek-V3's promotion to
@@ -225,7 +233,7 @@ def _reducer(name: str, cuts: tuple[Cut, ...], recipe: str):
 def cast(x: torch.Tensor, recipe: str, name: str, cuts: tuple[Cut, ...] = ()) -> Fp8:
     """``x`` cast as operand ``name`` of ``recipe`` (amax reduced over the cuts it spans)."""
     fmt, tile = role(recipe, name)
-    return quantize(x, fmt, tile, pow2=recipe == "rowwise", reduce=_reducer(name, cuts, recipe))
+    return quantize(x, fmt, tile, pow2=True, reduce=_reducer(name, cuts, recipe))
 
 
 class _Fp8Linear(torch.autograd.Function):
