@@ -291,3 +291,26 @@ def test_every_layout_equals_one_rank():
     full recompute (rowwise), ep2 of a MoE model (tensorwise; the experts a loop of fp8
     linears), each against the one-rank fp8 run of its recipe and per-rank micro-batches."""
     _layouts_equal_one_rank(SLOW)
+
+
+def test_linears_reading_one_tensor_share_its_fp8_cast():
+    """q, k and v read the same normalised input: one fp8 copy of it is saved (measured by the
+    saved-tensor hooks), not three; an input changed in place is cast again."""
+    from fived.train.activations import SavedTensors
+
+    x = torch.randn(64, 256, requires_grad=True)
+    ws = [torch.nn.Parameter(torch.randn(32, 256) * 0.05) for _ in range(3)]
+    with SavedTensors() as s:
+        n = x * 1.0  # the norm output, not itself saved by the fp8 linears
+        ys = [fp8_mod.fp8_linear(n, w, "tensorwise") for w in ws]
+    fp8_bytes = s.by_dtype[str(E4M3)]
+    assert fp8_bytes == 64 * 256, s.sizes
+    sum(y.sum() for y in ys).backward()
+    with torch.no_grad():
+        a = fp8_mod.fp8_linear(n.detach(), ws[0], "tensorwise")
+        m = n.detach()
+        m2 = m * 1.0
+        b1 = fp8_mod.fp8_linear(m2, ws[0], "tensorwise")
+        m2.mul_(2.0)
+        b2 = fp8_mod.fp8_linear(m2, ws[0], "tensorwise")
+    assert torch.equal(b2, 2 * b1) and torch.equal(a, b1)

@@ -38,7 +38,8 @@ The three matmuls of y = x Wᵀ and the format of each operand (M tokens, K in, 
     wgrad    dW = dyᵀ · x    M    dy as in dgrad; x as in forward (blockwise: 128×1 tiles
                                   along the tokens)
 
-Saved for backward: tensorwise keeps x as fp8 with its one scale (one byte per element: the
+Saved for backward (the linears that read one tensor — q/k/v, gate/up — share one cast of
+it, computed once): tensorwise keeps x as fp8 with its one scale (one byte per element: the
 same q serves the wgrad); blockwise keeps x as fp8 1×128 tiles with one fp32 scale per tile
 (DeepSeek-V3 caches the linear inputs in fp8) and re-tiles it along the tokens for the wgrad
 (dequantised and cast again: a second rounding); rowwise keeps x in its own dtype (its
@@ -62,8 +63,10 @@ norms stay in the compute dtype.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -236,6 +239,25 @@ def cast(x: torch.Tensor, recipe: str, name: str, cuts: tuple[Cut, ...] = ()) ->
     return quantize(x, fmt, tile, pow2=True, reduce=_reducer(name, cuts, recipe))
 
 
+_LAST: list[Any] = [None]  # the last input cast: (x, its version, recipe, cuts, data, scale, tile)
+
+
+def _cast_input(x: torch.Tensor, x2: torch.Tensor, recipe: str, cuts: tuple[Cut, ...]) -> Fp8:
+    """``cast(x2, recipe, "x_fwd", cuts)``, shared by the linears that read the same tensor
+    (q/k/v; gate/up): the same cast, so one fp8 copy is computed and saved, not one per
+    consumer. Held by weak references only: nothing is kept alive by the cache."""
+    last = _LAST[0]
+    if last is not None and last[0]() is x and last[1] == x._version and last[2:4] == (
+            recipe, cuts):
+        data, scale = last[4](), last[5]()
+        if data is not None and scale is not None:
+            return Fp8(data, scale, last[6])
+    q = cast(x2, recipe, "x_fwd", cuts)
+    _LAST[0] = (weakref.ref(x), x._version, recipe, cuts, weakref.ref(q.data),
+                weakref.ref(q.scale), q.tile)
+    return q
+
+
 class _Fp8Linear(torch.autograd.Function):
     """y = x Wᵀ with the three products in fp8 as ``recipe`` says (the module docstring)."""
 
@@ -243,7 +265,7 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, w, recipe, cuts):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        qx = cast(x2, recipe, "x_fwd", cuts)
+        qx = _cast_input(x, x2, recipe, cuts)
         y = scaled_matmul(qx, cast(w.t(), recipe, "w_fwd", cuts))
         ctx.recipe, ctx.cuts, ctx.shape, ctx.xdtype = recipe, cuts, x.shape, x.dtype
         if recipe == "rowwise":
