@@ -344,3 +344,29 @@ def test_ledger_counts_the_fp8_saves_to_the_byte(recipe):
     base_saved, base_ledger = _saved_and_ledger("none")
     assert ledger - saved == base_ledger - base_saved
     assert (saved < base_saved) == (recipe != "rowwise")
+
+
+def test_the_clock_runs_the_fp8_linears_at_the_fp8_peak():
+    """H100: fp8 dense peak 2× bf16: with --fp8 the linears' GEMMs (forward and both backward
+    products) take half the compute-bound time, the attention core and the head do not change;
+    a device without an fp8 peak (A100) runs them at its bf16 peak."""
+    from fived.ledger.hardware import PRESETS as HARDWARE
+    from fived.ledger.roofline import ClockOptions, block_ops, op_seconds
+
+    m = preset("llama3-8b")
+    h100, a100 = HARDWARE["h100-sxm"], HARDWARE["a100-80gb"]
+    assert h100.matmul_peak("fp8") == pytest.approx(2 * h100.matmul_peak("bf16"), rel=1e-3)
+    assert a100.matmul_peak("fp8") == a100.matmul_peak("bf16")
+    bf, f8 = (block_ops(m, ParallelConfig(tp=8, precision="bf16", fp8=r), 1, ClockOptions())
+              for r in ("none", "tensorwise"))
+    for key in ("fwd", "bwd"):
+        linears = [o for o in f8[key] if o.fp8]
+        assert len(linears) == (7 if key == "fwd" else 14)
+        saved = 0.0
+        for a, b in zip(bf[key], f8[key]):
+            ta, tb = op_seconds(a, h100, "bf16"), op_seconds(b, h100, "bf16")
+            assert (tb <= ta) if b.fp8 else (tb == ta), (a.name, ta, tb)
+            saved += ta - tb
+            assert op_seconds(b, a100, "bf16") == op_seconds(a, a100, "bf16")
+        linear_time = sum(op_seconds(a, h100, "bf16") for a, b in zip(bf[key], f8[key]) if b.fp8)
+        assert 0.3 * linear_time < saved <= 0.5 * linear_time + 1e-12  # at most the 2× peak
