@@ -370,3 +370,23 @@ def test_the_clock_runs_the_fp8_linears_at_the_fp8_peak():
             assert op_seconds(b, a100, "bf16") == op_seconds(a, a100, "bf16")
         linear_time = sum(op_seconds(a, h100, "bf16") for a, b in zip(bf[key], f8[key]) if b.fp8)
         assert 0.3 * linear_time < saved <= 0.5 * linear_time + 1e-12  # at most the 2× peak
+
+
+def test_bench_numerics_fp8_writes_its_runs(tmp_path):
+    """`fived bench numerics fp8` at its smallest: the JSON holds bf16 and every recipe over the
+    same steps, the per-layer cast statistics of the first and last step (every fp8 linear, its
+    input, weight and output gradient), the outlier experiment, and the PNG."""
+    import json
+
+    from fived.bench.numerics import main
+
+    assert main(["fp8", "--steps", "2", "--layers", "1", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "numerics-fp8.json").read_text())["result"]
+    assert set(d["runs"]) == {"none", *RECIPES}
+    for recipe in RECIPES:
+        st = d["runs"][recipe]["stats"]
+        assert set(st) == {"0", "1"} and len(st["1"]) == 7  # one block's seven linears
+        for layer in st["1"].values():
+            assert set(layer) == {"x", "w", "g"}
+            assert all(v["saturated"] == 0 and 0 <= v["flushed"] < 0.01 for v in layer.values())
+    assert (tmp_path / "numerics-fp8.png").stat().st_size > 1000
