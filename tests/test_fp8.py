@@ -390,3 +390,23 @@ def test_bench_numerics_fp8_writes_its_runs(tmp_path):
             assert set(layer) == {"x", "w", "g"}
             assert all(v["saturated"] == 0 and 0 <= v["flushed"] < 0.01 for v in layer.values())
     assert (tmp_path / "numerics-fp8.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise"])
+def test_dry_run_of_fp8_tp_sp_zero3_is_exact(tmp_path, recipe):
+    """`fived train --dry-run --fp8 R --tp 2 --sequence-parallel --dp 2 --zero 3` then
+    `fived ledger --check`: every rank's traffic (the amax all-reduces on tp, the SP columns'
+    backward re-gather gone) and model states exact, the activations within 0.5 %. (rowwise
+    under SP: traffic exact, activations 31 % above the ledger's — not yet found.)"""
+    from parity_helpers import run_cli
+
+    out = tmp_path / "run.jsonl"
+    r = run_cli("train", "--dry-run", "--fp8", recipe, "--precision", "bf16", "--tp", "2",
+                "--sequence-parallel", "--dp", "2", "--zero", "3", "--steps", "1",
+                "--metrics-out", str(out))
+    assert r.returncode == 0, r.stderr
+    c = run_cli("ledger", "--check", str(out))
+    assert c.returncode == 0, c.stdout + c.stderr
+    text = " ".join(c.stdout.split())
+    assert "exact: every rank's model-state bytes and traffic bytes" in text, c.stdout
+    assert "!=" not in c.stdout

@@ -42,8 +42,10 @@ fp8, the linears reading one tensor sharing one copy: the norms' outputs (2·e·
 product (e·f) are no longer saved in e bytes; the fp8 copies are h (q/k/v's input), hq (wo's:
 the attention output stays saved by the kernel), h (gate/up's) and f (w_down's) bytes, each
 with its scales: tensorwise 4 bytes per copy and micro-batch, blockwise 4 per 128-wide tile of
-each token's row, 4·⌈K/128⌉. ``rowwise`` saves its inputs in e bytes: no change. Under sequence
-parallelism the fp8 copies hold the gathered sequence (the norm input stays a shard). MoE
+each token's row, 4·⌈K/128⌉. ``rowwise`` saves its inputs in e bytes: no change, but under
+sequence parallelism, where its column layers save the gathered input (2·e·h per token, whole
+sequence) instead of the norm outputs' shards. Under sequence parallelism the fp8 copies hold
+the gathered sequence (the norm input stays a shard). MoE
 experts under fp8 (a loop of fp8 linears) are not yet in the ledger.
 
 With tp the q/k/v/attention/SwiGLU terms divide by tp (k, v by min(tp, kv_heads)); the norm
@@ -367,6 +369,9 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     recipe = getattr(par, "fp8", "none")
     if recipe in ("tensorwise", "blockwise") and not m.is_moe:
         out.update(fp8_layer_saves(m, par, tokens, e, norm_div, recipe, out))
+    elif recipe == "rowwise" and sp and not m.is_moe:  # the gathered inputs, in e bytes
+        out["norms"] -= tokens * 2 * e * h / norm_div
+        out["fp8_inputs"] = tokens * 2 * e * h
     return out
 
 
