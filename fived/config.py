@@ -270,9 +270,9 @@ class ParallelConfig:
     master_weights: str = spec("fp32", "bf16 parameters' master copy: fp32, or none (round to "
                                        "nearest), sr (stochastic rounding), kahan (bf16 "
                                        "compensation)", choices=MASTER_WEIGHTS)
-    fp8: str = spec("none", "the linear layers' products in fp8 (e4m3/e5m2, scaled at each "
-                            "cast): tensorwise (one scale per matrix), rowwise (per row, "
-                            "power-of-2 scales), blockwise (DeepSeek-V3: 1x128 tiles, 128x128 "
+    fp8: str = spec("none", "the linear layers' products in fp8 (e4m3/e5m2, a power-of-2 "
+                            "scale taken at each cast): tensorwise (one scale per matrix), "
+                            "rowwise (per row), blockwise (DeepSeek-V3: 1x128 tiles, 128x128 "
                             "weight blocks); embedding, head, router and norms stay in "
                             "--precision", choices=FP8_RECIPES)
     cp_mode: str = spec("ring", "context-parallel attention", choices=CP_MODES)
