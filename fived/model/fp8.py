@@ -220,7 +220,8 @@ class Cut:
 
 def _reducer(name: str, cuts: tuple[Cut, ...], recipe: str):
     """The amax reduction operand ``name`` needs: over each cut dimension a tile spans whole
-    (blockwise tiles of 128 stop at a cut: ``fp8_problems`` asks the cut to fall on one)."""
+    (blockwise tiles of 128 stop at a cut: ``fived.config``'s validation asks the cut to fall
+    on a tile edge)."""
     _, tile = role(recipe, name)
     dims = _DIMS[name]
     fns = [c.reduce for c in cuts for i in (0, 1) if dims[i] == c.dim and tile[i] is ALL]
@@ -268,10 +269,9 @@ class _Fp8Linear(torch.autograd.Function):
         qx = _cast_input(x, x2, recipe, cuts)
         y = scaled_matmul(qx, cast(w.t(), recipe, "w_fwd", cuts))
         ctx.recipe, ctx.cuts, ctx.shape, ctx.xdtype = recipe, cuts, x.shape, x.dtype
-        if recipe == "rowwise":
+        if recipe == "rowwise":  # x as given (a view: no copy)
             ctx.save_for_backward(x2, w)
-            ctx.qx = None
-        else:  # fp8 data and its scales: saved through ctx (save_for_backward takes tensors)
+        else:  # the fp8 data and its scales; W is the parameter (recast in backward)
             ctx.save_for_backward(qx.data, qx.scale, w)
             ctx.qtile = qx.tile
         return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])

@@ -21,9 +21,11 @@ float per amax (tensorwise: 2 in forward, 2–4 in backward) or of one float per
 Experts run as a loop of fp8 linears (one per expert) under fp8: the grouped kernel
 (``fived.model.grouped``) has no fp8 form here.
 
-Under sequence parallelism a column layer gathers its input with ``gather_from`` (all-gather
-forward, reduce-scatter backward) and the fp8 function saves the gathered input in fp8; the
-bf16 path instead saves the shard and gathers it again in backward.
+An fp8 column layer reads its input through plain autograd: ``copy_to`` (its dX all-reduced in
+backward), or under sequence parallelism ``gather_from`` (all-gather forward, reduce-scatter
+backward), and the fp8 function saves the gathered input in fp8. The bf16 path instead saves
+the shard and gathers it again in backward, and with ``--overlap`` hides dX's reduction behind
+the weight gradient (``tensor._ColumnMatmul``); the fp8 columns do neither.
 """
 
 from __future__ import annotations
