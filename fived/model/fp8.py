@@ -269,8 +269,8 @@ class _Fp8Linear(torch.autograd.Function):
         qx = _cast_input(x, x2, recipe, cuts)
         y = scaled_matmul(qx, cast(w.t(), recipe, "w_fwd", cuts))
         ctx.recipe, ctx.cuts, ctx.shape, ctx.xdtype = recipe, cuts, x.shape, x.dtype
-        if recipe == "rowwise":  # x as given (a view: no copy)
-            ctx.save_for_backward(x2, w)
+        if recipe == "rowwise":  # x as given: its (N, K) reshape may be a copy, x is not
+            ctx.save_for_backward(x, w)
         else:  # the fp8 data and its scales; W is the parameter (recast in backward)
             ctx.save_for_backward(qx.data, qx.scale, w)
             ctx.qtile = qx.tile
@@ -280,8 +280,8 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         recipe, cuts = ctx.recipe, ctx.cuts
         if recipe == "rowwise":
-            x2, w = ctx.saved_tensors
-            qxw = cast(x2, recipe, "x_wgrad", cuts)
+            x, w = ctx.saved_tensors
+            qxw = cast(x.reshape(-1, x.shape[-1]), recipe, "x_wgrad", cuts)
         else:
             data, scale, w = ctx.saved_tensors
             qx = Fp8(data, scale, ctx.qtile)
