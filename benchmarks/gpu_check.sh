@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (docs/gpu.md): unattended, at most ~8 minutes on one GPU, one JSON
+# The prepared GPU check (docs/gpu.md): unattended, at most ~10 minutes on one GPU, one JSON
 # summary on stdout (progress on stderr). NOT YET RUN ON GPU HARDWARE.
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]        # default OUT_DIR: a fresh temporary directory
@@ -11,6 +11,9 @@
 #    to the ledger's step peak (fived.ledger.peak).
 #    And ring context parallelism's block kernel (memory-efficient attention) against the math.
 # 3. with >= 2 GPUs: tp2 and dp2 (fp32, tiny) over NCCL against the one-GPU run: losses 1e-5.
+# 4. fp8: the model of 2 with --fp8 tensorwise, rowwise, blockwise (bf16 around them): tokens/s
+#    and max_memory_allocated beside the bf16 run of 2; each recipe's last loss within 5 % of
+#    bf16's (a recipe whose run fails is reported with its error, and fails the check).
 # Exit status: 0 when every check that ran passed, 1 otherwise, 2 when no GPU is visible.
 set -euo pipefail
 
@@ -31,9 +34,9 @@ fived() { timeout "${STEP_TIMEOUT:-240}" "$py" -m fived "$@"; }
 
 # 1. tiny, fp32: one GPU vs the CPU (FIVED_DEVICE=cpu forces cpu+gloo)
 common=(--model tiny --steps 5 --global-batch 8 --precision fp32)
-log "1/3 tiny fp32 on the CPU (reference)"
+log "1/4 tiny fp32 on the CPU (reference)"
 FIVED_DEVICE=cpu fived train "${common[@]}" --nprocs 1 --metrics-out "$out/cpu.jsonl" >&2
-log "1/3 tiny fp32 on one GPU"
+log "1/4 tiny fp32 on one GPU"
 fived train "${common[@]}" --nprocs 1 --metrics-out "$out/gpu1.jsonl" >&2
 
 # 1b. ring context parallelism's block kernel on the GPU (memory-efficient attention with its
@@ -59,18 +62,26 @@ steps = 12
 global_batch = 4
 warmup = 2
 TOML
-log "2/3 ~1.5B bf16 on one GPU"
+log "2/4 ~1.5B bf16 on one GPU"
 fived train --config "$out/1b.toml" --nprocs 1 --memory-trace --metrics-out "$out/1b.jsonl" >&2
 
 # 3. tp2 and dp2 over NCCL
 if [ "$gpus" -ge 2 ]; then
-  log "3/3 tiny fp32, tp2 over NCCL"
+  log "3/4 tiny fp32, tp2 over NCCL"
   fived train "${common[@]}" --tp 2 --nprocs 2 --metrics-out "$out/tp2.jsonl" >&2
-  log "3/3 tiny fp32, dp2 over NCCL"
+  log "3/4 tiny fp32, dp2 over NCCL"
   fived train "${common[@]}" --dp 2 --nprocs 2 --metrics-out "$out/dp2.jsonl" >&2
 else
-  log "3/3 skipped: one GPU"
+  log "3/4 skipped: one GPU"
 fi
+
+# 4. fp8 recipes on the model of 2 (bf16 around the fp8 products)
+for recipe in tensorwise rowwise blockwise; do
+  log "4/4 ~1.5B bf16 + --fp8 $recipe on one GPU"
+  fived train --config "$out/1b.toml" --nprocs 1 --fp8 "$recipe" \
+    --metrics-out "$out/fp8-$recipe.jsonl" >&2 2> "$out/fp8-$recipe.err" \
+    || log "4/4 --fp8 $recipe failed (see $out/fp8-$recipe.err)"
+done
 
 # the summary
 "$py" - "$out" "$gpus" <<'PY'
@@ -136,6 +147,22 @@ summary["checks"]["bf16_1b"] = {
     "traced_peak": traced, "traced_over_ledger_peak": traced / step_peak,
     "measured_over_ledger_peak": measured / step_peak,
     "ok": recs[-1]["loss"] < recs[0]["loss"]}
+for recipe in ("tensorwise", "rowwise", "blockwise"):
+    try:
+        fr = records(f"fp8-{recipe}")
+    except FileNotFoundError:
+        fr = []
+    if len(fr) < 3:
+        with open(f"{out}/fp8-{recipe}.err") as f:
+            summary["checks"][f"fp8_{recipe}_1b"] = {"ok": False, "error": f.read()[-2000:]}
+        continue
+    ftps = statistics.median(r["tokens_per_s"] for r in fr[2:])
+    fmem = max(r.get("cuda_max_allocated", 0) for r in fr)
+    summary["checks"][f"fp8_{recipe}_1b"] = {
+        "tokens_per_s": ftps, "speedup_vs_bf16": ftps / tps,
+        "cuda_max_allocated": fmem, "memory_vs_bf16": fmem / measured if measured else None,
+        "losses_first_last": [fr[0]["loss"], fr[-1]["loss"]],
+        "ok": abs(fr[-1]["loss"] - recs[-1]["loss"]) <= 0.05 * recs[-1]["loss"]}
 if gpus >= 2:
     for lay in ("tp2", "dp2"):
         d = rel(losses(lay), losses("gpu1"))

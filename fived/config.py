@@ -51,6 +51,7 @@ COLLECTIVES = ("backend", "ring")
 ZERO_ALIGN = ("none", "rows")
 OPTIMIZERS = ("adamw", "adafactor", "muon", "rownorm")
 MASTER_WEIGHTS = ("fp32", "none", "sr", "kahan")
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")  # fived.model.fp8
 MLPS = ("swiglu", "gelu")  # Llama's gated MLP (3 matrices) | GPT's (2 matrices)
 POSITIONS = ("rope", "learned")  # rotary | a learned position table (GPT)
 NORMS = ("rmsnorm", "layernorm")  # gain only | gain and bias (GPT)
@@ -367,6 +368,11 @@ class ParallelConfig:
     master_weights: str = spec("fp32", "bf16 parameters' master copy: fp32, or none (round to "
                                        "nearest), sr (stochastic rounding), kahan (bf16 "
                                        "compensation)", choices=MASTER_WEIGHTS)
+    fp8: str = spec("none", "the linear layers' products in fp8 (e4m3/e5m2, a power-of-2 "
+                            "scale taken at each cast): tensorwise (one scale per matrix), "
+                            "rowwise (per row), blockwise (DeepSeek-V3: 1x128 tiles, 128x128 "
+                            "weight blocks); embedding, head, router and norms stay in "
+                            "--precision", choices=FP8_RECIPES)
     cp_mode: str = spec("ring", "context-parallel attention", choices=CP_MODES)
     ep_dispatch: str = spec("rows", "MoE all-to-all: rows (one row per token and chosen expert) "
                                     "or tokens (one row per token and ep rank it reaches, "
@@ -695,6 +701,7 @@ def validate(
         _check_recovery(p, train)
         _check_documents(p, model, par, train)
     _check_zero_align(p, par)
+    _check_fp8(p, model, par)
     p += hybrid_problems(par)
     if p:
         raise ConfigError(p)
@@ -975,6 +982,31 @@ def _check_recovery(p: list[str], train: TrainConfig) -> None:
     if bad:
         p.append(f"--preempt-signals {train.preempt_signals}: {', '.join(bad)} is not a signal "
                  "this process can catch (use names such as TERM, USR1, USR2, INT; '' for none)")
+
+
+def fp8_cut_widths(model: ModelConfig, tp: int) -> dict[str, int]:
+    """The widths a tp rank holds of each dimension tp cuts in the fp8 linears."""
+    kv = model.kv_heads * model.head_dim // min(tp, model.kv_heads)
+    out = {"q heads": model.attn_dim // tp, "kv heads": kv, "ffn": model.ffn // tp}
+    if model.experts and model.shared_ffn:
+        out["shared ffn"] = model.shared_ffn // tp
+    return out
+
+
+def _check_fp8(p: list[str], model: ModelConfig, par: ParallelConfig) -> None:
+    if par.fp8 == "none":
+        return
+    if par.precision == "fp16":
+        p.append(f"--fp8 {par.fp8}: fp8 products with fp16 around them would need the loss "
+                 "scale inside every cast; use --precision bf16 (fp8 training) or fp32 (fp8 "
+                 "products, everything else fp32)")
+    if par.fp8 == "blockwise" and par.tp > 1:
+        odd = {k: w for k, w in fp8_cut_widths(model, par.tp).items() if w % 128}
+        if odd:
+            what = ", ".join(f"{k} {w}" for k, w in odd.items())
+            p.append(f"--fp8 blockwise with --tp {par.tp}: a 128-wide tile would straddle the "
+                     f"tp cut ({what} per rank, not multiples of 128); use tensorwise or "
+                     "rowwise, or a tp whose shards are whole tiles")
 
 
 def _check_zero_align(p: list[str], par: ParallelConfig) -> None:

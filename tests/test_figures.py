@@ -175,7 +175,7 @@ def test_zero_memory_and_traffic_equal_the_ledger():
 
 # ------------------------------------------------------------------ parts 8 and 9: numerics, optimizers
 NEW_PARTS = {"numerics": ["numerics-masters", "numerics-moments", "numerics-reduce",
-                          "numerics-fp16"], "optimizers": ["optimizers-layouts"]}
+                          "numerics-fp16", "numerics-fp8"], "optimizers": ["optimizers-layouts"]}
 
 
 class PageChecker(HTMLParser):
@@ -317,6 +317,17 @@ def test_numerics_and_optimizers_parts_and_their_page(tmp_path):
         recs[exp] = rec["data"]
     model = ModelConfig(**recs["masters"]["model"])
     assert model.layers == 1
+    # fp8: every recipe trained the same steps as bf16, close to it; the outlier ruins the
+    # per-tensor and per-row scales, not the 1×128 tiles
+    f8 = recs["fp8"]["result"]
+    ref = f8["runs"]["none"]["loss"]
+    for recipe in ("tensorwise", "rowwise", "blockwise"):
+        got = f8["runs"][recipe]["loss"]
+        assert len(got) == len(ref) and max(abs(a - b) for a, b in zip(got, ref)) < 0.05
+    o = f8["outliers"]
+    assert max(o[k]["error"][0] for k in o if k != "outlier") < 0.05  # no outlier: e4m3 alone
+    assert o["blockwise"]["error"][-1] < 0.5 < o["rowwise"]["error"][-1] <= \
+        o["tensorwise"]["error"][-1]
 
     ma = recs["masters"]["result"]
     for mode, v in ma.items():  # the engine's master bytes are the ledger's

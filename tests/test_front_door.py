@@ -129,6 +129,9 @@ MISTYPES = [
     ("train --preempt-signals TERM,KILL", "KILL is not a signal"),
     ("train --master-weights sr", "--master-weights sr: drops the fp32 master"),
     ("train --zero-align rows", "--zero-align rows: aligns ZeRO shards, but --zero 0"),
+    ("train --fp8 tensorwise --precision fp16", "--fp8 tensorwise: fp8 products with fp16"),
+    ("train --fp8 blockwise --tp 2", "--fp8 blockwise with --tp 2: a 128-wide tile would"),
+    ("train --fp8 e4m3", "--fp8 e4m3: not one of none, tensorwise, rowwise, blockwise"),
     # flags that would do nothing here
     ("train --virtual-stages 2", "--virtual-stages 2 with --pp 1"),
     ("train --save-every 10", "--save-every 10: checkpoints go to --save-dir, and none is given"),
@@ -348,3 +351,14 @@ def test_train_says_what_it_does_before_step_1():
     at = [out.find(s) for s in said]
     assert all(i >= 0 for i in at) and at == sorted(at), list(zip(said, at))
     assert all(len(x) <= 80 for x in out.splitlines()), out
+
+
+def test_fp8_on_a_device_without_fp8_matmul_exits_2(monkeypatch):
+    """--fp8 where torch._scaled_mm cannot run: one message, exit 2, before any rank."""
+    from parity_helpers import cli_exits_2
+
+    import fived.model.fp8 as fp8_mod
+
+    monkeypatch.setattr(fp8_mod, "fp8_matmul_available", lambda device: False)
+    out = cli_exits_2(["train", "--fp8", "rowwise", "--precision", "bf16"], "--fp8")
+    assert "has no fp8 matmul" in out

@@ -37,7 +37,7 @@ from ..ui.args import Parser
 if TYPE_CHECKING:  # torch is imported where it runs: --help stays fast
     import torch
 
-EXPERIMENTS = ("masters", "moments", "reduce", "fp16", "optimizers")
+EXPERIMENTS = ("masters", "moments", "reduce", "fp16", "optimizers", "fp8")
 
 
 def model_cfg(layers: int):
@@ -301,6 +301,152 @@ def optimizers_rows(res) -> list[list[str]]:
             for lay, d in res.items() for o, v in d.items()]
 
 
+# ----------------------------------------------------------------------------- fp8
+FP8_RUNS = ("none", "tensorwise", "rowwise", "blockwise")  # "none": the bf16 baseline
+OUTLIERS = (1.0, 1e2, 1e3, 1e4, 1e5, 1e6)
+SMALLEST_NORMAL: dict[Any, float] = {}  # filled with the formats at first use (torch is lazy)
+
+
+def fp8_model(args):
+    return replace(preset(args.model), layers=args.layers) if args.layers else preset(args.model)
+
+
+def cast_stats(x: torch.Tensor, recipe: str, role: str) -> dict[str, float]:
+    """amax of ``x`` and the fractions of its non-zero values the ``recipe``'s cast as operand
+    ``role`` flushes to zero, saturates (|x / s| > fmax before the clamp) and leaves
+    subnormal."""
+    import torch
+
+    from ..model import fp8 as fp8_mod
+
+    fmt, tile = fp8_mod.role(recipe, role)
+    if not SMALLEST_NORMAL:
+        SMALLEST_NORMAL.update({f: float(torch.finfo(f).smallest_normal) for f in fp8_mod.FMAX})
+    x2 = x.detach().reshape(-1, x.shape[-1]).float()
+    if role == "w_fwd":
+        x2 = x2.t()
+    q = fp8_mod.quantize(x2, fmt, tile, pow2=True)
+    s = fp8_mod.expand(q.scale, q.tile, tuple(x2.shape))
+    nz = x2 != 0
+    n = max(1, int(nz.sum()))
+    v = (x2 / s).abs()
+    return {"amax": float(x2.abs().max()),
+            "flushed": int((nz & (q.data.float() == 0)).sum()) / n,
+            # beyond fmax by more than the division's rounding (0 under current scaling:
+            # the scale comes from this tensor's own amax)
+            "saturated": int((nz & (v > fp8_mod.FMAX[fmt] * (1 + 2**-20))).sum()) / n,
+            # below the format's smallest normal: kept with fewer significant bits
+            "subnormal": int((nz & (v < SMALLEST_NORMAL[fmt])).sum()) / n}
+
+
+def _watch(model, recipe: str) -> tuple[dict[str, dict[str, Any]], list[Any]]:
+    """Hooks on every ``Fp8Linear`` of the one-rank ``model`` that take ``cast_stats`` of its
+    input and weight (forward) and of its output gradient (backward) during the next step
+    (the last micro-batch's); remove the returned hooks after it."""
+    from ..model.fp8 import Fp8Linear
+
+    seen: dict[str, dict[str, Any]] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Fp8Linear):
+            def fwd(m, inp, out, name=name):
+                seen.setdefault(name, {}).update(x=cast_stats(inp[0], recipe, "x_fwd"),
+                                                 w=cast_stats(m.weight, recipe, "w_fwd"))
+
+            def bwd(m, gin, gout, name=name):
+                seen.setdefault(name, {})["g"] = cast_stats(gout[0], recipe, "g_dgrad")
+            hooks += [mod.register_forward_hook(fwd), mod.register_full_backward_hook(bwd)]
+    return seen, hooks
+
+
+def outlier_errors(seed: int = 0, tokens: int = 256, k: int = 512, n: int = 256
+                   ) -> dict[str, Any]:
+    """Why blockwise exists: x (tokens × k, N(0, 1)) with one channel (column 3) multiplied by
+    each of ``OUTLIERS`` and W's column 3 zero (the outlier sets scales, adds nothing); per
+    recipe the relative error of the fp8 product x·Wᵀ against float64 — what the other
+    channels lost — and the fraction of x's values its cast flushes to zero. One channel sets
+    the scale of every row (rowwise) or of the whole tensor (tensorwise), but of one 1×128
+    tile per row only (blockwise)."""
+    import torch
+
+    from ..model import fp8 as fp8_mod
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(tokens, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[:, 3] = 0  # the outlier sets the scales but adds nothing: the error is the others'
+    out: dict[str, Any] = {"outlier": list(OUTLIERS)}
+    for recipe in fp8_mod.RECIPES:
+        errs, flushed = [], []
+        for mag in OUTLIERS:
+            x = base.clone()
+            x[:, 3] *= mag
+            ref = x.double() @ w.double().t()
+            y = fp8_mod.fp8_linear(x, w, recipe).double()
+            errs.append(float((y - ref).norm() / ref.norm()))
+            flushed.append(cast_stats(x, recipe, "x_fwd")["flushed"])
+        out[recipe] = {"error": errs, "flushed": flushed}
+    return out
+
+
+def fp8(args, say=progress) -> dict[str, Any]:
+    """bf16 and each fp8 recipe from one seed: loss and seconds per step, per-layer cast
+    statistics at the first and the last step, and the outlier experiment."""
+    import torch
+
+    m = fp8_model(args)
+    if args.data:
+        from ..data.meta import model_for_data
+
+        m = model_for_data(m, args.data)
+    t = replace(train_cfg(args.steps, args.lr), data=args.data or "")
+    out: dict[str, Any] = {"model": m.name, "layers": m.layers, "data": args.data or "built-in",
+                           "runs": {}}
+    torch.manual_seed(0)
+    for recipe in FP8_RUNS:
+        tr = _trainer(m, ParallelConfig(precision="bf16", fp8=recipe), t)
+        losses, secs, stats = [], [], {}
+        for s in range(t.steps):
+            watch = recipe != "none" and s in (0, t.steps - 1)
+            seen, hooks = _watch(tr.stage, recipe) if watch else ({}, [])
+            t0 = time.perf_counter()
+            losses.append(tr.step(s)["loss"])
+            secs.append(time.perf_counter() - t0)
+            for h in hooks:
+                h.remove()
+            if watch:
+                stats[str(s)] = seen
+            if s % max(1, t.steps // 10) == 0:
+                say(f"  fp8 {recipe:10s} step {s:4d} loss {losses[-1]:.4f}")
+        tr.close()
+        out["runs"][recipe] = {"loss": losses, "seconds": secs, "stats": stats}
+        say(f"  fp8 {recipe:10s} final loss {losses[-1]:.4f}  median step "
+            f"{sorted(secs)[len(secs) // 2]:.2f} s")
+    out["outliers"] = outlier_errors()
+    return out
+
+
+def _tail_mean(xs: list[float], n: int = 10) -> float:
+    tail = xs[-min(n, len(xs)):]
+    return sum(tail) / len(tail)
+
+
+def fp8_rows(res) -> list[list[str]]:
+    ref = res["runs"]["none"]
+    rows = []
+    for k, v in res["runs"].items():
+        st = v["stats"].get(str(len(v["loss"]) - 1), {})
+        flushed = max((d[w]["flushed"] for d in st.values() for w in ("x", "w", "g")),
+                      default=0.0)
+        sat = max((d[w]["saturated"] for d in st.values() for w in ("x", "w", "g")),
+                  default=0.0)
+        rows.append(["bf16" if k == "none" else k, f"{v['loss'][-1]:.4f}",
+                     f"{_tail_mean(v['loss']) - _tail_mean(ref['loss']):+.4f}",
+                     f"{flushed:.2e}", f"{sat:.1e}",
+                     f"{sorted(v['seconds'])[len(v['seconds']) // 2]:.2f}"])
+    return rows
+
+
 # ----------------------------------------------------------------------------- figures
 def figure(name: str, res: dict, path: str) -> None:
     import matplotlib
@@ -350,6 +496,18 @@ def draw(name: str, res: dict, fig) -> None:
         b.plot(res["subnormal"], label="subnormal")
         b.plot(res["flush_at_scale_1"], label="would flush at scale 1")
         b.set_title("fp16 gradient elements (fraction, no embedding)")
+    elif name == "fp8":
+        ref = res["runs"]["none"]["loss"]
+        for k, v in res["runs"].items():
+            if k != "none":
+                a.plot([x - y for x, y in zip(v["loss"], ref)], label=k, lw=0.8)
+        a.axhline(0, color="k", lw=0.5)
+        a.set_title("loss − bf16 loss, same seed and batches")
+        o = res["outliers"]
+        for k in ("tensorwise", "rowwise", "blockwise"):
+            b.loglog(o["outlier"], o[k]["error"], "o-", label=k)
+        b.set_xlabel("outlier channel × (1 of 512)")
+        b.set_title("rel. error of x·Wᵀ, the outlier's weight 0")
     elif name == "optimizers":
         lays = list(res)
         opts = list(res[lays[0]])
@@ -382,10 +540,11 @@ HEADERS = {
     "reduce": ["dp", "bf16 ring", "bf16 inputs", "fp32 ring"],
     "fp16": ["step", "scale", "overflow", "zero", "subnormal", "0 at S=1", "skipped"],
     "optimizers": ["layout", "optimizer", "state B", "extra sent B", "ledger", "step ms"],
+    "fp8": ["recipe", "final loss", "gap (last 10)", "flushed", "saturated", "step s"],
 }
 RUN = {"masters": (masters, masters_rows), "moments": (moments, moments_rows),
        "reduce": (reduce, reduce_rows), "fp16": (fp16, fp16_rows),
-       "optimizers": (optimizers, optimizers_rows)}
+       "optimizers": (optimizers, optimizers_rows), "fp8": (fp8, fp8_rows)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,11 +553,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("experiment", choices=EXPERIMENTS)
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    ap.add_argument("--layers", type=int, default=2, help="blocks of the tiny model (default 2)")
+    ap.add_argument("--layers", type=int, default=2, help="blocks of the model (default 2; fp8: "
+                    "0 keeps the preset's)")
     ap.add_argument("--out", default=".", help="directory for the JSON and the PNG")
+    ap.add_argument("--model", default="tiny", help="fp8: the model preset (default tiny; "
+                    "docs/numerics.md ran small)")
+    ap.add_argument("--data", default="", help="fp8: a prepared data directory (fived data "
+                    "prepare; default the built-in corpus)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    progress(f"fived bench numerics {args.experiment}: tiny with {args.layers} blocks, "
-             f"{args.steps} steps")
+    progress(f"fived bench numerics {args.experiment}: "
+             f"{args.model if args.experiment == 'fp8' else 'tiny'} with "
+             f"{args.layers or 'all its'} blocks, {args.steps} steps")
     t0 = time.perf_counter()
     run, rows = RUN[args.experiment]
     res = run(args)

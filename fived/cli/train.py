@@ -214,6 +214,7 @@ def main(argv: list[str]) -> int:
     if train.init_from or train.resume or train.save_dir:
         model, train = checkpoint_inputs(model, train, res.given)
     validate(model, par, train, world)
+    check_fp8_device(par, args.dry_run)
     check_runtime_model(model)
     check_data_run(model, model.seq_len, train)
     if args.print_config:
@@ -298,6 +299,22 @@ def main(argv: list[str]) -> int:
     if train.metrics_out:
         print(f"metrics: {train.metrics_out}")
     return end_status(outs[0])
+
+
+def check_fp8_device(par, dry_run: bool) -> None:
+    """``--fp8`` needs ``torch._scaled_mm`` where the ranks compute (the CPU build; CUDA from
+    compute capability 8.9): one ConfigError before any rank starts. The dry run computes
+    nothing and passes."""
+    if par.fp8 == "none" or dry_run:
+        return
+    from ..model import fp8 as fp8_mod
+    from ..ranks.launch import cuda_expected
+
+    device = "cuda" if cuda_expected() else "cpu"
+    if not fp8_mod.fp8_matmul_available(device):
+        raise ConfigError([f"--fp8 {par.fp8}: this {device} has no fp8 matmul "
+                           "(torch._scaled_mm runs on the CPU build and on CUDA GPUs of compute "
+                           "capability 8.9 and up: Ada, Hopper, Blackwell); drop --fp8"])
 
 
 def train_precision(par):

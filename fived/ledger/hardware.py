@@ -41,6 +41,7 @@ class Hardware:
     note: str = ""
     # --- what the roofline clock (``fived.ledger.roofline``) needs
     peak_fp32: float = 0.0  # FLOP/s of fp32 matmuls (0: peak_flops / 16)
+    peak_fp8: float = 0.0  # dense fp8 FLOP/s (0: no fp8 tensor cores; fp8 GEMMs at peak_flops)
     gemm_eff: float = 0.80  # the largest square GEMMs' fraction of peak (the curve's ceiling)
     gemm_d0: float = 128.0  # each GEMM dimension d costs a factor d / (d + d0)
     attn_eff: float = 0.55  # flash attention's fraction of peak (forward; backward alike)
@@ -73,8 +74,12 @@ class Hardware:
         return self.name in PRESETS
 
     def matmul_peak(self, precision: str) -> float:
+        """The dense matmul peak of ``precision`` (fp32, bf16/fp16, or "fp8": the fp8 linears'
+        GEMMs)."""
         if precision == "fp32":
             return self.peak_fp32 or self.peak_flops / 16
+        if precision == "fp8":
+            return self.peak_fp8 or self.peak_flops
         return self.peak_flops
 
 
@@ -90,20 +95,21 @@ HOPPER = {**FIT, "gemm_eff": 0.70}  # fitted on the Megatron-Core H100 rows (--r
 AMPERE = {**FIT, "gemm_eff": 0.75}  # fitted on the Narayanan et al. 2021 A100 rows (--refit)
 
 PRESETS: dict[str, Hardware] = {
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1979 with sparsity), 67 TFLOP/s FP32,
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1979 with sparsity), 1979 dense FP8,
+    # 67 TFLOP/s FP32,
     # 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s total (450 GB/s per direction); DGX H100 has
     # one ConnectX-7 400 Gb/s (50 GB/s) NIC per GPU. Link figures are achievable nccl-tests bus
     # bandwidths, rounded: ~360 GB/s all-reduce in a node, ~45 GB/s per GPU across nodes.
     "h100-sxm": Hardware(
         "h100-sxm", 989e12, 80 * GB, 3.35e12, 360 * GB, 5e-6, 45 * GB, 10e-6, 8,
         "NVLink 4 (450 GB/s per direction), one 400 Gb/s NIC per GPU", peak_fp32=67e12,
-        **HOPPER),
+        peak_fp8=1979e12, **HOPPER),
     # NVIDIA H200 SXM datasheet: the H100's compute (989 TFLOP/s BF16 dense, 67 FP32), 141 GB
     # HBM3e at 4.8 TB/s; same NVLink 4 and 400 Gb/s NICs in an HGX H200.
     "h200": Hardware(
         "h200", 989e12, 141 * GB, 4.8e12, 360 * GB, 5e-6, 45 * GB, 10e-6, 8,
         "H100 compute with 141 GB HBM3e; NVLink 4, 400 Gb/s NIC per GPU", peak_fp32=67e12,
-        **HOPPER),
+        peak_fp8=1979e12, **HOPPER),
     # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s BF16 dense, 19.5 TFLOP/s FP32, 80 GB HBM2e
     # at 2.039 TB/s; NVLink 3 600 GB/s total (300 per direction); DGX A100: 8 HDR 200 Gb/s
     # (25 GB/s) NICs, one per GPU (the Selene nodes of Narayanan et al. 2021).
@@ -117,7 +123,7 @@ PRESETS: dict[str, Hardware] = {
     "b200": Hardware(
         "b200", 2.25e15, 180 * GB, 8.0e12, 720 * GB, 5e-6, 45 * GB, 10e-6, 8,
         "NVLink 5 (900 GB/s per direction), one 400 Gb/s NIC per GPU", peak_fp32=75e12,
-        **HOPPER),
+        peak_fp8=4.5e15, **HOPPER),
     # NVIDIA RTX PRO 6000 Blackwell Server Edition datasheet: 96 GB GDDR7 at 1.6-1.8 TB/s,
     # ~120 TFLOP/s FP32, "4 PFLOPS FP4" (sparse); BF16 dense with FP32 accumulate is not on the
     # datasheet: 250 TFLOP/s is an estimate (unverified). No NVLink: peers over PCIe Gen5 x16.

@@ -37,6 +37,17 @@ hkv = kv_heads·d with d = head_dim, f ffn, a heads), what autograd saves in the
     SwiGLU          3·e·f                   gate out, up out (``layers._SwiGLU``, silu
                                             recomputed in backward), their product (w_down's)
 
+With ``--fp8 tensorwise|blockwise`` (``fived.model.fp8``) each linear layer saves its input as
+fp8, the linears reading one tensor sharing one copy: the norms' outputs (2·e·h) and the SwiGLU
+product (e·f) are no longer saved in e bytes; the fp8 copies are h (q/k/v's input), hq (wo's:
+the attention output stays saved by the kernel), h (gate/up's) and f (w_down's) bytes, each
+with its scales: tensorwise 4 bytes per copy and micro-batch, blockwise 4 per 128-wide tile of
+each token's row, 4·⌈K/128⌉. ``rowwise`` saves its inputs in e bytes: no change, but under
+sequence parallelism, where its column layers save the gathered input (2·e·h per token, whole
+sequence) instead of the norm outputs' shards. Under sequence parallelism the fp8 copies hold
+the gathered sequence (the norm input stays a shard). MoE
+experts under fp8 (a loop of fp8 linears) are not yet in the ledger.
+
 With tp the q/k/v/attention/SwiGLU terms divide by tp (k, v by min(tp, kv_heads)); the norm
 terms divide by tp only under sequence parallelism, where the column matmuls save the norm
 output's sequence shard and all-gather it again in backward (``fived.parallel.tensor``).
@@ -66,6 +77,7 @@ rank r holds at its peak — GPipe m; 1F1B and ZB-H1 min(p − r, m); interleave
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -406,6 +418,12 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
                          + micro_batch * (m.experts + 1) * 4)  # per sequence: f (E), s (1)
     else:  # SwiGLU saves gate, up and the product (silu recomputed); GELU its input and output
         out["mlp"] = tokens * (3 if m.mlp == "swiglu" else 2) * e * m.ffn / tp
+    recipe = getattr(par, "fp8", "none")
+    if recipe in ("tensorwise", "blockwise") and not m.is_moe:
+        out.update(fp8_layer_saves(m, par, tokens, e, norm_div, recipe, out))
+    elif recipe == "rowwise" and sp and not m.is_moe:  # the gathered inputs, in e bytes
+        out["norms"] -= tokens * 2 * e * h / norm_div
+        out["fp8_inputs"] = tokens * 2 * e * h
     return out
 
 
@@ -425,6 +443,25 @@ def doc_core_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> dic
     if par.cp == 1:
         out["doc_out"] = rows * e * m.heads * m.head_dim / par.tp
     return out
+
+
+def fp8_copy_bytes(tokens: float, k: float, recipe: str) -> float:
+    """One linear input of ``tokens`` rows of width ``k`` saved as fp8 with its scales."""
+    if recipe == "blockwise":
+        return tokens * (k + 4 * math.ceil(k / 128))
+    return tokens * k + 4
+
+
+def fp8_layer_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, norm_div: int,
+                    recipe: str, out: dict[str, float]) -> dict[str, float]:
+    """The terms a dense block's fp8 linears change (module docstring): the norm outputs and
+    the SwiGLU product leave, the four fp8 copies come."""
+    tp = par.tp
+    h, f, hq = m.hidden, m.ffn / tp, m.attn_dim / tp
+    return {"norms": out["norms"] - tokens * 2 * e * h / norm_div,
+            "mlp": out["mlp"] - tokens * e * f,
+            "fp8_inputs": (2 * fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
+                           + fp8_copy_bytes(tokens, f, recipe))}
 
 
 def qk_norm_bytes_per_token(m: ModelConfig, par: ParallelConfig, e: int, fused: bool) -> float:

@@ -40,7 +40,7 @@ Communication is ``hardware.collective_seconds`` (α-β), composed by ``planner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..config import ModelConfig, ParallelConfig, precision_of
@@ -55,6 +55,7 @@ class Op:
     bytes: float
     dims: tuple[float, float, float] = (0.0, 0.0, 0.0)  # M, N, K of a GEMM
     count: float = 1.0  # identical launches (experts, per-head batched GEMMs count once)
+    fp8: bool = False  # an fp8 linear's GEMM (--fp8): the device's fp8 peak
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,10 @@ EAGER = {"norms": (4, 3.0), "rope": (6, 3.0), "mlp.act": (2, 5 / 3), "residual":
 # subtract in place (8), exp in place (8), sum (4), divide in place (8); backward = scale by
 # the loss gradient in place (8), cast back (4 + e). (kernels, bytes(e)) forward and backward.
 LOSS_EAGER = {"fwd": (6, lambda e: e + 36), "bwd": (2, lambda e: e + 12)}
+
+
+# the GEMMs of the linear layers ``--fp8`` runs in fp8 (``fived.parallel.fp8``), by name
+FP8_GEMMS = ("q", "k", "v", "qkv", "o", "mlp", "expert", "shared")
 
 
 def dtype_bytes(par: ParallelConfig) -> int:
@@ -130,7 +135,7 @@ def op_seconds(op: Op, hw: Hardware, precision: str) -> float:
         measured = _table_seconds(op, hw)
         if measured is not None:
             return measured
-    peak = hw.matmul_peak(precision)
+    peak = hw.matmul_peak("fp8" if op.fp8 else precision)
     bw = hw.hbm_bw * hw.mem_eff
     t_mem = op.bytes / bw
     if op.kind == "gemm":
@@ -213,8 +218,11 @@ def block_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions
     if not opts.fused:
         mems = [Op(o.name, "mem", 0.0, o.bytes * EAGER[o.name][1],
                    count=o.count * EAGER[o.name][0]) for o in mems]
+    if getattr(par, "fp8", "none") != "none":  # the linears' three products (not the router)
+        gemms = [replace(g, fp8=True) if g.name.split(".")[0] in FP8_GEMMS
+                 and g.name != "router" else g for g in gemms]
     fwd = gemms + core["fwd"] + mems
-    bwd = [g for op in gemms for g in _gemm_bwd(op, e)] + core["bwd"]
+    bwd = [replace(g, fp8=op.fp8) for op in gemms for g in _gemm_bwd(op, e)] + core["bwd"]
     bwd += [_mem(op.name + ".bwd", 2 * op.bytes, 2 * op.count) for op in mems]
     return {"fwd": fwd, "bwd": bwd, "core_fwd": core["fwd"]}
 

@@ -204,6 +204,35 @@ def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int) -> list
 
 
 # ------------------------------------------------------------------------ tensor parallel
+def _fp8_amax(m: ModelConfig, par: ParallelConfig, tokens: int, dense: int, moe: int, mb: int,
+              forwards: int) -> list[Collective]:
+    """``--fp8``'s amax max-reductions over tp (``fived.parallel.fp8``), fp32, per micro-batch:
+    a column layer (q, k, v, gate, up: N cut) tensorwise 1 float in forward (W) and 3 in
+    backward (dy twice, W), rowwise one per token (dy's rows) and per input feature (W's
+    columns) in backward; a row layer (wo, w_down: K cut) tensorwise 2 in forward (x, W) and 1
+    in backward (W), rowwise one per token (x's rows) and per output feature (W's rows) in
+    forward; blockwise none (its tiles stop at the cut). ``forwards``: 2 under full recompute."""
+    recipe = getattr(par, "fp8", "none")
+    if recipe not in ("tensorwise", "rowwise"):
+        return []
+    cols = 5 * dense + (3 + (2 if m.shared_expert else 0)) * moe
+    rows = 2 * dense + (1 + (1 if m.shared_expert else 0)) * moe
+    t, h = par.tp, m.hidden
+    if recipe == "tensorwise":
+        return [Collective("tp", "all_reduce", 4, t, (cols + 2 * rows) * mb * forwards,
+                           "fp8 amax (forward)", "fwd"),
+                Collective("tp", "all_reduce", 4, t, (3 * cols + rows) * mb,
+                           "fp8 amax (backward)", "bwd")]
+    return [Collective("tp", "all_reduce", 4 * tokens, t, rows * mb * forwards,
+                       "fp8 row amax of x (forward)", "fwd"),
+            Collective("tp", "all_reduce", 4 * h, t, rows * mb * forwards,
+                       "fp8 row amax of W (forward)", "fwd"),
+            Collective("tp", "all_reduce", 4 * tokens, t, cols * mb,
+                       "fp8 row amax of dy (backward)", "bwd"),
+            Collective("tp", "all_reduce", 4 * h, t, cols * mb,
+                       "fp8 column amax of W (backward)", "bwd")]
+
+
 def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
                dtype_bytes: int | None = None) -> list[Collective]:
     """Tensor-parallel (and SP) collectives over ``tp`` for one step on one pipeline rank."""
@@ -237,15 +266,17 @@ def tp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
                 Collective("tp", "reduce_scatter", x, t, cut, "SP scatter after wo/w_down",
                            "fwd"),
                 Collective("tp", "all_gather", x, t, cut, "grad of SP scatter", "bwd"),
-                Collective("tp", "all_gather", x, t, cut, "re-gather of SP column inputs",
-                           "bwd"),
                 Collective("tp", "reduce_scatter", x, t, cut, "grad of SP gather", "bwd")]
+        if getattr(par, "fp8", "none") == "none":  # fp8 columns save the gathered input
+            out.append(Collective("tp", "all_gather", x, t, cut, "re-gather of SP column inputs",
+                                  "bwd"))
         out += _moe_balance_counts(m, par, micro_batch, moe, "tp")
     else:
         if again:
             out.append(Collective("tp", "all_reduce", x, t, per, "recompute: after wo", "bwd"))
         out += [Collective("tp", "all_reduce", x, t, cut, "after wo, w_down", "fwd"),
                 Collective("tp", "all_reduce", x, t, cut, "input grads of attn, mlp", "bwd")]
+    out += _fp8_amax(m, par, tokens, layers - moe, moe, mb, 2 if again else 1)
     if t > m.kv_heads and not m.is_mla:  # replicated kv chunks: wk, wv grads summed over tp
         kv_weight = m.kv_heads * m.head_dim * m.hidden * e
         out.append(Collective("tp", "all_reduce", kv_weight, t, 2 * per,

@@ -10,6 +10,8 @@ it talks on (``grid[name]`` of a connected ``fived.ranks.grid.Grid``):
 3. context parallelism (``context.py: apply_cp``, group ``cp``) — ring / Ulysses attention cores;
 4. expert parallelism (``expert.py: apply_ep``, group ``ep``) — this rank's experts and the
    all-to-all dispatch;
+   then fp8 products in the linear layers with ``--fp8`` (``fp8.py: apply_fp8``, its amax
+   reduced over ``tp``);
 5. activation recompute (``recompute.py: apply_recompute``);
 6. data parallelism / ZeRO (``data/``, groups ``dense`` and ``expert``) — the engine that owns
    gradient buffers, reductions, master weights and the optimizer state;
@@ -36,6 +38,7 @@ from ..model.mtp import mtp_blocks
 from .context import apply_cp
 from .data import make_engine
 from .expert import apply_ep
+from .fp8 import apply_fp8
 from .pipeline.runtime import PipelineExecutor, StageModel
 from .pipeline.stage import split
 from .placement import Placement, replicated
@@ -72,6 +75,7 @@ def cut_parts(model: Transformer, grid: Any, par: Any, cp_balance: str = "zigzag
         apply_cp(part, grid["cp"], par.cp_mode, cp_balance)
         if part.cfg.is_moe:
             apply_ep(part, grid["ep"], pl, par.ep_dispatch)
+        apply_fp8(part, grid["tp"], getattr(par, "fp8", "none"))
         apply_recompute(part, par.recompute)
         placements.update(pl)
     embed_group(model.cfg, placements, grid)

@@ -167,8 +167,14 @@ class Columns:
             self._last = (x, make(x))
         return self._last[1]
 
-    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x Wᵀ for a column-cut W, x the (sequence shard of the) input."""
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, linear: Callable = F.linear
+               ) -> torch.Tensor:
+        """x Wᵀ for a column-cut W, x the (sequence shard of the) input; ``linear`` another
+        product (fp8: ``fived.parallel.fp8``) over the full input, through plain autograd."""
+        if linear is not F.linear:
+            full = self._region(x, lambda t: (autograd.gather_from(t, self.group, 1) if self.sp
+                                              else autograd.copy_to(t, self.group)))
+            return linear(full, w)
         if not self.overlap and not self.sp:
             return F.linear(self._region(x, lambda t: autograd.copy_to(t, self.group)), w)
         region = self._region(x, lambda t: _Region(self.group, self.sp, self.overlap, t))
@@ -216,6 +222,7 @@ class ColumnLinear(nn.Module):
         self.index = group.rank * shards // tp
         self.weight = _piece(full, 0, shards, self.index)
         self.bias = None if bias is None else _piece(bias, 0, shards, self.index)
+        self.linear: Callable = F.linear  # the product (fp8: fived.parallel.fp8)
 
     def _replica(self, w: torch.Tensor) -> torch.Tensor:
         """w, its gradient summed over the ranks holding the same chunk (replicated kv)."""
@@ -224,7 +231,7 @@ class ColumnLinear(nn.Module):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.columns.matmul(x, self._replica(self.weight))
+        y = self.columns.matmul(x, self._replica(self.weight), self.linear)
         return y if self.bias is None else y + self._replica(self.bias)
 
 
@@ -235,9 +242,10 @@ class RowLinear(nn.Module):
         super().__init__()
         self.group, self.sp = group, sequence_parallel
         self.weight = _piece(full, 1, group.size, group.rank)
+        self.linear: Callable = F.linear  # the product (fp8: fived.parallel.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return exit_rows(F.linear(x, self.weight), self.group, self.sp)
+        return exit_rows(self.linear(x, self.weight), self.group, self.sp)
 
 
 class VocabEmbedding(nn.Module):

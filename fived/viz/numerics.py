@@ -9,7 +9,10 @@
 * ``numerics-reduce``   the model's real per-shard gradients summed in ring order in bf16 and
   fp32 (each hop rounds), against the float64 sum, as dp grows;
 * ``numerics-fp16``     fp16 with dynamic loss scaling started too high (2²⁴): the scale, the
-  skipped steps, and the gradient elements flushed to 0 / left subnormal.
+  skipped steps, and the gradient elements flushed to 0 / left subnormal;
+* ``numerics-fp8``      bf16 against each fp8 recipe (tensorwise, rowwise, blockwise) from one
+  seed: the loss gap per step; and one fp8 product with an outlier channel: the error of the
+  other channels as the outlier grows (fp8 150 steps in full, 3 quick).
 
 Every number is measured by the experiment functions of ``fived bench numerics`` (one process,
 the ``tiny`` model cut to a few blocks), which this module calls and draws with the bench's own
@@ -34,6 +37,7 @@ TITLES = {
     "reduce": "Summing dp gradient shards in bf16 vs fp32 (ring order)",
     "fp16": "fp16 with dynamic loss scaling (started at 2²⁴)",
     "optimizers": "Every --optimizer on dp2 ZeRO-2, dp2 ZeRO-3 row-aligned, tp2",
+    "fp8": "fp8 linear layers: the loss against bf16, and an outlier channel per recipe",
 }
 HOW = {
     "masters": "fived.bench.numerics.masters: one rank, --precision bf16 with each "
@@ -44,6 +48,8 @@ HOW = {
               "16-sequence batch, summed in ring order rounding after every hop, against float64",
     "fp16": "fived.bench.numerics.fp16: one rank, --precision fp16, the scaler's scale and the "
             "fp16 gradient buffers counted before each step's skip / apply",
+    "fp8": "fived.bench.numerics.fp8: one rank, --precision bf16 with each --fp8 recipe from "
+           "one seed; the outlier panel is one fp8 product x·Wᵀ with channel 3 of x scaled",
     "optimizers": "fived.bench.numerics.optimizers: 2 spawned gloo ranks; Traffic's bytes of the "
                   "last step beside fived.ledger.traffic.step_bytes, median step time",
 }
@@ -52,8 +58,11 @@ HOW = {
 def settings(name: str, quick: bool) -> dict[str, Any]:
     """The arguments ``fived bench numerics NAME`` takes (``--steps --lr --layers``)."""
     steps = {"masters": (4, 20), "moments": (4, 30), "reduce": (1, 1), "fp16": (6, 20),
-             "optimizers": (3, 12)}[name][0 if quick else 1]
-    return {"steps": steps, "lr": LR, "layers": 1 if quick else 2}
+             "optimizers": (3, 12), "fp8": (3, 150)}[name][0 if quick else 1]
+    s: dict[str, Any] = {"steps": steps, "lr": LR, "layers": 1 if quick else 2}
+    if name == "fp8":  # the built-in corpus (this Python's standard library)
+        s.update(model="tiny", data="")
+    return s
 
 
 def measure(name: str, quick: bool, tick) -> dict[str, Any]:
@@ -66,6 +75,8 @@ def measure(name: str, quick: bool, tick) -> dict[str, Any]:
     d = {"settings": s, "model": asdict(numerics_bench.model_cfg(s["layers"])),
          "bench": f"fived bench numerics {name} --steps {s['steps']} --lr {s['lr']:g} "
                   f"--layers {s['layers']}", "result": res}
+    if name == "fp8":
+        d["bench"] += f" --model {s['model']}"
     if name == "optimizers":  # each layout's ParallelConfig, so the ledger can be asked again
         d["layouts"] = {k: asdict(p) for k, p in numerics_bench.LAYOUTS.items()}
     return d
@@ -88,7 +99,7 @@ def figure(name: str, quick: bool, tick) -> Figure:
 
 
 def figures(quick: bool, tick) -> list[Figure]:
-    return [figure(n, quick, tick) for n in ("masters", "moments", "reduce", "fp16")]
+    return [figure(n, quick, tick) for n in ("masters", "moments", "reduce", "fp16", "fp8")]
 
 
 main = part_main("numerics", figures, __doc__)
