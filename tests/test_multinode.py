@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from fived.config import ParallelConfig
 from fived.ranks.grid import Grid
 from fived.ranks.launch import free_port
@@ -46,6 +48,7 @@ def _run_all(cmds: list[list[str]], logs: list, timeout: float) -> list[int]:
     return [p.returncode for p in procs]
 
 
+@pytest.mark.slow  # 13 s; its fast sibling: tests/test_torchrun.py (one agent, two ranks)
 def test_two_torchrun_agents_match_one_rank(tmp_path):
     """Two torchrun agents (two "nodes") of two ranks each train tp2·dp2 and match one rank.
 

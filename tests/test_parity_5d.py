@@ -74,6 +74,7 @@ def test_4d_ep_tp_cp_pp(references, tmp_path):
     check_layout(MOE, par, references["tiny-moe"], tmp_path / "4d.jsonl", timeout=600)
 
 
+@pytest.mark.slow  # 26 s; its fast siblings: test_4d_ep_tp_cp_pp and test_3d_tp_sp_pp_dp_zero2
 def test_5d_tp_cp_ep_pp_dp_zero1(references, tmp_path):
     """Time: 32 ranks on 2 cores (~25 s quiet); the only test of all five dimensions at once."""
     par = ParallelConfig(tp=2, cp=2, ep=2, pp=2, dp=2, zero=1, micro_batches=2)

@@ -106,7 +106,8 @@ def _two_kills(tmp_path, seed: int, straight: dict[int, float]) -> None:
 
 # two fixed draws: rank 0 dies at the first checkpoint's step (2) and again two steps on;
 # rank 1 dies mid-interval (4, then 10: a resume from step 4, then from step 10)
-@pytest.mark.parametrize("seed", [2, 5], ids=lambda s: "rank{}-at-{}-{}".format(*_restart_plan(s)))
+@pytest.mark.parametrize("seed", [2, pytest.param(5, marks=pytest.mark.slow)],  # one by default
+                         ids=lambda s: "rank{}-at-{}-{}".format(*_restart_plan(s)))
 def test_torchrun_restarts_after_two_kills_end_with_the_straight_losses(tmp_path, seed,
                                                                         straight_losses):
     """A rank dies by SIGKILL, twice in one torchrun --max-restarts 2 job; the same command

@@ -662,7 +662,13 @@ def schedule_actions(par: ParallelConfig, pp_rank: int = 0) -> list[tuple[str, i
     return list(_compute_orders(name, par.pp, par.micro_batches, v)[pp_rank])
 
 
-@lru_cache(maxsize=1024)
+def _schedule_key(par: ParallelConfig) -> tuple[str, int, int, int]:
+    """(schedule name, pp, micro-batches, chunks per rank) of ``fived.schedules.build``."""
+    v = 2 if par.schedule in V_SCHEDULES else max(1, par.virtual_stages)
+    name = "interleaved" if v > 1 and par.schedule not in V_SCHEDULES else par.schedule
+    return name, par.pp, par.micro_batches, v
+
+
 def fused_backwards(par: ParallelConfig, pp_rank: int = 0) -> frozenset[tuple[int, int]]:
     """(micro-batch, stage) whose B the executor runs as one ordinary backward with its W: the
     B directly followed by its own W in the rank's action list, sends included (DualPipe-V's
@@ -670,9 +676,13 @@ def fused_backwards(par: ParallelConfig, pp_rank: int = 0) -> frozenset[tuple[in
     last (``fived.parallel.pipeline.runtime``)."""
     if par.pp == 1:
         return frozenset()
-    v = 2 if par.schedule in V_SCHEDULES else max(1, par.virtual_stages)
-    name = "interleaved" if v > 1 and par.schedule not in V_SCHEDULES else par.schedule
-    acts = schedules.build(name, par.pp, par.micro_batches, v).ranks[pp_rank]
+    return _fused_backwards(*_schedule_key(par), pp_rank)
+
+
+@lru_cache(maxsize=1024)
+def _fused_backwards(name: str, pp: int, m: int, v: int, pp_rank: int
+                     ) -> frozenset[tuple[int, int]]:
+    acts = schedules.build(name, pp, m, v).ranks[pp_rank]
     final = set()
     for kind in ("B", "W"):
         for st in {a.stage for a in acts}:
@@ -684,7 +694,6 @@ def fused_backwards(par: ParallelConfig, pp_rank: int = 0) -> frozenset[tuple[in
                      and (i in final) == (i + 1 in final))
 
 
-@lru_cache(maxsize=1024)
 def receives_held(par: ParallelConfig, pp_rank: int = 0) -> tuple[int, ...]:
     """Per compute action of the rank (``schedule_actions``' order): the receive buffers
     alive beside the one it consumes — the executor's ``_P2P`` replayed: it posts one receive
@@ -693,9 +702,12 @@ def receives_held(par: ParallelConfig, pp_rank: int = 0) -> tuple[int, ...]:
     another order than the rank consumes them)."""
     if par.pp == 1:
         return tuple(0 for _ in schedule_actions(par, pp_rank))
-    v = 2 if par.schedule in V_SCHEDULES else max(1, par.virtual_stages)
-    name = "interleaved" if v > 1 and par.schedule not in V_SCHEDULES else par.schedule
-    sched = schedules.build(name, par.pp, par.micro_batches, v)
+    return _receives_held(*_schedule_key(par), pp_rank)
+
+
+@lru_cache(maxsize=1024)
+def _receives_held(name: str, pp: int, m: int, v: int, pp_rank: int) -> tuple[int, ...]:
+    sched = schedules.build(name, pp, m, v)
     expected: dict[int, list] = {}
     for src, acts in enumerate(sched.ranks):
         if src != pp_rank:
