@@ -100,7 +100,7 @@ def _rank(rank: int, world: int, model_name: str, layers: int, m: int, batch: in
             out: list = []
             sched.step(*([x] if first else []), **({"target": y, "losses": out} if last else {}))
             if last:
-                losses["torch"] = float(sum(out)) / scale  # the summed token loss, as fived's
+                losses["torch"] = float(sum(out).detach()) / scale  # the summed token loss, as fived's
 
         times: dict[str, list[float]] = {"fived": [], "torch": []}
         for k in range(reps + 1):
