@@ -205,11 +205,14 @@ def predict_activations(m: ModelConfig, par: ParallelConfig, global_batch: int, 
 def activation_check_skipped(par: ParallelConfig) -> str | None:
     """Why a layout's activation peak is not compared (None: it is). The dry run counts what
     autograd saves; full recompute's block inputs are held by the checkpoint's own hooks, and
-    ZB-H1's deferred weight pass holds linear outputs autograd does not save."""
+    a split backward's forward (ZB-H1, ZB-V, DualPipe-V) runs its linears on detached weights,
+    so autograd does not save their inputs: the deferred weight pass's records hold them, with
+    the outputs (the step's peak counts both: ``fived.ledger.peak``)."""
     if par.recompute == "full":
         return "recompute full (the checkpoint holds the block inputs outside autograd's saves)"
-    if par.pp > 1 and par.schedule == "zb-h1":
-        return "zb-h1 (the W pass holds linear outputs outside autograd's saves)"
+    if par.pp > 1 and par.schedule in ("zb-h1", "zb-v", "dualpipe-v"):
+        return (f"{par.schedule} (the W pass's records hold linear inputs and outputs outside "
+                "autograd's saves; the step peak counts them)")
     return None
 
 
