@@ -340,7 +340,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
     def _backward_moment(t: dict[str, float], last: bool, s: int, nth: int
                          ) -> dict[str, float]:
-        block = block_backward_bytes(m, par, micro_batch) if stage_layers(m, par)[s] else 0
+        block = block_backward_bytes(m, par, micro_batch) if split_layers[s] else 0
         blk = dict(t, block_backward=block)
         if not last and par.pp > 1:  # the received gradient is the block output's gradient
             blk["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
@@ -372,8 +372,11 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             moe["experts_backward"] = max(0.0, moe["experts_backward"] - gone)
         return max((loss, head, blk, moe), key=lambda d: sum(d.values()))
 
+    split_layers = stage_layers(m, par)
+    experts_on = {s: any(m.is_moe_layer(i) for i in split_layers[s]) for s in stages}
+
     def has_experts(s: int) -> bool:
-        return any(m.is_moe_layer(i) for i in stage_layers(m, par)[s])
+        return experts_on[s]
 
     def experts_moment(t: dict[str, float], s: int, blk: dict[str, float]
                        ) -> dict[str, float]:
