@@ -141,3 +141,21 @@ def saved_peaks(rank: int, world: int, runs: list) -> list[dict[bool, int]]:
             tr.close()
         out.append(peaks)
     return out
+
+
+def source_rows(x, y, docs, seq_len: int, names: list[str]):
+    """A mixture batch's rows by source (the source index rides in the targets' high bits,
+    ``fived.data.vocab.SOURCE_SHIFT``): (index, name, the rows, their ``Documents``
+    positions, their targets without the index) for each source that drew a row."""
+    import torch
+
+    from fived.data.vocab import SOURCE_SHIFT
+    from fived.model.documents import Documents
+
+    src = (y >> SOURCE_SHIFT)[:, 0]
+    for k, name in enumerate(names):
+        rows = (src == k).nonzero().flatten()
+        if len(rows):
+            pos = Documents(torch.arange(seq_len).expand(len(rows), -1), docs[rows])
+            yield k, name, rows, pos, y[rows] - (k << SOURCE_SHIFT)
+

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from doc_helpers import missing_file_exits_2, prepared
+from doc_helpers import missing_file_exits_2, prepared, source_rows
 from parity_helpers import check_parity, cli_exits_2, one_rank, run_cli, train_runs
 
 from fived.config import ParallelConfig, preset
@@ -103,8 +103,7 @@ def test_a_mixture_trains_the_same_on_dp2_as_on_one_rank(dirs):
         for k, v in a["loss_by_source"].items():
             assert v is None or abs(b["loss_by_source"][k] - v) < 1e-5 * v
     # step 0 recomputed here from the initial weights, source by source
-    from fived.data.vocab import SOURCE_SHIFT, mask_padded_logits
-    from fived.model.documents import Documents
+    from fived.data.vocab import mask_padded_logits
     from fived.model.llama import build_model
 
     ld = open_loader(spec(dirs), "train", seq_len=model.seq_len, batch=train.global_batch,
@@ -112,16 +111,10 @@ def test_a_mixture_trains_the_same_on_dp2_as_on_one_rank(dirs):
     x, y, docs = ld.global_batch(0)
     net = build_model(model, train.seed)
     mask_padded_logits(net, 257, model.vocab)
-    src = (y >> SOURCE_SHIFT)[:, 0]
     seen = 0
-    for k, name in enumerate(["code", "web"]):
-        rows = (src == k).nonzero().flatten()
-        if not len(rows):
-            continue
+    for _, name, rows, pos, targets in source_rows(x, y, docs, model.seq_len, ["code", "web"]):
         with torch.no_grad():
-            pos = Documents(torch.arange(model.seq_len).expand(len(rows), -1), docs[rows])
-            want = float(net(x[rows], pos, y[rows] - (k << SOURCE_SHIFT))) / (
-                len(rows) * model.seq_len)
+            want = float(net(x[rows], pos, targets)) / (len(rows) * model.seq_len)
         got = ref["ranks"][0]["history"][0]["loss_by_source"][name]
         assert abs(got - want) < 1e-5 * want, (name, got, want)
         seen += 1

@@ -11,7 +11,7 @@ the skip wrapped outside a mixture's per-source split (the kept tokens then form
 from dataclasses import replace
 
 import pytest
-from doc_helpers import prepared, unpacked_reference
+from doc_helpers import prepared, source_rows, unpacked_reference
 from parity_helpers import TOL, cli_exits_2, grad_rel_diff, one_rank, rel_diff, train_runs
 
 from fived.config import ParallelConfig, preset, validate
@@ -70,8 +70,7 @@ def test_a_mixture_skips_the_eos_targets_source_by_source(tmp_path):
     import torch.nn.functional as F
 
     from fived.data.loader import open_loader
-    from fived.data.vocab import SOURCE_SHIFT, mask_padded_logits
-    from fived.model.documents import Documents
+    from fived.data.vocab import mask_padded_logits
     from fived.model.llama import build_model
 
     a, b = prepared(tmp_path / "a"), prepared(tmp_path / "b", seed=5, long=30)
@@ -84,22 +83,16 @@ def test_a_mixture_skips_the_eos_targets_source_by_source(tmp_path):
     x, y, docs = ld.global_batch(0)
     net = build_model(model, train.seed)
     mask_padded_logits(net, ld.data.vocab, model.vocab)
-    src = (y >> SOURCE_SHIFT)[:, 0]
     total, seen = 0.0, 0
-    for k, name in enumerate(["code", "web"]):
-        rows = (src == k).nonzero().flatten()
-        if not len(rows):
-            continue
+    for _, name, rows, pos, targets in source_rows(x, y, docs, model.seq_len, ["code", "web"]):
         with torch.no_grad():
-            pos = Documents(torch.arange(model.seq_len).expand(len(rows), -1), docs[rows])
             logits = net(x[rows], pos)[..., :ld.data.vocab]
             keep = x[rows] != ld.data.eos
-            ce = F.cross_entropy(logits[keep], (y[rows] - (k << SOURCE_SHIFT))[keep],
-                                 reduction="sum")
+            ce = F.cross_entropy(logits[keep], targets[keep], reduction="sum")
         want = float(ce) / (len(rows) * model.seq_len)
         got = rec["loss_by_source"][name]
         assert abs(got - want) < 1e-5 * want, (name, got, want)
         total += want * len(rows)
         seen += 1
     assert seen == 2
-    assert abs(total / len(src) - rec["loss"]) < 1e-5 * rec["loss"]
+    assert abs(total / len(y) - rec["loss"]) < 1e-5 * rec["loss"]
