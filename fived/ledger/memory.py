@@ -657,9 +657,8 @@ def schedule_actions(par: ParallelConfig, pp_rank: int = 0) -> list[tuple[str, i
     each micro-batch in turn."""
     if par.pp == 1:
         return [(k, i, 0) for i in range(par.micro_batches) for k in ("F", "B")]
-    v = 2 if par.schedule in V_SCHEDULES else max(1, par.virtual_stages)
-    name = "interleaved" if v > 1 and par.schedule not in V_SCHEDULES else par.schedule
-    return list(_compute_orders(name, par.pp, par.micro_batches, v)[pp_rank])
+    name, pp, m, v = _schedule_key(par)
+    return list(_compute_orders(name, pp, m, v)[pp_rank])
 
 
 def _schedule_key(par: ParallelConfig) -> tuple[str, int, int, int]:

@@ -30,7 +30,7 @@ import json
 from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, _coerce
 from ..ranks.grid import Grid
 from .memory import EAGER, ActivationOptions, act_bytes, activations, comm_buffers, model_states
-from .peak import step_peak
+from .peak import SPLIT_SCHEDULES, step_peak
 from .traffic import ep_routed_bytes, micro_batch_size, step_bytes, step_traffic
 
 
@@ -210,7 +210,7 @@ def activation_check_skipped(par: ParallelConfig) -> str | None:
     the outputs (the step's peak counts both: ``fived.ledger.peak``)."""
     if par.recompute == "full":
         return "recompute full (the checkpoint holds the block inputs outside autograd's saves)"
-    if par.pp > 1 and par.schedule in ("zb-h1", "zb-v", "dualpipe-v"):
+    if par.pp > 1 and par.schedule in SPLIT_SCHEDULES:
         return (f"{par.schedule} (the W pass's records hold linear inputs and outputs outside "
                 "autograd's saves; the step peak counts them)")
     return None
