@@ -162,6 +162,13 @@ class Bucket:
     shards: int
     unit: int = -1  # ZeRO-3: the block it gathers with (-1: the root — embedding, norm, head)
     aligned: int = 0  # --zero-align rows: the padded length with row-aligned shards (0: none)
+    fp8: int = 0  # ZeRO-3's fp8 gather: the fp8 weights it holds, gathered in e4m3 (0: none)
+
+    @property
+    def gathered_bytes_per_element(self) -> int:
+        """1 (e4m3) for a bucket ZeRO-3 gathers in fp8 (its fp8 weights, sharded: N > 1);
+        else 0, the caller's compute dtype."""
+        return 1 if self.fp8 and self.shards > 1 else 0
 
     @property
     def padded(self) -> int:
@@ -223,7 +230,7 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
 
     runs = _bucket_runs(m, replace(par, dp=1, cp=1, dp_shard=0, dp_replicate=0,
                                    zero=3 if par.zero == 3 else 0), pp_rank)
-    return tuple(Bucket(g, n, shards(g), u) for g, n, u in runs)
+    return tuple(Bucket(g, n, shards(g), u, fp8=f) for g, n, u, f in runs)
 
 
 def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucket | None:
@@ -243,12 +250,15 @@ def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucke
 
 @lru_cache(maxsize=1024)
 def _bucket_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
-                 ) -> tuple[tuple[str, int, int], ...]:
-    """(group, elements, ZeRO-3 unit) of each of ``_buckets``' buckets, in launch order."""
-    from .params import param_list
+                 ) -> tuple[tuple[str, int, int, int], ...]:
+    """(group, elements, ZeRO-3 unit, fp8-gathered weights) of each of ``_buckets``' buckets,
+    in launch order."""
+    from .params import fp8_gather, fp8_weight, param_list
 
     plist = list(reversed(param_list(m, par, pp_rank)))
-    return tuple((g, sum(plist[k][1] for k in ks), u)
+    gather8 = fp8_gather(par)
+    return tuple((g, sum(plist[k][1] for k in ks), u,
+                  sum(fp8_weight(plist[k][0]) for k in ks) if gather8 else 0)
                  for g, u, ks in _bucket_members(m, par, pp_rank, plist))
 
 
@@ -258,8 +268,9 @@ def _bucket_members(m: ModelConfig, par: ParallelConfig, pp_rank: int,
     engine lays them out (``fived.parallel.data.layout``): ``plist`` (arrival order) by unit
     (ZeRO-3: the last first, the root last; else one), each by group in order of first
     parameter, each cut around a parameter that is a bucket of its own (``params.alone``: the
-    embedding group's copies), each run then split at ``bucket_mb`` (ZeRO-3: not split)."""
-    from .params import alone
+    embedding group's copies), each run then split at ``bucket_mb`` (ZeRO-3: not split; with
+    the fp8 gather, ``params.fp8_gather``, into the fp8 linears' weights, then the rest)."""
+    from .params import alone, fp8_gather, fp8_weight
 
     units: dict[int, list[int]] = {}
     unit = zero3_unit(m, par, pp_rank) if par.zero == 3 else (lambda name: -1)
@@ -280,6 +291,11 @@ def _bucket_members(m: ModelConfig, par: ParallelConfig, pp_rank: int,
                 else:
                     runs[-1].append(k)
             for run in (r for r in runs if r):
+                if par.zero == 3 and fp8_gather(par):
+                    f8 = [k for k in run if fp8_weight(plist[k][0])]
+                    rest = [k for k in run if not fp8_weight(plist[k][0])]
+                    out += [(g, u, r) for r in (f8, rest) if r]
+                    continue
                 if par.zero == 3:
                     out.append((g, u, run))
                     continue
@@ -911,7 +927,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     # ZeRO-3 gather units: blocks (pp = 1) or the one chunk, and the root (-1)
     ubytes: dict[int, int] = {}
     for b in bks:
-        ubytes[b.unit] = ubytes.get(b.unit, 0) + b.padded * pb
+        ubytes[b.unit] = ubytes.get(b.unit, 0) + b.padded * (b.gathered_bytes_per_element or pb)
     nblocks = sorted(u for u in ubytes if u >= 0) if par.pp == 1 else []
     uparams: dict[int, int] = {}
     for i, b in enumerate(bks):
@@ -1017,10 +1033,10 @@ def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int
     if par.zero == 3:
         units: dict[int, int] = {}
         for b in bks:
-            units[b.unit] = units.get(b.unit, 0) + b.padded
+            units[b.unit] = units.get(b.unit, 0) + b.padded * (
+                b.gathered_bytes_per_element or param_bytes(par))
         whole = len(units) if par.zero3_pp_gather == "step" else 1
-        out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole])
-                                    * param_bytes(par))
+        out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole]))
     return out
 
 

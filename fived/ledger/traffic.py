@@ -17,6 +17,9 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
     ZeRO-3   all_gather(param_bytes·P_b) before each micro-batch's forward and again before its
              backward; reduce_scatter(grad_bytes·P_b) once per step
              →  3(N−1)/N · param bytes per step with one micro-batch and grads in the param dtype
+             fp8 gather (``--fp8 tensorwise``, ``params.fp8_gather``): a unit's fp8 weights are a
+             bucket apart, gathered as all_gather(1·P_b), and once per step its w weights' amax
+             all_reduce(4·w) over the shards (tp > 1, dense: and over tp)
 * TP (``tp_traffic``), per layer per micro-batch, X = b·s_l·h·e:
     no SP:  forward 2 all_reduce(X) (after wo, after w_down), backward 2 all_reduce(X)
     SP:     forward 2 all_gather(X) + 2 reduce_scatter(X), backward the same — equal bytes —
@@ -160,7 +163,7 @@ def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
                 ) -> tuple[Collective, ...]:
     out = list(_dp_flat(m, par, mb, pp_rank))
     if not par.hybrid:
-        return tuple(out)
+        return tuple(out + _fp8_gather_tp(m, par, pp_rank))
     # hybrid sharding: ZeRO's collectives run on the shard part of each group, and each
     # bucket's reduced shard is all-reduced across the replicas (after its reduce-scatter)
     out = [Collective(f"{c.group}_shard", c.op, c.size, c.n, c.count, c.what, c.phase)
@@ -169,7 +172,17 @@ def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
     out += [Collective("dp_replicate", "all_reduce", gb * b.shard, par.replicate_degree, 1,
                        "shard's gradient across replicas", "bwd")
             for b in buckets(m, par, pp_rank)]
-    return tuple(out)
+    return tuple(out + _fp8_gather_tp(m, par, pp_rank))
+
+
+def _fp8_gather_tp(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> list[Collective]:
+    """ZeRO-3's fp8 gather under tp: the dense fp8 weights' amax max-reduced over tp too (the
+    whole weight's scale, as the tp-cut linear takes it), once per step, fp32."""
+    if par.tp <= 1:
+        return []
+    return [Collective("tp", "all_reduce", 4 * b.fp8, par.tp, 1, "fp8 weight amax (tp)", "fwd")
+            for b in buckets(m, par, pp_rank) if b.gathered_bytes_per_element
+            and b.group == "dense"]
 
 
 def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int) -> list[Collective]:
@@ -177,14 +190,18 @@ def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int) -> list
     out: list[Collective] = []
     bks = [b for b in buckets(m, par, pp_rank) if group_sizes(par)[b.group] > 1]
     if par.zero == 3 and par.pp > 1 and par.zero3_pp_gather == "step":
-        out += [Collective(b.group, "all_gather", pb * b.padded, b.shards, 1,
-                           "params (once per step)", "fwd") for b in bks]
+        out += [Collective(b.group, "all_gather", (b.gathered_bytes_per_element or pb)
+                           * b.padded, b.shards, 1, "params (once per step)", "fwd") for b in bks]
     elif par.zero == 3:
         for b in bks:
-            out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
+            eb = b.gathered_bytes_per_element or pb
+            out.append(Collective(b.group, "all_gather", eb * b.padded, b.shards, mb,
                                   "params (forward)", "fwd"))
-            out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
+            out.append(Collective(b.group, "all_gather", eb * b.padded, b.shards, mb,
                                   "params (backward)", "bwd"))
+    if par.zero == 3:  # the fp8 gather's scales: each weight's amax over the shards, per step
+        out += [Collective(b.group, "all_reduce", 4 * b.fp8, b.shards, 1, "fp8 weight amax",
+                           "fwd") for b in bks if b.gathered_bytes_per_element]
     if par.zero == 3:
         out += [Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1, "gradients",
                            "bwd") for b in bks]

@@ -47,6 +47,12 @@ per-row scales do not serve the wgrad's per-column ones; torchao keeps the high-
 input too). W is never saved: the backward casts the parameter again (torchao's
 ``force_recompute_fp8_weight_in_bwd``), with the same tiles and amax, so the same q.
 
+A weight that arrives already cast — ZeRO-3's fp8 all-gather (``fived.parallel.data.fp8``)
+gathers the tensorwise e4m3 weight with its scale, the amax reduced over every rank holding a
+piece, so q and s are exactly what ``cast`` would give — is ``provide``d for the parameter while
+it is gathered: the forward and the backward use that q instead of casting W (whose storage is
+then never materialised in the compute dtype).
+
 A dimension that is not a multiple of 128 ends in a short tile (zero padding, which changes
 neither an amax nor a product). When a layout cuts a dimension a scale spans (tensor
 parallelism cuts features; ``cuts``), the amax is max-reduced over the group that holds the
@@ -259,6 +265,26 @@ def _cast_input(x: torch.Tensor, x2: torch.Tensor, recipe: str, cuts: tuple[Cut,
     return q
 
 
+_PROVIDED: dict[int, Fp8] = {}  # id(parameter) -> its gathered tensorwise fp8 weight (N, K)
+
+
+def provide(w: torch.Tensor, q: Fp8 | None) -> None:
+    """``q`` (the tensorwise e4m3 cast of the whole W, (N, K)) serves W's products until
+    ``provide(w, None)``: the gather that produced it frees it then."""
+    if q is None:
+        _PROVIDED.pop(id(w), None)
+    else:
+        _PROVIDED[id(w)] = q
+
+
+def _weight(w: torch.Tensor, recipe: str, name: str, cuts: tuple[Cut, ...]) -> Fp8:
+    """W cast as operand ``name`` (``w_fwd``: Wᵀ; ``w_dgrad``: W), or the provided cast."""
+    q = _PROVIDED.get(id(w)) if recipe == "tensorwise" else None
+    if q is not None:
+        return q.t() if name == "w_fwd" else q
+    return cast(w.t() if name == "w_fwd" else w, recipe, name, cuts)
+
+
 class _Fp8Linear(torch.autograd.Function):
     """y = x Wᵀ with the three products in fp8 as ``recipe`` says (the module docstring)."""
 
@@ -267,7 +293,7 @@ class _Fp8Linear(torch.autograd.Function):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         qx = _cast_input(x, x2, recipe, cuts)
-        y = scaled_matmul(qx, cast(w.t(), recipe, "w_fwd", cuts))
+        y = scaled_matmul(qx, _weight(w, recipe, "w_fwd", cuts))
         ctx.recipe, ctx.cuts, ctx.shape, ctx.xdtype = recipe, cuts, x.shape, x.dtype
         if recipe == "rowwise":  # x as given: its (N, K) reshape may be a copy, x is not
             ctx.save_for_backward(x, w)
@@ -289,7 +315,7 @@ class _Fp8Linear(torch.autograd.Function):
         g = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = scaled_matmul(cast(g, recipe, "g_dgrad", cuts), cast(w, recipe, "w_dgrad", cuts))
+            dx = scaled_matmul(cast(g, recipe, "g_dgrad", cuts), _weight(w, recipe, "w_dgrad", cuts))
             dx = dx.to(ctx.xdtype).view(ctx.shape)
         if ctx.needs_input_grad[1]:
             qg = cast(g.t(), recipe, "g_wgrad", cuts)
