@@ -87,7 +87,13 @@ from .memory import (
 )
 from .optimizers import opt_buckets
 from .optimizers import traffic as optimizer_traffic_of
-from .params import ep_destinations_bound, rank_moe_layers, rank_stages, stage_layers
+from .params import (
+    ep_destinations_bound,
+    fp8_gather,
+    rank_moe_layers,
+    rank_stages,
+    stage_layers,
+)
 
 COUNT_BYTES = 8  # the ep routing counts travel as int64
 
@@ -228,7 +234,10 @@ def _fp8_amax(m: ModelConfig, par: ParallelConfig, tokens: int, dense: int, moe:
     backward (dy twice, W), rowwise one per token (dy's rows) and per input feature (W's
     columns) in backward; a row layer (wo, w_down: K cut) tensorwise 2 in forward (x, W) and 1
     in backward (W), rowwise one per token (x's rows) and per output feature (W's rows) in
-    forward; blockwise none (its tiles stop at the cut). ``forwards``: 2 under full recompute."""
+    forward; blockwise none (its tiles stop at the cut). ``forwards``: 2 under full recompute.
+    With ZeRO-3's fp8 gather of the dense group (``params.fp8_gather``) the weights arrive cast,
+    their amax reduced once per step (``_fp8_gather_tp``): W's reductions leave (a column layer
+    0 forward, 2 backward; a row layer 1 forward, 0 backward)."""
     recipe = getattr(par, "fp8", "none")
     if recipe not in ("tensorwise", "rowwise"):
         return []
@@ -236,9 +245,10 @@ def _fp8_amax(m: ModelConfig, par: ParallelConfig, tokens: int, dense: int, moe:
     rows = 2 * dense + (1 + (1 if m.shared_expert else 0)) * moe
     t, h = par.tp, m.hidden
     if recipe == "tensorwise":
-        return [Collective("tp", "all_reduce", 4, t, (cols + 2 * rows) * mb * forwards,
+        w = 0 if fp8_gather(par) and group_sizes(par)["dense"] > 1 else 1  # W cast here
+        return [Collective("tp", "all_reduce", 4, t, (w * cols + (1 + w) * rows) * mb * forwards,
                            "fp8 amax (forward)", "fwd"),
-                Collective("tp", "all_reduce", 4, t, (3 * cols + rows) * mb,
+                Collective("tp", "all_reduce", 4, t, ((2 + w) * cols + w * rows) * mb,
                            "fp8 amax (backward)", "bwd")]
     return [Collective("tp", "all_reduce", 4 * tokens, t, rows * mb * forwards,
                        "fp8 row amax of x (forward)", "fwd"),

@@ -277,9 +277,10 @@ def provide(w: torch.Tensor, q: Fp8 | None) -> None:
         _PROVIDED[id(w)] = q
 
 
-def _weight(w: torch.Tensor, recipe: str, name: str, cuts: tuple[Cut, ...]) -> Fp8:
-    """W cast as operand ``name`` (``w_fwd``: Wᵀ; ``w_dgrad``: W), or the provided cast."""
-    q = _PROVIDED.get(id(w)) if recipe == "tensorwise" else None
+def _weight(w: torch.Tensor, recipe: str, name: str, cuts: tuple[Cut, ...], key: int) -> Fp8:
+    """W cast as operand ``name`` (``w_fwd``: Wᵀ; ``w_dgrad``: W), or the cast provided for
+    the parameter ``key`` (its id at the forward: a saved tensor may unpack as another object)."""
+    q = _PROVIDED.get(key) if recipe == "tensorwise" else None
     if q is not None:
         return q.t() if name == "w_fwd" else q
     return cast(w.t() if name == "w_fwd" else w, recipe, name, cuts)
@@ -293,8 +294,9 @@ class _Fp8Linear(torch.autograd.Function):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         qx = _cast_input(x, x2, recipe, cuts)
-        y = scaled_matmul(qx, _weight(w, recipe, "w_fwd", cuts))
+        y = scaled_matmul(qx, _weight(w, recipe, "w_fwd", cuts, id(w)))
         ctx.recipe, ctx.cuts, ctx.shape, ctx.xdtype = recipe, cuts, x.shape, x.dtype
+        ctx.wkey = id(w)
         if recipe == "rowwise":  # x as given: its (N, K) reshape may be a copy, x is not
             ctx.save_for_backward(x, w)
         else:  # the fp8 data and its scales; W is the parameter (recast in backward)
@@ -315,7 +317,8 @@ class _Fp8Linear(torch.autograd.Function):
         g = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = scaled_matmul(cast(g, recipe, "g_dgrad", cuts), _weight(w, recipe, "w_dgrad", cuts))
+            dx = scaled_matmul(cast(g, recipe, "g_dgrad", cuts),
+                               _weight(w, recipe, "w_dgrad", cuts, ctx.wkey))
             dx = dx.to(ctx.xdtype).view(ctx.shape)
         if ctx.needs_input_grad[1]:
             qg = cast(g.t(), recipe, "g_wgrad", cuts)
