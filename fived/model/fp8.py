@@ -296,11 +296,14 @@ class _Fp8Linear(torch.autograd.Function):
         qx = _cast_input(x, x2, recipe, cuts)
         y = scaled_matmul(qx, _weight(w, recipe, "w_fwd", cuts, id(w)))
         ctx.recipe, ctx.cuts, ctx.shape, ctx.xdtype = recipe, cuts, x.shape, x.dtype
-        ctx.wkey = id(w)
+        ctx.wkey, ctx.wdtype = id(w), w.dtype
+        # a provided W is provided again for the backward (ZeRO-3 gathers it again): not saved,
+        # only referred to (a saved parameter is unpacked as a detached alias of its storage)
+        ctx.wref = weakref.ref(w) if ctx.wkey in _PROVIDED and recipe == "tensorwise" else None
         if recipe == "rowwise":  # x as given: its (N, K) reshape may be a copy, x is not
             ctx.save_for_backward(x, w)
         else:  # the fp8 data and its scales; W is the parameter (recast in backward)
-            ctx.save_for_backward(qx.data, qx.scale, w)
+            ctx.save_for_backward(qx.data, qx.scale, *(() if ctx.wref else (w,)))
             ctx.qtile = qx.tile
         return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
@@ -311,7 +314,8 @@ class _Fp8Linear(torch.autograd.Function):
             x, w = ctx.saved_tensors
             qxw = cast(x.reshape(-1, x.shape[-1]), recipe, "x_wgrad", cuts)
         else:
-            data, scale, w = ctx.saved_tensors
+            data, scale, *rest = ctx.saved_tensors
+            w = rest[0] if rest else ctx.wref()
             qx = Fp8(data, scale, ctx.qtile)
             qxw = qx if recipe == "tensorwise" else cast(dequantize(qx), recipe, "x_wgrad", cuts)
         g = dy.reshape(-1, dy.shape[-1])
@@ -322,7 +326,7 @@ class _Fp8Linear(torch.autograd.Function):
             dx = dx.to(ctx.xdtype).view(ctx.shape)
         if ctx.needs_input_grad[1]:
             qg = cast(g.t(), recipe, "g_wgrad", cuts)
-            dw = scaled_matmul(qg, qxw).to(w.dtype)
+            dw = scaled_matmul(qg, qxw).to(ctx.wdtype)
         return dx, dw, None, None
 
 

@@ -54,7 +54,14 @@ class Fp8Gather:
         self.tp = {b.index: (tp if tp is not None and any(
             placements[n].parts > 1 for n in b.names) else None) for b in buckets}
         self.scales: dict[int, torch.Tensor] = {}  # index -> s, until ``stale``
-        self.full: dict[int, torch.Tensor] = {}  # index -> the gathered e4m3 bytes
+        # index -> the gathered e4m3 bytes: one flat buffer per bucket, its storage resized to
+        # the padded length for a gather and to 0 at the free (as the compute-dtype buckets'),
+        # so nothing that still refers to it (a collective's work, a view) keeps the bytes
+        self.full = {b.index: torch.empty(b.padded, dtype=torch.uint8,
+                                          device=b.param_shard.device)
+                     for b in buckets if b.index in self.buckets}
+        for t in self.full.values():
+            t.untyped_storage().resize_(0)
 
     @classmethod
     def of(cls, buckets: list[Bucket], placements: dict[str, Any], grid: Any, par: Any
@@ -104,10 +111,11 @@ class Fp8Gather:
         fmax = fp8_mod.FMAX[fp8_mod.E4M3]
         shard = torch.zeros(b.shard_numel, dtype=fp8_mod.E4M3, device=b.param_shard.device)
         for j, lo, hi in self._pieces(b):
-            shard[lo:hi] = (b.param_shard[lo:hi].detach().float() / s[j]).clamp_(
-                -fmax, fmax).to(fp8_mod.E4M3)
-        full = torch.empty(b.padded, dtype=torch.uint8, device=shard.device)
-        self.full[b.index] = full
+            # W / s in W's dtype: s is a power of 2, so exact (bf16 has fp32's exponent range),
+            # and the one rounding is the e4m3 cast's, as in ``fp8_mod.quantize``; no fp32 copy
+            shard[lo:hi].copy_((b.param_shard[lo:hi].detach() / s[j]).clamp_(-fmax, fmax))
+        full = self.full[b.index]
+        full.untyped_storage().resize_(b.padded)
         data = full.view(fp8_mod.E4M3)
         for j, (p, off) in enumerate(zip(b.params, b.offsets)):
             q = fp8_mod.Fp8(data[off:off + p.numel()].view(p.shape), s[j].view(1, 1),
@@ -118,4 +126,4 @@ class Fp8Gather:
     def free(self, b: Bucket) -> None:
         for p in b.params:
             fp8_mod.provide(p, None)
-        self.full.pop(b.index, None)
+        self.full[b.index].untyped_storage().resize_(0)
