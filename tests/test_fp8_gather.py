@@ -69,6 +69,63 @@ def test_zero3_fp8_gather_equals_one_rank_and_the_ledger():
     assert want["dense"] < 0.75 * off["dense"], (want, off)
 
 
+def _gathered_weights(rank: int, world: int) -> dict:
+    """tp2·dp2: two fp8 weights cut over tp (rows), laid out in one ZeRO-3 bucket over the dense
+    group (dp2): W1 straddles the two shards, W2 lies wholly in the second; W1's tp halves differ
+    2¹² in magnitude (a piece's own amax would give another scale). The gathered e4m3 bytes and
+    scale of each piece against one rank's cast of the whole weight."""
+    import torch
+
+    from fived.comm.ops import Traffic
+    from fived.model import fp8 as fp8_mod
+    from fived.parallel.data.buckets import Bucket
+    from fived.parallel.data.fp8 import Fp8Gather
+    from fived.parallel.placement import Placement
+    from fived.ranks.grid import Grid
+
+    par = ParallelConfig(tp=2, dp=2, zero=3, fp8="tensorwise")
+    grid = Grid.from_config(par, rank).connect(Traffic())
+    tp = grid["tp"]
+    g = torch.Generator().manual_seed(3)
+    whole = {"layers.0.mlp.up_proj.weight": torch.randn(16, 24, generator=g) * 0.05,
+             "layers.0.self_attn.o_proj.weight": torch.randn(8, 24, generator=g) * 0.05}
+    whole["layers.0.mlp.up_proj.weight"][8:] *= 2 ** 12
+    named, places = [], []
+    for name, w in whole.items():
+        piece = w.chunk(2, 0)[tp.rank].clone()
+        named.append((name, torch.nn.Parameter(piece)))
+        places.append(Placement(name, tuple(w.shape), 0, 2, tp.rank))
+    b = Bucket(named, places, "dense", grid["dense"], 2, 0, 2, unit=0)
+    b.param_full = torch.cat([p.detach().reshape(-1) for _, p in named])
+    b.param_shard = b.param_full[b.lo:b.hi].clone()
+    gather = Fp8Gather([b], {pl.name: pl for pl in places}, grid)
+    assert gather.owns(b)
+    gather.start(b).wait()
+    out = {}
+    for (name, p), w in zip(named, whole.values()):
+        q = fp8_mod._PROVIDED[id(p)]
+        want = fp8_mod.cast(w, "tensorwise", "w_dgrad")
+        rows = want.data.view(torch.uint8).chunk(2, 0)[tp.rank]
+        out[name] = (bool(torch.equal(q.data.view(torch.uint8), rows)),
+                     float(q.scale), float(want.scale))
+    gather.free(b)
+    out["freed"] = not fp8_mod._PROVIDED and gather.full[0].untyped_storage().nbytes() == 0
+    return out
+
+
+def test_gathered_fp8_weight_is_one_ranks_cast_to_the_bit():
+    """The amax max-reduced over the shards and over tp: every rank's gathered e4m3 piece and
+    its scale equal the one-rank cast of the whole weight, bit for bit (without the reduction
+    over tp, W1's small half gets its own scale, 2¹² smaller); the free releases the bytes and
+    withdraws the weights."""
+    from fived.testing import run_ranks
+
+    for r in run_ranks(_gathered_weights, 4):
+        assert r.pop("freed"), r
+        for name, (same, got, want) in r.items():
+            assert same and got == want, (name, got, want)
+
+
 @pytest.mark.slow
 def test_zero3_fp8_gather_under_tp_and_ep_equals_one_rank():
     """tp2·dp2 ZeRO-3 (the amax reduced over tp as well: the tp-cut linears' scale is the
