@@ -27,8 +27,8 @@ Traffic per step and bucket of P padded elements and w weights, bytes sent per r
 
 Rowwise and blockwise keep the compute-dtype gather: rowwise casts W with one scale per row
 for the forward and per column for the dgrad (two casts of W, which one fp8 copy cannot
-serve; torchao's float8 all-gather is tensorwise only too); blockwise's 128×128 blocks would
-need every block's amax reduced across the flat shards that cut it (docs/numerics.md).
+serve; torchtitan runs rowwise with a bf16 gather too); blockwise's 128×128 blocks would need
+every block's amax reduced across the flat shards that cut it (docs/numerics.md).
 """
 
 from __future__ import annotations
