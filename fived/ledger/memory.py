@@ -435,7 +435,9 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     else:  # SwiGLU saves gate, up and the product (silu recomputed); GELU its input and output
         out["mlp"] = tokens * (3 if m.mlp == "swiglu" else 2) * e * m.ffn / tp
     recipe = getattr(par, "fp8", "none")
-    if recipe in ("tensorwise", "blockwise") and not m.is_moe:
+    if recipe in ("tensorwise", "blockwise") and m.is_moe:
+        out.update(fp8_moe_saves(m, par, tokens, e, norm_div, recipe, out))
+    elif recipe in ("tensorwise", "blockwise"):
         out.update(fp8_layer_saves(m, par, tokens, e, norm_div, recipe, out))
     elif recipe == "rowwise" and sp and not m.is_moe:  # the gathered inputs, in e bytes
         out["norms"] -= tokens * 2 * e * h / norm_div
@@ -478,6 +480,40 @@ def fp8_layer_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, 
             "mlp": out["mlp"] - tokens * e * f,
             "fp8_inputs": (2 * fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
                            + fp8_copy_bytes(tokens, f, recipe))}
+
+
+def fp8_moe_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, norm_div: int,
+                  recipe: str, out: dict[str, float]) -> dict[str, float]:
+    """The terms a MoE block's fp8 linears change (the experts a loop of fp8 linears,
+    ``fived.parallel.fp8``): attention as in a dense block (the input norm's output leaves, the
+    fp8 copies of q/k/v's and wo's inputs come); each local expert saves its routed rows as one
+    fp8 copy (w1 and w3 share it) and its SwiGLU product as another (w2's), so the permuted rows
+    (e·h·k per token, in ``router``) and the products (e·f_e·k, in ``mlp``) leave and k·(h + f_e)
+    bytes per token come, with the scales: tensorwise 4 B per copy and local expert (E/ep of
+    them, each called once per micro-batch, an expert without rows too), blockwise 4 per 128-wide
+    tile of each row. A shared expert is a dense MLP: its product leaves for an fp8 copy, and its
+    input (the norm output) for one fp8 copy — the norm output then stays saved only where
+    something else keeps it (the router's fp32 input in fp32, the shared-expert gate)."""
+    tp, h, k = par.tp, m.hidden, m.top_k
+    hq, fe = m.attn_dim / tp, m.expert_ffn
+    routed = tokens * k / norm_div  # rows through the local experts (uniform routing)
+    local = m.experts // max(1, par.ep)
+    if recipe == "blockwise":
+        experts8 = routed * (h + 4 * math.ceil(h / 128) + fe + 4 * math.ceil(fe / 128))
+    else:
+        experts8 = routed * (h + fe) + 2 * 4 * local
+    res = {"norms": out["norms"] - tokens * e * h / norm_div,
+           "router": out["router"] - routed * e * h,
+           "mlp": out["mlp"] - routed * e * fe,
+           "fp8_inputs": (fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
+                          + experts8)}
+    if m.shared_expert:
+        fs = m.shared_ffn / tp
+        res["mlp"] -= tokens * e * fs
+        res["fp8_inputs"] += fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, fs, recipe)
+        if e != 4 and not m.shared_expert_gate:  # nothing else keeps the norm output
+            res["norms"] -= tokens * e * h / norm_div
+    return res
 
 
 def qk_norm_bytes_per_token(m: ModelConfig, par: ParallelConfig, e: int, fused: bool) -> float:
