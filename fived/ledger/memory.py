@@ -45,8 +45,11 @@ with its scales: tensorwise 4 bytes per copy and micro-batch, blockwise 4 per 12
 each token's row, 4·⌈K/128⌉. ``rowwise`` saves its inputs in e bytes: no change, but under
 sequence parallelism, where its column layers save the gathered input (2·e·h per token, whole
 sequence) instead of the norm outputs' shards. Under sequence parallelism the fp8 copies hold
-the gathered sequence (the norm input stays a shard). MoE
-experts under fp8 (a loop of fp8 linears) are not yet in the ledger.
+the gathered sequence (the norm input stays a shard). A MoE block's
+experts under fp8 run as a loop of fp8 linears: each local expert saves its routed rows (h) and
+its SwiGLU product (f_e) as fp8 copies in place of the permuted rows and the product, with their
+scales (tensorwise 4 B per copy and local expert, blockwise per 128-tile of each row); a shared
+expert changes as a dense MLP does (``fp8_moe_saves``).
 
 With tp the q/k/v/attention/SwiGLU terms divide by tp (k, v by min(tp, kv_heads)); the norm
 terms divide by tp only under sequence parallelism, where the column matmuls save the norm
