@@ -114,10 +114,10 @@ def tile_amax(x: torch.Tensor, tile: tuple[int | None, int | None]) -> torch.Ten
         return torch.zeros(max(nr, 1), max(nc, 1), dtype=torch.float32, device=x.device)
     if tile == (ALL, ALL):
         return x.detach().abs().amax().float().view(1, 1)
-    a = x.detach().abs().float()
+    a = x.detach().abs()  # in x's dtype: a maximum is exact in any of them
     if nr * tr != r or nc * tc != c:
         a = F.pad(a, (0, nc * tc - c, 0, nr * tr - r))
-    return a.view(nr, tr, nc, tc).amax(dim=(1, 3))
+    return a.view(nr, tr, nc, tc).amax(dim=(1, 3)).float()
 
 
 def expand(scale: torch.Tensor, tile: tuple[int | None, int | None],
@@ -128,12 +128,19 @@ def expand(scale: torch.Tensor, tile: tuple[int | None, int | None],
     return scale.repeat_interleave(tr, 0)[:r].repeat_interleave(tc, 1)[:, :c]
 
 
-def _broadcast(scale: torch.Tensor, tile: tuple[int | None, int | None],
-               shape: tuple[int, int]) -> torch.Tensor:
-    """``expand`` without the copy where every tile side is whole or 1 (plain broadcasting)."""
+def _per_tile(x: torch.Tensor, scale: torch.Tensor, tile: tuple[int | None, int | None],
+              op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``op(x, scale)`` with each tile's scale broadcast over its tile (no (R, C) scale
+    matrix; a short last tile padded, then cut off), in the dtype ``op`` gives."""
     if all(t is ALL or t == 1 for t in tile):
-        return scale
-    return expand(scale, tile, shape)
+        return op(x, scale)
+    r, c = x.shape
+    tr, tc = _side(r, tile[0]), _side(c, tile[1])
+    nr, nc = scale.shape
+    if nr * tr != r or nc * tc != c:
+        x = F.pad(x, (0, nc * tc - c, 0, nr * tr - r))
+    out = op(x.view(nr, tr, nc, tc), scale.view(nr, 1, nc, 1))
+    return out.view(nr * tr, nc * tc)[:r, :c]
 
 
 def scale_of(amax: torch.Tensor, fmt: torch.dtype, pow2: bool = False) -> torch.Tensor:
@@ -150,13 +157,17 @@ def quantize(x: torch.Tensor, fmt: torch.dtype, tile: tuple[int | None, int | No
     if reduce is not None:
         reduce(amax)
     s = scale_of(amax, fmt, pow2)
-    v = x.detach().float() / _broadcast(s, tile, tuple(x.shape))
+    if pow2:  # x / 2^k is exact in x's dtype (bf16 has fp32's exponents): no fp32 copy of x
+        v = _per_tile(x.detach(), s.to(x.dtype), tile, torch.div)
+    else:
+        v = _per_tile(x.detach().float(), s, tile, torch.div)
     return Fp8(v.clamp_(-FMAX[fmt], FMAX[fmt]).to(fmt), s, tile)
 
 
-def dequantize(q: Fp8) -> torch.Tensor:
-    """q · s in fp32."""
-    return q.data.float() * _broadcast(q.scale, q.tile, tuple(q.data.shape))
+def dequantize(q: Fp8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q · s in ``dtype`` (fp32; bf16 is exact too where s is a power of 2: an e4m3 value has
+    4 significant bits)."""
+    return _per_tile(q.data.to(dtype), q.scale.to(dtype), q.tile, torch.mul)
 
 
 def _k_tiles(q: Fp8, k_dim: int) -> int:
@@ -317,7 +328,8 @@ class _Fp8Linear(torch.autograd.Function):
             data, scale, *rest = ctx.saved_tensors
             w = rest[0] if rest else ctx.wref()
             qx = Fp8(data, scale, ctx.qtile)
-            qxw = qx if recipe == "tensorwise" else cast(dequantize(qx), recipe, "x_wgrad", cuts)
+            qxw = qx if recipe == "tensorwise" else cast(dequantize(qx, ctx.xdtype), recipe,
+                                                          "x_wgrad", cuts)
         g = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
