@@ -53,6 +53,11 @@ piece, so q and s are exactly what ``cast`` would give — is ``provide``d for t
 it is gathered: the forward and the backward use that q instead of casting W (whose storage is
 then never materialised in the compute dtype).
 
+A cast holds no fp32 copy: with power-of-2 scales x / s is exact in x's dtype (bf16 has fp32's
+exponents), and the tile scales are broadcast over their tiles, never expanded to a matrix (the
+blockwise wgrad's re-tiling dequantises in the compute dtype: an e4m3 value times 2^k is exact
+in bf16); the one rounding is the fp8 cast's.
+
 A dimension that is not a multiple of 128 ends in a short tile (zero padding, which changes
 neither an amax nor a product). When a layout cuts a dimension a scale spans (tensor
 parallelism cuts features; ``cuts``), the amax is max-reduced over the group that holds the
