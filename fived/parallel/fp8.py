@@ -30,7 +30,6 @@ the weight gradient (``tensor._ColumnMatmul``); the fp8 columns do neither.
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -38,14 +37,10 @@ from typing import Any
 from torch import nn
 
 from ..comm import ops
+from ..ledger.params import FP8_LINEARS
 from ..model.fp8 import Cut, Fp8Linear, fp8_linear
 from ..model.moe import MoE
 from .tensor import ColumnLinear, RowLinear
-
-FP8_LINEARS = re.compile(
-    r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
-    r"|block_sparse_moe\.experts\.\d+\.w[123]"
-    r"|block_sparse_moe\.shared_expert\.(gate|up|down)_proj)$")
 
 
 def _max_over(group: Any, amax) -> None:

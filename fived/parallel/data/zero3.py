@@ -53,9 +53,11 @@ import torch
 from torch import nn
 
 from ...comm import ops
+from ...ledger.params import fp8_gather, fp8_weight
 from .accounting import Buffers
 from .base import Alias
 from .buckets import Bucket, Named, nbytes
+from .fp8 import Fp8Gather
 from .layout import Layout
 from .zero12 import ReduceScatter, Zero2
 
@@ -93,7 +95,12 @@ class UnitLayout(Layout):
             (len(units), list(reversed(root)))]
 
     def split(self, run: list[Named]) -> list[list[Named]]:
-        return [run]
+        """The run whole; with the fp8 gather (``fp8.Fp8Gather``) its fp8 linears' weights
+        first, then the rest (``fived.ledger.memory._bucket_members`` cuts alike)."""
+        if not fp8_gather(self.par):
+            return [run]
+        f8 = [(n, p) for n, p in run if fp8_weight(n)]
+        return [r for r in (f8, [(n, p) for n, p in run if not fp8_weight(n)]) if r]
 
     def own_shard(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
         """A copy: the full flat buffer is freed after each use, the shard must outlive it."""
@@ -129,6 +136,7 @@ class UnitGather:
         self.per_step = self.driven and par.zero3_pp_gather == "step"
         self.overlap = bool(par.overlap)
         self.buffers = buffers
+        self.fp8: Fp8Gather | None = None  # the fp8 weights' gather (``Zero3`` sets it)
         units = list(units or [])
         nb = len(units)
         per_unit: list[list[Bucket]] = [[] for _ in range(nb + 1)]
@@ -155,6 +163,10 @@ class UnitGather:
         if u.state != "free" or (ahead and not self.overlap):
             return
         for b in u.buckets:
+            if self.fp8 is not None and self.fp8.owns(b):  # e4m3, with its scales
+                self.buffers.hold(self.fp8.nbytes(b))
+                u.handles.append(self.fp8.start(b))
+                continue
             b.param_full.untyped_storage().resize_(b.padded * b.param_full.element_size())
             self.buffers.hold(nbytes(b.param_full))
             u.handles.append(ops.all_gather_into(b.param_full, b.param_shard, b.group,
@@ -177,6 +189,10 @@ class UnitGather:
                 h.wait()
             u.handles = []
         for b in u.buckets:
+            if self.fp8 is not None and self.fp8.owns(b):
+                self.buffers.release(self.fp8.nbytes(b))
+                self.fp8.free(b)
+                continue
             self.buffers.release(nbytes(b.param_full))
             b.param_full.untyped_storage().resize_(0)
         u.state = "free"
@@ -269,6 +285,17 @@ class UnitGather:
     def reset(self) -> None:
         for u in self.units + [self.root]:
             u.done = 0
+        if self.fp8 is not None:
+            self.fp8.stale()
+
+
+def _then(fn: Any, after: Any) -> Any:
+    """``fn``, then ``after()``."""
+    def call(*args: Any, **kw: Any) -> Any:
+        out = fn(*args, **kw)
+        after()
+        return out
+    return call
 
 
 class Zero3(Zero2):
@@ -283,3 +310,11 @@ class Zero3(Zero2):
     root = Alias("gathers")
     prefetch = Alias("gathers")
     gather = Alias("gathers")
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        fp8 = Fp8Gather.of(self.buckets, self.placements, self.grid, self.par)
+        self.gathers.fp8 = fp8
+        if fp8 is not None:  # the shards change there: the fp8 gather's scales are taken again
+            for name in ("step", "publish_params"):
+                setattr(self.masters, name, _then(getattr(self.masters, name), fp8.stale))
