@@ -120,7 +120,10 @@ def _measure(rank: int, world: int, model: ModelConfig, cases: list[tuple]) -> l
         rec = t.step(0)
         psi = sum(p.numel() for p in t.engine.params)
         mem = t.engine.memory()
+        root = (sum(b.padded * b.param_full.element_size() for b in t.engine.root.buckets)
+                if zero == 3 else 0)  # ZeRO-3's root: gathered once a micro-batch
         out.append({"case": (zero, precision, grad_dtype), "psi": psi, "memory": mem,
+                    "root_bytes": root,
                     "traffic": t.traffic.as_dict().get("dense", {}), "loss": rec["loss"],
                     "master_dtypes": {str(b.master.dtype) for b in t.engine.buckets}})
     return out
@@ -152,11 +155,15 @@ def test_model_state_bytes_and_traffic_match_formulas(n):
                 assert tr["all_reduce"]["bytes"] == pytest.approx(2 * f * full_grads, rel=1e-12)
             else:
                 assert tr["reduce_scatter"]["bytes"] == pytest.approx(f * full_grads, rel=1e-12)
-                ag = (2 if zero == 3 else 1) * f * full_params
+                # ZeRO-3: each block gathered for its forward and its backward, the root
+                # (embedding, norm, head) once: it stays gathered from forward to backward
+                ag = f * (2 * full_params - r["root_bytes"] if zero == 3 else full_params)
+                assert r["root_bytes"] > 0 or zero < 3
                 assert tr["all_gather"]["bytes"] == pytest.approx(ag, rel=1e-12)
-                if zero == 3 and full_grads == full_params:  # 3(N−1)/N · param bytes
+                if zero == 3 and full_grads == full_params:  # (3Ψ − Ψ_root)(N−1)/N · P
                     total = tr["reduce_scatter"]["bytes"] + tr["all_gather"]["bytes"]
-                    assert total == pytest.approx(3 * f * full_params, rel=1e-12)
+                    assert total == pytest.approx(f * (3 * full_params - r["root_bytes"]),
+                                                  rel=1e-12)
     # the same first-step loss in every mode of one precision
     losses = {r["case"]: r["loss"] for r in results[0]}
     for (_z, p, g), loss in losses.items():

@@ -939,7 +939,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     engine lays its buckets out in):
 
     * ZeRO-3 forward (pp = 1): gather the root, prefetch block 0; before block i gather it and
-      prefetch block i+1, free it after; free the root. Backward: gather the root, prefetch
+      prefetch block i+1, free it after; the root stays gathered. Backward: prefetch
       the last block; at a block's first gradient gather it and prefetch the one before; a
       unit is freed when its last gradient is in (the root at the embedding's, the last).
       With pp the rank's one chunk is gathered around every F and B (per step: all step),
@@ -1022,8 +1022,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 prefetch(nxt(u, 1))
                 free(u)
             fends.append(sum(live))  # the loss: the root gathered, the blocks freed
-            free(-1)
-            gather(-1)  # backward
+            # backward: the root stays gathered from its forward
             prefetch(nblocks[-1] if nblocks else None)
         done = [0] * len(bks)
         udone: dict[int, int] = {}

@@ -16,7 +16,9 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
              after the step
     ZeRO-3   all_gather(param_bytes·P_b) before each micro-batch's forward and again before its
              backward; reduce_scatter(grad_bytes·P_b) once per step
-             →  3(N−1)/N · param bytes per step with one micro-batch and grads in the param dtype
+             (not the root's: it stays gathered from its forward to its backward)
+             →  (3Ψ − Ψ_root)(N−1)/N · param bytes per step with one micro-batch and grads in
+             the param dtype
              fp8 gather (``--fp8 tensorwise``, ``params.fp8_gather``): a unit's fp8 weights are a
              bucket apart, gathered as all_gather(1·P_b), and once per step its w weights' amax
              all_reduce(4·w) over the shards (tp > 1, dense: and over tp)
@@ -203,8 +205,9 @@ def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int) -> list
             eb = b.gathered_bytes_per_element or pb
             out.append(Collective(b.group, "all_gather", eb * b.padded, b.shards, mb,
                                   "params (forward)", "fwd"))
-            out.append(Collective(b.group, "all_gather", eb * b.padded, b.shards, mb,
-                                  "params (backward)", "bwd"))
+            if b.unit >= 0:  # the root stays gathered from its forward to its backward
+                out.append(Collective(b.group, "all_gather", eb * b.padded, b.shards, mb,
+                                      "params (backward)", "bwd"))
     if par.zero == 3:  # the fp8 gather's scales: each weight's amax over the shards, per step
         out += [Collective(b.group, "all_reduce", 4 * b.fp8, b.shards, 1, "fp8 weight amax",
                            "fwd") for b in bks if b.gathered_bytes_per_element]

@@ -4,7 +4,9 @@ The gather units are given by the caller (``units``: the transformer blocks, in 
 the parameters in no unit form one root unit (embedding, final norm, head). Each unit has one
 bucket per reduction group, laid out last unit first, root last (≈ backward order). A unit is
 all-gathered just before its forward, freed after it, gathered again before its backward (a
-hook on the unit's output gradient) and freed when all its gradients are in; the next unit's
+hook on the unit's output gradient) and freed when all its gradients are in — except the root,
+which stays gathered from its forward to its backward (the loss's backward starts with the
+head; FSDP2 keeps its root so too) — ; the next unit's
 all-gather is prefetched (async) so it overlaps compute (``--no-overlap``: gathers on demand).
 Freeing resizes the flat storage to 0; the parameters stay views of it. A recompute forward
 (inside backward) keeps its unit gathered for the backward that follows.
@@ -34,8 +36,10 @@ Model-state bytes per rank (Ψ parameters; P params, G grads, M fp32 master, 8 A
 plus the gathered units as ``buffers`` (the step's peak). Traffic per step (one micro-batch),
 bytes sent per rank:
 
-    all-gather forward + all-gather backward + reduce-scatter = 3(N−1)/N · param bytes
-    (same dtype for params and grads; with m micro-batches the gathers run m times each)
+    all-gather forward + all-gather backward + reduce-scatter = (3Ψ − Ψ_root)(N−1)/N · P
+    (Ψ_root: the root's parameters, gathered once per micro-batch; ≈ 3(N−1)/N · param bytes
+    for a deep model; same dtype for params and grads; with m micro-batches the gathers run m
+    times each)
     pp, per step:  (1 + 1)·(N−1)/N · param bytes       (all-gather once, reduce-scatter once)
     pp, per micro: (2m + 1)·(N−1)/N · param bytes
 
@@ -206,11 +210,15 @@ class UnitGather:
             self.prefetch(self.units[0], ahead=True)
 
     def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
+        """The root stays gathered when a backward follows: the loss's backward starts with
+        the head, which would gather it again at once (FSDP2 keeps its root the same way);
+        one all-gather of the root a micro-batch fewer, no byte more at any moment."""
         if in_backward():
             return
-        self.free(self.root)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._pre_backward(len(self.units)))
+        else:  # evaluation: no backward comes
+            self.free(self.root)
 
     def _pre_forward(self, i: int):
         def hook(module: nn.Module, args: Any) -> None:
