@@ -171,31 +171,94 @@ def split_backward(par: ParallelConfig) -> bool:
     return par.pp > 1 and par.schedule in SPLIT_SCHEDULES and par.recompute != "full"
 
 
-def _split_widths(m: ModelConfig, par: ParallelConfig) -> tuple[float, float, float, float]:
-    """Per token and block: the widths the split forward's
-    records keep — (inputs, outputs autograd would not save, output gradients) — and the
-    recorded weights' elements. Only linears that run ``F.linear`` with grad enabled are
-    split (``runtime._SplitLinear``): the row-parallel ones (o, w2) always; the column ones
-    (q, k, v, w1, w3, the head) only without tp, or under tp without SP and overlap — else
-    they run inside ``tensor._ColumnMatmul`` and their B makes their weight gradients."""
-    tp, d = par.tp, m.head_dim
-    q, kv, h, f = m.heads * d / tp, m.kv_heads * d / min(tp, m.kv_heads), m.hidden, m.ffn / tp
+def _split_widths(m: ModelConfig, par: ParallelConfig
+                  ) -> tuple[float, float, float, float, float]:
+    """Per token of the rank's micro-batch and per block of shape ``m`` (``layer_kinds``):
+    the widths the split forward's records keep — (inputs, outputs autograd would not save,
+    outputs autograd saves until B, output gradients) — and the recorded weights' elements.
+    Only linears that run ``F.linear`` with grad enabled are split (``runtime._SplitLinear``):
+    the row-parallel ones (o, w2) and the replicated ones (MLA's down-projections, on the
+    sequence shard under SP) always; the column ones (q, k, v, MLA's up-projections, w1, w3,
+    the head) only without tp, or under tp without SP and overlap — else they run inside
+    ``tensor._ColumnMatmul`` and their B makes their weight gradients. A MoE block's router
+    and grouped experts (``memory.grouped_experts``) run outside ``F.linear`` (their B makes
+    their weight gradients); the experts' loop (fp32, ``expert_matmul = loop``) runs one
+    SwiGLU per expert, split; the shared expert is a SwiGLU of width ``shared_ffn``."""
+    tp, h = par.tp, m.hidden
     cols = tp == 1 or not (par.sequence_parallel or par.overlap)
-    x = q + f  # o's input (the attention output), w2's (SwiGLU's product)
-    y = 2 * h  # o's and w2's outputs, before their reduction
-    dy = 2 * h
-    w = q * h + f * h
+    shard = tp if par.sequence_parallel and tp > 1 else 1
+    if m.is_moe:
+        f = m.shared_ffn / tp if m.shared_expert else 0.0
+    else:
+        f = m.ffn / tp
+    mlp = f > 0
+    x = f  # w2's input (SwiGLU's product)
+    y = h if mlp else 0.0  # w2's output, before its reduction
+    kept = 0.0
+    dy = h if mlp else 0.0
+    w = f * h
+    if cols and mlp:
+        x += h  # the norm's output (w1, w3 share it)
+        kept += 2 * f  # w1's, w3's outputs: saved by SwiGLU until B, then the records' alone
+        dy += 2 * f
+        w += 2 * h * f
+    if m.is_moe and not grouped_experts(m, par):  # the experts' loop: nn.Linear per expert
+        # over its rows (tokens · top_k / shard on the rank, uniform routing): the rows and
+        # SwiGLU's product in, w2's outputs (the combine keeps their concatenation), w1's and
+        # w3's outputs saved by SwiGLU until B, the three gradients
+        k, fe = m.top_k / shard, m.expert_ffn
+        x += k * (h + fe)
+        y += k * h
+        kept += 2 * k * fe
+        dy += k * (h + 2 * fe)
+        w += m.experts // par.ep * 3 * fe * h
+    if m.is_mla:
+        H, rq, rkv, dr = m.heads / tp, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+        dq, up_kv = m.qk_head_dim, m.qk_nope_head_dim + m.v_head_dim
+        o_in = H * m.v_head_dim  # the core's output (or o_proj's copy of the cut one)
+        x += h / shard + o_in  # the norm's output (the down-projections'), o_proj's input
+        y += h  # o_proj's output
+        dy += h
+        w += o_in * h
+        # the down-projections: outputs the latent norms save (until B), their gradients
+        down = (rq + rkv + dr) / shard
+        kept += down
+        dy += down
+        w += h * (rq + rkv + dr)
+        if cols:  # the up-projections (or q_proj): the latents' norm outputs in, q and k/v out
+            q_in = rq if rq else 0.0  # q_proj reads the block norm's output, counted above
+            x += q_in + rkv
+            y += H * (dq + up_kv)
+            dy += H * (dq + up_kv)
+            w += (rq if rq else h) * H * dq + rkv * H * up_kv
+        return x, y, kept, dy, w
+    d = m.head_dim
+    q, kv = m.heads * d / tp, m.kv_heads * d / min(tp, m.kv_heads)
+    x += q  # o's input (the attention output)
+    y += h  # o's output, before its reduction
+    dy += h
+    w += q * h
     if cols:
-        x += 2 * h  # the two norms' outputs (q, k, v share one; w1, w3 the other)
-        y += q + 2 * kv  # q, k, v before RoPE (SwiGLU saves w1's and w3's outputs)
-        dy += q + 2 * kv + 2 * f
-        w += h * (q + 2 * kv) + 2 * h * f
-    return x, y, dy, w
+        x += h  # the norm's output (q, k, v share it)
+        y += q + 2 * kv  # q, k, v before RoPE
+        dy += q + 2 * kv
+        w += h * (q + 2 * kv)
+    return x, y, kept, dy, w
 
 
 def _head_split(m: ModelConfig, par: ParallelConfig) -> bool:
     """Whether the head is a split linear (it is a column layer: ``_split_widths``)."""
     return par.tp == 1 or not (par.sequence_parallel or par.overlap)
+
+
+def _stage_widths(m: ModelConfig, par: ParallelConfig, stage: int
+                  ) -> tuple[float, float, float, float, float]:
+    """``_split_widths`` summed over the stage's blocks (dense and MoE shapes)."""
+    out = [0.0] * 5
+    for c, n in layer_kinds(m, stage_layers(m, par)[stage]):
+        for i, v in enumerate(_split_widths(c, par)):
+            out[i] += v * n
+    return out[0], out[1], out[2], out[3], out[4]
 
 
 def zb_parts(m: ModelConfig, par: ParallelConfig, micro_batch: int, stage: int
@@ -204,16 +267,12 @@ def zb_parts(m: ModelConfig, par: ParallelConfig, micro_batch: int, stage: int
     outputs its records keep that autograd would not save (held from F to B), the dL/dy its B
     accumulates into them, and all its W waits for once B has freed autograd's saves — each
     recorded input, output and output gradient (``_split_widths``), the head's final-norm
-    output, logits and their gradient on the last stage when the head is split. MoE blocks
-    are not modelled (grouped experts run outside ``F.linear``)."""
+    output, logits and their gradient on the last stage when the head is split."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
-    x, y, dy, _ = _split_widths(m, par)
-    n = len(stage_layers(m, par)[stage])
-    kept = 2 * m.ffn / par.tp if _head_split(m, par) else 0.0  # w1's, w3's outputs: saved by
-    # SwiGLU until B, then the records' alone
-    outputs, grads = tokens * e * y * n, tokens * e * dy * n
-    stash = tokens * e * (x + y + kept + dy) * n
+    x, y, kept, dy, _ = _stage_widths(m, par, stage)
+    outputs, grads = tokens * e * y, tokens * e * dy
+    stash = tokens * e * (x + y + kept + dy)
     if stage == par.pp * max(1, par.virtual_stages) - 1 and _head_split(m, par):
         v = m.vocab / par.tp
         grads += tokens * e * v
@@ -224,8 +283,7 @@ def zb_parts(m: ModelConfig, par: ParallelConfig, micro_batch: int, stage: int
 def zb_weight_grads_bytes(m: ModelConfig, par: ParallelConfig, stage: int) -> float:
     """A W's weight gradients, all made before any is accumulated (``runtime._weight_grads``),
     in the compute dtype: the stage's recorded linear weights on the rank."""
-    _, _, _, w = _split_widths(m, par)
-    out = w * len(stage_layers(m, par)[stage])
+    out = _stage_widths(m, par, stage)[4]
     if stage == par.pp * max(1, par.virtual_stages) - 1 and _head_split(m, par):
         out += m.vocab / par.tp * m.hidden
     return out * act_bytes(par)
