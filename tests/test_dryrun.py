@@ -122,7 +122,7 @@ RECORDED = sorted((Path(__file__).parent.parent / "docs" / "dryrun")
 # DeepSeek-V3's, whose MLA blocks and grouped experts under DualPipe-V's split backward are
 # not modelled yet (−4.5 … −9.7 %).
 PEAK_GAP = {"405b_pp16": 0.005, "405b_v2": 0.005, "mixtral": 0.005, "405b_cp16": 0.005,
-            "qwen3_235b": 0.005, "deepseek_v3_671b": 0.10}
+            "qwen3_235b": 0.005, "deepseek_v3_671b": 0.005}
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])

@@ -29,6 +29,13 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
      4, 1),
     (preset("small"), ParallelConfig(pp=2, tp=2, sequence_parallel=True, micro_batches=4,
                                      schedule="zb-h1", precision="bf16"), 4, 2),
+    # MLA and MoE blocks under a split backward (the DeepSeek-V3 shape): the experts' loop
+    # (fp32) split like any linear, grouped experts (bf16) not; dense and MoE blocks mixed
+    (replace(preset("deepseek-v3-tiny"), layers=4),
+     ParallelConfig(pp=2, virtual_stages=2, micro_batches=4, schedule="zb-v"), 4, 1),
+    (replace(preset("deepseek-v3-tiny"), layers=4),
+     ParallelConfig(pp=2, virtual_stages=2, micro_batches=4, schedule="dualpipe-v",
+                    precision="bf16"), 4, 0),
     # grouped experts (bf16 on the dry run): the stacked weights and the experts' backward
     (replace(preset("mixtral-8x7b"), layers=2, hidden=256, ffn=512, seq_len=256, heads=4,
              kv_heads=2, vocab=4096),

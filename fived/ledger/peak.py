@@ -89,6 +89,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..config import ModelConfig, ParallelConfig
+from . import mla
 from .memory import (
     EAGER,
     ActivationOptions,
@@ -113,6 +114,8 @@ from .memory import (
 )
 from .params import block_params, layer_kinds, rank_stages, stage_layers
 
+_KINDS = ("mla_down", "mla_norm", "mla_up", "router", "experts", "shared_expert")  # kinds
+# of ``block_params`` that sum several weights: ``_clip_bytes`` takes their weights one by one
 SQ_CHUNK = 1 << 18  # fived.optim.clip.SQ_CHUNK (the ledger imports no torch)
 KEPT = ("params", "grads", "master", "optimizer")
 
@@ -339,9 +342,18 @@ def clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
 
 @lru_cache(maxsize=8192)
 def _clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
-    cut = [v / par.tp for v in block_params(m).values()] + [m.vocab * m.hidden / par.tp]
-    if m.is_moe:
-        cut.append(m.expert_ffn * m.hidden)
+    stages = rank_stages(par, pp_rank)
+    ends = (0, par.pp * max(1, par.virtual_stages) - 1)  # the embedding's and the head's
+    cut = [m.vocab * m.hidden / par.tp] if par.pp == 1 or set(ends) & set(stages) else []
+    layers = [i for st in stages for i in stage_layers(m, par)[st]]
+    for c, _ in layer_kinds(m, layers):
+        cut += [v / par.tp for k, v in block_params(c).items() if k not in _KINDS]
+        if c.is_mla:  # one piece per weight, not per kind
+            cut += [n for _, n, _ in mla.weights(c, par.tp)]
+        if c.is_moe:  # one expert's weight, the router, one shared-expert weight
+            cut += [c.expert_ffn * c.hidden, c.experts * c.hidden]
+            if c.shared_expert:
+                cut.append(c.shared_ffn * c.hidden / par.tp)
     largest = max(cut)
     if par.zero >= 1:
         largest = min(largest, max((b.shard for b in buckets(m, par, pp_rank)), default=0))
@@ -388,16 +400,19 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
     worst: dict[tuple, dict[str, float]] = {}  # the same stage, moment and buffers: once
 
-    def backward_moment(t: dict[str, float], last: bool, s: int, nth: int) -> dict[str, float]:
+    def backward_moment(t: dict[str, float], last: bool, s: int, nth: int, held: bool = False
+                        ) -> dict[str, float]:
         """The B's worst moment: the loss's backward (last stage: every saved tensor alive,
         no gradient arrived) or the first block's (the loss's saved tensors gone)."""
-        key = (s, nth, tuple(t.items()))
+        key = (s, nth, held, tuple(t.items()))
         if key not in worst:
-            worst[key] = _backward_moment(t, last, s, nth)
+            worst[key] = _backward_moment(t, last, s, nth, held)
         return dict(worst[key])
 
-    def _backward_moment(t: dict[str, float], last: bool, s: int, nth: int
+    def _backward_moment(t: dict[str, float], last: bool, s: int, nth: int, held: bool
                          ) -> dict[str, float]:
+        """``held``: a split B whose records keep the head's input and logits until its W
+        (they are not freed after the loss's backward) and its dL/dlogits."""
         block = block_backward_bytes(m, par, micro_batch) if split_layers[s] else 0
         blk = dict(t, block_backward=block)
         if not last and par.pp > 1:  # the received gradient is the block output's gradient
@@ -412,6 +427,11 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             return max((blk, moe), key=lambda d: sum(d.values()))
         gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
                    for k in ("final_norm", "logits"))
+        if held and _head_split(m, par):
+            gone = 0.0
+            blk["zb_grads"] = tokens * e * m.vocab / par.tp  # the logits' gradient
+            if moe:
+                moe["zb_grads"] = blk["zb_grads"]
         blk["block_backward"] = max(0.0, block - gone)
         idle = {k: v for k, v in t.items() if k != "ep_a2a"}  # no MoE layer runs there
         loss = dict(idle, loss_backward=loss_backward_bytes(m, par, micro_batch))
@@ -444,7 +464,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         all-to-all buffers and the received gradient are gone by then."""
         if not (grouped and has_experts(s)):
             return {}
-        moe = {k: blk[k] for k in ("recompute_block", "zero_buffers") if k in blk}
+        moe = {k: blk[k] for k in ("recompute_block", "zero_buffers", "zb_stash",
+                                   "zb_outputs", "pp_receives") if k in blk}
         moe["expert_stack"] = cb.get("expert_stack", 0.0)
         if par.tp > 1:
             moe["tp_last_input"] = tokens * m.hidden * e
@@ -503,7 +524,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             moe["experts_forward"] = experts_rows(m, par, micro_batch) * m.expert_ffn * e
             t = max((t, moe), key=lambda d: sum(d.values()))
         if kind == "B":
-            t = backward_moment(t, s == n_stages - 1, s, nth)
+            t = backward_moment(t, s == n_stages - 1, s, nth, unfused)
             if unfused:  # the B's end: every dL/dy made, autograd's saves not yet freed
                 end = {k: v for k, v in t.items()
                        if k in ("zb_stash", "zb_outputs", "zero_buffers", "tp_last_input")}
