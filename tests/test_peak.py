@@ -29,6 +29,8 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
      4, 1),
     (preset("small"), ParallelConfig(pp=2, tp=2, sequence_parallel=True, micro_batches=4,
                                      schedule="zb-h1", precision="bf16"), 4, 2),
+    # MLA at tp2+SP: the down-projections read the sequence shard (one contiguous copy)
+    (preset("deepseek-v3-tiny"), ParallelConfig(tp=2, sequence_parallel=True), 2, 0),
     # MLA and MoE blocks under a split backward (the DeepSeek-V3 shape): the experts' loop
     # (fp32) split like any linear, grouped experts (bf16) not; dense and MoE blocks mixed
     (replace(preset("deepseek-v3-tiny"), layers=4),

@@ -175,6 +175,7 @@ class MLAttention(nn.Module):
                 cache: LayerCache | None = None) -> torch.Tensor:
         cos, sin = rope[0], rope[1]  # a third item: the document ids (--doc-mask)
         dn, dr = self.dn, self.dr
+        x = x.contiguous()  # a strided SP shard: one copy both down-projections share
         q = self.query(x)
         b, s = q.shape[0], q.shape[1]
         q = q.view(b, s, -1, dn + dr)
