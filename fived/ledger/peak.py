@@ -48,7 +48,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
   ``zb_grads``,             the linear outputs the split forward's records keep beyond
   ``zb_stash``,             autograd's saves (F to B), the dL/dy each B makes, what every B
   ``zb_weight_grads``       leaves its W once autograd's saves are freed (inputs, outputs,
-                            their gradients: ``zb_parts``) and the W's weight gradients, all
+                            their gradients, per block shape — MLA's projections, the shared
+                            expert, the experts' loop: ``zb_parts``) and the W's weight
+                            gradients, all
                             made before any is accumulated (``zb_weight_grads_bytes``); a B
                             run with its own W as one backward (``memory.fused_backwards``)
                             keeps nothing
@@ -74,8 +76,8 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             step upcasts each owned gradient (4 bytes per owned element)
   ========================  ==============================================================
 
-What is not modelled (the dry run's ``ledger --check`` gap says how much it matters): the
-split backward of MoE blocks, a dense forward's own working set (SiLU's output beside its
+What is not modelled (the dry run's ``ledger --check`` gap says how much it matters): a
+dense forward's own working set (SiLU's output beside its
 inputs: the peak is in the backward), the build (a step's peak is what is compared: the dry
 run builds the whole plain model on fake tensors before cutting it, which a real run does
 not), the attention kernel's
