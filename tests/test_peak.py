@@ -29,6 +29,9 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
      4, 1),
     (preset("small"), ParallelConfig(pp=2, tp=2, sequence_parallel=True, micro_batches=4,
                                      schedule="zb-h1", precision="bf16"), 4, 2),
+    # multi-token prediction (D = 1) under ZeRO-3: the modules' embedding gradient held
+    # through the trunk's backward
+    (replace(TINY, mtp_depth=1), ParallelConfig(dp=2, zero=3), 4, 0),
     # MLA at tp2+SP: the down-projections read the sequence shard (one contiguous copy)
     (preset("deepseek-v3-tiny"), ParallelConfig(tp=2, sequence_parallel=True), 2, 0),
     # MLA and MoE blocks under a split backward (the DeepSeek-V3 shape): the experts' loop

@@ -58,6 +58,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             and those arrived before they are wanted
                             (``memory.receives_held``, a replay of the executor's ``_P2P``),
                             one activation each (tokens · h/sp · e)
+  ``mtp_backward``          multi-token prediction without pp, the last stage's block and
+                            expert moments: the modules' embedding gradient, waiting for the
+                            trunk's embedding backward (V/tp · h · e, ``mtp_backward_bytes``)
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes (``memory.layer_activations``)
   ``grad_recv``             pp, every B but the last stage's: the received output gradient
@@ -314,6 +317,17 @@ def experts_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     return 3 * weights + 3 * rows * m.expert_ffn * e + 2 * rows * m.hidden * e
 
 
+def mtp_backward_bytes(m: ModelConfig, par: ParallelConfig) -> float:
+    """Multi-token prediction (``fived.model.mtp``) without pp: the D modules ran last in the
+    forward, so autograd takes their backward first, and their embedding lookups' weight
+    gradient (V/tp · h, the D lookups summed in one buffer) waits for the trunk's lookup, whose
+    backward is the step's last: held through the trunk's head and blocks. Under pp the last
+    stage's embedding copy is read by the modules alone (nothing waits)."""
+    if not m.mtp_depth or par.pp > 1:
+        return 0.0
+    return m.vocab / par.tp * m.hidden * act_bytes(par)
+
+
 def step_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
     """The step's token ids and targets (int64, every micro-batch of the rank's batch rows,
     its sequence shard) and the positions (int64), held through the step."""
@@ -427,6 +441,11 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         moe = experts_moment(t, s, blk)
         if not last:
             return max((blk, moe), key=lambda d: sum(d.values()))
+        mtp = mtp_backward_bytes(m, par)  # the modules' embedding gradient, held
+        if mtp:
+            blk["mtp_backward"] = mtp
+            if moe:
+                moe["mtp_backward"] = mtp
         gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
                    for k in ("final_norm", "logits"))
         if held and _head_split(m, par):
