@@ -267,15 +267,14 @@ def check_dry_run(par: ParallelConfig) -> None:
 
     train = small_train(global_batch=4)
     out = dry_run(DS, par, train, distinct_ranks(par), out_path=None, show=False)
-    problems = [p for p in verify.compare_record(DS, par, train.global_batch, out)
-                if "step peak" not in p]  # a MoE model's step peak: docs/status.md
+    problems = verify.compare_record(DS, par, train.global_batch, out)
     assert problems == [], (par.describe(), problems)
 
 
 def test_dry_run_matches_the_ledger():
     """The dry run (fake tensors, the CUDA flash op's meta kernel) of MLA at tp2 with SP and
     ZeRO-1 over dp2: model states and traffic equal the ledger's to the byte, saved
-    activations within the stated tolerance."""
+    activations within the stated tolerance, the step peak within 0.5 %."""
     check_dry_run(ParallelConfig(tp=2, dp=2, sequence_parallel=True, zero=1))
 
 
