@@ -8,7 +8,8 @@ autograd and Megatron-Core's formula, the clock), the dry run, the latent cache 
 and the bad MLA fields are checked here too. Mutations seen to fail: the SharedKey row removed
 (tp2+SP breaks), the down-projection's Partial row off (replicas differ), the rotary key's
 all-reduce dropped from the ledger (tp bytes), cp's d_q replaced by head_dim (cp bytes), the
-latent storage's d_r dropped from the activation terms (saved bytes)"""
+latent storage's d_r dropped from the activation terms (saved bytes), the narrow core's v
+counted at d_q in ``layer_activations`` or in ``selective_layer`` (saved bytes)"""
 
 from __future__ import annotations
 
