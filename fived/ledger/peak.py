@@ -39,6 +39,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
   ``experts_forward``       the stacked local weights (``memory.expert_stack_bytes``) and
                             SiLU(G) beside the saved G and U (r · f_e · e, r the rank's
                             routed rows, ``experts_rows``); the all-to-all buffers are idle
+  ``moe_combine``           a MoE stage's F, its last MoE layer's combine: the un-permuted
+                            slots and their weighted product (2 · r · h · e, r the rank's
+                            routed rows) beside the saved expert outputs (``moe._Combine``)
   ``experts_backward``      grouped experts, a MoE stage's B: the stack made again, the
                             three weight gradients as stacks (3 · E/ep · f_e · h · e), three
                             r · f_e gradients and two r · h ones
@@ -544,6 +547,13 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             moe["expert_stack"] = cb.get("expert_stack", 0.0)
             moe["experts_forward"] = experts_rows(m, par, micro_batch) * m.expert_ffn * e
             t = max((t, moe), key=lambda d: sum(d.values()))
+        if kind == "F" and has_experts(s):  # the last MoE layer's combine: the un-permuted
+            # slots and their weighted product beside the experts' saved outputs
+            comb = {k: v for k, v in t.items()
+                    if k not in ("ep_a2a", "loss_forward", "tp_regions", "expert_stack",
+                                 "experts_forward")}
+            comb["moe_combine"] = 2 * experts_rows(m, par, micro_batch) * m.hidden * e
+            t = max((t, comb), key=lambda d: sum(d.values()))
         if kind == "B":
             t = backward_moment(t, s == n_stages - 1, s, nth, unfused)
             if unfused:  # the B's end: every dL/dy made, autograd's saves not yet freed
