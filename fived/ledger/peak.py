@@ -34,7 +34,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             tokens · ffn/tp tensors in the compute dtype (the down
                             projection's input gradient, SiLU recomputed, its backward, the
                             up gradient: ``fived.model.layers.SwiGLU``); GELU: three; MoE:
-                            top_k · expert_ffn per token in place of ffn/tp
+                            top_k · expert_ffn per token in place of ffn/tp, or the combine's
+                            backward when larger (dy and the rebuilt slots, 2 · r · h · e,
+                            beside the shared expert's input gradient)
   ``expert_stack``,         grouped experts (``memory.grouped_experts``), a MoE stage's F:
   ``experts_forward``       the stacked local weights (``memory.expert_stack_bytes``) and
                             SiLU(G) beside the saved G and U (r · f_e · e, r the rank's
@@ -165,8 +167,12 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     sp = par.sequence_parallel and par.tp > 1
     grad_out = tokens * m.hidden * e / (par.tp if sp else 1)
     width = 3 if m.mlp == "swiglu" else 2
-    if m.is_moe:
-        return grad_out + tokens * m.top_k * width * m.expert_ffn * e / (par.tp if sp else 1)
+    if m.is_moe:  # the experts' MLP backward, or the combine's: dy and the rebuilt slots
+        # (2 · r · h, ``moe._Combine.backward``) beside the shared expert's input gradient
+        rows = tokens * m.top_k / (par.tp if sp else 1)
+        combine = 2 * rows * m.hidden * e + (tokens * m.hidden * e / (par.tp if sp else 1)
+                                             if m.shared_expert else 0.0)
+        return grad_out + max(rows * width * m.expert_ffn * e, combine)
     # or, when a weight outweighs the tokens' rows (h > tokens), the up projection's weight
     # gradient (ffn/tp · h) beside two ffn-wide gradients, before it joins its bucket
     rows = max(width * tokens, (width - 1) * tokens + m.hidden)
