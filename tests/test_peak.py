@@ -41,6 +41,9 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
     (replace(preset("deepseek-v3-tiny"), layers=4),
      ParallelConfig(pp=2, virtual_stages=2, micro_batches=4, schedule="dualpipe-v",
                     precision="bf16"), 4, 0),
+    # a first MoE stage's B at its last combine's backward (ZB-H1, the experts' loop)
+    (replace(preset("deepseek-v3-tiny"), layers=4),
+     ParallelConfig(pp=2, micro_batches=4, schedule="zb-h1"), 4, 0),
     # grouped experts (bf16 on the dry run): the stacked weights and the experts' backward
     (replace(preset("mixtral-8x7b"), layers=2, hidden=256, ffn=512, seq_len=256, heads=4,
              kv_heads=2, vocab=4096),

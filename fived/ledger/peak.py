@@ -34,16 +34,17 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             tokens · ffn/tp tensors in the compute dtype (the down
                             projection's input gradient, SiLU recomputed, its backward, the
                             up gradient: ``fived.model.layers.SwiGLU``); GELU: three; MoE:
-                            top_k · expert_ffn per token in place of ffn/tp, or the combine's
-                            backward when larger (dy and the rebuilt slots, 2 · r · h · e,
-                            beside the shared expert's input gradient)
+                            top_k · expert_ffn per token in place of ffn/tp
   ``expert_stack``,         grouped experts (``memory.grouped_experts``), a MoE stage's F:
   ``experts_forward``       the stacked local weights (``memory.expert_stack_bytes``) and
                             SiLU(G) beside the saved G and U (r · f_e · e, r the rank's
                             routed rows, ``experts_rows``); the all-to-all buffers are idle
   ``moe_combine``           a MoE stage's F, its last MoE layer's combine: the un-permuted
                             slots and their weighted product (2 · r · h · e, r the rank's
-                            routed rows) beside the saved expert outputs (``moe._Combine``)
+                            routed rows) beside the saved expert outputs (``moe._Combine``);
+                            its B, the first MoE layer's combine backward: the output
+                            gradient, dy and the rebuilt slots (2 · r · h · e) and the shared
+                            expert's input gradient, no SP gather in flight
   ``experts_backward``      grouped experts, a MoE stage's B: the stack made again, the
                             three weight gradients as stacks (3 · E/ep · f_e · h · e), three
                             r · f_e gradients and two r · h ones
@@ -167,12 +168,8 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     sp = par.sequence_parallel and par.tp > 1
     grad_out = tokens * m.hidden * e / (par.tp if sp else 1)
     width = 3 if m.mlp == "swiglu" else 2
-    if m.is_moe:  # the experts' MLP backward, or the combine's: dy and the rebuilt slots
-        # (2 · r · h, ``moe._Combine.backward``) beside the shared expert's input gradient
-        rows = tokens * m.top_k / (par.tp if sp else 1)
-        combine = 2 * rows * m.hidden * e + (tokens * m.hidden * e / (par.tp if sp else 1)
-                                             if m.shared_expert else 0.0)
-        return grad_out + max(rows * width * m.expert_ffn * e, combine)
+    if m.is_moe:
+        return grad_out + tokens * m.top_k * width * m.expert_ffn * e / (par.tp if sp else 1)
     # or, when a weight outweighs the tokens' rows (h > tokens), the up projection's weight
     # gradient (ffn/tp · h) beside two ffn-wide gradients, before it joins its bucket
     rows = max(width * tokens, (width - 1) * tokens + m.hidden)
@@ -448,8 +445,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if zero:
             blk["zero_buffers"] = zero_at(0, nth)
         moe = experts_moment(t, s, blk)
+        comb = combine_moment(s, blk)
         if not last:
-            return max((blk, moe), key=lambda d: sum(d.values()))
+            return max((blk, moe, comb), key=lambda d: sum(d.values()))
         mtp = mtp_backward_bytes(m, par)  # the modules' embedding gradient, held
         if mtp:
             blk["mtp_backward"] = mtp
@@ -478,13 +476,31 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             head["zero_buffers"] = zero_at(0, nth)
         if moe:
             moe["experts_backward"] = max(0.0, moe["experts_backward"] - gone)
-        return max((loss, head, blk, moe), key=lambda d: sum(d.values()))
+        if comb:
+            comb["moe_combine"] = max(0.0, comb["moe_combine"] - gone)
+        return max((loss, head, blk, moe, comb), key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
     experts_on = {s: any(m.is_moe_layer(i) for i in split_layers[s]) for s in stages}
 
     def has_experts(s: int) -> bool:
         return experts_on[s]
+
+    def combine_moment(s: int, blk: dict[str, float]) -> dict[str, float]:
+        """A MoE stage's B at its last MoE layer's combine backward ({} without MoE layers;
+        ``moe._Combine.backward``): the output gradient, dy and the rebuilt slots
+        (2 · r · h · e) beside the shared expert's input gradient, which waits to be summed
+        with the experts' (tokens · h/sp · e); no SP gather is in flight there."""
+        if not has_experts(s):
+            return {}
+        comb = {k: blk[k] for k in ("recompute_block", "zero_buffers", "zb_stash",
+                                    "zb_outputs", "pp_receives", "grad_recv", "mtp_backward",
+                                    "zb_grads") if k in blk}
+        grad_out = tokens * m.hidden * e / (par.tp if sp else 1)
+        comb["moe_combine"] = (grad_out * (0 if "grad_recv" in comb else 1)
+                               + 2 * experts_rows(m, par, micro_batch) * m.hidden * e
+                               + (grad_out if m.shared_expert else 0.0))
+        return comb
 
     def experts_moment(t: dict[str, float], s: int, blk: dict[str, float]
                        ) -> dict[str, float]:
