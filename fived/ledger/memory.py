@@ -388,7 +388,7 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     tp, cp = par.tp, par.cp
     sp = par.sequence_parallel and tp > 1
     tokens = micro_batch * m.seq_len / cp
-    # MLA: the core sees every head at d_q, v padded to it (``mla_activation_terms``)
+    # MLA: every head at d_q (v's own width: ``mla_activation_terms``)
     h, d = m.hidden, m.qk_head_dim
     kv_heads = m.heads if m.is_mla else m.kv_heads
     hq = m.heads * d / tp
@@ -424,7 +424,10 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     if m.qk_norm:
         out["qk_norm"] = tokens * qk_norm_bytes_per_token(m, par, e, opts.fused_norm)
     if m.is_mla:
-        for k, v in mla_activation_terms(m, par, e, opts.fused_norm).items():
+        if mla_narrow_core(m, par, opts.doc_mask):  # v and the output at d_v
+            out["qkv"] = tokens * e * heads_local * (2 * d + m.v_head_dim)
+            out["attn_out"] = tokens * e * heads_local * m.v_head_dim
+        for k, v in mla_activation_terms(m, par, e, opts.fused_norm, opts.doc_mask).items():
             out[k] = out.get(k, 0.0) + tokens * v
     if m.is_moe:
         # experts are whole on every tp rank (replicated), the shared expert is tp-cut
@@ -527,11 +530,19 @@ def qk_norm_bytes_per_token(m: ModelConfig, par: ParallelConfig, e: int, fused: 
     return heads * ((e if fused else 8) * m.head_dim + 4)
 
 
-def mla_activation_terms(m: ModelConfig, par: ParallelConfig, e: int, fused: bool
-                         ) -> dict[str, float]:
+def mla_narrow_core(m: ModelConfig, par: ParallelConfig, doc_mask: bool = False) -> bool:
+    """Whether MLA's core keeps v and its output at d_v (``fived.model.mla.NarrowVFlash``):
+    its own core (no context parallelism) without document masks, when d_v < d_q. Otherwise
+    the core takes v padded to d_q and o_proj keeps a d_v copy of the cut output."""
+    return (m.is_mla and m.v_head_dim != m.qk_head_dim and par.cp == 1 and not doc_mask)
+
+
+def mla_activation_terms(m: ModelConfig, par: ParallelConfig, e: int, fused: bool,
+                         doc_mask: bool = False) -> dict[str, float]:
     """What multi-head latent attention (``fived.model.mla``) saves per token on one rank
-    beyond the core's q, k, v (every head at d_q), output and log-sum-exp, which the GQA terms
-    count with kv heads = heads and d = d_q:
+    beyond the core's q, k, v, output and log-sum-exp — q and k at d_q; v and the output at
+    d_v with MLA's own core (``mla_narrow_core``), at d_q (padded) under context parallelism
+    or document masks — which ``layer_activations`` counts with kv heads = heads:
 
     * ``mla_latent``: the query latent W_qa·x (the latent norm's input) and the norm's output
       (saved by W_qb) with its fp32 1/rms: 2e·r_q + 4 (none without query compression: q_proj
@@ -540,8 +551,9 @@ def mla_activation_terms(m: ModelConfig, par: ParallelConfig, e: int, fused: boo
       output e·r_kv and its 1/rms 4. Whole on every tp rank (the down-projections are
       replicated); under SP a sequence shard (÷ tp). Eager fp32 norm math (``fused`` False)
       keeps the fp32 copies too (+ 8·r − e·r per norm).
-    * ``attn_out``: o_proj's input, the output cut back to d_v and made contiguous,
-      e·(H/tp)·d_v — a copy only when d_v < d_q (otherwise the core's output itself)."""
+    * ``attn_out``: o_proj's input, the padded core's output cut back to d_v and made
+      contiguous, e·(H/tp)·d_v — a copy only when the core pads v (otherwise the core's
+      output itself)."""
     tp = par.tp
     sp = par.sequence_parallel and tp > 1
 
@@ -551,7 +563,7 @@ def mla_activation_terms(m: ModelConfig, par: ParallelConfig, e: int, fused: boo
     q = (e * m.q_lora_rank + norm(m.q_lora_rank)) if m.q_lora_rank else 0.0
     kv = e * (m.kv_lora_rank + m.qk_rope_head_dim) + norm(m.kv_lora_rank)
     out = {"mla_latent": (q + kv) / (tp if sp else 1)}
-    if m.v_head_dim != m.qk_head_dim:
+    if m.v_head_dim != m.qk_head_dim and not mla_narrow_core(m, par, doc_mask):
         out["attn_out"] = e * m.heads / tp * m.v_head_dim
     return out
 
@@ -594,11 +606,13 @@ def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     hq = m.heads * d / par.tp
     hkv = kv_heads * d / min(par.tp, kv_heads)
     out["qkv"] = tokens * e * (hq + 2 * hkv)
+    if mla_narrow_core(m, par, opts.doc_mask):  # the checkpoint keeps v at d_v
+        out["qkv"] = tokens * e * m.heads / par.tp * (2 * d + m.v_head_dim)
     out["softmax"] = 0.0
     out.pop("doc_index", None)  # --doc-mask: the varlen core's saves are recomputed too
     out.pop("doc_out", None)
-    if m.is_mla and m.v_head_dim != m.qk_head_dim:  # the core's padded output is not kept:
-        out["attn_out"] = tokens * e * m.heads / par.tp * m.v_head_dim  # o_proj's copy only
+    if m.is_mla and m.v_head_dim != m.qk_head_dim:  # the core's d_v output (or o_proj's
+        out["attn_out"] = tokens * e * m.heads / par.tp * m.v_head_dim  # copy of the cut one)
     if par.cp > 1 and par.cp_mode == "ulysses":  # the core's all-to-alls are recomputed too
         out["attn_out"] = tokens * e * hq
         out["ulysses_index"] = 0.0
