@@ -142,3 +142,20 @@ def test_master_weights_under_zero_shards():
         for s in ranks:
             assert max(abs(a - b) for a, b in zip(s["losses"], one)) < 2e-3, (mode, s["losses"])
         assert compare_record(SMALL, par, t.global_batch, ranks[0]["history"][-1]) == []
+
+
+def test_fp8_bench_takes_its_statistics_at_the_steps_it_names(capsys):
+    """`fived bench numerics fp8 --stats-every N`: the per-layer statistics come from the first
+    step, every N-th and the last (the JSON's ``stats_steps``); the table's median step time
+    leaves those steps out (they cast every watched tensor once more); a negative N is refused
+    (exit 2, nothing run)."""
+    from fived.bench.numerics import main, median_step, stats_steps
+
+    assert stats_steps(300, 50) == [0, 50, 100, 150, 200, 250, 299]
+    assert stats_steps(300, 0) == [0, 299] and stats_steps(1, 50) == [0]
+    assert stats_steps(5, 2) == [0, 2, 4]
+    assert median_step([9.0, 1.0, 2.0, 3.0, 9.0], [0, 4]) == 2.0
+    assert median_step([9.0, 9.0], [0, 1]) == 9.0  # every step watched: all of them
+    with pytest.raises(SystemExit) as e:
+        main(["fp8", "--stats-every", "-1", "--out", "/nonexistent/never"])
+    assert e.value.code == 2 and "--stats-every" in capsys.readouterr().err
