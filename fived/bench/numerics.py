@@ -475,7 +475,7 @@ def figure(name: str, res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(9, 3.2))
+    fig = plt.figure(figsize=(12, 3.2) if name == "fp8" else (9, 3.2))
     draw(name, res, fig)
     fig.tight_layout()
     fig.savefig(path, dpi=70)
@@ -485,8 +485,8 @@ def figure(name: str, res: dict, path: str) -> None:
 def draw(name: str, res: dict, fig) -> None:
     """Experiment ``name``'s two panels into the matplotlib figure ``fig`` (also drawn by
     ``fived figures numerics|optimizers``)."""
-    axes = fig.subplots(1, 2)
-    a, b = axes
+    axes = fig.subplots(1, 3 if name == "fp8" else 2)
+    a, b = axes[:2]
     if name == "masters":
         for k, v in res.items():
             a.plot([x - y for x, y in zip(v["loss"], res["fp32"]["loss"])], label=k)
@@ -523,12 +523,21 @@ def draw(name: str, res: dict, fig) -> None:
             if k != "none":
                 a.plot([x - y for x, y in zip(v["loss"], ref)], label=k, lw=0.8)
         a.axhline(0, color="k", lw=0.5)
-        a.set_title("loss − bf16 loss, same seed and batches")
+        a.set_title("loss − bf16 loss (same seed, batches)")
         o = res["outliers"]
         for k in ("tensorwise", "rowwise", "blockwise"):
             b.loglog(o["outlier"], o[k]["error"], "o-", label=k)
         b.set_xlabel("outlier channel × (1 of 512)")
-        b.set_title("rel. error of x·Wᵀ, the outlier's weight 0")
+        b.set_title("x·Wᵀ rel. error, one outlier channel")
+        c = axes[2]  # the per-layer statistics, at the steps that took them
+        for k, v in res["runs"].items():
+            steps = sorted(int(s) for s in v["stats"])
+            if not steps:
+                continue
+            for w, style in (("x", "o-"), ("g", "s--")):
+                c.plot(steps, [max(d[w]["flushed"] for d in v["stats"][str(s)].values())
+                               for s in steps], style, ms=3, lw=0.8, label=f"{k} {w}")
+        c.set_title("fraction flushed to 0, worst layer")
     elif name == "optimizers":
         lays = list(res)
         opts = list(res[lays[0]])

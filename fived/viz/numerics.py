@@ -97,7 +97,8 @@ def figure(name: str, quick: bool, tick) -> Figure:
     table = [numerics_bench.HEADERS[name], *numerics_bench.RUN[name][1](d["result"])]
     return Figure(NAMES.get(name, f"numerics-{name}"), TITLES[name],
                   part, "ledger+run" if name == "optimizers" else "run", HOW[name], d,
-                  lambda data, f: numerics_bench.draw(name, data["result"], f), size=(9.0, 3.4),
+                  lambda data, f: numerics_bench.draw(name, data["result"], f),
+                  size=(12.0, 3.4) if name == "fp8" else (9.0, 3.4),
                   table=table)
 
 
