@@ -373,6 +373,9 @@ class ParallelConfig:
                             "rowwise (per row), blockwise (DeepSeek-V3: 1x128 tiles, 128x128 "
                             "weight blocks); embedding, head, router and norms stay in "
                             "--precision", choices=FP8_RECIPES)
+    fp8_gather: bool = spec(True, "with --zero 3 --fp8 tensorwise, all-gather the fp8 linears' "
+                                  "weights as e4m3 with their scales (half the bytes; "
+                                  "--no-fp8-gather: in --precision)")
     cp_mode: str = spec("ring", "context-parallel attention", choices=CP_MODES)
     ep_dispatch: str = spec("rows", "MoE all-to-all: rows (one row per token and chosen expert) "
                                     "or tokens (one row per token and ep rank it reaches, "

@@ -412,10 +412,38 @@ def ring_record_as_and_metrics(g, traffic, me, n):
     assert not traffic.records
 
 
+@check
+def small_sum_position_free(g, traffic, me, n):
+    """A float64 element of a small all-reduce gets the same bits whatever its position and
+    the vector's length: what lets the trainer carry the clip's Σg² in the loss all-reduce
+    (``Trainer.norm_rides_loss``) bit for bit. The data are order-sensitive (mixed
+    magnitudes): some trial's sum differs between two orders of the ranks, so a collective
+    adding another order for another position would fail this."""
+    sensitive = False
+    for trial in range(200):
+        vals = [data(r, (3,), torch.float64, salt=trial) * 10.0 ** ((trial * 7 + r * 3) % 17 - 8)
+                for r in range(n)]
+        v = vals[me]
+        a, b, c = v[:1].clone(), v.clone(), v[[1, 0, 2]].clone()
+        for t in (a, b, c):
+            ops.all_reduce(t, g)
+        assert a[0].item() == b[0].item() == c[1].item(), (trial, a[0].item(), b[0].item(),
+                                                              c[1].item())
+        x = [float(w[0]) for w in vals]
+        fwd = bwd = 0.0
+        for y in x:
+            fwd += y
+        for y in reversed(x):
+            bwd += y
+        sensitive |= fwd != bwd
+    assert sensitive or n == 2  # two addends: a + b is b + a in IEEE
+
+
 # ------------------------------------------------------------------ the harness
 RING_CHECKS = [k for k in CHECKS if k.startswith("ring_")]
 WORLDS = {2: list(CHECKS), 4: list(CHECKS), 3: RING_CHECKS + ["all_to_all_ops", "all_gather_ops",
-                                                                "all_to_all_backward"]}
+                                                                "all_to_all_backward",
+                                                                "small_sum_position_free"]}
 
 
 def _run_checks(g, solo, traffic, names: list[str]) -> dict[str, str | None]:

@@ -258,7 +258,10 @@ def test_traffic_formulas():
     ddp = traffic.step_bytes(m, ParallelConfig(dp=8, **bf), 1)
     assert ddp == {"dense": bytes_sent("all_reduce", 2 * n, 8)}
     z3 = traffic.step_bytes(m, ParallelConfig(dp=8, zero=3, **bf), 1)
-    assert z3["dense"] == pytest.approx(3 * 7 / 8 * 2 * n)
+    # (3Ψ − Ψ_root)·(N−1)/N·P: the root (embedding, final norm, head) is gathered once, it stays
+    # gathered from its forward to its backward
+    root = (2 * m.vocab + 1) * m.hidden
+    assert z3["dense"] == pytest.approx(7 / 8 * 2 * (3 * n - root))
     z1 = traffic.step_bytes(m, ParallelConfig(dp=8, zero=1, **bf), 1)
     assert z1["dense"] == pytest.approx(ddp["dense"])  # RS + AG = AR
     # TP: 4 all-reduces of b·s·h per layer; SP moves the same bytes

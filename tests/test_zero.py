@@ -49,14 +49,16 @@ def reference():
 def _world2(rank: int, world: int) -> dict:
     """Everything the default suite trains on 2 ranks, in one spawn."""
     return {"runs": rank_runs(rank, world, [(MODEL, p, TRAIN) for p in DEFAULT]),
-            "overlap": _overlap_probe(rank, world)}
+            "overlap": _overlap_probe(rank, world),
+            "metrics_calls": _metrics_all_reduces(rank, world)}
 
 
 @pytest.fixture(scope="module")
 def world2():
     per_rank = run_ranks(_world2, 2, timeout=600)
     return {"runs": [gathered([r["runs"][i] for r in per_rank]) for i in range(len(DEFAULT))],
-            "overlap": per_rank[0]["overlap"]}
+            "overlap": per_rank[0]["overlap"],
+            "metrics_calls": [r["metrics_calls"] for r in per_rank]}
 
 
 @pytest.mark.parametrize("i", range(len(DEFAULT)), ids=[f"zero{p.zero}" for p in DEFAULT])
@@ -118,7 +120,10 @@ def _measure(rank: int, world: int, model: ModelConfig, cases: list[tuple]) -> l
         rec = t.step(0)
         psi = sum(p.numel() for p in t.engine.params)
         mem = t.engine.memory()
+        root = (sum(b.padded * b.param_full.element_size() for b in t.engine.root.buckets)
+                if zero == 3 else 0)  # ZeRO-3's root: gathered once a micro-batch
         out.append({"case": (zero, precision, grad_dtype), "psi": psi, "memory": mem,
+                    "root_bytes": root,
                     "traffic": t.traffic.as_dict().get("dense", {}), "loss": rec["loss"],
                     "master_dtypes": {str(b.master.dtype) for b in t.engine.buckets}})
     return out
@@ -150,11 +155,15 @@ def test_model_state_bytes_and_traffic_match_formulas(n):
                 assert tr["all_reduce"]["bytes"] == pytest.approx(2 * f * full_grads, rel=1e-12)
             else:
                 assert tr["reduce_scatter"]["bytes"] == pytest.approx(f * full_grads, rel=1e-12)
-                ag = (2 if zero == 3 else 1) * f * full_params
+                # ZeRO-3: each block gathered for its forward and its backward, the root
+                # (embedding, norm, head) once: it stays gathered from forward to backward
+                ag = f * (2 * full_params - r["root_bytes"] if zero == 3 else full_params)
+                assert r["root_bytes"] > 0 or zero < 3
                 assert tr["all_gather"]["bytes"] == pytest.approx(ag, rel=1e-12)
-                if zero == 3 and full_grads == full_params:  # 3(N−1)/N · param bytes
+                if zero == 3 and full_grads == full_params:  # (3Ψ − Ψ_root)(N−1)/N · P
                     total = tr["reduce_scatter"]["bytes"] + tr["all_gather"]["bytes"]
-                    assert total == pytest.approx(3 * f * full_params, rel=1e-12)
+                    assert total == pytest.approx(f * (3 * full_params - r["root_bytes"]),
+                                                  rel=1e-12)
     # the same first-step loss in every mode of one precision
     losses = {r["case"]: r["loss"] for r in results[0]}
     for (_z, p, g), loss in losses.items():
@@ -192,3 +201,27 @@ def test_overlap_launches_during_last_backward_only(world2):
     assert r[True]["launched"] == [0, r[True]["buckets"]]
     assert r[False]["launched"] == [0, 0]
     assert r[True]["all_done"] and r[False]["all_done"]
+
+
+def _metrics_all_reduces(rank: int, world: int) -> dict:
+    """The 1-element all-reduces one step of a dense model makes over dp2 (``metrics``), per
+    ZeRO stage: the clip's Σg² over the shards (ZeRO ≥ 1) and the loss."""
+    from fived.train.trainer import Trainer
+
+    out = {}
+    for zero in (0, 1, 3):
+        t = Trainer(MODEL, ParallelConfig(dp=world, zero=zero), small_train(steps=1), rank,
+                    world)
+        t.step(0)
+        out[zero] = t.traffic.records[("metrics", "all_reduce")].calls
+        t.close()
+    return out
+
+
+def test_a_dense_model_sums_its_norm_in_the_loss_all_reduce(world2):
+    """One 1-element-ish all-reduce a step at dp2, every ZeRO stage: the loss, with the clip's
+    Σg² over the ZeRO shards riding in it (``Trainer.norm_rides_loss``). Mutations: the norm
+    summed on its own (3 at ZeRO-1/3 with the empty expert group's too, 2 without); bit
+    equality of the folded sums is ``test_zero_parity``'s (the same losses and gradients)."""
+    for calls in world2["metrics_calls"]:
+        assert calls == {0: 1, 1: 1, 3: 1}  # the loss, with the Σg² of the ZeRO shards in it

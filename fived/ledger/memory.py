@@ -45,8 +45,11 @@ with its scales: tensorwise 4 bytes per copy and micro-batch, blockwise 4 per 12
 each token's row, 4·⌈K/128⌉. ``rowwise`` saves its inputs in e bytes: no change, but under
 sequence parallelism, where its column layers save the gathered input (2·e·h per token, whole
 sequence) instead of the norm outputs' shards. Under sequence parallelism the fp8 copies hold
-the gathered sequence (the norm input stays a shard). MoE
-experts under fp8 (a loop of fp8 linears) are not yet in the ledger.
+the gathered sequence (the norm input stays a shard). A MoE block's
+experts under fp8 run as a loop of fp8 linears: each local expert saves its routed rows (h) and
+its SwiGLU product (f_e) as fp8 copies in place of the permuted rows and the product, with their
+scales (tensorwise 4 B per copy and local expert, blockwise per 128-tile of each row); a shared
+expert changes as a dense MLP does (``fp8_moe_saves``).
 
 With tp the q/k/v/attention/SwiGLU terms divide by tp (k, v by min(tp, kv_heads)); the norm
 terms divide by tp only under sequence parallelism, where the column matmuls save the norm
@@ -162,6 +165,13 @@ class Bucket:
     shards: int
     unit: int = -1  # ZeRO-3: the block it gathers with (-1: the root — embedding, norm, head)
     aligned: int = 0  # --zero-align rows: the padded length with row-aligned shards (0: none)
+    fp8: int = 0  # ZeRO-3's fp8 gather: the fp8 weights it holds, gathered in e4m3 (0: none)
+
+    @property
+    def gathered_bytes_per_element(self) -> int:
+        """1 (e4m3) for a bucket ZeRO-3 gathers in fp8 (its fp8 weights, sharded: N > 1);
+        else 0, the caller's compute dtype."""
+        return 1 if self.fp8 and self.shards > 1 else 0
 
     @property
     def padded(self) -> int:
@@ -223,7 +233,7 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
 
     runs = _bucket_runs(m, replace(par, dp=1, cp=1, dp_shard=0, dp_replicate=0,
                                    zero=3 if par.zero == 3 else 0), pp_rank)
-    return tuple(Bucket(g, n, shards(g), u) for g, n, u in runs)
+    return tuple(Bucket(g, n, shards(g), u, fp8=f) for g, n, u, f in runs)
 
 
 def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucket | None:
@@ -243,12 +253,15 @@ def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucke
 
 @lru_cache(maxsize=1024)
 def _bucket_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
-                 ) -> tuple[tuple[str, int, int], ...]:
-    """(group, elements, ZeRO-3 unit) of each of ``_buckets``' buckets, in launch order."""
-    from .params import param_list
+                 ) -> tuple[tuple[str, int, int, int], ...]:
+    """(group, elements, ZeRO-3 unit, fp8-gathered weights) of each of ``_buckets``' buckets,
+    in launch order."""
+    from .params import fp8_gather, fp8_weight, param_list
 
     plist = list(reversed(param_list(m, par, pp_rank)))
-    return tuple((g, sum(plist[k][1] for k in ks), u)
+    gather8 = fp8_gather(par)
+    return tuple((g, sum(plist[k][1] for k in ks), u,
+                  sum(fp8_weight(plist[k][0]) for k in ks) if gather8 else 0)
                  for g, u, ks in _bucket_members(m, par, pp_rank, plist))
 
 
@@ -258,8 +271,9 @@ def _bucket_members(m: ModelConfig, par: ParallelConfig, pp_rank: int,
     engine lays them out (``fived.parallel.data.layout``): ``plist`` (arrival order) by unit
     (ZeRO-3: the last first, the root last; else one), each by group in order of first
     parameter, each cut around a parameter that is a bucket of its own (``params.alone``: the
-    embedding group's copies), each run then split at ``bucket_mb`` (ZeRO-3: not split)."""
-    from .params import alone
+    embedding group's copies), each run then split at ``bucket_mb`` (ZeRO-3: not split; with
+    the fp8 gather, ``params.fp8_gather``, into the fp8 linears' weights, then the rest)."""
+    from .params import alone, fp8_gather, fp8_weight
 
     units: dict[int, list[int]] = {}
     unit = zero3_unit(m, par, pp_rank) if par.zero == 3 else (lambda name: -1)
@@ -280,6 +294,11 @@ def _bucket_members(m: ModelConfig, par: ParallelConfig, pp_rank: int,
                 else:
                     runs[-1].append(k)
             for run in (r for r in runs if r):
+                if par.zero == 3 and fp8_gather(par):
+                    f8 = [k for k in run if fp8_weight(plist[k][0])]
+                    rest = [k for k in run if not fp8_weight(plist[k][0])]
+                    out += [(g, u, r) for r in (f8, rest) if r]
+                    continue
                 if par.zero == 3:
                     out.append((g, u, run))
                     continue
@@ -369,7 +388,7 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     tp, cp = par.tp, par.cp
     sp = par.sequence_parallel and tp > 1
     tokens = micro_batch * m.seq_len / cp
-    # MLA: the core sees every head at d_q, v padded to it (``mla_activation_terms``)
+    # MLA: every head at d_q (v's own width: ``mla_activation_terms``)
     h, d = m.hidden, m.qk_head_dim
     kv_heads = m.heads if m.is_mla else m.kv_heads
     hq = m.heads * d / tp
@@ -405,7 +424,10 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     if m.qk_norm:
         out["qk_norm"] = tokens * qk_norm_bytes_per_token(m, par, e, opts.fused_norm)
     if m.is_mla:
-        for k, v in mla_activation_terms(m, par, e, opts.fused_norm).items():
+        if mla_narrow_core(m, par, opts.doc_mask):  # v and the output at d_v
+            out["qkv"] = tokens * e * heads_local * (2 * d + m.v_head_dim)
+            out["attn_out"] = tokens * e * heads_local * m.v_head_dim
+        for k, v in mla_activation_terms(m, par, e, opts.fused_norm, opts.doc_mask).items():
             out[k] = out.get(k, 0.0) + tokens * v
     if m.is_moe:
         # experts are whole on every tp rank (replicated), the shared expert is tp-cut
@@ -419,7 +441,9 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     else:  # SwiGLU saves gate, up and the product (silu recomputed); GELU its input and output
         out["mlp"] = tokens * (3 if m.mlp == "swiglu" else 2) * e * m.ffn / tp
     recipe = getattr(par, "fp8", "none")
-    if recipe in ("tensorwise", "blockwise") and not m.is_moe:
+    if recipe in ("tensorwise", "blockwise") and m.is_moe:
+        out.update(fp8_moe_saves(m, par, tokens, e, norm_div, recipe, out))
+    elif recipe in ("tensorwise", "blockwise"):
         out.update(fp8_layer_saves(m, par, tokens, e, norm_div, recipe, out))
     elif recipe == "rowwise" and sp and not m.is_moe:  # the gathered inputs, in e bytes
         out["norms"] -= tokens * 2 * e * h / norm_div
@@ -464,6 +488,40 @@ def fp8_layer_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, 
                            + fp8_copy_bytes(tokens, f, recipe))}
 
 
+def fp8_moe_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, norm_div: int,
+                  recipe: str, out: dict[str, float]) -> dict[str, float]:
+    """The terms a MoE block's fp8 linears change (the experts a loop of fp8 linears,
+    ``fived.parallel.fp8``): attention as in a dense block (the input norm's output leaves, the
+    fp8 copies of q/k/v's and wo's inputs come); each local expert saves its routed rows as one
+    fp8 copy (w1 and w3 share it) and its SwiGLU product as another (w2's), so the permuted rows
+    (e·h·k per token, in ``router``) and the products (e·f_e·k, in ``mlp``) leave and k·(h + f_e)
+    bytes per token come, with the scales: tensorwise 4 B per copy and local expert (E/ep of
+    them, each called once per micro-batch, an expert without rows too), blockwise 4 per 128-wide
+    tile of each row. A shared expert is a dense MLP: its product leaves for an fp8 copy, and its
+    input (the norm output) for one fp8 copy — the norm output then stays saved only where
+    something else keeps it (the router's fp32 input in fp32, the shared-expert gate)."""
+    tp, h, k = par.tp, m.hidden, m.top_k
+    hq, fe = m.attn_dim / tp, m.expert_ffn
+    routed = tokens * k / norm_div  # rows through the local experts (uniform routing)
+    local = m.experts // max(1, par.ep)
+    if recipe == "blockwise":
+        experts8 = routed * (h + 4 * math.ceil(h / 128) + fe + 4 * math.ceil(fe / 128))
+    else:
+        experts8 = routed * (h + fe) + 2 * 4 * local
+    res = {"norms": out["norms"] - tokens * e * h / norm_div,
+           "router": out["router"] - routed * e * h,
+           "mlp": out["mlp"] - routed * e * fe,
+           "fp8_inputs": (fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
+                          + experts8)}
+    if m.shared_expert:
+        fs = m.shared_ffn / tp
+        res["mlp"] -= tokens * e * fs
+        res["fp8_inputs"] += fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, fs, recipe)
+        if e != 4 and not m.shared_expert_gate:  # nothing else keeps the norm output
+            res["norms"] -= tokens * e * h / norm_div
+    return res
+
+
 def qk_norm_bytes_per_token(m: ModelConfig, par: ParallelConfig, e: int, fused: bool) -> float:
     """What the q and k norms (``qk_norm``) of one layer save per token on one tp rank: each
     head's input (e·d; eager fp32 math: its fp32 copy and the normalised tensor, 8·d) and its
@@ -472,11 +530,19 @@ def qk_norm_bytes_per_token(m: ModelConfig, par: ParallelConfig, e: int, fused: 
     return heads * ((e if fused else 8) * m.head_dim + 4)
 
 
-def mla_activation_terms(m: ModelConfig, par: ParallelConfig, e: int, fused: bool
-                         ) -> dict[str, float]:
+def mla_narrow_core(m: ModelConfig, par: ParallelConfig, doc_mask: bool = False) -> bool:
+    """Whether MLA's core keeps v and its output at d_v (``fived.model.mla.NarrowVFlash``):
+    its own core (no context parallelism) without document masks, when d_v < d_q. Otherwise
+    the core takes v padded to d_q and o_proj keeps a d_v copy of the cut output."""
+    return (m.is_mla and m.v_head_dim != m.qk_head_dim and par.cp == 1 and not doc_mask)
+
+
+def mla_activation_terms(m: ModelConfig, par: ParallelConfig, e: int, fused: bool,
+                         doc_mask: bool = False) -> dict[str, float]:
     """What multi-head latent attention (``fived.model.mla``) saves per token on one rank
-    beyond the core's q, k, v (every head at d_q), output and log-sum-exp, which the GQA terms
-    count with kv heads = heads and d = d_q:
+    beyond the core's q, k, v, output and log-sum-exp — q and k at d_q; v and the output at
+    d_v with MLA's own core (``mla_narrow_core``), at d_q (padded) under context parallelism
+    or document masks — which ``layer_activations`` counts with kv heads = heads:
 
     * ``mla_latent``: the query latent W_qa·x (the latent norm's input) and the norm's output
       (saved by W_qb) with its fp32 1/rms: 2e·r_q + 4 (none without query compression: q_proj
@@ -485,8 +551,9 @@ def mla_activation_terms(m: ModelConfig, par: ParallelConfig, e: int, fused: boo
       output e·r_kv and its 1/rms 4. Whole on every tp rank (the down-projections are
       replicated); under SP a sequence shard (÷ tp). Eager fp32 norm math (``fused`` False)
       keeps the fp32 copies too (+ 8·r − e·r per norm).
-    * ``attn_out``: o_proj's input, the output cut back to d_v and made contiguous,
-      e·(H/tp)·d_v — a copy only when d_v < d_q (otherwise the core's output itself)."""
+    * ``attn_out``: o_proj's input, the padded core's output cut back to d_v and made
+      contiguous, e·(H/tp)·d_v — a copy only when the core pads v (otherwise the core's
+      output itself)."""
     tp = par.tp
     sp = par.sequence_parallel and tp > 1
 
@@ -496,7 +563,7 @@ def mla_activation_terms(m: ModelConfig, par: ParallelConfig, e: int, fused: boo
     q = (e * m.q_lora_rank + norm(m.q_lora_rank)) if m.q_lora_rank else 0.0
     kv = e * (m.kv_lora_rank + m.qk_rope_head_dim) + norm(m.kv_lora_rank)
     out = {"mla_latent": (q + kv) / (tp if sp else 1)}
-    if m.v_head_dim != m.qk_head_dim:
+    if m.v_head_dim != m.qk_head_dim and not mla_narrow_core(m, par, doc_mask):
         out["attn_out"] = e * m.heads / tp * m.v_head_dim
     return out
 
@@ -539,11 +606,13 @@ def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     hq = m.heads * d / par.tp
     hkv = kv_heads * d / min(par.tp, kv_heads)
     out["qkv"] = tokens * e * (hq + 2 * hkv)
+    if mla_narrow_core(m, par, opts.doc_mask):  # the checkpoint keeps v at d_v
+        out["qkv"] = tokens * e * m.heads / par.tp * (2 * d + m.v_head_dim)
     out["softmax"] = 0.0
     out.pop("doc_index", None)  # --doc-mask: the varlen core's saves are recomputed too
     out.pop("doc_out", None)
-    if m.is_mla and m.v_head_dim != m.qk_head_dim:  # the core's padded output is not kept:
-        out["attn_out"] = tokens * e * m.heads / par.tp * m.v_head_dim  # o_proj's copy only
+    if m.is_mla and m.v_head_dim != m.qk_head_dim:  # the core's d_v output (or o_proj's
+        out["attn_out"] = tokens * e * m.heads / par.tp * m.v_head_dim  # copy of the cut one)
     if par.cp > 1 and par.cp_mode == "ulysses":  # the core's all-to-alls are recomputed too
         out["attn_out"] = tokens * e * hq
         out["ulysses_index"] = 0.0
@@ -884,7 +953,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     engine lays its buckets out in):
 
     * ZeRO-3 forward (pp = 1): gather the root, prefetch block 0; before block i gather it and
-      prefetch block i+1, free it after; free the root. Backward: gather the root, prefetch
+      prefetch block i+1, free it after; the root stays gathered. Backward: prefetch
       the last block; at a block's first gradient gather it and prefetch the one before; a
       unit is freed when its last gradient is in (the root at the embedding's, the last).
       With pp the rank's one chunk is gathered around every F and B (per step: all step),
@@ -911,7 +980,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     # ZeRO-3 gather units: blocks (pp = 1) or the one chunk, and the root (-1)
     ubytes: dict[int, int] = {}
     for b in bks:
-        ubytes[b.unit] = ubytes.get(b.unit, 0) + b.padded * pb
+        ubytes[b.unit] = ubytes.get(b.unit, 0) + b.padded * (b.gathered_bytes_per_element or pb)
     nblocks = sorted(u for u in ubytes if u >= 0) if par.pp == 1 else []
     uparams: dict[int, int] = {}
     for i, b in enumerate(bks):
@@ -967,8 +1036,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 prefetch(nxt(u, 1))
                 free(u)
             fends.append(sum(live))  # the loss: the root gathered, the blocks freed
-            free(-1)
-            gather(-1)  # backward
+            # backward: the root stays gathered from its forward
             prefetch(nblocks[-1] if nblocks else None)
         done = [0] * len(bks)
         udone: dict[int, int] = {}
@@ -1017,10 +1085,10 @@ def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int
     if par.zero == 3:
         units: dict[int, int] = {}
         for b in bks:
-            units[b.unit] = units.get(b.unit, 0) + b.padded
+            units[b.unit] = units.get(b.unit, 0) + b.padded * (
+                b.gathered_bytes_per_element or param_bytes(par))
         whole = len(units) if par.zero3_pp_gather == "step" else 1
-        out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole])
-                                    * param_bytes(par))
+        out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole]))
     return out
 
 

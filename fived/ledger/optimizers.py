@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..config import ModelConfig, ParallelConfig
-from .params import param_list, zero3_unit
+from .params import fp8_gather, fp8_weight, param_list, zero3_unit
 
 
 def aligned_shard_len(sizes: list[int], rows: list[int], n: int) -> int:
@@ -135,12 +135,14 @@ def opt_buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int, bks: tuple[An
     align = par.zero_align == "rows" and par.zero > 0
     queues: dict[tuple[int, str], list[Param]] = {}
     unit = zero3_unit(m, par, pp_rank) if par.zero == 3 else (lambda name: 0)
+    gather8 = fp8_gather(par)  # ZeRO-3's fp8 gather: a unit's fp8 weights are a bucket apart
     for n, k, ex in reversed(param_list(m, par, pp_rank)):
         p = param_shape(m, par, n, k, ex)
-        queues.setdefault((unit(n), "expert" if ex else "dense"), []).append(p)
+        queues.setdefault((unit(n), "expert" if ex else "dense", gather8 and fp8_weight(n)),
+                          []).append(p)
     out = []
     for b in bks:
-        q = queues[(b.unit if par.zero == 3 else 0, b.group)]
+        q = queues[(b.unit if par.zero == 3 else 0, b.group, bool(getattr(b, "fp8", 0)))]
         took, size = [], 0
         while size < b.numel:
             took.append(q.pop(0))

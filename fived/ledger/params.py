@@ -45,6 +45,7 @@ its flat buckets out from.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -499,6 +500,25 @@ def param_list(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 out += _block_list(m, par, m.layers + j, q + "block.")
                 out.append((q + "norm.weight", m.hidden, False))
     return out
+
+
+# the linear layers ``--fp8`` runs in fp8, by module name (``fived.parallel.fp8`` swaps them):
+# attention, the MLP, the routed and the shared experts; not the embedding, head, router, norms
+FP8_LINEARS = re.compile(
+    r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123]"
+    r"|block_sparse_moe\.shared_expert\.(gate|up|down)_proj)$")
+
+
+def fp8_gather(par: ParallelConfig) -> bool:
+    """Whether ZeRO-3 all-gathers the fp8 linears' weights in e4m3 (``fived.parallel.data.fp8``):
+    ``--zero 3 --fp8 tensorwise`` unless ``--no-fp8-gather``."""
+    return par.zero == 3 and par.fp8 == "tensorwise" and getattr(par, "fp8_gather", True)
+
+
+def fp8_weight(name: str) -> bool:
+    """A parameter name that is the weight of an fp8 linear (``FP8_LINEARS``)."""
+    return name.endswith(".weight") and FP8_LINEARS.search(name[:-len(".weight")]) is not None
 
 
 @lru_cache(maxsize=65536)  # the search asks for the same names (every expert's) per layout

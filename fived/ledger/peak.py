@@ -39,6 +39,12 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
   ``experts_forward``       the stacked local weights (``memory.expert_stack_bytes``) and
                             SiLU(G) beside the saved G and U (r · f_e · e, r the rank's
                             routed rows, ``experts_rows``); the all-to-all buffers are idle
+  ``moe_combine``           a MoE stage's F, its last MoE layer's combine: the un-permuted
+                            slots and their weighted product (2 · r · h · e, r the rank's
+                            routed rows) beside the saved expert outputs (``moe._Combine``);
+                            its B, the first MoE layer's combine backward: the output
+                            gradient, dy and the rebuilt slots (2 · r · h · e) and the shared
+                            expert's input gradient, no SP gather in flight
   ``experts_backward``      grouped experts, a MoE stage's B: the stack made again, the
                             three weight gradients as stacks (3 · E/ep · f_e · h · e), three
                             r · f_e gradients and two r · h ones
@@ -48,7 +54,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
   ``zb_grads``,             the linear outputs the split forward's records keep beyond
   ``zb_stash``,             autograd's saves (F to B), the dL/dy each B makes, what every B
   ``zb_weight_grads``       leaves its W once autograd's saves are freed (inputs, outputs,
-                            their gradients: ``zb_parts``) and the W's weight gradients, all
+                            their gradients, per block shape — MLA's projections, the shared
+                            expert, the experts' loop: ``zb_parts``) and the W's weight
+                            gradients, all
                             made before any is accumulated (``zb_weight_grads_bytes``); a B
                             run with its own W as one backward (``memory.fused_backwards``)
                             keeps nothing
@@ -56,6 +64,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             and those arrived before they are wanted
                             (``memory.receives_held``, a replay of the executor's ``_P2P``),
                             one activation each (tokens · h/sp · e)
+  ``mtp_backward``          multi-token prediction without pp, the last stage's block and
+                            expert moments: the modules' embedding gradient, waiting for the
+                            trunk's embedding backward (V/tp · h · e, ``mtp_backward_bytes``)
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes (``memory.layer_activations``)
   ``grad_recv``             pp, every B but the last stage's: the received output gradient
@@ -74,8 +85,8 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             step upcasts each owned gradient (4 bytes per owned element)
   ========================  ==============================================================
 
-What is not modelled (the dry run's ``ledger --check`` gap says how much it matters): the
-split backward of MoE blocks, a dense forward's own working set (SiLU's output beside its
+What is not modelled (the dry run's ``ledger --check`` gap says how much it matters): a
+dense forward's own working set (SiLU's output beside its
 inputs: the peak is in the backward), the build (a step's peak is what is compared: the dry
 run builds the whole plain model on fake tensors before cutting it, which a real run does
 not), the attention kernel's
@@ -89,6 +100,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..config import ModelConfig, ParallelConfig
+from . import mla
 from .memory import (
     EAGER,
     ActivationOptions,
@@ -113,6 +125,8 @@ from .memory import (
 )
 from .params import block_params, layer_kinds, rank_stages, stage_layers
 
+_KINDS = ("mla_down", "mla_norm", "mla_up", "router", "experts", "shared_expert")  # kinds
+# of ``block_params`` that sum several weights: ``_clip_bytes`` takes their weights one by one
 SQ_CHUNK = 1 << 18  # fived.optim.clip.SQ_CHUNK (the ledger imports no torch)
 KEPT = ("params", "grads", "master", "optimizer")
 
@@ -171,31 +185,94 @@ def split_backward(par: ParallelConfig) -> bool:
     return par.pp > 1 and par.schedule in SPLIT_SCHEDULES and par.recompute != "full"
 
 
-def _split_widths(m: ModelConfig, par: ParallelConfig) -> tuple[float, float, float, float]:
-    """Per token and block: the widths the split forward's
-    records keep — (inputs, outputs autograd would not save, output gradients) — and the
-    recorded weights' elements. Only linears that run ``F.linear`` with grad enabled are
-    split (``runtime._SplitLinear``): the row-parallel ones (o, w2) always; the column ones
-    (q, k, v, w1, w3, the head) only without tp, or under tp without SP and overlap — else
-    they run inside ``tensor._ColumnMatmul`` and their B makes their weight gradients."""
-    tp, d = par.tp, m.head_dim
-    q, kv, h, f = m.heads * d / tp, m.kv_heads * d / min(tp, m.kv_heads), m.hidden, m.ffn / tp
+def _split_widths(m: ModelConfig, par: ParallelConfig
+                  ) -> tuple[float, float, float, float, float]:
+    """Per token of the rank's micro-batch and per block of shape ``m`` (``layer_kinds``):
+    the widths the split forward's records keep — (inputs, outputs autograd would not save,
+    outputs autograd saves until B, output gradients) — and the recorded weights' elements.
+    Only linears that run ``F.linear`` with grad enabled are split (``runtime._SplitLinear``):
+    the row-parallel ones (o, w2) and the replicated ones (MLA's down-projections, on the
+    sequence shard under SP) always; the column ones (q, k, v, MLA's up-projections, w1, w3,
+    the head) only without tp, or under tp without SP and overlap — else they run inside
+    ``tensor._ColumnMatmul`` and their B makes their weight gradients. A MoE block's router
+    and grouped experts (``memory.grouped_experts``) run outside ``F.linear`` (their B makes
+    their weight gradients); the experts' loop (fp32, ``expert_matmul = loop``) runs one
+    SwiGLU per expert, split; the shared expert is a SwiGLU of width ``shared_ffn``."""
+    tp, h = par.tp, m.hidden
     cols = tp == 1 or not (par.sequence_parallel or par.overlap)
-    x = q + f  # o's input (the attention output), w2's (SwiGLU's product)
-    y = 2 * h  # o's and w2's outputs, before their reduction
-    dy = 2 * h
-    w = q * h + f * h
+    shard = tp if par.sequence_parallel and tp > 1 else 1
+    if m.is_moe:
+        f = m.shared_ffn / tp if m.shared_expert else 0.0
+    else:
+        f = m.ffn / tp
+    mlp = f > 0
+    x = f  # w2's input (SwiGLU's product)
+    y = h if mlp else 0.0  # w2's output, before its reduction
+    kept = 0.0
+    dy = h if mlp else 0.0
+    w = f * h
+    if cols and mlp:
+        x += h  # the norm's output (w1, w3 share it)
+        kept += 2 * f  # w1's, w3's outputs: saved by SwiGLU until B, then the records' alone
+        dy += 2 * f
+        w += 2 * h * f
+    if m.is_moe and not grouped_experts(m, par):  # the experts' loop: nn.Linear per expert
+        # over its rows (tokens · top_k / shard on the rank, uniform routing): the rows and
+        # SwiGLU's product in, w2's outputs (the combine keeps their concatenation), w1's and
+        # w3's outputs saved by SwiGLU until B, the three gradients
+        k, fe = m.top_k / shard, m.expert_ffn
+        x += k * (h + fe)
+        y += k * h
+        kept += 2 * k * fe
+        dy += k * (h + 2 * fe)
+        w += m.experts // par.ep * 3 * fe * h
+    if m.is_mla:
+        H, rq, rkv, dr = m.heads / tp, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+        dq, up_kv = m.qk_head_dim, m.qk_nope_head_dim + m.v_head_dim
+        o_in = H * m.v_head_dim  # the core's output (or o_proj's copy of the cut one)
+        x += h / shard + o_in  # the norm's output (the down-projections'), o_proj's input
+        y += h  # o_proj's output
+        dy += h
+        w += o_in * h
+        # the down-projections: outputs the latent norms save (until B), their gradients
+        down = (rq + rkv + dr) / shard
+        kept += down
+        dy += down
+        w += h * (rq + rkv + dr)
+        if cols:  # the up-projections (or q_proj): the latents' norm outputs in, q and k/v out
+            q_in = rq if rq else 0.0  # q_proj reads the block norm's output, counted above
+            x += q_in + rkv
+            y += H * (dq + up_kv)
+            dy += H * (dq + up_kv)
+            w += (rq if rq else h) * H * dq + rkv * H * up_kv
+        return x, y, kept, dy, w
+    d = m.head_dim
+    q, kv = m.heads * d / tp, m.kv_heads * d / min(tp, m.kv_heads)
+    x += q  # o's input (the attention output)
+    y += h  # o's output, before its reduction
+    dy += h
+    w += q * h
     if cols:
-        x += 2 * h  # the two norms' outputs (q, k, v share one; w1, w3 the other)
-        y += q + 2 * kv  # q, k, v before RoPE (SwiGLU saves w1's and w3's outputs)
-        dy += q + 2 * kv + 2 * f
-        w += h * (q + 2 * kv) + 2 * h * f
-    return x, y, dy, w
+        x += h  # the norm's output (q, k, v share it)
+        y += q + 2 * kv  # q, k, v before RoPE
+        dy += q + 2 * kv
+        w += h * (q + 2 * kv)
+    return x, y, kept, dy, w
 
 
 def _head_split(m: ModelConfig, par: ParallelConfig) -> bool:
     """Whether the head is a split linear (it is a column layer: ``_split_widths``)."""
     return par.tp == 1 or not (par.sequence_parallel or par.overlap)
+
+
+def _stage_widths(m: ModelConfig, par: ParallelConfig, stage: int
+                  ) -> tuple[float, float, float, float, float]:
+    """``_split_widths`` summed over the stage's blocks (dense and MoE shapes)."""
+    out = [0.0] * 5
+    for c, n in layer_kinds(m, stage_layers(m, par)[stage]):
+        for i, v in enumerate(_split_widths(c, par)):
+            out[i] += v * n
+    return out[0], out[1], out[2], out[3], out[4]
 
 
 def zb_parts(m: ModelConfig, par: ParallelConfig, micro_batch: int, stage: int
@@ -204,16 +281,12 @@ def zb_parts(m: ModelConfig, par: ParallelConfig, micro_batch: int, stage: int
     outputs its records keep that autograd would not save (held from F to B), the dL/dy its B
     accumulates into them, and all its W waits for once B has freed autograd's saves — each
     recorded input, output and output gradient (``_split_widths``), the head's final-norm
-    output, logits and their gradient on the last stage when the head is split. MoE blocks
-    are not modelled (grouped experts run outside ``F.linear``)."""
+    output, logits and their gradient on the last stage when the head is split."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
-    x, y, dy, _ = _split_widths(m, par)
-    n = len(stage_layers(m, par)[stage])
-    kept = 2 * m.ffn / par.tp if _head_split(m, par) else 0.0  # w1's, w3's outputs: saved by
-    # SwiGLU until B, then the records' alone
-    outputs, grads = tokens * e * y * n, tokens * e * dy * n
-    stash = tokens * e * (x + y + kept + dy) * n
+    x, y, kept, dy, _ = _stage_widths(m, par, stage)
+    outputs, grads = tokens * e * y, tokens * e * dy
+    stash = tokens * e * (x + y + kept + dy)
     if stage == par.pp * max(1, par.virtual_stages) - 1 and _head_split(m, par):
         v = m.vocab / par.tp
         grads += tokens * e * v
@@ -224,8 +297,7 @@ def zb_parts(m: ModelConfig, par: ParallelConfig, micro_batch: int, stage: int
 def zb_weight_grads_bytes(m: ModelConfig, par: ParallelConfig, stage: int) -> float:
     """A W's weight gradients, all made before any is accumulated (``runtime._weight_grads``),
     in the compute dtype: the stage's recorded linear weights on the rank."""
-    _, _, _, w = _split_widths(m, par)
-    out = w * len(stage_layers(m, par)[stage])
+    out = _stage_widths(m, par, stage)[4]
     if stage == par.pp * max(1, par.virtual_stages) - 1 and _head_split(m, par):
         out += m.vocab / par.tp * m.hidden
     return out * act_bytes(par)
@@ -249,6 +321,17 @@ def experts_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     rows = experts_rows(m, par, micro_batch)
     weights = m.experts // par.ep * m.expert_ffn * m.hidden * e
     return 3 * weights + 3 * rows * m.expert_ffn * e + 2 * rows * m.hidden * e
+
+
+def mtp_backward_bytes(m: ModelConfig, par: ParallelConfig) -> float:
+    """Multi-token prediction (``fived.model.mtp``) without pp: the D modules ran last in the
+    forward, so autograd takes their backward first, and their embedding lookups' weight
+    gradient (V/tp · h, the D lookups summed in one buffer) waits for the trunk's lookup, whose
+    backward is the step's last: held through the trunk's head and blocks. Under pp the last
+    stage's embedding copy is read by the modules alone (nothing waits)."""
+    if not m.mtp_depth or par.pp > 1:
+        return 0.0
+    return m.vocab / par.tp * m.hidden * act_bytes(par)
 
 
 def step_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
@@ -281,9 +364,18 @@ def clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
 
 @lru_cache(maxsize=8192)
 def _clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
-    cut = [v / par.tp for v in block_params(m).values()] + [m.vocab * m.hidden / par.tp]
-    if m.is_moe:
-        cut.append(m.expert_ffn * m.hidden)
+    stages = rank_stages(par, pp_rank)
+    ends = (0, par.pp * max(1, par.virtual_stages) - 1)  # the embedding's and the head's
+    cut = [m.vocab * m.hidden / par.tp] if par.pp == 1 or set(ends) & set(stages) else []
+    layers = [i for st in stages for i in stage_layers(m, par)[st]]
+    for c, _ in layer_kinds(m, layers):
+        cut += [v / par.tp for k, v in block_params(c).items() if k not in _KINDS]
+        if c.is_mla:  # one piece per weight, not per kind
+            cut += [n for _, n, _ in mla.weights(c, par.tp)]
+        if c.is_moe:  # one expert's weight, the router, one shared-expert weight
+            cut += [c.expert_ffn * c.hidden, c.experts * c.hidden]
+            if c.shared_expert:
+                cut.append(c.shared_ffn * c.hidden / par.tp)
     largest = max(cut)
     if par.zero >= 1:
         largest = min(largest, max((b.shard for b in buckets(m, par, pp_rank)), default=0))
@@ -330,16 +422,19 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
     worst: dict[tuple, dict[str, float]] = {}  # the same stage, moment and buffers: once
 
-    def backward_moment(t: dict[str, float], last: bool, s: int, nth: int) -> dict[str, float]:
+    def backward_moment(t: dict[str, float], last: bool, s: int, nth: int, held: bool = False
+                        ) -> dict[str, float]:
         """The B's worst moment: the loss's backward (last stage: every saved tensor alive,
         no gradient arrived) or the first block's (the loss's saved tensors gone)."""
-        key = (s, nth, tuple(t.items()))
+        key = (s, nth, held, tuple(t.items()))
         if key not in worst:
-            worst[key] = _backward_moment(t, last, s, nth)
+            worst[key] = _backward_moment(t, last, s, nth, held)
         return dict(worst[key])
 
-    def _backward_moment(t: dict[str, float], last: bool, s: int, nth: int
+    def _backward_moment(t: dict[str, float], last: bool, s: int, nth: int, held: bool
                          ) -> dict[str, float]:
+        """``held``: a split B whose records keep the head's input and logits until its W
+        (they are not freed after the loss's backward) and its dL/dlogits."""
         block = block_backward_bytes(m, par, micro_batch) if split_layers[s] else 0
         blk = dict(t, block_backward=block)
         if not last and par.pp > 1:  # the received gradient is the block output's gradient
@@ -350,10 +445,21 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if zero:
             blk["zero_buffers"] = zero_at(0, nth)
         moe = experts_moment(t, s, blk)
+        comb = combine_moment(s, blk)
         if not last:
-            return max((blk, moe), key=lambda d: sum(d.values()))
+            return max((blk, moe, comb), key=lambda d: sum(d.values()))
+        mtp = mtp_backward_bytes(m, par)  # the modules' embedding gradient, held
+        if mtp:
+            blk["mtp_backward"] = mtp
+            if moe:
+                moe["mtp_backward"] = mtp
         gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
                    for k in ("final_norm", "logits"))
+        if held and _head_split(m, par):
+            gone = 0.0
+            blk["zb_grads"] = tokens * e * m.vocab / par.tp  # the logits' gradient
+            if moe:
+                moe["zb_grads"] = blk["zb_grads"]
         blk["block_backward"] = max(0.0, block - gone)
         idle = {k: v for k, v in t.items() if k != "ep_a2a"}  # no MoE layer runs there
         loss = dict(idle, loss_backward=loss_backward_bytes(m, par, micro_batch))
@@ -370,13 +476,31 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             head["zero_buffers"] = zero_at(0, nth)
         if moe:
             moe["experts_backward"] = max(0.0, moe["experts_backward"] - gone)
-        return max((loss, head, blk, moe), key=lambda d: sum(d.values()))
+        if comb:
+            comb["moe_combine"] = max(0.0, comb["moe_combine"] - gone)
+        return max((loss, head, blk, moe, comb), key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
     experts_on = {s: any(m.is_moe_layer(i) for i in split_layers[s]) for s in stages}
 
     def has_experts(s: int) -> bool:
         return experts_on[s]
+
+    def combine_moment(s: int, blk: dict[str, float]) -> dict[str, float]:
+        """A MoE stage's B at its last MoE layer's combine backward ({} without MoE layers;
+        ``moe._Combine.backward``): the output gradient, dy and the rebuilt slots
+        (2 · r · h · e) beside the shared expert's input gradient, which waits to be summed
+        with the experts' (tokens · h/sp · e); no SP gather is in flight there."""
+        if not has_experts(s):
+            return {}
+        comb = {k: blk[k] for k in ("recompute_block", "zero_buffers", "zb_stash",
+                                    "zb_outputs", "pp_receives", "grad_recv", "mtp_backward",
+                                    "zb_grads") if k in blk}
+        grad_out = tokens * m.hidden * e / (par.tp if sp else 1)
+        comb["moe_combine"] = (grad_out * (0 if "grad_recv" in comb else 1)
+                               + 2 * experts_rows(m, par, micro_batch) * m.hidden * e
+                               + (grad_out if m.shared_expert else 0.0))
+        return comb
 
     def experts_moment(t: dict[str, float], s: int, blk: dict[str, float]
                        ) -> dict[str, float]:
@@ -386,7 +510,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         all-to-all buffers and the received gradient are gone by then."""
         if not (grouped and has_experts(s)):
             return {}
-        moe = {k: blk[k] for k in ("recompute_block", "zero_buffers") if k in blk}
+        moe = {k: blk[k] for k in ("recompute_block", "zero_buffers", "zb_stash",
+                                   "zb_outputs", "pp_receives") if k in blk}
         moe["expert_stack"] = cb.get("expert_stack", 0.0)
         if par.tp > 1:
             moe["tp_last_input"] = tokens * m.hidden * e
@@ -444,8 +569,15 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             moe["expert_stack"] = cb.get("expert_stack", 0.0)
             moe["experts_forward"] = experts_rows(m, par, micro_batch) * m.expert_ffn * e
             t = max((t, moe), key=lambda d: sum(d.values()))
+        if kind == "F" and has_experts(s):  # the last MoE layer's combine: the un-permuted
+            # slots and their weighted product beside the experts' saved outputs
+            comb = {k: v for k, v in t.items()
+                    if k not in ("ep_a2a", "loss_forward", "tp_regions", "expert_stack",
+                                 "experts_forward")}
+            comb["moe_combine"] = 2 * experts_rows(m, par, micro_batch) * m.hidden * e
+            t = max((t, comb), key=lambda d: sum(d.values()))
         if kind == "B":
-            t = backward_moment(t, s == n_stages - 1, s, nth)
+            t = backward_moment(t, s == n_stages - 1, s, nth, unfused)
             if unfused:  # the B's end: every dL/dy made, autograd's saves not yet freed
                 end = {k: v for k, v in t.items()
                        if k in ("zb_stash", "zb_outputs", "zero_buffers", "tp_last_input")}

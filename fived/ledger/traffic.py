@@ -16,7 +16,12 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
              after the step
     ZeRO-3   all_gather(param_bytes·P_b) before each micro-batch's forward and again before its
              backward; reduce_scatter(grad_bytes·P_b) once per step
-             →  3(N−1)/N · param bytes per step with one micro-batch and grads in the param dtype
+             (not the root's: it stays gathered from its forward to its backward)
+             →  (3Ψ − Ψ_root)(N−1)/N · param bytes per step with one micro-batch and grads in
+             the param dtype
+             fp8 gather (``--fp8 tensorwise``, ``params.fp8_gather``): a unit's fp8 weights are a
+             bucket apart, gathered as all_gather(1·P_b), and once per step its w weights' amax
+             all_reduce(4·w) over the shards (tp > 1, dense: and over tp)
 * TP (``tp_traffic``), per layer per micro-batch, X = b·s_l·h·e:
     no SP:  forward 2 all_reduce(X) (after wo, after w_down), backward 2 all_reduce(X)
     SP:     forward 2 all_gather(X) + 2 reduce_scatter(X), backward the same — equal bytes —
@@ -84,7 +89,13 @@ from .memory import (
 )
 from .optimizers import opt_buckets
 from .optimizers import traffic as optimizer_traffic_of
-from .params import ep_destinations_bound, rank_moe_layers, rank_stages, stage_layers
+from .params import (
+    ep_destinations_bound,
+    fp8_gather,
+    rank_moe_layers,
+    rank_stages,
+    stage_layers,
+)
 
 COUNT_BYTES = 8  # the ep routing counts travel as int64
 
@@ -160,7 +171,7 @@ def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
                 ) -> tuple[Collective, ...]:
     out = list(_dp_flat(m, par, mb, pp_rank))
     if not par.hybrid:
-        return tuple(out)
+        return tuple(out + _fp8_gather_tp(m, par, pp_rank))
     # hybrid sharding: ZeRO's collectives run on the shard part of each group, and each
     # bucket's reduced shard is all-reduced across the replicas (after its reduce-scatter)
     out = [Collective(f"{c.group}_shard", c.op, c.size, c.n, c.count, c.what, c.phase)
@@ -169,7 +180,17 @@ def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
     out += [Collective("dp_replicate", "all_reduce", gb * b.shard, par.replicate_degree, 1,
                        "shard's gradient across replicas", "bwd")
             for b in buckets(m, par, pp_rank)]
-    return tuple(out)
+    return tuple(out + _fp8_gather_tp(m, par, pp_rank))
+
+
+def _fp8_gather_tp(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> list[Collective]:
+    """ZeRO-3's fp8 gather under tp: the dense fp8 weights' amax max-reduced over tp too (the
+    whole weight's scale, as the tp-cut linear takes it), once per step, fp32."""
+    if par.tp <= 1:
+        return []
+    return [Collective("tp", "all_reduce", 4 * b.fp8, par.tp, 1, "fp8 weight amax (tp)", "fwd")
+            for b in buckets(m, par, pp_rank) if b.gathered_bytes_per_element
+            and b.group == "dense"]
 
 
 def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int) -> list[Collective]:
@@ -177,14 +198,19 @@ def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int) -> list
     out: list[Collective] = []
     bks = [b for b in buckets(m, par, pp_rank) if group_sizes(par)[b.group] > 1]
     if par.zero == 3 and par.pp > 1 and par.zero3_pp_gather == "step":
-        out += [Collective(b.group, "all_gather", pb * b.padded, b.shards, 1,
-                           "params (once per step)", "fwd") for b in bks]
+        out += [Collective(b.group, "all_gather", (b.gathered_bytes_per_element or pb)
+                           * b.padded, b.shards, 1, "params (once per step)", "fwd") for b in bks]
     elif par.zero == 3:
         for b in bks:
-            out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
+            eb = b.gathered_bytes_per_element or pb
+            out.append(Collective(b.group, "all_gather", eb * b.padded, b.shards, mb,
                                   "params (forward)", "fwd"))
-            out.append(Collective(b.group, "all_gather", pb * b.padded, b.shards, mb,
-                                  "params (backward)", "bwd"))
+            if b.unit >= 0:  # the root stays gathered from its forward to its backward
+                out.append(Collective(b.group, "all_gather", eb * b.padded, b.shards, mb,
+                                      "params (backward)", "bwd"))
+    if par.zero == 3:  # the fp8 gather's scales: each weight's amax over the shards, per step
+        out += [Collective(b.group, "all_reduce", 4 * b.fp8, b.shards, 1, "fp8 weight amax",
+                           "fwd") for b in bks if b.gathered_bytes_per_element]
     if par.zero == 3:
         out += [Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1, "gradients",
                            "bwd") for b in bks]
@@ -211,7 +237,10 @@ def _fp8_amax(m: ModelConfig, par: ParallelConfig, tokens: int, dense: int, moe:
     backward (dy twice, W), rowwise one per token (dy's rows) and per input feature (W's
     columns) in backward; a row layer (wo, w_down: K cut) tensorwise 2 in forward (x, W) and 1
     in backward (W), rowwise one per token (x's rows) and per output feature (W's rows) in
-    forward; blockwise none (its tiles stop at the cut). ``forwards``: 2 under full recompute."""
+    forward; blockwise none (its tiles stop at the cut). ``forwards``: 2 under full recompute.
+    With ZeRO-3's fp8 gather of the dense group (``params.fp8_gather``) the weights arrive cast,
+    their amax reduced once per step (``_fp8_gather_tp``): W's reductions leave (a column layer
+    0 forward, 2 backward; a row layer 1 forward, 0 backward)."""
     recipe = getattr(par, "fp8", "none")
     if recipe not in ("tensorwise", "rowwise"):
         return []
@@ -219,9 +248,10 @@ def _fp8_amax(m: ModelConfig, par: ParallelConfig, tokens: int, dense: int, moe:
     rows = 2 * dense + (1 + (1 if m.shared_expert else 0)) * moe
     t, h = par.tp, m.hidden
     if recipe == "tensorwise":
-        return [Collective("tp", "all_reduce", 4, t, (cols + 2 * rows) * mb * forwards,
+        w = 0 if fp8_gather(par) and group_sizes(par)["dense"] > 1 else 1  # W cast here
+        return [Collective("tp", "all_reduce", 4, t, (w * cols + (1 + w) * rows) * mb * forwards,
                            "fp8 amax (forward)", "fwd"),
-                Collective("tp", "all_reduce", 4, t, (3 * cols + rows) * mb,
+                Collective("tp", "all_reduce", 4, t, ((2 + w) * cols + w * rows) * mb,
                            "fp8 amax (backward)", "bwd")]
     return [Collective("tp", "all_reduce", 4 * tokens, t, rows * mb * forwards,
                        "fp8 row amax of x (forward)", "fwd"),

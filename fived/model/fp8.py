@@ -47,6 +47,17 @@ per-row scales do not serve the wgrad's per-column ones; torchao keeps the high-
 input too). W is never saved: the backward casts the parameter again (torchao's
 ``force_recompute_fp8_weight_in_bwd``), with the same tiles and amax, so the same q.
 
+A weight that arrives already cast — ZeRO-3's fp8 all-gather (``fived.parallel.data.fp8``)
+gathers the tensorwise e4m3 weight with its scale, the amax reduced over every rank holding a
+piece, so q and s are exactly what ``cast`` would give — is ``provide``d for the parameter while
+it is gathered: the forward and the backward use that q instead of casting W (whose storage is
+then never materialised in the compute dtype).
+
+A cast holds no fp32 copy: with power-of-2 scales x / s is exact in x's dtype (bf16 has fp32's
+exponents), and the tile scales are broadcast over their tiles, never expanded to a matrix (the
+blockwise wgrad's re-tiling dequantises in the compute dtype: an e4m3 value times 2^k is exact
+in bf16); the one rounding is the fp8 cast's.
+
 A dimension that is not a multiple of 128 ends in a short tile (zero padding, which changes
 neither an amax nor a product). When a layout cuts a dimension a scale spans (tensor
 parallelism cuts features; ``cuts``), the amax is max-reduced over the group that holds the
@@ -108,10 +119,10 @@ def tile_amax(x: torch.Tensor, tile: tuple[int | None, int | None]) -> torch.Ten
         return torch.zeros(max(nr, 1), max(nc, 1), dtype=torch.float32, device=x.device)
     if tile == (ALL, ALL):
         return x.detach().abs().amax().float().view(1, 1)
-    a = x.detach().abs().float()
+    a = x.detach().abs()  # in x's dtype: a maximum is exact in any of them
     if nr * tr != r or nc * tc != c:
         a = F.pad(a, (0, nc * tc - c, 0, nr * tr - r))
-    return a.view(nr, tr, nc, tc).amax(dim=(1, 3))
+    return a.view(nr, tr, nc, tc).amax(dim=(1, 3)).float()
 
 
 def expand(scale: torch.Tensor, tile: tuple[int | None, int | None],
@@ -122,12 +133,19 @@ def expand(scale: torch.Tensor, tile: tuple[int | None, int | None],
     return scale.repeat_interleave(tr, 0)[:r].repeat_interleave(tc, 1)[:, :c]
 
 
-def _broadcast(scale: torch.Tensor, tile: tuple[int | None, int | None],
-               shape: tuple[int, int]) -> torch.Tensor:
-    """``expand`` without the copy where every tile side is whole or 1 (plain broadcasting)."""
+def _per_tile(x: torch.Tensor, scale: torch.Tensor, tile: tuple[int | None, int | None],
+              op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``op(x, scale)`` with each tile's scale broadcast over its tile (no (R, C) scale
+    matrix; a short last tile padded, then cut off), in the dtype ``op`` gives."""
     if all(t is ALL or t == 1 for t in tile):
-        return scale
-    return expand(scale, tile, shape)
+        return op(x, scale)
+    r, c = x.shape
+    tr, tc = _side(r, tile[0]), _side(c, tile[1])
+    nr, nc = scale.shape
+    if nr * tr != r or nc * tc != c:
+        x = F.pad(x, (0, nc * tc - c, 0, nr * tr - r))
+    out = op(x.view(nr, tr, nc, tc), scale.view(nr, 1, nc, 1))
+    return out.view(nr * tr, nc * tc)[:r, :c]
 
 
 def scale_of(amax: torch.Tensor, fmt: torch.dtype, pow2: bool = False) -> torch.Tensor:
@@ -144,13 +162,17 @@ def quantize(x: torch.Tensor, fmt: torch.dtype, tile: tuple[int | None, int | No
     if reduce is not None:
         reduce(amax)
     s = scale_of(amax, fmt, pow2)
-    v = x.detach().float() / _broadcast(s, tile, tuple(x.shape))
+    if pow2:  # x / 2^k is exact in x's dtype (bf16 has fp32's exponents): no fp32 copy of x
+        v = _per_tile(x.detach(), s.to(x.dtype), tile, torch.div)
+    else:
+        v = _per_tile(x.detach().float(), s, tile, torch.div)
     return Fp8(v.clamp_(-FMAX[fmt], FMAX[fmt]).to(fmt), s, tile)
 
 
-def dequantize(q: Fp8) -> torch.Tensor:
-    """q · s in fp32."""
-    return q.data.float() * _broadcast(q.scale, q.tile, tuple(q.data.shape))
+def dequantize(q: Fp8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q · s in ``dtype`` (fp32; bf16 is exact too where s is a power of 2: an e4m3 value has
+    4 significant bits)."""
+    return _per_tile(q.data.to(dtype), q.scale.to(dtype), q.tile, torch.mul)
 
 
 def _k_tiles(q: Fp8, k_dim: int) -> int:
@@ -259,6 +281,27 @@ def _cast_input(x: torch.Tensor, x2: torch.Tensor, recipe: str, cuts: tuple[Cut,
     return q
 
 
+_PROVIDED: dict[int, Fp8] = {}  # id(parameter) -> its gathered tensorwise fp8 weight (N, K)
+
+
+def provide(w: torch.Tensor, q: Fp8 | None) -> None:
+    """``q`` (the tensorwise e4m3 cast of the whole W, (N, K)) serves W's products until
+    ``provide(w, None)``: the gather that produced it frees it then."""
+    if q is None:
+        _PROVIDED.pop(id(w), None)
+    else:
+        _PROVIDED[id(w)] = q
+
+
+def _weight(w: torch.Tensor, recipe: str, name: str, cuts: tuple[Cut, ...], key: int) -> Fp8:
+    """W cast as operand ``name`` (``w_fwd``: Wᵀ; ``w_dgrad``: W), or the cast provided for
+    the parameter ``key`` (its id at the forward: a saved tensor may unpack as another object)."""
+    q = _PROVIDED.get(key) if recipe == "tensorwise" else None
+    if q is not None:
+        return q.t() if name == "w_fwd" else q
+    return cast(w.t() if name == "w_fwd" else w, recipe, name, cuts)
+
+
 class _Fp8Linear(torch.autograd.Function):
     """y = x Wᵀ with the three products in fp8 as ``recipe`` says (the module docstring)."""
 
@@ -267,12 +310,16 @@ class _Fp8Linear(torch.autograd.Function):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         qx = _cast_input(x, x2, recipe, cuts)
-        y = scaled_matmul(qx, cast(w.t(), recipe, "w_fwd", cuts))
+        y = scaled_matmul(qx, _weight(w, recipe, "w_fwd", cuts, id(w)))
         ctx.recipe, ctx.cuts, ctx.shape, ctx.xdtype = recipe, cuts, x.shape, x.dtype
+        ctx.wkey, ctx.wdtype = id(w), w.dtype
+        # a provided W is provided again for the backward (ZeRO-3 gathers it again): not saved,
+        # only referred to (a saved parameter is unpacked as a detached alias of its storage)
+        ctx.wref = weakref.ref(w) if ctx.wkey in _PROVIDED and recipe == "tensorwise" else None
         if recipe == "rowwise":  # x as given: its (N, K) reshape may be a copy, x is not
             ctx.save_for_backward(x, w)
         else:  # the fp8 data and its scales; W is the parameter (recast in backward)
-            ctx.save_for_backward(qx.data, qx.scale, w)
+            ctx.save_for_backward(qx.data, qx.scale, *(() if ctx.wref else (w,)))
             ctx.qtile = qx.tile
         return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
@@ -283,17 +330,20 @@ class _Fp8Linear(torch.autograd.Function):
             x, w = ctx.saved_tensors
             qxw = cast(x.reshape(-1, x.shape[-1]), recipe, "x_wgrad", cuts)
         else:
-            data, scale, w = ctx.saved_tensors
+            data, scale, *rest = ctx.saved_tensors
+            w = rest[0] if rest else ctx.wref()
             qx = Fp8(data, scale, ctx.qtile)
-            qxw = qx if recipe == "tensorwise" else cast(dequantize(qx), recipe, "x_wgrad", cuts)
+            qxw = qx if recipe == "tensorwise" else cast(dequantize(qx, ctx.xdtype), recipe,
+                                                          "x_wgrad", cuts)
         g = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = scaled_matmul(cast(g, recipe, "g_dgrad", cuts), cast(w, recipe, "w_dgrad", cuts))
+            dx = scaled_matmul(cast(g, recipe, "g_dgrad", cuts),
+                               _weight(w, recipe, "w_dgrad", cuts, ctx.wkey))
             dx = dx.to(ctx.xdtype).view(ctx.shape)
         if ctx.needs_input_grad[1]:
             qg = cast(g.t(), recipe, "g_wgrad", cuts)
-            dw = scaled_matmul(qg, qxw).to(w.dtype)
+            dw = scaled_matmul(qg, qxw).to(ctx.wdtype)
         return dx, dw, None, None
 
 

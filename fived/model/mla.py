@@ -12,10 +12,15 @@ d_v = ``v_head_dim``:
 
 N_q, N_kv are RMSNorms (ε = 1e-6, DeepSeek's and transformers' latent norms whatever
 ``norm_eps`` says); m = 0.1·``rope_mscale_all_dim``·ln(``rope_factor``) + 1 with YaRN
-(1 without). The core is fived's flash path (``self_attn.core``, which context parallelism
-swaps): it takes heads of one width, so v is zero-padded from d_v to d_n + d_r and the output
-cut back (what FlashAttention-2-based MLA does; the padded v and output are what it saves), and
-τ is applied by scaling q by m² (the core divides by √(d_n + d_r) itself). RoPE rotates halves
+(1 without). τ is applied by scaling q by m² (the core divides by √(d_n + d_r) itself).
+
+The core (``self_attn.core``, ``MLACore``) takes v at its own width d_v: the fused kernel takes
+one head width, so ``NarrowVFlash`` zero-pads v to d_q around the kernel and cuts its output
+back, and saves q, k (d_q), v and the output at d_v and the log-sum-exp — what a kernel taking
+v at d_v (cuDNN's, Megatron-Core's) saves; backward pads v, the output and its gradient again
+(zero columns change none of the kernel's sums: the gradients are the padded core's, bit for
+bit). The output is o_proj's input without a copy. Context parallelism swaps the core for its
+own, which takes one width: there v is padded before the core and the output cut after it. RoPE rotates halves
 (fived's ``apply_rope``); DeepSeek's checkpoints rotate interleaved pairs, which the Hugging Face
 import turns into halves by permuting the rotary rows of W_qb (W_q) and W_kva
 (``fived.checkpoint.hf``): the scores are the same numbers.
@@ -79,6 +84,62 @@ def softmax_gain(cfg: ModelConfig) -> float:
     return yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
 
 
+class NarrowVFlash(torch.autograd.Function):
+    """Causal flash attention with v narrower than q and k, all (b, s, H, ·): the fused
+    kernel (the CPU one; on meta tensors, the dry run, the CUDA one) over v zero-padded to
+    q's width, the output cut back to v's; saves q, k, v, the output (contiguous: the next
+    matmul's input) and the log-sum-exp (on meta also the kernel's RNG seed and offset)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dq, dv = q.shape[-1], v.shape[-1]
+        ctx.scale = 1.0 / math.sqrt(dq)
+        v = v.contiguous()
+        qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+        vt = F.pad(v, (0, dq - dv)).transpose(1, 2)
+        if q.device.type == "meta":
+            r = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True,
+                                                                   scale=ctx.scale)
+            o, lse, rng = r[0], r[1], (r[6], r[7])
+        else:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qt, kt, vt, 0.0, True, scale=ctx.scale)
+            rng = ()
+        out = o.transpose(1, 2)[..., :dv].contiguous()
+        ctx.save_for_backward(q, k, v, out, lse, *rng)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        q, k, v, out, lse, *rng = ctx.saved_tensors
+        pad = q.shape[-1] - v.shape[-1]
+        gt, vt, ot = (F.pad(t, (0, pad)).transpose(1, 2) for t in (g, v, out))
+        qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+        if q.device.type == "meta":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                gt, qt, kt, vt, ot, lse, None, None, q.shape[1], k.shape[1], 0.0, True,
+                rng[0], rng[1], scale=ctx.scale)
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                gt, qt, kt, vt, ot, lse, 0.0, True, scale=ctx.scale)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)[..., :v.shape[-1]]
+
+
+class MLACore(nn_layers.CausalAttention):
+    """MLA's attention core: q, k (b, s, H, d_q), v (b, s, H, d_v) -> (b, s, H, d_v).
+    ``NarrowVFlash`` when v is narrower (on the CPU or meta); with document ids, or on
+    another device, v padded to d_q around the plain core and the output cut back."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        dq, dv = q.shape[-1], v.shape[-1]
+        if dv == dq:
+            return super().forward(q, k, v, docs)
+        if docs is None and q.device.type in ("cpu", "meta"):
+            return NarrowVFlash.apply(q, k, v)
+        return super().forward(q, k, F.pad(v, (0, dq - dv)), docs)[..., :dv]
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention (see the module docstring); (b, s, h) in and out."""
 
@@ -99,7 +160,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rkv, H * (self.dn + self.dv), bias=False, dtype=dtype)
         self.o_proj = nn.Linear(H * self.dv, h, bias=False, dtype=dtype)
         self.rope_key = nn.Identity()  # tensor parallelism sums its gradient over tp
-        self.core = nn_layers.CausalAttention()
+        self.core = MLACore()  # context parallelism swaps in its own core
         self.gain = softmax_gain(cfg)
         # generation: fold W_kvb into the query and output (True), expand the cached latent
         # (False), or "auto": absorbed when fewer new tokens than ABSORB_BELOW (decode steps)
@@ -114,6 +175,7 @@ class MLAttention(nn.Module):
                 cache: LayerCache | None = None) -> torch.Tensor:
         cos, sin = rope[0], rope[1]  # a third item: the document ids (--doc-mask)
         dn, dr = self.dn, self.dr
+        x = x.contiguous()  # a strided SP shard: one copy both down-projections share
         q = self.query(x)
         b, s = q.shape[0], q.shape[1]
         q = q.view(b, s, -1, dn + dr)
@@ -128,21 +190,26 @@ class MLAttention(nn.Module):
         o = self.attend(q, c, k_rope, None if len(rope) == 2 else rope[2])
         return self.o_proj(o.reshape(o.shape[0], o.shape[1], -1))
 
-    def expand(self, c: torch.Tensor, k_rope: torch.Tensor
+    def expand(self, c: torch.Tensor, k_rope: torch.Tensor, pad: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent (b, t, r_kv) and rotary key (b, t, 1, d_r) -> per-head k (b, t, H, d_n + d_r)
-        and v zero-padded to the same width."""
+        and v, zero-padded to the same width (``pad``) or at d_v, contiguous."""
         kv = self.kv_b_proj(c)
         b, t = kv.shape[0], kv.shape[1]
         k_nope, v = kv.view(b, t, -1, self.dn + self.dv).split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        return k, F.pad(v, (0, self.dn + self.dr - self.dv))
+        if pad:
+            return k, F.pad(v, (0, self.dn + self.dr - self.dv))
+        return k, v.contiguous()
 
     def attend(self, q: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor,
                docs: torch.Tensor | None) -> torch.Tensor:
-        k, v = self.expand(c, k_rope)
+        """(b, s, H, d_v): MLA's own core takes v at d_v; a swapped one (context
+        parallelism's) gets v padded to d_q and its output is cut back."""
+        own = isinstance(self.core, MLACore)
+        k, v = self.expand(c, k_rope, pad=not own)
         o = self.core(q, k, v) if docs is None else self.core(q, k, v, docs)
-        return o[..., :self.dv]
+        return o if own else o[..., :self.dv]
 
     def cached(self, q: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor,
                cache: LayerCache) -> torch.Tensor:

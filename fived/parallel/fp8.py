@@ -46,14 +46,11 @@ from typing import Any
 from torch import nn
 
 from ..comm import ops
+from ..ledger.params import FP8_LINEARS
 from ..model.fp8 import Cut, Fp8Linear, fp8_linear
 from ..model.moe import MoE
 from .tensor import ColumnLinear, RowLinear
 
-FP8_LINEARS = re.compile(
-    r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
-    r"|block_sparse_moe\.experts\.\d+\.w[123]"
-    r"|block_sparse_moe\.shared_expert\.(gate|up|down)_proj)$")
 ROUTED = re.compile(r"\.experts\.\d+\.w[123]$")  # a routed expert: its tokens are its own
 
 

@@ -112,6 +112,12 @@ class Trainer:
         # is the world; only the last pipeline stage holds a loss)
         self.loss_groups = [replace(self.grid[name], name="metrics")
                             for name in ("dense", "tp", "pp")]
+        # a dense model's Σ g² under ZeRO (flat grid) is summed over the ZeRO shards (dense),
+        # then tp and pp: the loss's groups, in its order, so it rides in the loss all-reduce
+        # (one collective a step fewer; the same sums, bit for bit: gloo adds each element of a
+        # small vector in one order whatever its position)
+        self.norm_rides_loss = (not model_cfg.is_moe and self.parallel.engine.stage >= 1
+                                and self.grid.shard_group("dense") == "dense")
         for moe in moe_layers(self.parallel.model):  # its statistics were made on meta
             moe.reset_stats()
         self.build_rss = rss_peak()  # the build's peak (VmHWM): this rank's pieces, no more
@@ -242,12 +248,19 @@ class Trainer:
         if on_grads is not None:
             on_grads()
         phases.enter("clip")
-        grad_norm = self.engine.clip(self.tcfg.grad_clip)
-        lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
         # the loss before the update: both it and the norm are global, so every rank sees the
         # same bad step (fived.train.resilience) and skips it (the engine's overflow skip
         # covers a non-finite norm; a non-finite loss alone is skipped here)
-        losses = self.global_losses(self.step_losses(local_loss, mtp), preempt)
+        if self.norm_rides_loss:  # the owned Σ g² summed by the loss's all-reduces
+            self.engine.unscale()
+            *losses, total_sq = self.global_losses(self.step_losses(local_loss, mtp), preempt,
+                                                   self.engine.owned_sq()["dense"])
+            grad_norm = self.engine.clip(self.tcfg.grad_clip, torch.tensor(total_sq,
+                                                                           dtype=torch.float64))
+        else:
+            grad_norm = self.engine.clip(self.tcfg.grad_clip)
+            losses = self.global_losses(self.step_losses(local_loss, mtp), preempt)
+        lr = lr_at(step, self.tcfg.steps, self.tcfg.lr, self.tcfg.warmup, self.tcfg.min_lr_ratio)
         loss = losses[0] / global_tokens
         bad = non_finite(loss, grad_norm, self.par.precision == "fp16")
         phases.enter("optimizer")
@@ -349,9 +362,13 @@ class Trainer:
         agreement costs no collective of its own (fived.train.resilience)."""
         return self.global_losses(local.double().reshape(1), preempt)[0]
 
-    def global_losses(self, local: torch.Tensor, preempt: Any = None) -> list[float]:
-        """``global_loss`` of each element of ``local`` (one all-reduce per group for all)."""
+    def global_losses(self, local: torch.Tensor, preempt: Any = None,
+                      carry: torch.Tensor | None = None) -> list[float]:
+        """``global_loss`` of each element of ``local`` (one all-reduce per group for all);
+        ``carry`` (a float64 scalar summed over the same groups as it is) is the last element."""
         t = local.double().reshape(-1) / self.grid.degrees["tp"]
+        if carry is not None:
+            t = torch.cat([t, carry.reshape(1)])
         n = t.numel()
         if preempt is not None and preempt.active:
             t = torch.cat([t, t.new_tensor([preempt.vote()])])

@@ -7,7 +7,8 @@ padded buffers and shards) and the ``dense`` group's bytes of the last step, nex
 ``fived.ledger.verify.predict_rank`` for the same rank — the comparison ``fived ledger --check``
 makes, to the byte. Expected shape (Rajbhandari et al. 2020): stage 1 divides master + Adam by
 N, stage 2 also the gradients, stage 3 also the parameters; stages 0–2 send 2(N−1)/N·Ψ·4 bytes,
-stage 3 3(N−1)/N·Ψ·4 (two gathers and a reduce-scatter).
+stage 3 (3Ψ − Ψ_root)(N−1)/N·4 (two gathers of each block and one of the root, which stays
+gathered from its forward to its backward, and a reduce-scatter).
 
 ``fived figures zero --out DIR [--quick]`` (quick: dp ∈ {1, 2}; full: dp ∈ {1, 2, 4}).
 """

@@ -4,7 +4,7 @@ sharding and mixed precision (``fived.parallel.precision``), on flat buckets.
     ddp.py         ZeRO-0 (``DDP``): all-reduce; 2(N−1)/N · grad bytes sent per rank per step
     zero12.py      ZeRO-1/2 (``Zero1``, ``Zero2``): reduce-scatter + all-gather;
                    (N−1)/N · (grad bytes + param bytes)
-    zero3.py       ZeRO-3 (``Zero3``): per-unit gather/free with prefetch; 3(N−1)/N · param bytes
+    zero3.py       ZeRO-3 (``Zero3``): per-unit gather/free with prefetch; (3Ψ − Ψ_root)(N−1)/N · P
     base.py        the engine: the pieces composed, the public surface (docs/engine.md)
     protocols.py   what a stage chooses: Sharding, GradStore, ParamGather (+ NoGather)
     layout.py      bucket layout and build (born sharded)

@@ -92,6 +92,7 @@ class DataParallel:
     publish_params = Alias("masters")
     unscale = Alias("masters")
     grad_sq = Alias("masters")
+    owned_sq = Alias("masters")
     owned_grads = Alias("masters")
     full_grads = Alias("masters")
     full_params = Alias("masters")

@@ -113,13 +113,23 @@ class MasterStep:
     def owned_grads(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.buckets]
 
-    def grad_sq(self) -> torch.Tensor:
-        """Σ g² over the whole model, each element counted once (``fived.optim.clip``)."""
+    def owned_sq(self) -> dict[str, torch.Tensor]:
+        """This rank's Σ g² of its owned gradient elements per group (dense, expert), summed
+        over nothing yet (``fived.optim.clip``: each element counted once in the whole)."""
         sums = {"dense": torch.zeros((), dtype=torch.float64, device=self.device),
                 "expert": torch.zeros((), dtype=torch.float64, device=self.device)}
         for b in self.buckets:
             accumulate_sq(sums[b.group_name], b.weighted_pieces())
-        self.sharding.sum_over_shards(sums)
+        return sums
+
+    def grad_sq(self) -> torch.Tensor:
+        """Σ g² over the whole model, each element counted once (``fived.optim.clip``)."""
+        sums = self.owned_sq()
+        # summed over the shards only where this rank has buckets of the group: every member of
+        # a group holds the same stage, so all of them skip it alike (a model without experts
+        # would otherwise all-reduce a zero over the expert group every step)
+        held = {b.group_name for b in self.buckets}
+        self.sharding.sum_over_shards({k: v for k, v in sums.items() if k in held})
         return model_parallel_sq(sums["dense"], sums["expert"], self.grid)
 
     def unscale(self) -> None:
@@ -128,10 +138,12 @@ class MasterStep:
             scale_(self.owned_grads(), 1.0 / self.scaler.scale)
             self.unscaled = True
 
-    def clip(self, max_norm: float) -> float:
-        """Unscale, take the global norm, clip to ``max_norm``; the norm (inf/nan: overflow)."""
+    def clip(self, max_norm: float, total_sq: torch.Tensor | None = None) -> float:
+        """Unscale, take the global norm, clip to ``max_norm``; the norm (inf/nan: overflow).
+        ``total_sq``: the global Σ g², already summed by the caller (the trainer carries a
+        dense model's owned Σ g² in its loss all-reduce: ``Trainer.step``)."""
         self.unscale()
-        norm = float(self.grad_sq().sqrt())
+        norm = float((self.grad_sq() if total_sq is None else total_sq).sqrt())
         if not math.isfinite(norm):
             self.overflow = True
             return norm

@@ -4,7 +4,9 @@ The gather units are given by the caller (``units``: the transformer blocks, in 
 the parameters in no unit form one root unit (embedding, final norm, head). Each unit has one
 bucket per reduction group, laid out last unit first, root last (≈ backward order). A unit is
 all-gathered just before its forward, freed after it, gathered again before its backward (a
-hook on the unit's output gradient) and freed when all its gradients are in; the next unit's
+hook on the unit's output gradient) and freed when all its gradients are in — except the root,
+which stays gathered from its forward to its backward (the loss's backward starts with the
+head; FSDP2 keeps its root so too) — ; the next unit's
 all-gather is prefetched (async) so it overlaps compute (``--no-overlap``: gathers on demand).
 Freeing resizes the flat storage to 0; the parameters stay views of it. A recompute forward
 (inside backward) keeps its unit gathered for the backward that follows.
@@ -34,8 +36,10 @@ Model-state bytes per rank (Ψ parameters; P params, G grads, M fp32 master, 8 A
 plus the gathered units as ``buffers`` (the step's peak). Traffic per step (one micro-batch),
 bytes sent per rank:
 
-    all-gather forward + all-gather backward + reduce-scatter = 3(N−1)/N · param bytes
-    (same dtype for params and grads; with m micro-batches the gathers run m times each)
+    all-gather forward + all-gather backward + reduce-scatter = (3Ψ − Ψ_root)(N−1)/N · P
+    (Ψ_root: the root's parameters, gathered once per micro-batch; ≈ 3(N−1)/N · param bytes
+    for a deep model; same dtype for params and grads; with m micro-batches the gathers run m
+    times each)
     pp, per step:  (1 + 1)·(N−1)/N · param bytes       (all-gather once, reduce-scatter once)
     pp, per micro: (2m + 1)·(N−1)/N · param bytes
 
@@ -53,9 +57,11 @@ import torch
 from torch import nn
 
 from ...comm import ops
+from ...ledger.params import fp8_gather, fp8_weight
 from .accounting import Buffers
 from .base import Alias
 from .buckets import Bucket, Named, nbytes
+from .fp8 import Fp8Gather
 from .layout import Layout
 from .zero12 import ReduceScatter, Zero2
 
@@ -93,7 +99,12 @@ class UnitLayout(Layout):
             (len(units), list(reversed(root)))]
 
     def split(self, run: list[Named]) -> list[list[Named]]:
-        return [run]
+        """The run whole; with the fp8 gather (``fp8.Fp8Gather``) its fp8 linears' weights
+        first, then the rest (``fived.ledger.memory._bucket_members`` cuts alike)."""
+        if not fp8_gather(self.par):
+            return [run]
+        f8 = [(n, p) for n, p in run if fp8_weight(n)]
+        return [r for r in (f8, [(n, p) for n, p in run if not fp8_weight(n)]) if r]
 
     def own_shard(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
         """A copy: the full flat buffer is freed after each use, the shard must outlive it."""
@@ -129,6 +140,7 @@ class UnitGather:
         self.per_step = self.driven and par.zero3_pp_gather == "step"
         self.overlap = bool(par.overlap)
         self.buffers = buffers
+        self.fp8: Fp8Gather | None = None  # the fp8 weights' gather (``Zero3`` sets it)
         units = list(units or [])
         nb = len(units)
         per_unit: list[list[Bucket]] = [[] for _ in range(nb + 1)]
@@ -155,6 +167,10 @@ class UnitGather:
         if u.state != "free" or (ahead and not self.overlap):
             return
         for b in u.buckets:
+            if self.fp8 is not None and self.fp8.owns(b):  # e4m3, with its scales
+                self.buffers.hold(self.fp8.nbytes(b))
+                u.handles.append(self.fp8.start(b))
+                continue
             b.param_full.untyped_storage().resize_(b.padded * b.param_full.element_size())
             self.buffers.hold(nbytes(b.param_full))
             u.handles.append(ops.all_gather_into(b.param_full, b.param_shard, b.group,
@@ -177,6 +193,10 @@ class UnitGather:
                 h.wait()
             u.handles = []
         for b in u.buckets:
+            if self.fp8 is not None and self.fp8.owns(b):
+                self.buffers.release(self.fp8.nbytes(b))
+                self.fp8.free(b)
+                continue
             self.buffers.release(nbytes(b.param_full))
             b.param_full.untyped_storage().resize_(0)
         u.state = "free"
@@ -190,11 +210,15 @@ class UnitGather:
             self.prefetch(self.units[0], ahead=True)
 
     def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
+        """The root stays gathered when a backward follows: the loss's backward starts with
+        the head, which would gather it again at once (FSDP2 keeps its root the same way);
+        one all-gather of the root a micro-batch fewer, no byte more at any moment."""
         if in_backward():
             return
-        self.free(self.root)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._pre_backward(len(self.units)))
+        else:  # evaluation: no backward comes
+            self.free(self.root)
 
     def _pre_forward(self, i: int):
         def hook(module: nn.Module, args: Any) -> None:
@@ -269,6 +293,17 @@ class UnitGather:
     def reset(self) -> None:
         for u in self.units + [self.root]:
             u.done = 0
+        if self.fp8 is not None:
+            self.fp8.stale()
+
+
+def _then(fn: Any, after: Any) -> Any:
+    """``fn``, then ``after()``."""
+    def call(*args: Any, **kw: Any) -> Any:
+        out = fn(*args, **kw)
+        after()
+        return out
+    return call
 
 
 class Zero3(Zero2):
@@ -283,3 +318,11 @@ class Zero3(Zero2):
     root = Alias("gathers")
     prefetch = Alias("gathers")
     gather = Alias("gathers")
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        fp8 = Fp8Gather.of(self.buckets, self.placements, self.grid, self.par)
+        self.gathers.fp8 = fp8
+        if fp8 is not None:  # the shards change there: the fp8 gather's scales are taken again
+            for name in ("step", "publish_params"):
+                setattr(self.masters, name, _then(getattr(self.masters, name), fp8.stale))
