@@ -704,7 +704,7 @@ def validate(
         _check_recovery(p, train)
         _check_documents(p, model, par, train)
     _check_zero_align(p, par)
-    _check_fp8(p, model, par)
+    _check_fp8(p, model, par, train)
     p += hybrid_problems(par)
     if p:
         raise ConfigError(p)
@@ -996,7 +996,8 @@ def fp8_cut_widths(model: ModelConfig, tp: int) -> dict[str, int]:
     return out
 
 
-def _check_fp8(p: list[str], model: ModelConfig, par: ParallelConfig) -> None:
+def _check_fp8(p: list[str], model: ModelConfig, par: ParallelConfig,
+               train: TrainConfig | None = None) -> None:
     if par.fp8 == "none":
         return
     if par.precision == "fp16":
@@ -1010,6 +1011,14 @@ def _check_fp8(p: list[str], model: ModelConfig, par: ParallelConfig) -> None:
             p.append(f"--fp8 blockwise with --tp {par.tp}: a 128-wide tile would straddle the "
                      f"tp cut ({what} per rank, not multiples of 128); use tensorwise or "
                      "rowwise, or a tp whose shards are whole tiles")
+    if par.fp8 == "blockwise" and par.cp > 1:  # the wgrad's token tiles within a cp chunk
+        ptrr = train is not None and train.cp_balance == "ptrr"
+        chunk = model.seq_len // ((8 if ptrr else 2) * par.cp)
+        if chunk % 128:
+            p.append(f"--fp8 blockwise with --cp {par.cp}: a 128-token tile of the weight "
+                     f"gradient would straddle the cp cut ({chunk}-token chunks of seq_len "
+                     f"{model.seq_len}, not multiples of 128); use tensorwise or rowwise, or a "
+                     "seq_len whose chunks are whole tiles")
 
 
 def _check_zero_align(p: list[str], par: ParallelConfig) -> None:

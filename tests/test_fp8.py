@@ -430,7 +430,7 @@ def test_bench_numerics_fp8_writes_its_runs(tmp_path):
 
     assert main(["fp8", "--steps", "2", "--layers", "1", "--out", str(tmp_path)]) == 0
     d = json.loads((tmp_path / "numerics-fp8.json").read_text())["result"]
-    assert set(d["runs"]) == {"none", *RECIPES}
+    assert set(d["runs"]) == {"none", *RECIPES} and d["stats_steps"] == [0, 1]
     for recipe in RECIPES:
         st = d["runs"][recipe]["stats"]
         assert set(st) == {"0", "1"} and len(st["1"]) == 7  # one block's seven linears

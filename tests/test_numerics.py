@@ -142,3 +142,49 @@ def test_master_weights_under_zero_shards():
         for s in ranks:
             assert max(abs(a - b) for a, b in zip(s["losses"], one)) < 2e-3, (mode, s["losses"])
         assert compare_record(SMALL, par, t.global_batch, ranks[0]["history"][-1]) == []
+
+
+def test_fp8_bench_takes_its_statistics_at_the_steps_it_names(capsys):
+    """`fived bench numerics fp8 --stats-every N`: the per-layer statistics come from the first
+    step, every N-th and the last (the JSON's ``stats_steps``); the table's median step time
+    leaves those steps out (they cast every watched tensor once more); a negative N is refused
+    (exit 2, nothing run)."""
+    from fived.bench.numerics import main, median_step, stats_steps
+
+    assert stats_steps(300, 50) == [0, 50, 100, 150, 200, 250, 299]
+    assert stats_steps(300, 0) == [0, 299] and stats_steps(1, 50) == [0]
+    assert stats_steps(5, 2) == [0, 2, 4]
+    assert median_step([9.0, 1.0, 2.0, 3.0, 9.0], [0, 4]) == 2.0
+    assert median_step([9.0, 9.0], [0, 1]) == 9.0  # every step watched: all of them
+    with pytest.raises(SystemExit) as e:
+        main(["fp8", "--stats-every", "-1", "--out", "/nonexistent/never"])
+    assert e.value.code == 2 and "--stats-every" in capsys.readouterr().err
+
+
+def test_the_recorded_fp8_run_is_what_docs_numerics_says():
+    """docs/figures/numerics-fp8.json (docs/numerics.md §5): `small` whole for 300 steps, bf16
+    and each recipe on the same batches, statistics at steps 0, 50, …, 299; the table's numbers
+    (the last 50 steps' mean gap, the worst layer's flushed x at the last step) are this JSON's,
+    and the finer the scale the less of x is flushed."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    d = json.loads((Path(__file__).parents[1] / "docs/figures/numerics-fp8.json").read_text())
+    r = d["result"]
+    assert (r["model"], r["layers"], r["global_batch"], r["seq_len"]) == ("small", 8, 8, 128)
+    assert r["stats_steps"] == [0, 50, 100, 150, 200, 250, 299]
+    ref = r["runs"]["none"]["loss"]
+    assert len(ref) == 300 and round(ref[-1], 4) == 1.9575
+    gap, flushed = {}, {}
+    for k in ("tensorwise", "rowwise", "blockwise"):
+        v = r["runs"][k]
+        assert len(v["loss"]) == 300 and set(v["stats"]) == {str(s) for s in r["stats_steps"]}
+        gap[k] = statistics.fmean(a - b for a, b in zip(v["loss"][-50:], ref[-50:]))
+        last = v["stats"]["299"]
+        assert len(last) == 56  # 8 blocks × 7 linears
+        flushed[k] = max(layer["x"]["flushed"] for layer in last.values())
+        assert max(layer[w]["saturated"] for layer in last.values() for w in "xwg") == 0
+    assert [round(gap[k], 3) for k in gap] == [-0.024, -0.024, 0.039]
+    assert flushed["tensorwise"] > flushed["rowwise"] > flushed["blockwise"]
+    assert [round(flushed[k], 4) for k in flushed] == [0.0023, 0.0009, 0.0007]

@@ -389,9 +389,19 @@ def outlier_errors(seed: int = 0, tokens: int = 256, k: int = 512, n: int = 256
     return out
 
 
+def stats_steps(steps: int, every: int) -> list[int]:
+    """The steps whose per-layer cast statistics ``fp8`` takes: the first, every ``every``-th
+    (0: none between) and the last."""
+    picked = set(range(0, steps, every)) if every > 0 else {0}
+    return sorted(picked | {0, steps - 1} if steps else set())
+
+
 def fp8(args, say=progress) -> dict[str, Any]:
     """bf16 and each fp8 recipe from one seed: loss and seconds per step, per-layer cast
-    statistics at the first and the last step, and the outlier experiment."""
+    statistics at ``stats_steps`` (the first, every ``--stats-every``-th, the last), and the
+    outlier experiment. A step that takes statistics casts every watched tensor once more
+    (hooks; its seconds include them): ``watched`` lists those steps, and the median step time
+    of the table leaves them out."""
     import torch
 
     m = fp8_model(args)
@@ -400,14 +410,16 @@ def fp8(args, say=progress) -> dict[str, Any]:
 
         m = model_for_data(m, args.data)
     t = replace(train_cfg(args.steps, args.lr), data=args.data or "")
+    watched = stats_steps(t.steps, getattr(args, "stats_every", 0))
     out: dict[str, Any] = {"model": m.name, "layers": m.layers, "data": args.data or "built-in",
-                           "runs": {}}
+                           "global_batch": t.global_batch, "seq_len": m.seq_len, "seed": t.seed,
+                           "stats_steps": watched, "runs": {}}
     torch.manual_seed(0)
     for recipe in FP8_RUNS:
         tr = _trainer(m, ParallelConfig(precision="bf16", fp8=recipe), t)
         losses, secs, stats = [], [], {}
         for s in range(t.steps):
-            watch = recipe != "none" and s in (0, t.steps - 1)
+            watch = recipe != "none" and s in watched
             seen, hooks = _watch(tr.stage, recipe) if watch else ({}, [])
             t0 = time.perf_counter()
             losses.append(tr.step(s)["loss"])
@@ -421,9 +433,17 @@ def fp8(args, say=progress) -> dict[str, Any]:
         tr.close()
         out["runs"][recipe] = {"loss": losses, "seconds": secs, "stats": stats}
         say(f"  fp8 {recipe:10s} final loss {losses[-1]:.4f}  median step "
-            f"{sorted(secs)[len(secs) // 2]:.2f} s")
+            f"{median_step(secs, watched if recipe != 'none' else []):.2f} s")
     out["outliers"] = outlier_errors()
     return out
+
+
+def median_step(secs: list[float], watched: list[int]) -> float:
+    """The median seconds of the steps that took no statistics (all of them if every one
+    did)."""
+    skip = set(watched)
+    xs = sorted(x for i, x in enumerate(secs) if i not in skip) or sorted(secs)
+    return xs[len(xs) // 2]
 
 
 def _tail_mean(xs: list[float], n: int = 10) -> float:
@@ -433,6 +453,7 @@ def _tail_mean(xs: list[float], n: int = 10) -> float:
 
 def fp8_rows(res) -> list[list[str]]:
     ref = res["runs"]["none"]
+    watched = res.get("stats_steps", [0, len(ref["loss"]) - 1])
     rows = []
     for k, v in res["runs"].items():
         st = v["stats"].get(str(len(v["loss"]) - 1), {})
@@ -443,7 +464,7 @@ def fp8_rows(res) -> list[list[str]]:
         rows.append(["bf16" if k == "none" else k, f"{v['loss'][-1]:.4f}",
                      f"{_tail_mean(v['loss']) - _tail_mean(ref['loss']):+.4f}",
                      f"{flushed:.2e}", f"{sat:.1e}",
-                     f"{sorted(v['seconds'])[len(v['seconds']) // 2]:.2f}"])
+                     f"{median_step(v['seconds'], [] if k == 'none' else watched):.2f}"])
     return rows
 
 
@@ -454,7 +475,7 @@ def figure(name: str, res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(9, 3.2))
+    fig = plt.figure(figsize=(12, 3.2) if name == "fp8" else (9, 3.2))
     draw(name, res, fig)
     fig.tight_layout()
     fig.savefig(path, dpi=70)
@@ -464,8 +485,8 @@ def figure(name: str, res: dict, path: str) -> None:
 def draw(name: str, res: dict, fig) -> None:
     """Experiment ``name``'s two panels into the matplotlib figure ``fig`` (also drawn by
     ``fived figures numerics|optimizers``)."""
-    axes = fig.subplots(1, 2)
-    a, b = axes
+    axes = fig.subplots(1, 3 if name == "fp8" else 2)
+    a, b = axes[:2]
     if name == "masters":
         for k, v in res.items():
             a.plot([x - y for x, y in zip(v["loss"], res["fp32"]["loss"])], label=k)
@@ -502,12 +523,21 @@ def draw(name: str, res: dict, fig) -> None:
             if k != "none":
                 a.plot([x - y for x, y in zip(v["loss"], ref)], label=k, lw=0.8)
         a.axhline(0, color="k", lw=0.5)
-        a.set_title("loss − bf16 loss, same seed and batches")
+        a.set_title("loss − bf16 loss (same seed, batches)")
         o = res["outliers"]
         for k in ("tensorwise", "rowwise", "blockwise"):
             b.loglog(o["outlier"], o[k]["error"], "o-", label=k)
         b.set_xlabel("outlier channel × (1 of 512)")
-        b.set_title("rel. error of x·Wᵀ, the outlier's weight 0")
+        b.set_title("x·Wᵀ rel. error, one outlier channel")
+        c = axes[2]  # the per-layer statistics, at the steps that took them
+        for k, v in res["runs"].items():
+            steps = sorted(int(s) for s in v["stats"])
+            if not steps:
+                continue
+            for w, style in (("x", "o-"), ("g", "s--")):
+                c.plot(steps, [max(d[w]["flushed"] for d in v["stats"][str(s)].values())
+                               for s in steps], style, ms=3, lw=0.8, label=f"{k} {w}")
+        c.set_title("fraction flushed to 0, worst layer")
     elif name == "optimizers":
         lays = list(res)
         opts = list(res[lays[0]])
@@ -560,7 +590,12 @@ def main(argv: list[str] | None = None) -> int:
                     "docs/numerics.md ran small)")
     ap.add_argument("--data", default="", help="fp8: a prepared data directory (fived data "
                     "prepare; default the built-in corpus)")
+    ap.add_argument("--stats-every", type=int, default=50, help="fp8: take the per-layer "
+                    "amax / flushed / saturated statistics at the first step, every N-th and "
+                    "the last (default 50; 0: first and last only)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.stats_every < 0:
+        ap.error(f"--stats-every {args.stats_every}: a number of steps, 0 or more")
     progress(f"fived bench numerics {args.experiment}: "
              f"{args.model if args.experiment == 'fp8' else 'tiny'} with "
              f"{args.layers or 'all its'} blocks, {args.steps} steps")

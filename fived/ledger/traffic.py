@@ -468,7 +468,50 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
     if m.mtp_depth and _local(m, par, pp_rank)[2]:  # the chunk heads of the shifted targets
         out.append(Collective("cp", "all_gather", c * micro_batch * 2 * m.mtp_depth * COUNT_BYTES,
                               c, par.micro_batches, "MTP: next chunks' first targets", "fwd"))
-    return out + _moe_balance_counts(m, par, micro_batch, rank_moe_layers(m, par, pp_rank), "cp")
+    moe = rank_moe_layers(m, par, pp_rank)
+    out += _fp8_cp_amax(m, par, layers - moe, moe, 2 if par.recompute == "full" else 1)
+    return out + _moe_balance_counts(m, par, micro_batch, moe, "cp")
+
+
+def _fp8_cp_amax(m: ModelConfig, par: ParallelConfig, dense: int, moe: int, forwards: int
+                 ) -> list[Collective]:
+    """``--fp8``'s amax max-reductions over cp (the scales that span the tokens,
+    ``fived.parallel.fp8``), fp32, per micro-batch, in the blocks' attention, dense MLP and
+    shared expert (a routed expert's casts are its own): tensorwise one float per distinct
+    input in forward (q/k/v share one cast, gate/up another: 4 per dense block; under full
+    recompute one per linear more, the checkpointed forward's casts are not shared) and two per
+    linear in backward (dy for dgrad, dyᵀ for wgrad); rowwise, in backward, one float per
+    output feature (dyᵀ's rows) and per input feature (x's columns) of each linear, both as a
+    rank holds them under tp; blockwise none (its token tiles stop at the chunk edges).
+    ``forwards``: 2 under full recompute."""
+    recipe = getattr(par, "fp8", "none")
+    if recipe not in ("tensorwise", "rowwise"):
+        return []
+    c, mb, t, h = par.cp, par.micro_batches, par.tp, m.hidden
+    kv = m.kv_heads * m.head_dim // min(t, m.kv_heads)
+    attn = [(m.attn_dim // t, h), (kv, h), (kv, h), (h, m.attn_dim // t)]  # (N, K): q k v o
+
+    def mlp(ffn: int) -> list[tuple[int, int]]:  # (N, K): gate up down
+        return [(ffn // t, h), (ffn // t, h), (h, ffn // t)]
+    shared = mlp(m.shared_ffn) if m.shared_expert else []
+    blocks = [(attn + mlp(m.ffn), dense, 4), (attn + shared, moe, 2 + (2 if shared else 0))]
+    if recipe == "tensorwise":
+        # under full recompute the checkpointed forward keeps no cast, so each linear casts
+        # its input (no sharing); the rerun shares them again
+        return [Collective("cp", "all_reduce", 4, c,
+                           (ins + (len(lin) if forwards == 2 else 0)) * n * mb,
+                           "fp8 amax over the tokens (forward)", "fwd")
+                for lin, n, ins in blocks if n] + \
+               [Collective("cp", "all_reduce", 4, c, 2 * len(lin) * n * mb,
+                           "fp8 amax over the tokens (backward)", "bwd") for lin, n, _ in blocks
+                if n]
+    sizes: dict[int, int] = {}
+    for lin, n, _ in blocks:
+        for nk in lin:
+            for f in nk:
+                sizes[f] = sizes.get(f, 0) + n * mb
+    return [Collective("cp", "all_reduce", 4 * f, c, k, "fp8 wgrad amax along the tokens", "bwd")
+            for f, k in sorted(sizes.items()) if k]
 
 
 def _moe_balance_counts(m: ModelConfig, par: ParallelConfig, micro_batch: int, layers: int,

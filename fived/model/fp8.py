@@ -365,21 +365,21 @@ def saved_bytes_per_element(recipe: str, dtype_bytes: int, k: int) -> float:
 
 
 class Fp8Linear(nn.Module):
-    """``nn.Linear`` with its products in fp8 (``fp8_linear``): the same ``weight`` and ``bias``
-    parameters (names, shapes, dtypes: checkpoints do not change); the bias is added in the
-    compute dtype."""
+    """``nn.Linear`` with its products in fp8 (``fp8_linear``, amax reduced over ``cuts``): the
+    same ``weight`` and ``bias`` parameters (names, shapes, dtypes: checkpoints do not change);
+    the bias is added in the compute dtype."""
 
-    def __init__(self, linear: nn.Linear, recipe: str):
+    def __init__(self, linear: nn.Linear, recipe: str, cuts: tuple[Cut, ...] = ()):
         super().__init__()
         if recipe not in RECIPES:
             raise ValueError(f"fp8 recipe {recipe!r}: one of {', '.join(RECIPES)}")
-        self.recipe = recipe
+        self.recipe, self.cuts = recipe, cuts
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp8_linear(x, self.weight, self.recipe)
+        y = fp8_linear(x, self.weight, self.recipe, self.cuts)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

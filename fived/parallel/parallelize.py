@@ -75,7 +75,7 @@ def cut_parts(model: Transformer, grid: Any, par: Any, cp_balance: str = "zigzag
         apply_cp(part, grid["cp"], par.cp_mode, cp_balance)
         if part.cfg.is_moe:
             apply_ep(part, grid["ep"], pl, par.ep_dispatch)
-        apply_fp8(part, grid["tp"], getattr(par, "fp8", "none"))
+        apply_fp8(part, grid["tp"], getattr(par, "fp8", "none"), grid["cp"])
         apply_recompute(part, par.recompute)
         placements.update(pl)
     embed_group(model.cfg, placements, grid)

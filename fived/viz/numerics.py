@@ -12,13 +12,14 @@
   skipped steps, and the gradient elements flushed to 0 / left subnormal;
 * ``numerics-fp8``      bf16 against each fp8 recipe (tensorwise, rowwise, blockwise) from one
   seed: the loss gap per step; and one fp8 product with an outlier channel: the error of the
-  other channels as the outlier grows (fp8 150 steps in full, 3 quick).
+  other channels as the outlier grows (fp8: ``small`` with its 8 blocks for 300 steps in full,
+  per-layer statistics every 50 steps; quick: ``tiny`` with 1 block, 3 steps).
 
 Every number is measured by the experiment functions of ``fived bench numerics`` (one process,
-the ``tiny`` model cut to a few blocks), which this module calls and draws with the bench's own
-panels. ``fived figures numerics --out DIR [--quick]`` (quick: 1 block, 4–6 steps; full: 2
-blocks, the steps of docs/numerics.md: masters 20, moments 30, fp16 20). The reduce experiment
-is one gradient (no steps).
+the ``tiny`` model cut to a few blocks; fp8 in full: ``small`` whole), which this module calls
+and draws with the bench's own panels. ``fived figures numerics --out DIR [--quick]`` (quick:
+1 block, 3–6 steps; full: 2 blocks, the steps of docs/numerics.md: masters 20, moments 30, fp16
+20, fp8 300). The reduce experiment is one gradient (no steps).
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ HOW = {
 def settings(name: str, quick: bool) -> dict[str, Any]:
     """The arguments ``fived bench numerics NAME`` takes (``--steps --lr --layers``)."""
     steps = {"masters": (4, 20), "moments": (4, 30), "reduce": (1, 1), "fp16": (6, 20),
-             "optimizers": (3, 12), "fp8": (3, 150)}[name][0 if quick else 1]
+             "optimizers": (3, 12), "fp8": (3, 300)}[name][0 if quick else 1]
     s: dict[str, Any] = {"steps": steps, "lr": LR, "layers": 1 if quick else 2}
-    if name == "fp8":  # the built-in corpus (this Python's standard library)
-        s.update(model="tiny", data="")
+    if name == "fp8":  # the built-in corpus (this Python's standard library); small whole
+        s.update(model="tiny" if quick else "small", layers=1 if quick else 0, data="",
+                 stats_every=50)
     return s
 
 
@@ -70,13 +72,14 @@ def measure(name: str, quick: bool, tick) -> dict[str, Any]:
     from ..bench import numerics as numerics_bench
 
     s = settings(name, quick)
-    tick(f"{part_of(name)}: {name} ({s['layers']} block(s), {s['steps']} steps)")
+    tick(f"{part_of(name)}: {name} ({s['layers'] or 'all'} block(s), {s['steps']} steps)")
     res = numerics_bench.RUN[name][0](argparse.Namespace(**s), say=tick)
     d = {"settings": s, "model": asdict(numerics_bench.model_cfg(s["layers"])),
          "bench": f"fived bench numerics {name} --steps {s['steps']} --lr {s['lr']:g} "
                   f"--layers {s['layers']}", "result": res}
     if name == "fp8":
-        d["bench"] += f" --model {s['model']}"
+        d["model"] = asdict(numerics_bench.fp8_model(argparse.Namespace(**s)))
+        d["bench"] += f" --model {s['model']} --stats-every {s['stats_every']}"
     if name == "optimizers":  # each layout's ParallelConfig, so the ledger can be asked again
         d["layouts"] = {k: asdict(p) for k, p in numerics_bench.LAYOUTS.items()}
     return d
@@ -94,7 +97,8 @@ def figure(name: str, quick: bool, tick) -> Figure:
     table = [numerics_bench.HEADERS[name], *numerics_bench.RUN[name][1](d["result"])]
     return Figure(NAMES.get(name, f"numerics-{name}"), TITLES[name],
                   part, "ledger+run" if name == "optimizers" else "run", HOW[name], d,
-                  lambda data, f: numerics_bench.draw(name, data["result"], f), size=(9.0, 3.4),
+                  lambda data, f: numerics_bench.draw(name, data["result"], f),
+                  size=(12.0, 3.4) if name == "fp8" else (9.0, 3.4),
                   table=table)
 
 
