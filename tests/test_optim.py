@@ -112,6 +112,32 @@ def test_clip_scales_to_the_max_norm():
     assert float(acc) == 2.0
 
 
+def test_norm_sum_is_the_zero_started_chunked_sum_bit_for_bit():
+    """``accumulate_sq`` skips the zero start, the split of a piece of one chunk and the
+    multiplication by a weight of 1: the same float64 bits as ``s = 0; s += dot(chunk)…;
+    acc += s·w`` over pieces of every kind (empty, one chunk, several, w = 1 and not).
+    Mutation: summing a piece's chunks in another order, or in float32, fails it."""
+    from fived.optim.clip import SQ_CHUNK
+
+    g = torch.Generator().manual_seed(5)
+    pieces = [(torch.randn(n, generator=g) * 10.0 ** (k % 7 - 3), w) for k, (n, w) in enumerate(
+        [(0, 1.0), (17, 1.0), (1000, 0.5), (SQ_CHUNK, 1.0), (SQ_CHUNK + 1, 0.25),
+         (64, 1 / 3)])]
+    # chunks whose Σg² are 1e16, 1, 1: in order 1e16 + 1 rounds to 1e16 twice, the other way
+    # 1 + 1 + 1e16 is 1e16 + 2 (the chunks' order shows in the bits)
+    order = torch.zeros(3 * SQ_CHUNK)
+    order[0], order[SQ_CHUNK], order[2 * SQ_CHUNK] = 1e8, 1.0, 1.0
+    pieces.append((order, 1.0))
+    want = torch.zeros((), dtype=torch.float64)
+    for t, w in pieces:
+        s = torch.zeros((), dtype=torch.float64)
+        for c in t.split(SQ_CHUNK):
+            s += torch.dot(c.double(), c.double())
+        want += s * w
+    got = accumulate_sq(torch.zeros((), dtype=torch.float64), pieces)
+    assert got.item() == want.item()
+
+
 # ---------------------------------------------------------------- full_grads parity
 
 MODEL = preset("tiny")

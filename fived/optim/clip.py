@@ -35,12 +35,14 @@ def accumulate_sq(acc: torch.Tensor, pieces: Iterable[tuple[torch.Tensor, float]
     """``acc += w · Σ g²`` for every (g, w), in float64, in order, in chunks of ``SQ_CHUNK``
     elements (a float64 copy of a whole gradient would be twice its size); returns ``acc``."""
     for g, w in pieces:
-        s = torch.zeros((), dtype=torch.float64, device=acc.device)
-        for c in g.reshape(-1).split(SQ_CHUNK):
+        flat = g.reshape(-1)
+        s = None
+        for c in (flat,) if flat.numel() <= SQ_CHUNK else flat.split(SQ_CHUNK):
             d = c.double()
-            s += torch.dot(d, d)
+            s = torch.dot(d, d) if s is None else s.add_(torch.dot(d, d))
             del d  # one float64 chunk alive at a time (the ledger's clip transient)
-        acc += s * w
+        if s is not None:  # (0 + x and x · 1 are x: the same bits as a zero start, w = 1)
+            acc += s if w == 1.0 else s * w
     return acc
 
 
