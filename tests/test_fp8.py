@@ -358,6 +358,7 @@ def test_ledger_counts_the_moe_experts_fp8_saves_to_the_byte(recipe):
     assert (saved < base_saved) == (recipe != "rowwise")
 
 
+@pytest.mark.slow
 def test_dry_run_of_fp8_moe_ep2_activations_are_exact(tmp_path):
     """`fived train --dry-run --model tiny-moe --fp8 blockwise --ep 2 --dp 2 --zero 3` then
     `fived ledger --check`: every rank's traffic and model states exact (the experts' own fp8
@@ -440,7 +441,8 @@ def test_bench_numerics_fp8_writes_its_runs(tmp_path):
     assert (tmp_path / "numerics-fp8.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise",
+                                    pytest.param("rowwise", marks=pytest.mark.slow)])
 def test_dry_run_of_fp8_tp_sp_zero3_is_exact(tmp_path, recipe):
     """`fived train --dry-run --fp8 R --tp 2 --sequence-parallel --dp 2 --zero 3` then
     `fived ledger --check`: every rank's traffic (the amax all-reduces on tp, the SP columns'
