@@ -57,6 +57,15 @@ def check_parity(out: dict[str, Any], ref: dict[str, Any], what: Any = "") -> No
     assert g < TOL, (what, "gradients", g, worst_params(out["grads"], ref["grads"]))
 
 
+def fp8_reference(model: ModelConfig, recipe: str, micro: int, train: TrainConfig
+                  ) -> dict[str, Any]:
+    """One rank under ``--fp8 recipe`` with fp32 around it (what every fp8 layout must equal)."""
+    from fived.testing import train_recording
+
+    par = ParallelConfig(precision="fp32", fp8=recipe, micro_batches=micro)
+    return gathered([train_recording(0, 1, model, par, train)])
+
+
 def check_close(out: dict[str, Any], ref: dict[str, Any], loss_tol: float, grad_tol: float,
                 what: Any = "") -> tuple[float, float]:
     """``check_parity`` with its own tolerances (mixed precision against fp32): every rank's

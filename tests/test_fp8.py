@@ -38,7 +38,7 @@ from fived.model import fp8 as fp8_mod
 from fived.model.fp8 import E4M3, E5M2, FMAX, RECIPES, Fp8Linear
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parity_helpers import TOL, gathered, train_runs  # noqa: E402,I001
+from parity_helpers import check_parity, fp8_reference, train_runs  # noqa: E402,I001
 
 TINY = replace(preset("tiny"), layers=2, seq_len=16)
 # every tp=2 shard a whole 128-wide tile: q, kv heads 4·64 / 2, ffn 256 / 2
@@ -180,23 +180,6 @@ def test_bad_fp8_layouts_are_config_errors():
     validate(TINY, ParallelConfig(precision="fp32", fp8="blockwise"))  # pads, one rank
 
 
-def _reference(model, recipe, micro):
-    from fived.testing import train_recording
-
-    par = ParallelConfig(precision="fp32", fp8=recipe, micro_batches=micro)
-    return gathered([train_recording(0, 1, model, par, TRAIN)])
-
-
-def _check(out, ref, what):
-    from fived.testing import grad_rel_diff, rel_diff
-
-    for s in out["ranks"]:
-        d = rel_diff(s["losses"], ref["losses"])
-        assert d < TOL, (what, "losses", d)
-    g = grad_rel_diff(out["grads"], ref["grads"])
-    assert g < TOL, (what, "gradients", g)
-
-
 def _tp_pair(rank: int, world: int, recipe: str, sp: bool) -> dict:
     """A column layer (q_proj) then a row layer (o_proj) cut over tp and swapped to fp8 by
     ``apply_fp8``, with weights whose halves differ 2¹² in magnitude, against the one-rank fp8
@@ -274,7 +257,7 @@ SLOW = [
 def _layouts_equal_one_rank(layouts):
     outs = train_runs([(m, p, TRAIN) for m, p, _ in layouts])
     for (m, p, micro), out in zip(layouts, outs):
-        _check(out, _reference(m, p.fp8, micro), p.describe())
+        check_parity(out, fp8_reference(m, p.fp8, micro, TRAIN), p.describe())
 
 
 def test_tp_layouts_equal_one_rank():

@@ -25,27 +25,10 @@ import pytest
 from fived.config import ParallelConfig, TrainConfig, preset
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parity_helpers import TOL, train_runs  # noqa: E402,I001
+from parity_helpers import check_parity, fp8_reference, train_runs  # noqa: E402,I001
 
 TINY = replace(preset("tiny"), layers=2, seq_len=16)
 TRAIN = TrainConfig(steps=3, global_batch=4, lr=3e-3, warmup=1, seed=7)
-
-
-def _reference(model, recipe, micro):
-    from fived.testing import gathered, train_recording
-
-    par = ParallelConfig(precision="fp32", fp8=recipe, micro_batches=micro)
-    return gathered([train_recording(0, 1, model, par, TRAIN)])
-
-
-def _check(out, ref, what):
-    from fived.testing import grad_rel_diff, rel_diff
-
-    for s in out["ranks"]:
-        d = rel_diff(s["losses"], ref["losses"])
-        assert d < TOL, (what, "losses", d)
-    g = grad_rel_diff(out["grads"], ref["grads"])
-    assert g < TOL, (what, "gradients", g)
 
 
 def _ledger_traffic(model, par, micro_batch):
@@ -64,7 +47,7 @@ def test_zero3_fp8_gather_equals_one_rank_and_the_ledger():
     unchanged)."""
     on = ParallelConfig(dp=2, zero=3, precision="fp32", fp8="tensorwise")
     (out,) = train_runs([(TINY, on, TRAIN)])
-    _check(out, _reference(TINY, "tensorwise", 2), on.describe())
+    check_parity(out, fp8_reference(TINY, "tensorwise", 2, TRAIN), on.describe())
     want = _ledger_traffic(TINY, on, 2)
     for s in out["ranks"]:
         for h in s["history"]:
@@ -141,7 +124,7 @@ def test_zero3_fp8_gather_under_tp_and_ep_equals_one_rank():
                (moe, ParallelConfig(ep=2, dp=2, zero=3, precision="fp32", fp8="tensorwise"), 4)]
     outs = train_runs([(m, p, TRAIN) for m, p, _ in layouts])
     for (m, par, micro), out in zip(layouts, outs):
-        _check(out, _reference(m, "tensorwise", micro), par.describe())
+        check_parity(out, fp8_reference(m, "tensorwise", micro, TRAIN), par.describe())
         want = _ledger_traffic(m, par, TRAIN.global_batch // (par.dp * par.ep))
         if not m.is_moe:  # MoE: the ep all-to-all follows the router (test_expert's check)
             for s in out["ranks"]:
