@@ -34,7 +34,10 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             tokens · ffn/tp tensors in the compute dtype (the down
                             projection's input gradient, SiLU recomputed, its backward, the
                             up gradient: ``fived.model.layers.SwiGLU``); GELU: three; MoE:
-                            top_k · expert_ffn per token in place of ffn/tp
+                            top_k · expert_ffn per token in place of ffn/tp; fp8
+                            (tensorwise, blockwise; dense): + tokens · ffn/tp · e less the
+                            down projection's fp8 input, the part of it its backward did
+                            not free
   ``expert_stack``,         grouped experts (``memory.grouped_experts``), a MoE stage's F:
   ``experts_forward``       the stacked local weights (``memory.expert_stack_bytes``) and
                             SiLU(G) beside the saved G and U (r · f_e · e, r the rank's
@@ -110,6 +113,7 @@ from .memory import (
     buckets,
     candidate_ranks,
     comm_buffers,
+    fp8_copy_bytes,
     fused_backwards,
     grad_bytes,
     grouped_experts,
@@ -173,7 +177,14 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     # or, when a weight outweighs the tokens' rows (h > tokens), the up projection's weight
     # gradient (ffn/tp · h) beside two ffn-wide gradients, before it joins its bucket
     rows = max(width * tokens, (width - 1) * tokens + m.hidden)
-    return grad_out + rows * m.ffn * e / par.tp
+    # the three ffn-wide tensors stand where the down projection's saved input was, freed by
+    # its backward; an fp8 linear saved it as fp8 (tensorwise, blockwise), so only that much
+    # left: the rest of the compute-dtype width is added back
+    f = m.ffn / par.tp
+    recipe = getattr(par, "fp8", "none")
+    fp8_input = (tokens * f * e - fp8_copy_bytes(tokens, f, recipe)
+                 if recipe in ("tensorwise", "blockwise") else 0.0)
+    return grad_out + rows * m.ffn * e / par.tp + fp8_input
 
 
 SPLIT_SCHEDULES = ("zb-h1", "zb-v", "dualpipe-v")  # schedules whose backward is B then W
