@@ -132,6 +132,7 @@ def test_runs_table_has_a_source_for_every_row():
         assert r.family in data["family"] and r.par.world_size == r.gpus
 
 
+@pytest.mark.slow
 def test_validate_reports_the_fit_honestly():
     checks = validate.check_all([r for r in validate.load() if r.par.fp8 == "none"])
     s = validate.summary(checks)

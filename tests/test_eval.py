@@ -140,6 +140,7 @@ LAYOUTS = [  # every 2-rank layout of the default suite, one spawn (V layout: a 
 ]
 
 
+@pytest.mark.slow
 def test_two_rank_layouts_no_grad_eval_equals_the_old_path_and_one_rank(data_dir):
     runs, refs = [], []
     for name, par in LAYOUTS:

@@ -103,6 +103,7 @@ def test_time_shared_ranks_are_bounded_by_their_busy_time_over_the_cores():
     assert planner.predict(m, ParallelConfig(dp=2), hw, 16).times["time_shared"] == 0.0
 
 
+@pytest.mark.slow
 def test_ledger_this_machine_carries_the_traced_kernels():
     """In this process (the subject is the command's JSON, not the interpreter); the probe's
     ranks come from the suite's pool."""

@@ -87,6 +87,7 @@ def test_runtime_trains_an_uneven_split_like_one_rank(tmp_path):
     assert verify.compare_file(tiny, par, train.global_batch, str(path)) == []
 
 
+@pytest.mark.slow
 def test_plan_without_a_batch_grows_it_with_the_cluster(capsys):
     """No --global-batch: 8,192 GPUs plan for 2,048 sequences (16M tokens at 8K, Llama 3's
     batch), not the training default of 16 that would cap data parallelism at 16; pp16
