@@ -998,6 +998,9 @@ def fp8_cut_widths(model: ModelConfig, tp: int) -> dict[str, int]:
 
 def _check_fp8(p: list[str], model: ModelConfig, par: ParallelConfig,
                train: TrainConfig | None = None) -> None:
+    if not par.fp8_gather and (par.zero != 3 or par.fp8 != "tensorwise"):
+        p.append(f"--no-fp8-gather: turns off ZeRO-3's fp8 all-gather of tensorwise weights, "
+                 f"but --zero {par.zero} --fp8 {par.fp8} gathers nothing in fp8; drop it")
     if par.fp8 == "none":
         return
     if par.precision == "fp16":
