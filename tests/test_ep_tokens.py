@@ -76,6 +76,7 @@ def test_ep2_parity_and_bytes():
     assert "sent_rows" not in h_rows["moe"]
 
 
+@pytest.mark.slow
 def test_world4_parity():
     pairs = [(BOTH, p) for p in LAYOUTS4.values()]
     for (m, p), out in zip(pairs, runs(pairs)):
