@@ -597,3 +597,20 @@ def test_cp_runtime_equal_the_ledger(par):
     train = small_train(steps=1)
     for s in train_layout(m, par, train):
         assert verify.compare_record(m, par, train.global_batch, s["history"][-1]) == []
+
+
+def test_h800_is_an_h100_with_deepseeks_nvlink():
+    """The `h800` preset (DeepSeek-V3's GPU): the H100's compute and memory, NVLink at the
+    report's 160 GB/s. A layout whose traffic stays in one node is slower on it by its
+    intra-node collectives alone; one GPU's step is the same."""
+    h100, h800 = hardware.PRESETS["h100-sxm"], hardware.PRESETS["h800"]
+    for f in ("peak_flops", "peak_fp8", "peak_fp32", "memory", "hbm_bw", "inter_bw", "gemm_eff"):
+        assert getattr(h800, f) == getattr(h100, f), f
+    assert h800.intra_bw == 160 * hardware.GB < h100.intra_bw
+    m = preset("llama2-7b")
+    one = ParallelConfig(precision="bf16", zero=3, dp=1)
+    assert (planner.predict(m, one, h800, 8).step_seconds
+            == planner.predict(m, one, h100, 8).step_seconds)
+    tp8 = ParallelConfig(precision="bf16", tp=8)
+    slow, fast = planner.predict(m, tp8, h800, 8), planner.predict(m, tp8, h100, 8)
+    assert slow.step_seconds > fast.step_seconds

@@ -110,6 +110,15 @@ PRESETS: dict[str, Hardware] = {
         "h200", 989e12, 141 * GB, 4.8e12, 360 * GB, 5e-6, 45 * GB, 10e-6, 8,
         "H100 compute with 141 GB HBM3e; NVLink 4, 400 Gb/s NIC per GPU", peak_fp32=67e12,
         peak_fp8=1979e12, **HOPPER),
+    # NVIDIA H800 SXM5 (the export variant DeepSeek-V3 trained on): the H100 SXM5's compute and
+    # memory (989 TFLOP/s BF16 dense, 1979 FP8, 80 GB HBM3 at 3.35 TB/s) with NVLink cut to
+    # 400 GB/s total. DeepSeek-V3's report (§3.2.2) states its links as used: NVLink 160 GB/s,
+    # InfiniBand 50 GB/s per GPU (one 400 Gb/s NIC); 160 GB/s is taken as the achievable bus
+    # bandwidth in a node, 45 GB/s across nodes as for the H100's identical NIC.
+    "h800": Hardware(
+        "h800", 989e12, 80 * GB, 3.35e12, 160 * GB, 5e-6, 45 * GB, 10e-6, 8,
+        "H100 compute with NVLink at 400 GB/s total (160 GB/s achievable, DeepSeek-V3 report), "
+        "one 400 Gb/s NIC per GPU", peak_fp32=67e12, peak_fp8=1979e12, **HOPPER),
     # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s BF16 dense, 19.5 TFLOP/s FP32, 80 GB HBM2e
     # at 2.039 TB/s; NVLink 3 600 GB/s total (300 per direction); DGX A100: 8 HDR 200 Gb/s
     # (25 GB/s) NICs, one per GPU (the Selene nodes of Narayanan et al. 2021).
