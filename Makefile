@@ -18,10 +18,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check fived tests benchmarks
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -n 2 -m slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check fived tests benchmarks

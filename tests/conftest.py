@@ -46,16 +46,20 @@ _spent: dict[str, float] = {}
 _reasoned: set[str] = set()
 
 
+# (under pytest-xdist the workers collect and the controller sums: the reason travels with each
+# report as a user property)
 def pytest_collection_modifyitems(items):
     for item in items:
         doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
         if any(line.strip().startswith("Time:") for line in doc.splitlines()):
-            _reasoned.add(item.nodeid)
+            item.user_properties.append(("time_reason", True))
 
 
 def pytest_runtest_logreport(report):
     if report.when in ("setup", "call"):
         _spent[report.nodeid] = _spent.get(report.nodeid, 0.0) + report.duration
+        if dict(report.user_properties).get("time_reason"):
+            _reasoned.add(report.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter):
