@@ -888,9 +888,6 @@ def _check_documents(p: list[str], model: ModelConfig, par: ParallelConfig,
     if model.mtp_depth and train.cp_balance == "ptrr" and par.cp > 1:
         p.append(f"mtp_depth {model.mtp_depth} with --cp-balance ptrr: multi-token prediction "
                  "fetches its shifted targets from the zigzag chunks; use --cp-balance zigzag")
-    if model.mtp_depth and "=" in train.data:
-        p.append(f"mtp_depth {model.mtp_depth} with a --data mixture: the per-source losses "
-                 "do not split the modules' losses (not built); train one source")
     if train.cp_balance == "ptrr" and par.cp > 1:
         if par.cp_mode != "ring":
             p.append(f"--cp-balance ptrr is ring attention's sharding; --cp-mode {par.cp_mode} "

@@ -8,6 +8,7 @@ source's tally booked to source 0; the tallies not reset between steps (step 1's
 against a step loss of 5.2)."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -119,6 +120,28 @@ def test_a_mixture_trains_the_same_on_dp2_as_on_one_rank(dirs):
         assert abs(got - want) < 1e-5 * want, (name, got, want)
         seen += 1
     assert seen == 2  # step 0 drew from both sources
+
+
+def test_a_mixture_with_multi_token_prediction_at_cp2_equals_one_rank(dirs):
+    """Multi-token prediction on a mixture with ``--eos-target ignore``: the targets carry both
+    marks through cp's fetch of the targets ahead (``fived.model.mtp``). cp2 equals one rank
+    (the trunk's losses, each module's, every gradient), and each step's per-source losses,
+    weighted by the rows drawn, are the trunk's loss (the modules' are not tallied)."""
+    from fived.data.meta import model_for_data
+
+    model = replace(model_for_data(preset("tiny"), spec(dirs)), mtp_depth=1)
+    train = small_train(steps=2, data=spec(dirs), eos_target="ignore")
+    ref = one_rank(model, train)
+    out = train_runs([(model, ParallelConfig(cp=2), train)], timeout=600)[0]
+    check_parity(out, ref, "cp2 mixture mtp")
+    for a, b in zip(ref["ranks"][0]["history"], out["ranks"][0]["history"]):
+        assert abs(a["mtp_losses"][0] - b["mtp_losses"][0]) < 1e-5 * a["mtp_losses"][0]
+        rows = np.bincount(open_loader(spec(dirs), "train", seq_len=model.seq_len,
+                                       batch=train.global_batch, seed=train.seed)
+                           .row_sources(a["step"]), minlength=2)
+        for r in (a, b):
+            parts = [v * n for v, n in zip(r["loss_by_source"].values(), rows) if v is not None]
+            assert abs(sum(parts) / rows.sum() - r["loss"]) < 1e-5 * r["loss"], r
 
 
 def test_the_toml_data_table_is_the_flag(dirs, tmp_path):

@@ -29,9 +29,18 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def hand_objective(model, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list]:
+def hand_objective(model, x: torch.Tensor, y: torch.Tensor, skip: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, list]:
     """L⁰ + λ/D Σ Lᵏ written out: t = x ⧺ y's last token; module k over the first s−k
-    positions only, reading E[t_{i+k}] and predicting t_{i+1+k} (sums of token losses)."""
+    positions only, reading E[t_{i+k}] and predicting t_{i+1+k} (sums of token losses);
+    ``skip`` (as y): the targets no loss counts, the trunk's and every module's."""
+    if skip is not None:  # a skipped target is ignore_index for every CE, as for the trunk's
+        return _hand(model, x, y, torch.where(skip, -100, y))
+    return _hand(model, x, y, y)
+
+
+def _hand(model, x: torch.Tensor, y: torch.Tensor, scored: torch.Tensor
+          ) -> tuple[torch.Tensor, list]:
     cfg = model.cfg
     s, eps = x.shape[1], cfg.norm_eps
     t = torch.cat([x, y[:, -1:]], dim=1)  # t_0 .. t_s
@@ -43,7 +52,7 @@ def hand_objective(model, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tenso
         h = blk(h, rope)
     h = rms(h, model.norm.weight, eps)
     head = model.lm_head.weight
-    total = F.cross_entropy((h @ head.t()).flatten(0, 1), y.flatten(), reduction="sum")
+    total = F.cross_entropy((h @ head.t()).flatten(0, 1), scored.flatten(), reduction="sum")
     each = []
     for k in range(1, cfg.mtp_depth + 1):
         mod = model.mtp._modules[str(k - 1)]
@@ -54,7 +63,7 @@ def hand_objective(model, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tenso
         z = z @ mod.eh_proj.weight.t()
         r = rope_tables(torch.arange(n), cfg.head_dim, cfg.rope_theta)
         h = rms(mod.block(z, r), mod.norm.weight, eps)
-        lk = F.cross_entropy((h @ head.t()).flatten(0, 1), t[:, k + 1:k + 1 + n].flatten(),
+        lk = F.cross_entropy((h @ head.t()).flatten(0, 1), scored[:, k:k + n].flatten(),
                              reduction="sum")
         each.append(lk)
     return total + cfg.mtp_loss_weight / cfg.mtp_depth * sum(each), each
@@ -82,6 +91,62 @@ def test_objective_and_gradients_equal_the_hand_computation(depth):
         assert d < 1e-5, (n, float(d))
     # every module's parameters learn (the objective reaches them)
     assert all(mine[n].abs().sum() > 0 for n in mine if n.startswith("mtp."))
+
+
+def test_marked_targets_are_skipped_by_every_module_and_the_tallies_are_the_trunks():
+    """The data pipeline's marks on the targets (``fived.data.vocab``): ``--eos-target
+    ignore``'s skip bit and a mixture's source. Every module skips the targets the trunk skips
+    and embeds the token id alone (the objective and gradients equal the hand computation with
+    those targets left out), and the per-source tallies hold the trunk's losses only, which
+    sum to its loss (the step's ``loss``). Mutations seen to fail: the modules' losses tallied
+    too (the per-source sum 705.9 against the trunk's 250.2); the marks left on the embedded
+    id (IndexError)."""
+    from fived.data.vocab import (
+        IGNORE_BIT,
+        SOURCE_SHIFT,
+        ignore_marked_targets,
+        tally_sources,
+    )
+
+    model = build_model(MTP, seed=3)
+    g = torch.Generator().manual_seed(1)
+    t = torch.randint(0, MTP.vocab, (4, MTP.seq_len + 1), generator=g)
+    x, y = t[:, :-1], t[:, 1:]
+    skip = torch.rand(y.shape, generator=g) < 0.25
+    source = torch.tensor([0, 1, 1, 0])[:, None]
+    marked = torch.where(skip, y | IGNORE_BIT, y) + (source << SOURCE_SHIFT)
+    assert ignore_marked_targets(model) == 1
+    tallies = tally_sources(model, 2)
+    got = model(x, torch.arange(MTP.seq_len), marked)
+    got.backward()
+    mine = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want, each = hand_objective(model, x, y, skip)
+    want.backward()
+    assert torch.allclose(got, want, rtol=1e-6, atol=0), (float(got), float(want))
+    for n, p in model.named_parameters():
+        d = (mine[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-30)
+        assert d < 1e-5, (n, float(d))
+    trunk = float(want.detach()) - MTP.mtp_loss_weight / MTP.mtp_depth * sum(
+        float(v.detach()) for v in each)
+    by_source = [float(v) for v in tallies[0].tally]
+    assert abs(sum(by_source) - trunk) < 1e-5 * trunk, (by_source, trunk)
+    rows = source.flatten() == 0  # source 0's rows alone: the trunk's CE over their kept tokens
+    with torch.no_grad():
+        h = model.norm(_trunk(model, x[rows]))
+        ce = F.cross_entropy((h @ model.lm_head.weight.t()).flatten(0, 1),
+                             torch.where(skip[rows], -100, y[rows]).flatten(), reduction="sum")
+    assert abs(by_source[0] - float(ce)) < 1e-5 * float(ce), (by_source, float(ce))
+
+
+def _trunk(model, x: torch.Tensor) -> torch.Tensor:
+    from fived.model.layers import rope_tables
+
+    h = model.embed_tokens(x)
+    rope = rope_tables(torch.arange(x.shape[1]), model.cfg.head_dim, model.cfg.rope_theta)
+    for blk in model.layers.values():
+        h = blk(h, rope)
+    return h
 
 
 def test_evaluation_and_generation_ignore_the_modules():

@@ -90,6 +90,11 @@ class SourceLoss(nn.Module):
         assert total is not None
         return total
 
+    def untallied(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The same loss with nothing tallied (multi-token prediction's modules: the
+        per-source losses are the trunk's)."""
+        return self.inner(logits, targets - ((targets >> SOURCE_SHIFT) << SOURCE_SHIFT))
+
 
 def tally_sources(model: nn.Module, sources: int) -> list[SourceLoss]:
     """Wrap every outermost ``loss`` module of ``model`` (and of its pipeline chunks, shared

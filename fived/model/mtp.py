@@ -24,6 +24,13 @@ modules. ``Ahead`` gives, for every local position, the targets 0..D positions a
 whether they exist; on one rank a shift of the local rows, under context parallelism a module
 of ``fived.parallel.context`` that fetches the heads of the successor chunks.
 
+The targets may carry marks above their token id that the data pipeline adds for the loss
+(``fived.data.vocab``: ``--eos-target ignore``'s skip bit 2³¹, a mixture's source from bit 32):
+a module embeds the token id alone (``TOKEN_ID``, the low 31 bits) and hands its targets,
+marks and all, to the loss, so a module skips the targets the trunk skips. A loss that tallies
+per source (``untallied``) is asked for its untallied form: a mixture's per-source losses are
+the trunk's, as the step's ``loss`` is.
+
 The sequence keeps its length through every module (a position without a target gets the
 target ``IGNORE``, which adds nothing to the loss), so tensor, sequence and context
 parallelism cut a module exactly as a trunk block, and the vocab-parallel loss exchanges the
@@ -41,6 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import layers as nn_layers
+
+TOKEN_ID = (1 << 31) - 1  # a target's token id, below the data pipeline's marks
 
 
 def ahead_of(targets: torch.Tensor, depth: int) -> torch.Tensor:
@@ -110,10 +119,11 @@ class MultiTokenPrediction(nn.Module):
         """λ/D · Σ_k Lᵏ for one micro-batch (h0: the trunk's normed output, local shape);
         each Lᵏ, detached, is added to ``tally``."""
         ahead, inside = self.ahead(targets, positions, self.depth)
+        loss = getattr(loss, "untallied", loss)  # a mixture's tallies are the trunk's alone
         total, h = None, h0
         losses = []
         for k, mod in enumerate(self.modules_in_order(), start=1):
-            h = mod(h, embed(ahead[..., k - 1].contiguous()), rope)
+            h = mod(h, embed((ahead[..., k - 1] & TOKEN_ID).contiguous()), rope)
             lk = loss(head(h), torch.where(inside[:, k], ahead[..., k], nn_layers.IGNORE))
             losses.append(lk.detach().double().reshape(1))
             total = lk if total is None else total + lk
