@@ -88,6 +88,29 @@ def test_world2_layouts_equal_documents_run_unpacked(setup):
         check_unpacked(out, ref, f"{p.describe()} {p.cp_mode} {t.cp_balance}", val)
 
 
+def test_multi_token_prediction_stays_in_each_document(data_dir):
+    """Multi-token prediction with document masks: module k's target counts only where the
+    position k ahead is in the token's own document (``fived.model.mtp.inside_of``), so a
+    packed, masked batch equals its documents run one by one, each with its modules
+    truncated at its end — the objective (the trunk's loss + λ/D · Σ the modules') and every
+    gradient, at one rank and cp2 (the targets ahead fetched across the zigzag chunks).
+    Mutation seen to fail: the document test dropped from ``inside_of`` (the modules read and
+    predict across documents)."""
+    model = replace(model_for_data(preset("tiny"), data_dir), mtp_depth=2)
+    train = small_train(steps=1, data=data_dir, doc_mask=True)
+    ref = unpacked_reference(model, train, reset=False)
+    outs = [one_rank(model, train), *train_runs([(model, ParallelConfig(cp=2), train)],
+                                                timeout=600)]
+    w = model.mtp_loss_weight / model.mtp_depth
+    for what, out in zip(("one rank", "cp2"), outs):
+        for s in out["ranks"]:
+            first = s["history"][0]
+            objective = first["loss"] + w * sum(first["mtp_losses"])
+            assert rel_diff([objective], [ref["loss"]]) < TOL, (what, objective, ref["loss"])
+        g = grad_rel_diff(out["grads"], ref["grads"])
+        assert g < TOL, (what, g, worst_params(out["grads"], ref["grads"]))
+
+
 def test_ptrr_deals_blocks_as_the_torch_free_rule():
     """The runtime's ``ptrr_chunks`` and the ledger's ``token_ranks`` agree token for token,
     every rank holds S/cp tokens, and the balance beats zigzag's on a skewed row."""

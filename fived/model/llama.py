@@ -193,7 +193,7 @@ class Transformer(nn.Module):
             return logits
         loss = self.loss(logits, targets)
         if hasattr(self, "mtp") and torch.is_grad_enabled() and cache is None:
-            loss = loss + self.mtp(normed, targets, positions, rope, self.embed_tokens,
+            loss = loss + self.mtp(normed, targets, rope, self.embed_tokens,
                                    self.lm_head, self.loss)
         return loss
 

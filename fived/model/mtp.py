@@ -31,6 +31,11 @@ marks and all, to the loss, so a module skips the targets the trunk skips. A los
 per source (``untallied``) is asked for its untallied form: a mixture's per-source losses are
 the trunk's, as the step's ``loss`` is.
 
+With document masks (``--doc-mask``: packed documents, each attending to itself) a module's
+target counts only where the position k ahead lies in the token's own document: module k
+reads no token and predicts no target of another document, as the trunk's attention sees
+none (Megatron-Core's ``roll_tensor`` rolls each packed sequence on its own the same way).
+
 The sequence keeps its length through every module (a position without a target gets the
 target ``IGNORE``, which adds nothing to the loss), so tensor, sequence and context
 parallelism cut a module exactly as a trunk block, and the vocab-parallel loss exchanges the
@@ -58,16 +63,29 @@ def ahead_of(targets: torch.Tensor, depth: int) -> torch.Tensor:
     return torch.stack([padded[:, j:j + targets.shape[1]] for j in range(depth + 1)], dim=-1)
 
 
+def inside_of(pos: torch.Tensor, seq_len: int, depth: int, docs: torch.Tensor | None
+              ) -> torch.Tensor:
+    """Where module j's target exists for the tokens at global positions ``pos`` (n,): the
+    position j ahead lies in the sequence, (n, depth+1); with document masks (``docs``, the
+    rows' document ids (b, S)) also in the token's own document, (b, n, depth+1), as
+    Megatron-Core rolls each packed sequence on its own (``roll_tensor``)."""
+    ahead = pos[:, None] + torch.arange(depth + 1, device=pos.device)
+    inside = ahead < seq_len
+    if docs is not None:
+        docs = docs.to(pos.device)
+        inside = inside & (docs[:, ahead.clamp(max=seq_len - 1)] == docs[:, pos, None])
+    return inside
+
+
 class Ahead(nn.Module):
     """The targets 0..D positions ahead of each local position, and where they exist: the
     whole sequence is on this rank (context parallelism swaps in its fetching module)."""
 
-    def forward(self, targets: torch.Tensor, positions: torch.Tensor, depth: int
+    def forward(self, targets: torch.Tensor, docs: torch.Tensor | None, depth: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         s = targets.shape[1]
-        inside = torch.arange(s, device=targets.device)[:, None] + torch.arange(
-            depth + 1, device=targets.device) < s
-        return ahead_of(targets, depth), inside
+        pos = torch.arange(s, device=targets.device)
+        return ahead_of(targets, depth), inside_of(pos, s, depth, docs)
 
 
 def mtp_blocks(model: nn.Module) -> list[nn.Module]:
@@ -114,17 +132,18 @@ class MultiTokenPrediction(nn.Module):
         """A new step: nothing tallied."""
         self.tally = torch.zeros(self.depth, dtype=torch.float64)
 
-    def forward(self, h0: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
-                rope: tuple, embed: Callable, head: Callable, loss: Callable) -> torch.Tensor:
+    def forward(self, h0: torch.Tensor, targets: torch.Tensor, rope: tuple, embed: Callable,
+                head: Callable, loss: Callable) -> torch.Tensor:
         """λ/D · Σ_k Lᵏ for one micro-batch (h0: the trunk's normed output, local shape);
         each Lᵏ, detached, is added to ``tally``."""
-        ahead, inside = self.ahead(targets, positions, self.depth)
+        docs = rope[2] if len(rope) > 2 else None  # --doc-mask: the rows' document ids
+        ahead, inside = self.ahead(targets, docs, self.depth)
         loss = getattr(loss, "untallied", loss)  # a mixture's tallies are the trunk's alone
         total, h = None, h0
         losses = []
         for k, mod in enumerate(self.modules_in_order(), start=1):
             h = mod(h, embed((ahead[..., k - 1] & TOKEN_ID).contiguous()), rope)
-            lk = loss(head(h), torch.where(inside[:, k], ahead[..., k], nn_layers.IGNORE))
+            lk = loss(head(h), torch.where(inside[..., k], ahead[..., k], nn_layers.IGNORE))
             losses.append(lk.detach().double().reshape(1))
             total = lk if total is None else total + lk
         self.tally = self.tally.to(h0.device) + torch.cat(losses)

@@ -65,7 +65,7 @@ from ..model import layers
 from ..model.documents import doc_mask
 from ..model.layers import doc_attention
 from ..model.moe import moe_layers
-from ..model.mtp import mtp_blocks
+from ..model.mtp import inside_of, mtp_blocks
 from .counts import add_count_reduction
 from .cp_balance import (  # noqa: F401 - balanced_positions, ptrr_chunks re-exported
     BALANCERS,
@@ -548,13 +548,14 @@ class ContextAhead(nn.Module):
     zigzag shard: rank r holds chunks r and 2·cp−1−r of c = S/(2·cp) tokens; chunk g's
     positions need, beyond its own targets, the first D targets of chunk g+1. One all-gather
     over cp of every rank's chunk heads (b·2·D token ids per rank, D ≤ c) gives each rank
-    them: b·2·D·8·(cp−1) bytes received per rank per micro-batch, counted on ``cp``."""
+    them: b·2·D·8·(cp−1) bytes received per rank per micro-batch, counted on ``cp``. With
+    document masks a target counts only inside its token's document (``mtp.inside_of``)."""
 
     def __init__(self, group: Any):
         super().__init__()
         self.group = group
 
-    def forward(self, targets: torch.Tensor, positions: Any, depth: int
+    def forward(self, targets: torch.Tensor, docs: torch.Tensor | None, depth: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         n, r = self.group.size, self.group.rank
         b, s = targets.shape
@@ -571,9 +572,8 @@ class ContextAhead(nn.Module):
             ext = torch.cat([targets[:, a * c:(a + 1) * c], nxt], dim=1)
             cols.append(torch.stack([ext[:, j:j + c] for j in range(depth + 1)], dim=-1))
             pos = torch.arange(g * c, (g + 1) * c, device=targets.device)
-            inside.append(pos[:, None] + torch.arange(depth + 1, device=targets.device)
-                          < 2 * n * c)
-        return torch.cat(cols, dim=1), torch.cat(inside, dim=0)
+            inside.append(inside_of(pos, 2 * n * c, depth, docs))
+        return torch.cat(cols, dim=1), torch.cat(inside, dim=-2)
 
 
 def apply_cp(model: nn.Module, group: Any, mode: str = "ring", balance: str = "zigzag"
