@@ -184,3 +184,25 @@ def test_latent_ring_bad_input_is_one_message(model, par, words):
     with pytest.raises(ConfigError) as err:
         validate(model, par)
     assert words in str(err.value)
+
+
+def test_the_clock_counts_the_latent_rings_up_projections():
+    """The roofline's W_kvb products of an MLA block at cp4: one forward and dX, dW without
+    the latent ring; under it every block the rank holds (4) forward, and in backward again
+    with dX and dW (``mla.kv_b_products``); selective recompute's core forward includes them."""
+    from fived.ledger import mla, params, roofline
+
+    m = params.dense_block_cfg(preset("deepseek-v3-671b"))
+    heads = ParallelConfig(cp=4, precision="bf16")
+    opts = roofline.ClockOptions()
+    one = 2.0 * m.seq_len / 4 * m.kv_lora_rank * m.heads * (m.qk_nope_head_dim + m.v_head_dim)
+
+    def kv_b(par, part):
+        ops = roofline.block_ops(m, par, 1, opts)[part]
+        return sum(o.flops for o in ops if o.name.startswith("kv_b"))
+
+    assert (kv_b(heads, "fwd"), kv_b(heads, "bwd"), kv_b(heads, "core_fwd")) == (one, 2 * one, 0)
+    latent = replace(heads, cp_mode="ring-latent")
+    assert mla.kv_b_products(4, True) == (4, 12)
+    assert (kv_b(latent, "fwd"), kv_b(latent, "bwd"), kv_b(latent, "core_fwd")) == (
+        4 * one, 12 * one, 4 * one)
