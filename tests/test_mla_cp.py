@@ -9,8 +9,10 @@ its saved bytes per layer are autograd's to the byte; the decompressed ring stay
 without a latent, or with ``--fp8``, is one message, exit 2.
 
 Mutations seen to fail: the ledger's latent width without d_r (cp bytes, real run and dry
-run), the latent not counted as whole over tp (saved bytes under SP), the dlatent's rotary
-part dropped (gradients of kv_a_proj_with_mqa).
+run), the SP re-gather of W_kvb's input still counted (tp bytes, dry run), the latent's d_r
+dropped or the latent norm's output still counted (saved bytes), the dlatent's rotary part
+dropped or W_kvb's gradient of the blocks not added (gradients), the clock's core forward
+without the ring's up-projections.
 """
 
 from __future__ import annotations
