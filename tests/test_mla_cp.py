@@ -2,7 +2,8 @@
 latent [c ; kᴿ] travels the cp ring, each rank up-projects every block it holds through its
 W_kvb, dlatent travels home. Equal to the one-rank reference (losses and gradients, fp32) at
 cp2 with and without query compression and with document masks (zigzag and ptrr); under
-``-m slow`` at cp4, tp2·cp2 (± SP), dp2·cp2 ZeRO-3, pp2·cp2 and selective recompute. Its cp
+``-m slow`` at cp4, tp2·cp2 (± SP), dp2·cp2 ZeRO-3, pp2·cp2 (± multi-token prediction), full
+and selective recompute. Its cp
 bytes (and the tp bytes it changes under SP) are the ledger's, in real runs and in the dry run;
 its saved bytes per layer are autograd's to the byte; the decompressed ring stays reachable
 (``--cp-mode ring``) and the latent ring sends fewer bytes. Bad input: the mode on a model
@@ -105,9 +106,12 @@ def test_latent_ring_world4_layouts_match_one_rank():
 
 @pytest.mark.slow
 def test_latent_ring_with_pp_and_full_recompute_matches_one_rank():
-    """pp2·cp2 (two micro-batches) and cp2 with full recompute under tp2: the one-rank losses
-    and gradients, tp and cp bytes the ledger's."""
+    """pp2·cp2 (two micro-batches; with multi-token prediction too, whose block is an MLA
+    block on the ring) and cp2 with full recompute under tp2: the one-rank losses and
+    gradients, tp and cp bytes the ledger's."""
+    mtp = replace(DS, name="deepseek-v3-tiny-mtp", mtp_depth=1)
     runs = [(DS, replace(LATENT, pp=2, micro_batches=2), TRAIN),
+            (mtp, replace(LATENT, pp=2, micro_batches=2), TRAIN),
             (DS, replace(LATENT, tp=2, recompute="full", sequence_parallel=True), TRAIN)]
     outs = train_runs(runs, timeout=1800)
     for (m, par, t), out in zip(runs, outs):

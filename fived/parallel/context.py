@@ -26,6 +26,21 @@ Ring attention (``--cp-mode ring``)
         forward  (cp−1)·2B          (K/V)
         backward (cp−1)·2B + (cp−1)·2B   (K/V again, and dK/dV)
 
+MLA's latent ring (``--cp-mode ring-latent``, ``LatentRing``)
+    The ring's loops (``_ring_forward``, ``_ring_backward``) with the latent on the ring: each
+    rank sends its block's [c ; kᴿ] (b, S/cp, r_kv + d_r), fp32, and up-projects every block
+    it holds through its W_kvb (H/tp heads):
+
+        [kᴺ_h ; v_h] = W_kvb,h · c,   k_h = [kᴺ_h ; kᴿ],   v_h padded to d_q for the kernel
+
+    Backward re-expands each block, sends dlatent home in the accumulator and adds W_kvb's
+    gradient of every block locally, with D = [dkᴺ dv] of the block (b·s, H·(d_n + d_v)):
+
+        dc = D · W_kvb,   dkᴿ = Σ_h dk_h[d_n:],   dW_kvb += Dᵀ · c
+
+    It saves q and the local latent (fp32), the d_v output and the lse. Bytes one rank sends per
+    layer (L = b·(S/cp)·(r_kv + d_r)·4): forward (cp−1)·L, backward (cp−1)·L + (cp−1)·L.
+
 Ulysses (``--cp-mode ulysses``)
     Four all-to-alls per layer and direction: q, k, v from sequence-sharded to head-sharded
     (each rank gets the full sequence for heads/cp of its heads), attention, and the output back.
@@ -713,11 +728,15 @@ class ContextAhead(nn.Module):
 def apply_cp(model: nn.Module, group: Any, mode: str = "ring", balance: str = "zigzag"
              ) -> nn.Module:
     """Swap every attention core of a plain model (its multi-token prediction blocks too) for
-    the cp one (``balance``: the sharding of --cp-balance, ``zigzag`` or ``ptrr``); MoE layers
+    the cp one — ``mode`` ring, ulysses, or for an MLA model ring-latent (``LatentRing``) —
+    (``balance``: the sharding of --cp-balance, ``zigzag`` or ``ptrr``); MoE layers
     (whose sequences are now cut) sum their routed counts over cp. The batch is sharded by
     ``shard_batch``."""
     if group.size == 1:
         return model
+    if mode == "ring-latent" and not model.cfg.is_mla:
+        raise ConfigError([f"--cp-mode ring-latent rotates MLA's latent; model {model.cfg.name} "
+                           "has no latent (kv_lora_rank 0): use --cp-mode ring"])
     for block in [*model.layers.values(), *mtp_blocks(model)]:
         block.self_attn.core = (LatentRing(group, balance) if mode == "ring-latent"
                                 else ContextAttention(group, mode, balance))
