@@ -45,7 +45,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 AUTO = "auto"  # --precision auto (the default): resolved once, by ``resolve_precision``
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
-CP_MODES = ("ring", "ulysses")
+CP_MODES = ("ring", "ulysses", "ring-latent")
 EP_DISPATCHES = ("rows", "tokens")  # one row per (token, expert) | per (token, ep rank)
 COLLECTIVES = ("backend", "ring")
 ZERO_ALIGN = ("none", "rows")
@@ -376,7 +376,10 @@ class ParallelConfig:
     fp8_gather: bool = spec(True, "with --zero 3 --fp8 tensorwise, all-gather the fp8 linears' "
                                   "weights as e4m3 with their scales (half the bytes; "
                                   "--no-fp8-gather: in --precision)")
-    cp_mode: str = spec("ring", "context-parallel attention", choices=CP_MODES)
+    cp_mode: str = spec("ring", "context-parallel attention: ring (K/V blocks travel the cp "
+                                "ring), ulysses (all-to-all to a head cut), ring-latent "
+                                "(MLA models: the latent and rotary key travel, each rank "
+                                "up-projects them)", choices=CP_MODES)
     ep_dispatch: str = spec("rows", "MoE all-to-all: rows (one row per token and chosen expert) "
                                     "or tokens (one row per token and ep rank it reaches, "
                                     "combined there: DeepSeek-V3's)", choices=EP_DISPATCHES)
@@ -889,7 +892,7 @@ def _check_documents(p: list[str], model: ModelConfig, par: ParallelConfig,
         p.append(f"mtp_depth {model.mtp_depth} with --cp-balance ptrr: multi-token prediction "
                  "fetches its shifted targets from the zigzag chunks; use --cp-balance zigzag")
     if train.cp_balance == "ptrr" and par.cp > 1:
-        if par.cp_mode != "ring":
+        if par.cp_mode not in ("ring", "ring-latent"):
             p.append(f"--cp-balance ptrr is ring attention's sharding; --cp-mode {par.cp_mode} "
                      "is balanced without it")
         _divides(p, 8 * par.cp, model.seq_len, "seq_len over 8·cp (--cp-balance ptrr)",
@@ -905,6 +908,12 @@ def _check_cp(p: list[str], model: ModelConfig, par: ParallelConfig, world: int 
             p.append(f"--seq-len {model.seq_len} with --cp {par.cp}: context parallelism's "
                      f"zigzag split cuts each sequence into 2·cp = {step} equal chunks, so "
                      f"seq_len must be divisible by {step}; use --seq-len {near}")
+        if par.cp_mode == "ring-latent" and not model.is_mla:
+            p.append(f"--cp-mode ring-latent rotates MLA's latent; model {model.name} has no "
+                     "latent (kv_lora_rank 0): use --cp-mode ring")
+        elif par.cp_mode == "ring-latent" and getattr(par, "fp8", "none") != "none":
+            p.append(f"--cp-mode ring-latent with --fp8 {par.fp8}: the latent ring's "
+                     "up-projection runs in --precision (not built in fp8); use --cp-mode ring")
         if par.cp_mode == "ulysses":
             _divides(p, par.cp, model.heads // max(par.tp, 1),
                      "heads per tp rank over cp (ulysses)",

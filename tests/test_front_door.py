@@ -143,6 +143,10 @@ MISTYPES = [
     ("train --keep 2", "--keep 2: checkpoints go to --save-dir"),
     ("train --schedule gpipe", "--schedule gpipe: orders a pipeline's micro-batches"),
     ("train --cp-mode ulysses", "--cp-mode ulysses: is how context parallelism splits"),
+    ("train --cp 2 --cp-mode ring-latent", "--cp-mode ring-latent rotates MLA's latent; model "
+     "tiny has no latent"),
+    ("train --model deepseek-v3-tiny --cp 2 --cp-mode ring-latent --fp8 tensorwise",
+     "--cp-mode ring-latent with --fp8 tensorwise: the latent ring's"),
     ("train --ep-dispatch tokens", "--ep-dispatch tokens: is how expert parallelism sends"),
     ("train --eval-batches 3", "--eval-batches 3: sizes the evaluation of --eval-every"),
     ("train --ranks 0", "--ranks 0: picks the ranks of a --dry-run; add --dry-run"),

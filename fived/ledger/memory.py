@@ -419,7 +419,7 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         # the all-to-alls' reorderings their index (full sequence, int64): q, k, v and out
         out["attn_out"] += tokens * e * hq
         out["ulysses_index"] = 4 * m.seq_len * 8.0
-    if opts.doc_mask and not (cp > 1 and par.cp_mode == "ring"):
+    if opts.doc_mask and not (cp > 1 and par.cp_mode in ("ring", "ring-latent")):
         out.update(doc_core_bytes(m, par, micro_batch))
     if m.qk_norm:
         out["qk_norm"] = tokens * qk_norm_bytes_per_token(m, par, e, opts.fused_norm)
@@ -429,6 +429,9 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
             out["attn_out"] = tokens * e * heads_local * m.v_head_dim
         for k, v in mla_activation_terms(m, par, e, opts.fused_norm, opts.doc_mask).items():
             out[k] = out.get(k, 0.0) + tokens * v
+        if latent_ring(m, par):
+            for k, v in latent_ring_terms(m, par, e).items():
+                out[k] = out[k] + tokens * v if k == "mla_latent" else tokens * v
     if m.is_moe:
         # experts are whole on every tp rank (replicated), the shared expert is tp-cut
         out["mlp"] = tokens * 3 * e * m.expert_ffn * m.top_k / norm_div
@@ -568,6 +571,32 @@ def mla_activation_terms(m: ModelConfig, par: ParallelConfig, e: int, fused: boo
     return out
 
 
+def latent_ring(m: ModelConfig, par: ParallelConfig) -> bool:
+    """Whether MLA's attention runs on the latent ring (``--cp-mode ring-latent``)."""
+    return m.is_mla and par.cp > 1 and par.cp_mode == "ring-latent"
+
+
+def latent_ring_terms(m: ModelConfig, par: ParallelConfig, e: int,
+                      checkpointed: bool = False) -> dict[str, float]:
+    """What MLA saves per token under the latent ring (``fived.parallel.context.LatentRing``),
+    the terms replacing ``layer_activations``'s: the ring saves q (fp32, H/tp heads at d_q),
+    the local latent [c ; kᴿ] (fp32, r_kv + d_r, whole on every tp rank and over the rank's
+    whole sequence), its fp32 log-sum-exp (H/tp) and its output at d_v (o_proj's input, e);
+    W_kvb is not called on the latent, so the latent norm's output (e·r_kv, a sequence shard
+    under SP) is not kept (``mla_latent``: what comes off that term). ``checkpointed``
+    (selective recompute): the checkpoint keeps the core's inputs instead, q and the latent
+    at e, and no log-sum-exp."""
+    heads = m.heads / par.tp
+    sp = par.sequence_parallel and par.tp > 1
+    width = m.kv_lora_rank + m.qk_rope_head_dim
+    norm_out = e * m.kv_lora_rank / (par.tp if sp else 1)
+    lat = {"qkv": (e if checkpointed else 4) * (heads * m.qk_head_dim + width),
+           "softmax": 0.0 if checkpointed else 4 * heads,
+           "attn_out": e * heads * m.v_head_dim}
+    lat["mla_latent"] = -norm_out  # a change to ``mla_activation_terms``' term, not a value
+    return lat
+
+
 FLASH_RNG_BYTES = 24  # what torch's flash attention saves besides its outputs: (2,) + () uint64
 
 
@@ -616,6 +645,10 @@ def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     if par.cp > 1 and par.cp_mode == "ulysses":  # the core's all-to-alls are recomputed too
         out["attn_out"] = tokens * e * hq
         out["ulysses_index"] = 0.0
+    if latent_ring(m, par):  # the checkpoint keeps q and the latent
+        for k, v in latent_ring_terms(m, par, e, checkpointed=True).items():
+            if k != "mla_latent":
+                out[k] = tokens * v
     return out
 
 

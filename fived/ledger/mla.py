@@ -21,6 +21,18 @@ The attention core per token and layer, forward, in the MFU convention of
 
 The runtime's flash core pads v to d_q (its kernel takes one head width), so the hardware does
 4·s·H·d_q; the model FLOPs count d_v, as Megatron-Core's MLA FLOPs do.
+
+Under the latent ring (``--cp-mode ring-latent``) each cp rank up-projects every block it
+holds, its own and the cp − 1 it receives, and again in backward, where each block's dK/dV
+also goes back through W_kvb (dlatent and W_kvb's gradient). Per layer and micro-batch of t
+tokens on a rank, W_kvb's products (each 2·t·r_kv·(H/tp)·(d_n + d_v) FLOPs) are
+
+    forward  cp            (1 without it)
+    backward 3·cp          (cp re-expansions, cp dlatent, cp dW; 2 without it)
+
+so the ring adds 4·(cp − 1) + 1 products per layer: hardware FLOPs, not the model's (MFU
+counts one). With a block of s_b = s/cp tokens the forward's extra over a full core block is
+r_kv·(d_n + d_v)/(s_b·(d_q + d_v)) (409.6/s_b at DeepSeek-V3's shape).
 """
 
 from __future__ import annotations
@@ -68,3 +80,10 @@ def matmul_params(m: ModelConfig) -> int:
 def core_flops_per_token(m: ModelConfig, s: int) -> float:
     """Forward FLOPs of q·kᵀ and p·v for one token in one layer, not causal-halved."""
     return 2.0 * s * m.heads * (m.qk_head_dim + m.v_head_dim)
+
+
+def kv_b_products(cp: int, latent_ring: bool) -> tuple[int, int]:
+    """(forward, backward) W_kvb products per layer and micro-batch on one rank, each over
+    the rank's t tokens: (1, 2) — the matmul, then dX and dW —, or under the latent ring
+    (cp, 3·cp) — every block up-projected, and in backward again, with its dX and dW."""
+    return (cp, 3 * cp) if latent_ring and cp > 1 else (1, 2)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..config import ModelConfig, ParallelConfig, precision_of
+from . import mla
 from .hardware import Hardware
 
 
@@ -173,9 +174,10 @@ def block_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions
     h, d = m.hidden, m.head_dim
     hq = m.heads * d / tp
     hkv = m.kv_heads * d / min(tp, m.kv_heads)
+    latent_ring = m.is_mla and cp > 1 and par.cp_mode == "ring-latent"
     if m.is_mla:  # the latents (whole on every tp rank, the sequence shard under SP), the
         # per-head up-projections and o_proj (heads cut); RoPE on the rotary widths only
-        gemms = _mla_gemms(m, tp, t, t_sp, e)
+        gemms = _mla_gemms(m, tp, t, t_sp, e, mla.kv_b_products(cp, latent_ring)[0])
         hq, hkv = m.heads * m.qk_rope_head_dim / tp, m.qk_rope_head_dim
     elif opts.fused_gemm:
         gemms = [_gemm("qkv", t, hq + 2 * hkv, h, e), _gemm("o", t, h, hq, e)]
@@ -221,22 +223,30 @@ def block_ops(m: ModelConfig, par: ParallelConfig, b: int, opts: ClockOptions
     if getattr(par, "fp8", "none") != "none":  # the linears' three products (not the router)
         gemms = [replace(g, fp8=True) if g.name.split(".")[0] in FP8_GEMMS
                  and g.name != "router" else g for g in gemms]
+    core_fwd = core["fwd"]
+    if latent_ring:  # the ring's backward up-projects every block again; selective recompute
+        # reruns the ring's forward, its up-projections with it
+        kv_b = next(op for op in gemms if op.name == "kv_b")
+        core = {"fwd": core["fwd"], "bwd": core["bwd"] + [replace(kv_b, name="kv_b.again")]}
+        core_fwd = core_fwd + [kv_b]
     fwd = gemms + core["fwd"] + mems
     bwd = [replace(g, fp8=op.fp8) for op in gemms for g in _gemm_bwd(op, e)] + core["bwd"]
     bwd += [_mem(op.name + ".bwd", 2 * op.bytes, 2 * op.count) for op in mems]
-    return {"fwd": fwd, "bwd": bwd, "core_fwd": core["fwd"]}
+    return {"fwd": fwd, "bwd": bwd, "core_fwd": core_fwd}
 
 
-def _mla_gemms(m: ModelConfig, tp: int, t: float, t_sp: float, e: int) -> list[Op]:
+def _mla_gemms(m: ModelConfig, tp: int, t: float, t_sp: float, e: int, blocks: int = 1
+               ) -> list[Op]:
     """MLA's matmuls on one tp rank (``fived.ledger.mla``): the down-projections over the
     rank's tokens (t_sp: the sequence shard under SP), the up-projections and o_proj over its
-    heads."""
+    heads; W_kvb's ``blocks`` times (the latent ring: every block the rank holds,
+    ``mla.kv_b_products``)."""
     h, H = m.hidden, m.heads / tp
     rq, rkv, dr = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
     out = ([_gemm("q_a", t_sp, rq, h, e), _gemm("q_b", t, H * m.qk_head_dim, rq, e)] if rq
            else [_gemm("q", t, H * m.qk_head_dim, h, e)])
     return out + [_gemm("kv_a", t_sp, rkv + dr, h, e),
-                  _gemm("kv_b", t, H * (m.qk_nope_head_dim + m.v_head_dim), rkv, e),
+                  _gemm("kv_b", t, H * (m.qk_nope_head_dim + m.v_head_dim), rkv, e, blocks),
                   _gemm("o", t, h, H * m.v_head_dim, e)]
 
 

@@ -395,7 +395,10 @@ def _mla_tp(m: ModelConfig, par: ParallelConfig, micro_batch: int, e: int, layer
         add("all_gather", c, n, "SP gather of the latents, rotary key, mlp input", "fwd")
     add("reduce_scatter", x, per + mlp, "SP scatter after o_proj/w_down", "fwd")
     add("all_gather", x, per + mlp, "grad of SP scatter", "bwd")
-    for c, n in [(c, per) for c in cols] + [(x, mlp)]:
+    # the latent ring (--cp-mode ring-latent) keeps the gathered latent: W_kvb's input is not
+    # gathered again in backward
+    regathered = cols[:1] if par.cp > 1 and par.cp_mode == "ring-latent" else cols
+    for c, n in [(c, per) for c in regathered] + [(x, mlp)]:
         add("all_gather", c, n, "re-gather of SP column inputs", "bwd")
     for c, n in gathers:
         add("reduce_scatter", c, n, "grad of SP gather", "bwd")
@@ -457,6 +460,14 @@ def cp_traffic(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: i
             out += [Collective("cp", "all_to_all", q, c, (2 if par.recompute == "full" else 1)
                                * per, "recompute: q (and out)", "bwd"),
                     Collective("cp", "all_to_all", k, c, 2 * per, "recompute: k and v", "bwd")]
+    elif par.cp_mode == "ring-latent":  # MLA's latent [c ; kᴿ] and dlatent, fp32
+        lat = tokens * (m.kv_lora_rank + m.qk_rope_head_dim) * 4
+        hops = (c - 1) * per
+        out = [Collective("cp", "send", lat, c, hops, "latent ring", "fwd"),
+               Collective("cp", "send", lat, c, hops, "latent ring again", "bwd"),
+               Collective("cp", "send", lat, c, hops, "dlatent ring", "bwd")]
+        if par.recompute in ("full", "selective"):  # the attention core's forward runs again
+            out.append(Collective("cp", "send", lat, c, hops, "recompute: latent ring", "bwd"))
     else:
         b = tokens * kv_local * d * 4  # one of K or V: the ring sends them (and dK/dV) in fp32
         hops = (c - 1) * per

@@ -20,7 +20,9 @@ back, and saves q, k (d_q), v and the output at d_v and the log-sum-exp — what
 v at d_v (cuDNN's, Megatron-Core's) saves; backward pads v, the output and its gradient again
 (zero columns change none of the kernel's sums: the gradients are the padded core's, bit for
 bit). The output is o_proj's input without a copy. Context parallelism swaps the core for its
-own, which takes one width: there v is padded before the core and the output cut after it. RoPE rotates halves
+own, which takes one width: there v is padded before the core and the output cut after it;
+its latent ring (a core with ``takes_latent``) takes the latent [c ; kᴿ] and W_kvb instead
+and up-projects each block it holds itself. RoPE rotates halves
 (fived's ``apply_rope``); DeepSeek's checkpoints rotate interleaved pairs, which the Hugging Face
 import turns into halves by permuting the rotary rows of W_qb (W_q) and W_kva
 (``fived.checkpoint.hf``): the scores are the same numbers.
@@ -205,7 +207,14 @@ class MLAttention(nn.Module):
     def attend(self, q: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor,
                docs: torch.Tensor | None) -> torch.Tensor:
         """(b, s, H, d_v): MLA's own core takes v at d_v; a swapped one (context
-        parallelism's) gets v padded to d_q and its output is cut back."""
+        parallelism's) gets v padded to d_q and its output is cut back; a core that takes the
+        latent (``takes_latent``: the latent ring) gets (q, [c ; kᴿ], W_kvb) and up-projects
+        itself."""
+        if getattr(self.core, "takes_latent", False):
+            latent, w = self.core.latent_of(self, c, k_rope)
+            dims = (self.dn, self.dv)
+            return (self.core(q, latent, w, dims) if docs is None
+                    else self.core(q, latent, w, dims, docs))
         own = isinstance(self.core, MLACore)
         k, v = self.expand(c, k_rope, pad=not own)
         o = self.core(q, k, v) if docs is None else self.core(q, k, v, docs)

@@ -26,6 +26,21 @@ Ring attention (``--cp-mode ring``)
         forward  (cp−1)·2B          (K/V)
         backward (cp−1)·2B + (cp−1)·2B   (K/V again, and dK/dV)
 
+MLA's latent ring (``--cp-mode ring-latent``, ``LatentRing``)
+    The ring's loops (``_ring_forward``, ``_ring_backward``) with the latent on the ring: each
+    rank sends its block's [c ; kᴿ] (b, S/cp, r_kv + d_r), fp32, and up-projects every block
+    it holds through its W_kvb (H/tp heads):
+
+        [kᴺ_h ; v_h] = W_kvb,h · c,   k_h = [kᴺ_h ; kᴿ],   v_h padded to d_q for the kernel
+
+    Backward re-expands each block, sends dlatent home in the accumulator and adds W_kvb's
+    gradient of every block locally, with D = [dkᴺ dv] of the block (b·s, H·(d_n + d_v)):
+
+        dc = D · W_kvb,   dkᴿ = Σ_h dk_h[d_n:],   dW_kvb += Dᵀ · c
+
+    It saves q and the local latent (fp32), the d_v output and the lse. Bytes one rank sends per
+    layer (L = b·(S/cp)·(r_kv + d_r)·4): forward (cp−1)·L, backward (cp−1)·L + (cp−1)·L.
+
 Ulysses (``--cp-mode ulysses``)
     Four all-to-alls per layer and direction: q, k, v from sequence-sharded to head-sharded
     (each rank gets the full sequence for heads/cp of its heads), attention, and the output back.
@@ -46,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..comm import autograd as comm_autograd
@@ -301,48 +317,146 @@ def _from_inner_q(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.reshape(b, g * rep, s, d).transpose(1, 2).to(dtype).contiguous()
 
 
+def _ring_forward(qi, block, kv_of, group, layout, stats, fused, docs, owned, scale):
+    """The ring's forward loop: (o, lse) of the local queries ``qi`` (b, g, rep, s, d) against
+    every rank's block. ``block`` is what travels (this rank's), ``kv_of(block)`` its K/V
+    (2, b, g, s, d): the block itself for the K/V ring, its up-projection for the latent one."""
+    n, r = group.size, group.rank
+    s = qi.shape[-2]
+    c = s // 2
+    o_acc = torch.zeros_like(qi)
+    lse_acc = torch.full(qi.shape[:-1], float("-inf"), dtype=torch.float32, device=qi.device)
+    q_chunks = chunk_ids(r, n, layout)
+    cd = c if docs is None else s // owned.shape[2]  # the doc path's chunk length
+    cur = block
+    for t in range(n):
+        handle, nxt = None, None
+        if t < n - 1:  # post the next transfer before this block's attention
+            nxt = torch.empty_like(cur)
+            handle = ops.exchange(group, [(cur, (r + 1) % n)], [(nxt, (r - 1) % n)],
+                                  async_op=True)
+        src = (r - t) % n
+        kv = kv_of(cur)
+        if docs is not None:  # document masks: the pairs they leave, masked
+            for rows, j, mask in doc_plan(owned[:, r], owned[:, src], cd, docs):
+                kk, vv = _kv_rows(kv[0], [j], cd), _kv_rows(kv[1], [j], cd)
+                o, lse = _masked_forward(qi[..., rows, :], kk, vv, mask, scale)
+                if stats is not None:
+                    stats.count(qi[..., rows, :], kk, 1)
+                _merge_safe(o_acc, lse_acc, o, lse, rows)
+        for rows, js, causal, pairs in ([] if docs is not None else
+                                        step_plan(q_chunks, chunk_ids(src, n, layout), c)):
+            kk, vv = _kv_rows(kv[0], js, c), _kv_rows(kv[1], js, c)
+            o, lse = _block_forward(qi[..., rows, :], kk, vv, causal, scale, fused)
+            if stats is not None:
+                stats.count(qi[..., rows, :], kk, pairs)
+            _merge(o_acc, lse_acc, o, lse, rows)
+        if handle is not None:
+            handle.wait()
+            cur = nxt
+    return o_acc, lse_acc
+
+
+def _ring_backward(qi, block, kv_of, grad_of, doi, oi, lse, group, layout, stats, fused, docs,
+                   owned, scale):
+    """The ring's backward loop: (dq, d block) — dq of the local queries, and the gradient of
+    this rank's travelling ``block``. Each step recomputes the received block's K/V
+    (``kv_of``), accumulates its dK/dV, turns them into the block's gradient (``grad_of(dkv,
+    block)``: dK/dV themselves for the K/V ring, dlatent for the latent one) and adds that to
+    the accumulator that travels with the ring home to the block's owner."""
+    n, r = group.size, group.rank
+    c = qi.shape[-2] // 2
+    delta = (None if _fused(qi, fused) and docs is None  # the fused kernel forms its own
+             else (doi * oi).sum(-1))
+    dq = torch.zeros_like(qi)
+    own = None
+    q_chunks = chunk_ids(r, n, layout)
+    cur, acc = block, None  # acc: the travelling gradient accumulator of block (r − t)
+    for t in range(n):
+        sends, recvs, nxt, acc_in = [], [], None, None
+        # one message per step: the block for step t+1, and (t ≥ 2) the accumulator of t−1
+        if t < n - 1 and acc is not None and t >= 2:
+            msg = torch.cat([cur, acc])
+            buf = torch.empty_like(msg)
+            sends, recvs = [(msg, (r + 1) % n)], [(buf, (r - 1) % n)]
+        elif t < n - 1:
+            buf = torch.empty_like(cur)
+            sends, recvs = [(cur, (r + 1) % n)], [(buf, (r - 1) % n)]
+        elif t >= 2:
+            buf = torch.empty_like(acc)
+            sends, recvs = [(acc, (r + 1) % n)], [(buf, (r - 1) % n)]
+        handle = ops.exchange(group, sends, recvs, async_op=True) if sends else None
+        src = (r - t) % n
+        kv = kv_of(cur)
+        contrib = torch.zeros_like(kv)
+        if docs is not None:
+            cd = qi.shape[-2] // owned.shape[2]
+            for rows, j, mask in doc_plan(owned[:, r], owned[:, src], cd, docs):
+                kk, vv = _kv_rows(kv[0], [j], cd), _kv_rows(kv[1], [j], cd)
+                dqb, dkb, dvb = _masked_backward(qi[..., rows, :], kk, vv, mask,
+                                                 lse[..., rows], doi[..., rows, :],
+                                                 delta[..., rows], scale)
+                if stats is not None:
+                    stats.count(qi[..., rows, :], kk, 2)
+                dq[..., rows, :] += dqb
+                contrib[0][..., j * cd:(j + 1) * cd, :] += dkb
+                contrib[1][..., j * cd:(j + 1) * cd, :] += dvb
+        for rows, js, causal, pairs in ([] if docs is not None else
+                                        step_plan(q_chunks, chunk_ids(src, n, layout), c)):
+            kk, vv = _kv_rows(kv[0], js, c), _kv_rows(kv[1], js, c)
+            dqb, dkb, dvb = _block_backward(qi[..., rows, :], kk, vv, causal, lse[..., rows],
+                                            doi[..., rows, :], oi[..., rows, :],
+                                            None if delta is None else delta[..., rows],
+                                            scale, fused)
+            if stats is not None:
+                stats.count(qi[..., rows, :], kk, 2 * pairs)
+            dq[..., rows, :] += dqb
+            for dst, part in ((contrib[0], dkb), (contrib[1], dvb)):
+                if js == [0, 1]:
+                    dst += part
+                else:
+                    for i, j in enumerate(js):
+                        dst[..., j * c:(j + 1) * c, :] += part[..., i * c:(i + 1) * c, :]
+        grad = grad_of(contrib, cur)
+        if handle is not None:
+            handle.wait()
+            if t < n - 1 and t >= 2:
+                nxt, acc_in = buf[:cur.shape[0]], buf[cur.shape[0]:]
+            elif t < n - 1:
+                nxt = buf
+            else:
+                acc_in = buf
+        if t == 0:
+            own = grad
+        else:
+            acc = grad if acc_in is None else grad + acc_in
+        if nxt is not None:
+            cur = nxt
+    if n > 1:  # the last accumulator belongs to rank r+1: one more hop home
+        home = torch.empty_like(acc)
+        ops.exchange(group, [(acc, (r + 1) % n)], [(home, (r - 1) % n)])
+        own += home
+    return dq, own
+
+
+def _same(x, *_):
+    return x
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention over the cp-sharded sequence; q (b, s, h, d), k/v (b, s, g, d) local."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout, stats, fused, docs=None, balance="zigzag"):
-        n, r = group.size, group.rank
-        b, s, h, d = q.shape
+        n = group.size
+        d = q.shape[-1]
         g = k.shape[2]
-        c = s // 2
         scale = 1.0 / math.sqrt(d)
         qi = _to_inner_q(q, g)
         kv = torch.stack([k.float().transpose(1, 2), v.float().transpose(1, 2)]).contiguous()
-        o_acc = torch.zeros_like(qi)
-        lse_acc = torch.full(qi.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        q_chunks = chunk_ids(r, n, layout)
         owned = None if docs is None else rank_chunks(docs, n, layout, balance)
-        cd = c if docs is None else s // owned.shape[2]  # the doc path's chunk length
-        cur = kv
-        for t in range(n):
-            handle, nxt = None, None
-            if t < n - 1:  # post the next transfer before this block's attention
-                nxt = torch.empty_like(cur)
-                handle = ops.exchange(group, [(cur, (r + 1) % n)], [(nxt, (r - 1) % n)],
-                                      async_op=True)
-            src = (r - t) % n
-            if docs is not None:  # document masks: the pairs they leave, masked
-                for rows, j, mask in doc_plan(owned[:, r], owned[:, src], cd, docs):
-                    kk, vv = _kv_rows(cur[0], [j], cd), _kv_rows(cur[1], [j], cd)
-                    o, lse = _masked_forward(qi[..., rows, :], kk, vv, mask, scale)
-                    if stats is not None:
-                        stats.count(qi[..., rows, :], kk, 1)
-                    _merge_safe(o_acc, lse_acc, o, lse, rows)
-            for rows, js, causal, pairs in ([] if docs is not None else
-                                            step_plan(q_chunks, chunk_ids(src, n, layout), c)):
-                kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
-                o, lse = _block_forward(qi[..., rows, :], kk, vv, causal, scale, fused)
-                if stats is not None:
-                    stats.count(qi[..., rows, :], kk, pairs)
-                _merge(o_acc, lse_acc, o, lse, rows)
-            if handle is not None:
-                handle.wait()
-                cur = nxt
+        o_acc, lse_acc = _ring_forward(qi, kv, _same, group, layout, stats, fused, docs, owned,
+                                       scale)
         out = _from_inner_q(o_acc, q.dtype)
         ctx.group, ctx.layout, ctx.scale, ctx.g = group, layout, scale, g
         ctx.stats, ctx.fused, ctx.docs, ctx.owned = stats, fused, docs, owned
@@ -353,78 +467,11 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         qi, kv, out, lse = ctx.saved_tensors
-        group, layout, scale, g = ctx.group, ctx.layout, ctx.scale, ctx.g
-        stats, fused, docs, owned = ctx.stats, ctx.fused, ctx.docs, ctx.owned
-        n, r = group.size, group.rank
-        c = qi.shape[-2] // 2
+        g = ctx.g
         doi = _to_inner_q(dout, g)
         oi = _to_inner_q(out, g)
-        delta = (None if _fused(qi, fused) and docs is None  # the fused kernel forms its own
-                 else (doi * oi).sum(-1))
-        dq = torch.zeros_like(qi)
-        dkv_own = torch.zeros_like(kv)
-        q_chunks = chunk_ids(r, n, layout)
-        cur, acc = kv, None  # acc: the travelling dK/dV accumulator of block (r − t)
-        for t in range(n):
-            sends, recvs, nxt, acc_in = [], [], None, None
-            # one message per step: K/V for step t+1, and (t ≥ 2) the accumulator of step t−1
-            if t < n - 1 and acc is not None and t >= 2:
-                msg = torch.cat([cur, acc])
-                buf = torch.empty_like(msg)
-                sends, recvs = [(msg, (r + 1) % n)], [(buf, (r - 1) % n)]
-            elif t < n - 1:
-                buf = torch.empty_like(cur)
-                sends, recvs = [(cur, (r + 1) % n)], [(buf, (r - 1) % n)]
-            elif t >= 2:
-                buf = torch.empty_like(acc)
-                sends, recvs = [(acc, (r + 1) % n)], [(buf, (r - 1) % n)]
-            handle = ops.exchange(group, sends, recvs, async_op=True) if sends else None
-            src = (r - t) % n
-            contrib = dkv_own if t == 0 else torch.zeros_like(kv)
-            if docs is not None:
-                cd = qi.shape[-2] // owned.shape[2]
-                for rows, j, mask in doc_plan(owned[:, r], owned[:, src], cd, docs):
-                    kk, vv = _kv_rows(cur[0], [j], cd), _kv_rows(cur[1], [j], cd)
-                    dqb, dkb, dvb = _masked_backward(qi[..., rows, :], kk, vv, mask,
-                                                     lse[..., rows], doi[..., rows, :],
-                                                     delta[..., rows], scale)
-                    if stats is not None:
-                        stats.count(qi[..., rows, :], kk, 2)
-                    dq[..., rows, :] += dqb
-                    contrib[0][..., j * cd:(j + 1) * cd, :] += dkb
-                    contrib[1][..., j * cd:(j + 1) * cd, :] += dvb
-            for rows, js, causal, pairs in ([] if docs is not None else
-                                            step_plan(q_chunks, chunk_ids(src, n, layout), c)):
-                kk, vv = _kv_rows(cur[0], js, c), _kv_rows(cur[1], js, c)
-                dqb, dkb, dvb = _block_backward(qi[..., rows, :], kk, vv, causal, lse[..., rows],
-                                                doi[..., rows, :], oi[..., rows, :],
-                                                None if delta is None else delta[..., rows],
-                                                scale, fused)
-                if stats is not None:
-                    stats.count(qi[..., rows, :], kk, 2 * pairs)
-                dq[..., rows, :] += dqb
-                for dst, part in ((contrib[0], dkb), (contrib[1], dvb)):
-                    if js == [0, 1]:
-                        dst += part
-                    else:
-                        for i, j in enumerate(js):
-                            dst[..., j * c:(j + 1) * c, :] += part[..., i * c:(i + 1) * c, :]
-            if handle is not None:
-                handle.wait()
-                if t < n - 1 and t >= 2:
-                    nxt, acc_in = buf[:2], buf[2:]
-                elif t < n - 1:
-                    nxt = buf
-                else:
-                    acc_in = buf
-            if t >= 1:
-                acc = contrib if acc_in is None else contrib + acc_in
-            if nxt is not None:
-                cur = nxt
-        if n > 1:  # the last accumulator belongs to rank r+1: one more hop home
-            home = torch.empty_like(acc)
-            ops.exchange(group, [(acc, (r + 1) % n)], [(home, (r - 1) % n)])
-            dkv_own += home
+        dq, dkv_own = _ring_backward(qi, kv, _same, _same, doi, oi, lse, ctx.group, ctx.layout,
+                                     ctx.stats, ctx.fused, ctx.docs, ctx.owned, ctx.scale)
         dq_out = _from_inner_q(dq, ctx.dtypes[0])
         dk = dkv_own[0].transpose(1, 2).to(ctx.dtypes[1])
         dv = dkv_own[1].transpose(1, 2).to(ctx.dtypes[2])
@@ -442,6 +489,108 @@ def ring_attention(q, k, v, group: Any, layout: str = "zigzag", *,
     if group.size == 1:
         return layers.causal_attention(q, k, v) if docs is None else doc_attention(q, k, v, docs)
     return RingAttention.apply(q, k, v, group, layout, stats, fused, docs, balance)
+
+
+# ---------------------------------------------------------------------------------- latent ring
+def _expand_latent(lat: torch.Tensor, w: torch.Tensor, dn: int, dv: int) -> torch.Tensor:
+    """A latent block (b, s, r_kv + d_r) → its K/V (2, b, H, s, d_q), the ring's layout: k =
+    [W_kvb's nope rows · c ; kᴿ] per head, v = W_kvb's value rows · c zero-padded to d_q."""
+    b, s, width = lat.shape
+    r = w.shape[1]
+    dr = width - r
+    kv = torch.matmul(lat[..., :r], w.t()).view(b, s, -1, dn + dv)
+    heads = kv.shape[2]
+    k = torch.cat([kv[..., :dn], lat[..., None, r:].expand(b, s, heads, dr)], dim=-1)
+    v = F.pad(kv[..., dn:], (0, dn + dr - dv))
+    return torch.stack([k.transpose(1, 2), v.transpose(1, 2)])
+
+
+def _latent_grad(dkv: torch.Tensor, lat: torch.Tensor, w: torch.Tensor, dw: torch.Tensor,
+                 dn: int, dv: int) -> torch.Tensor:
+    """``_expand_latent``'s backward: dK/dV (2, b, H, s, d_q) of one block → its dlatent (b, s,
+    r_kv + d_r); W_kvb's gradient of the block is added into ``dw`` (in place)."""
+    r = w.shape[1]
+    dk, dvp = dkv[0].transpose(1, 2), dkv[1].transpose(1, 2)  # (b, s, H, d_q)
+    b, s = dk.shape[0], dk.shape[1]
+    dup = torch.cat([dk[..., :dn], dvp[..., :dv]], dim=-1).reshape(b * s, -1)
+    dw.addmm_(dup.t(), lat[..., :r].reshape(b * s, r))
+    dc = torch.matmul(dup, w).view(b, s, r)
+    return torch.cat([dc, dk[..., dn:].sum(2)], dim=-1)
+
+
+class LatentRingAttention(torch.autograd.Function):
+    """MLA's causal attention over the cp-sharded sequence with the latent on the ring: q (b, s,
+    H, d_q) local heads, ``latent`` (b, s, r_kv + d_r) — the normalised c and the rotated kᴿ —,
+    ``w`` W_kvb (H·(d_n + d_v), r_kv) → (b, s, H, d_v). Each rank up-projects every block it
+    receives; backward re-expands each block, sends dlatent home and adds W_kvb's gradient of
+    every block locally. Saves q and the local latent (fp32), the d_v output and the lse."""
+
+    @staticmethod
+    def forward(ctx, q, latent, w, dims, group, layout, stats, fused, docs=None,
+                balance="zigzag"):
+        dn, dv = dims
+        heads, dq = q.shape[2], q.shape[3]
+        scale = 1.0 / math.sqrt(dq)
+        qi = _to_inner_q(q, heads)
+        lat = latent.float().contiguous()
+        wf = w.float()
+        owned = None if docs is None else rank_chunks(docs, group.size, layout, balance)
+        o_acc, lse_acc = _ring_forward(qi, lat, lambda x: _expand_latent(x, wf, dn, dv), group,
+                                       layout, stats, fused, docs, owned, scale)
+        out = _from_inner_q(o_acc[..., :dv], q.dtype)
+        ctx.group, ctx.layout, ctx.scale, ctx.dims = group, layout, scale, dims
+        ctx.stats, ctx.fused, ctx.docs, ctx.owned = stats, fused, docs, owned
+        ctx.dtypes = (q.dtype, latent.dtype)
+        ctx.save_for_backward(qi, lat, w, out, lse_acc)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qi, lat, w, out, lse = ctx.saved_tensors
+        dn, dv = ctx.dims
+        heads, pad = qi.shape[1], qi.shape[-1] - dv
+        wf = w.float()
+        dw = torch.zeros_like(wf)
+        doi = _to_inner_q(F.pad(dout, (0, pad)), heads)  # zero columns: the padded v's
+        oi = _to_inner_q(F.pad(out, (0, pad)), heads)
+        dq, dlat = _ring_backward(qi, lat, lambda x: _expand_latent(x, wf, dn, dv),
+                                  lambda g, x: _latent_grad(g, x, wf, dw, dn, dv), doi, oi, lse,
+                                  ctx.group, ctx.layout, ctx.stats, ctx.fused, ctx.docs,
+                                  ctx.owned, ctx.scale)
+        return (_from_inner_q(dq, ctx.dtypes[0]), dlat.to(ctx.dtypes[1]), dw.to(w.dtype),
+                None, None, None, None, None, None, None)
+
+
+class LatentRing(nn.Module):
+    """MLA's core under ``--cp-mode ring-latent``: ``fived.model.mla.MLAttention`` hands it the
+    latent (``latent_of``) instead of the decompressed heads. Under tensor parallelism W_kvb is
+    column-cut (this rank's heads) and its input region is taken here: the latent is gathered
+    over the sequence (SP) or passed whole, its gradient summed over tp, as the column layer
+    does; the latent and the rotary key are whole on every tp rank."""
+
+    takes_latent = True
+
+    def __init__(self, group: Any, balance: str = "zigzag"):
+        super().__init__()
+        self.group, self.balance = group, balance
+
+    def latent_of(self, attn: nn.Module, c: torch.Tensor, k_rope: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latent (b, s, r_kv + d_r), W_kvb) of an ``MLAttention`` whose latent c (b, s,
+        r_kv) is normalised and whose rotary key (b, s, 1, d_r) is rotated."""
+        kv_b = attn.kv_b_proj
+        w = kv_b.weight
+        cols = getattr(kv_b, "columns", None)  # a tp-cut column layer: its input region
+        if cols is not None:
+            c = (comm_autograd.gather_from(c, cols.group, 1) if cols.sp
+                 else comm_autograd.copy_to(c, cols.group))
+            w = kv_b._replica(w)
+        return torch.cat([c, k_rope.squeeze(2)], dim=-1), w
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, w: torch.Tensor, dims: tuple,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        return LatentRingAttention.apply(q, latent, w, dims, self.group, "zigzag", None, True,
+                                         docs, self.balance)
 
 
 # ---------------------------------------------------------------------------------- Ulysses
@@ -579,13 +728,18 @@ class ContextAhead(nn.Module):
 def apply_cp(model: nn.Module, group: Any, mode: str = "ring", balance: str = "zigzag"
              ) -> nn.Module:
     """Swap every attention core of a plain model (its multi-token prediction blocks too) for
-    the cp one (``balance``: the sharding of --cp-balance, ``zigzag`` or ``ptrr``); MoE layers
+    the cp one — ``mode`` ring, ulysses, or for an MLA model ring-latent (``LatentRing``) —
+    (``balance``: the sharding of --cp-balance, ``zigzag`` or ``ptrr``); MoE layers
     (whose sequences are now cut) sum their routed counts over cp. The batch is sharded by
     ``shard_batch``."""
     if group.size == 1:
         return model
+    if mode == "ring-latent" and not model.cfg.is_mla:
+        raise ConfigError([f"--cp-mode ring-latent rotates MLA's latent; model {model.cfg.name} "
+                           "has no latent (kv_lora_rank 0): use --cp-mode ring"])
     for block in [*model.layers.values(), *mtp_blocks(model)]:
-        block.self_attn.core = ContextAttention(group, mode, balance)
+        block.self_attn.core = (LatentRing(group, balance) if mode == "ring-latent"
+                                else ContextAttention(group, mode, balance))
     if hasattr(model, "mtp"):  # the shifted targets cross the zigzag chunks' boundaries
         model.mtp.ahead = ContextAhead(group)
     for moe in moe_layers(model):
