@@ -87,16 +87,17 @@ def _gathered_weights(rank: int, world: int) -> dict:
     b.param_shard = b.param_full[b.lo:b.hi].clone()
     gather = Fp8Gather([b], {pl.name: pl for pl in places}, grid)
     assert gather.owns(b)
-    gather.start(b).wait()
+    for h in gather.start(b):
+        h.wait()
     out = {}
     for (name, p), w in zip(named, whole.values()):
-        q = fp8_mod._PROVIDED[id(p)]
+        q = fp8_mod._PROVIDED[id(p)]["w_dgrad"]
         want = fp8_mod.cast(w, "tensorwise", "w_dgrad")
         rows = want.data.view(torch.uint8).chunk(2, 0)[tp.rank]
         out[name] = (bool(torch.equal(q.data.view(torch.uint8), rows)),
                      float(q.scale), float(want.scale))
     gather.free(b)
-    out["freed"] = not fp8_mod._PROVIDED and gather.full[0].untyped_storage().nbytes() == 0
+    out["freed"] = not fp8_mod._PROVIDED and gather.full[(0, "w")].untyped_storage().nbytes() == 0
     return out
 
 
@@ -111,6 +112,90 @@ def test_gathered_fp8_weight_is_one_ranks_cast_to_the_bit():
         assert r.pop("freed"), r
         for name, (same, got, want) in r.items():
             assert same and got == want, (name, got, want)
+
+
+def _gathered_tiles(rank: int, world: int, recipe: str, tp: int) -> dict:
+    """tp·dp (dp = world/tp) ZeRO-3 flat shards of two fp8 weights whose rows and 128×128 blocks
+    the shard boundaries cut (an up projection cut over tp by rows, a down projection by
+    columns; W1's last rows and W2's first columns 2¹⁰ larger, so a piece's own amax would give
+    other scales): each provided operand's e4m3 bytes and per-element scale against one rank's
+    cast of the whole weight, cut as tp cuts it. (bytes equal, scales equal, operands) per
+    weight; ``amaxes``: the floats the scales' all-reduce over the shards carried."""
+    import torch
+
+    from fived.comm.ops import Traffic
+    from fived.model import fp8 as fp8_mod
+    from fived.parallel.data.buckets import Bucket
+    from fived.parallel.data.fp8 import Fp8Gather
+    from fived.parallel.placement import Placement
+    from fived.ranks.grid import Grid
+
+    dp = world // tp
+    par = ParallelConfig(tp=tp, dp=dp, zero=3, fp8=recipe)
+    traffic = Traffic()
+    grid = Grid.from_config(par, rank).connect(traffic)
+    t = grid["tp"].rank if tp > 1 else 0
+    g = torch.Generator().manual_seed(5)
+    whole = {"layers.0.mlp.up_proj.weight": (torch.randn(264, 136, generator=g) * 0.05, 0),
+             "layers.0.mlp.down_proj.weight": (torch.randn(136, 264, generator=g) * 0.05, 1)}
+    whole["layers.0.mlp.up_proj.weight"][0][-20:] *= 2 ** 10
+    whole["layers.0.mlp.down_proj.weight"][0][:, :9] *= 2 ** 10
+    named, places = [], []
+    for name, (w, dim) in whole.items():
+        piece = w.chunk(tp, dim)[t].clone() if tp > 1 else w.clone()
+        named.append((name, torch.nn.Parameter(piece)))
+        places.append(Placement(name, tuple(w.shape), dim, tp, t))
+    b = Bucket(named, places, "dense", grid["dense"], dp, 0, 2, unit=0)
+    b.param_full = torch.cat([p.detach().reshape(-1) for _, p in named])
+    b.param_shard = b.param_full[b.lo:b.hi].clone()
+    gather = Fp8Gather([b], {pl.name: pl for pl in places}, grid, recipe)
+    assert gather.owns(b)
+    for h in gather.start(b):
+        h.wait()
+    amax_bytes = traffic.records[("dense", "all_reduce")].bytes
+    out = {}
+    for (name, p), (w, dim) in zip(named, whole.values()):
+        got = fp8_mod._PROVIDED[id(p)]
+        res = []
+        for op in ("w_fwd", "w_dgrad"):
+            q = got[op].t() if op == "w_fwd" else got[op]  # (N, K), as W
+            want = fp8_mod.cast(w.t() if op == "w_fwd" else w, recipe, op)
+            want = want.t() if op == "w_fwd" else want
+            wd = want.data.view(torch.uint8)
+            ws = fp8_mod.expand(want.scale, want.tile, tuple(w.shape))
+            if tp > 1:
+                wd, ws = wd.chunk(tp, dim)[t], ws.chunk(tp, dim)[t]
+            gs = fp8_mod.expand(q.scale, q.tile, tuple(q.data.shape))
+            res.append((bool(torch.equal(q.data.view(torch.uint8), wd)),
+                        bool(torch.equal(gs, ws))))
+        out[name] = res
+    gather.free(b)
+    out["freed"] = not fp8_mod._PROVIDED and all(
+        f.untyped_storage().nbytes() == 0 for f in gather.full.values())
+    out["amax bytes"] = amax_bytes
+    return out
+
+
+@pytest.mark.parametrize("recipe,tp,world", [("rowwise", 1, 2), ("blockwise", 1, 4),
+                                             ("rowwise", 2, 4), ("tensorwise", 1, 4)])
+def test_gathered_tiles_are_one_ranks_cast_to_the_bit(recipe, tp, world):
+    """Rowwise and blockwise over flat shards that cut rows and blocks: every rank's gathered
+    e4m3 operands (rowwise: the per-row Wᵀ and the per-column W; blockwise: one cast serving
+    both) and their per-element scales equal one rank's cast of the whole weight, bit for bit
+    (tp2: the amaxes spanning the cut reduced over tp as well); the scales' all-reduce carries
+    the recipe's amaxes (rowwise N + K per weight, blockwise ⌈N/128⌉·⌈K/128⌉, tensorwise 1)."""
+    from fived.comm.volume import bytes_sent
+    from fived.parallel.data.fp8 import amax_count
+    from fived.testing import run_ranks
+
+    shapes = [(264 // tp, 136), (136, 264 // tp)]
+    floats = sum(amax_count(recipe, s) for s in shapes)
+    dp = world // tp
+    for r in run_ranks(_gathered_tiles, world, recipe, tp):
+        assert r.pop("freed"), r
+        assert r.pop("amax bytes") == bytes_sent("all_reduce", 4 * floats, dp), r
+        for name, ops in r.items():
+            assert all(same and scale for same, scale in ops), (name, ops)
 
 
 @pytest.mark.slow
