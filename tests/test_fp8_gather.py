@@ -37,17 +37,23 @@ def _ledger_traffic(model, par, micro_batch):
     return step_bytes(model, par, micro_batch)
 
 
-def test_zero3_fp8_gather_equals_one_rank_and_the_ledger():
-    """dp2 ZeRO-3 under --fp8 tensorwise with the fp8 gather equals the one-rank fp8 run
-    (losses of 3 steps and first-step gradients to 1e-5, fp32 around the products); every
-    rank's traffic of every step equals the ledger's to the byte (the fp8 weights' gathers at
-    1 byte per element, one all-reduce of each unit's scales per step); the dense group's
+@pytest.mark.parametrize("recipe,dp,recompute", [
+    ("tensorwise", 2, "none"), ("rowwise", 2, "none"), ("blockwise", 2, "none"),
+    pytest.param("rowwise", 4, "none", marks=pytest.mark.slow),
+    pytest.param("blockwise", 4, "none", marks=pytest.mark.slow), ("rowwise", 2, "full")])
+def test_zero3_fp8_gather_equals_one_rank_and_the_ledger(recipe, dp, recompute):
+    """dp2 and dp4 ZeRO-3 under each --fp8 recipe with the fp8 gather equal the one-rank fp8
+    run of that recipe (losses of 3 steps and first-step gradients to 1e-5, fp32 around the
+    products); every rank's traffic of every step equals the ledger's to the byte (the fp8
+    weights' gathers at 1 byte per element and cast — rowwise under full recompute: two casts
+    in backward —, one all-reduce of each unit's tile amaxes per step); the dense group's
     bytes are under 0.75× the ledger's with the gather in the compute dtype (fp32 here: the
     fp8 weights' gathers at a quarter, the norms' and the root's unchanged, the reduce-scatter
     unchanged)."""
-    on = ParallelConfig(dp=2, zero=3, precision="fp32", fp8="tensorwise")
-    (out,) = train_runs([(TINY, on, TRAIN)])
-    check_parity(out, fp8_reference(TINY, "tensorwise", 2, TRAIN), on.describe())
+    on = ParallelConfig(dp=dp, zero=3, precision="fp32", fp8=recipe, recompute=recompute)
+    train = replace(TRAIN, global_batch=2 * dp)
+    (out,) = train_runs([(TINY, on, train)])
+    check_parity(out, fp8_reference(TINY, recipe, dp, train), on.describe())
     want = _ledger_traffic(TINY, on, 2)
     for s in out["ranks"]:
         for h in s["history"]:
@@ -217,25 +223,30 @@ def test_zero3_fp8_gather_under_tp_and_ep_equals_one_rank():
 
 
 GATHER_LAYOUTS = [
-    ("tiny", "--pp 2 --dp 2 --zero 3 --micro-batches 2"),
-    ("tiny", "--pp 2 --dp 2 --zero 3 --micro-batches 2 --zero3-pp-gather step"),
-    ("tiny", "--dp 4 --dp-shard 2 --zero 3"),
-    ("tiny", "--dp 4 --zero 3 --recompute full --micro-batches 2"),
-    ("tiny-moe", "--ep 2 --dp 2 --tp 2 --zero 3"),
+    ("tiny", "--pp 2 --dp 2 --zero 3 --micro-batches 2", "tensorwise"),
+    ("tiny", "--pp 2 --dp 2 --zero 3 --micro-batches 2 --zero3-pp-gather step", "tensorwise"),
+    ("tiny", "--dp 4 --dp-shard 2 --zero 3", "tensorwise"),
+    ("tiny", "--dp 4 --zero 3 --recompute full --micro-batches 2", "tensorwise"),
+    ("tiny-moe", "--ep 2 --dp 2 --tp 2 --zero 3", "tensorwise"),
+    ("tiny", "--pp 2 --dp 2 --zero 3 --micro-batches 2", "blockwise"),
+    ("tiny", "--dp 4 --dp-shard 2 --zero 3", "rowwise"),
+    ("tiny", "--dp 4 --zero 3 --recompute full --micro-batches 2", "rowwise"),
+    ("tiny-moe", "--ep 2 --dp 2 --tp 2 --zero 3", "rowwise"),
+    ("tiny-moe", "--ep 2 --dp 2 --zero 3", "blockwise"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,layout", GATHER_LAYOUTS)
-def test_dry_run_of_the_fp8_gather_is_exact(tmp_path, model, layout):
-    """`fived train --dry-run --fp8 tensorwise` with ZeRO-3 under pp (the executor's driven
-    gathers, per micro-batch and per step), hybrid sharding (the scales reduced over the shard
-    part), full recompute and MoE with ep and tp, then `fived ledger --check`: every rank's
-    traffic and model states exact."""
+@pytest.mark.parametrize("model,layout,recipe", GATHER_LAYOUTS)
+def test_dry_run_of_the_fp8_gather_is_exact(tmp_path, model, layout, recipe):
+    """`fived train --dry-run --fp8 R` with ZeRO-3 under pp (the executor's driven gathers, per
+    micro-batch and per step), hybrid sharding (the scales reduced over the shard part), full
+    recompute (rowwise: both casts in backward) and MoE with ep and tp, then `fived ledger
+    --check`: every rank's traffic and model states exact."""
     from parity_helpers import run_cli
 
     out = tmp_path / "run.jsonl"
-    r = run_cli("train", "--dry-run", "--model", model, "--fp8", "tensorwise", "--precision",
+    r = run_cli("train", "--dry-run", "--model", model, "--fp8", recipe, "--precision",
                 "bf16", *layout.split(), "--steps", "1", "--metrics-out", str(out))
     assert r.returncode == 0, r.stderr
     c = run_cli("ledger", "--check", str(out))

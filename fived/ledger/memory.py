@@ -166,6 +166,7 @@ class Bucket:
     unit: int = -1  # ZeRO-3: the block it gathers with (-1: the root — embedding, norm, head)
     aligned: int = 0  # --zero-align rows: the padded length with row-aligned shards (0: none)
     fp8: int = 0  # ZeRO-3's fp8 gather: the fp8 weights it holds, gathered in e4m3 (0: none)
+    fp8_amax: int = 0  # their tile amaxes reduced once per step (fived.parallel.data.fp8)
 
     @property
     def gathered_bytes_per_element(self) -> int:
@@ -233,7 +234,7 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
 
     runs = _bucket_runs(m, replace(par, dp=1, cp=1, dp_shard=0, dp_replicate=0,
                                    zero=3 if par.zero == 3 else 0), pp_rank)
-    return tuple(Bucket(g, n, shards(g), u, fp8=f) for g, n, u, f in runs)
+    return tuple(Bucket(g, n, shards(g), u, fp8=f, fp8_amax=a) for g, n, u, f, a in runs)
 
 
 def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucket | None:
@@ -253,16 +254,35 @@ def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucke
 
 @lru_cache(maxsize=1024)
 def _bucket_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
-                 ) -> tuple[tuple[str, int, int, int], ...]:
-    """(group, elements, ZeRO-3 unit, fp8-gathered weights) of each of ``_buckets``' buckets,
-    in launch order."""
+                 ) -> tuple[tuple[str, int, int, int, int], ...]:
+    """(group, elements, ZeRO-3 unit, fp8-gathered weights, their tile amaxes) of each of
+    ``_buckets``' buckets, in launch order."""
     from .params import fp8_gather, fp8_weight, param_list
 
     plist = list(reversed(param_list(m, par, pp_rank)))
     gather8 = fp8_gather(par)
+
+    def amaxes(k: int) -> int:
+        return fp8_amax_count(par.fp8, m.hidden, plist[k][1]) if gather8 and fp8_weight(
+            plist[k][0]) else 0
     return tuple((g, sum(plist[k][1] for k in ks), u,
-                  sum(fp8_weight(plist[k][0]) for k in ks) if gather8 else 0)
+                  sum(fp8_weight(plist[k][0]) for k in ks) if gather8 else 0,
+                  sum(amaxes(k) for k in ks))
                  for g, u, ks in _bucket_members(m, par, pp_rank, plist))
+
+
+def fp8_amax_count(recipe: str, hidden: int, numel: int) -> int:
+    """The tile amaxes ZeRO-3's fp8 gather reduces per step for one fp8 weight of ``numel``
+    elements (``fived.parallel.data.fp8``): every fp8 linear has the hidden size on one side
+    (q/k/v/gate/up and the experts' w1/w3 read it, o/down/w2 write it), the other side is
+    numel/h; tensorwise 1, rowwise N + K, blockwise ⌈N/128⌉·⌈K/128⌉."""
+    other = numel // hidden
+    assert other * hidden == numel, (numel, hidden)
+    if recipe == "rowwise":
+        return hidden + other
+    if recipe == "blockwise":
+        return -(-hidden // 128) * -(-other // 128)
+    return 1
 
 
 def _bucket_members(m: ModelConfig, par: ParallelConfig, pp_rank: int,
