@@ -936,8 +936,13 @@ def zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
 
 
 def _zero_key(par: ParallelConfig) -> ParallelConfig:
-    return replace(par, recompute="none", sequence_parallel=False, cp_mode="ring",
-                   micro_batches=min(par.micro_batches, 3))
+    """``par`` without what the replay does not read; full recompute stays where rowwise's fp8
+    gather carries both of W's casts in backward (``fived.parallel.data.fp8``)."""
+    from .params import fp8_gather
+
+    both = par.recompute == "full" and par.fp8 == "rowwise" and fp8_gather(par)
+    return replace(par, recompute="full" if both else "none", sequence_parallel=False,
+                   cp_mode="ring", micro_batches=min(par.micro_batches, 3))
 
 
 @lru_cache(maxsize=4096)
@@ -999,8 +1004,13 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         seqs.setdefault(b.group, []).append(i)
     # ZeRO-3 gather units: blocks (pp = 1) or the one chunk, and the root (-1)
     ubytes: dict[int, int] = {}
+    bbytes: dict[int, int] = {}  # a backward gather's (rowwise fp8 under full recompute: 2 casts)
     for b in bks:
-        ubytes[b.unit] = ubytes.get(b.unit, 0) + b.padded * (b.gathered_bytes_per_element or pb)
+        eb = b.padded * (b.gathered_bytes_per_element or pb)
+        ubytes[b.unit] = ubytes.get(b.unit, 0) + eb
+        again = par.recompute == "full" and b.gathered_bytes_per_element  # (``_zero_key``)
+        bbytes[b.unit] = bbytes.get(b.unit, 0) + eb * (2 if again else 1)
+    held: dict[int, int] = {}  # gathered unit -> its bytes
     nblocks = sorted(u for u in ubytes if u >= 0) if par.pp == 1 else []
     uparams: dict[int, int] = {}
     for i, b in enumerate(bks):
@@ -1018,24 +1028,25 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         if sum(live) > sum(peak):
             peak[:] = live
 
-    def gather(u: int | None) -> None:
+    def gather(u: int | None, back: bool = False) -> None:
         if u is not None and u in ubytes and u not in gathered:
             gathered.add(u)
-            hold(1, ubytes[u])
+            held[u] = (bbytes if back else ubytes)[u]
+            hold(1, held[u])
 
     def free(u: int) -> None:
         if u in gathered:
             gathered.discard(u)
-            live[1] -= ubytes[u]
+            live[1] -= held.pop(u)
 
     def drop(i: int) -> None:
         if i in grads:
             grads.discard(i)
             live[0] -= bks[i].padded * gb
 
-    def prefetch(u: int | None) -> None:
+    def prefetch(u: int | None, back: bool = False) -> None:
         if par.overlap:
-            gather(u)
+            gather(u, back)
 
     def nxt(u: int, step: int) -> int | None:
         k = nblocks.index(u) + step
@@ -1057,7 +1068,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 free(u)
             fends.append(sum(live))  # the loss: the root gathered, the blocks freed
             # backward: the root stays gathered from its forward
-            prefetch(nblocks[-1] if nblocks else None)
+            prefetch(nblocks[-1] if nblocks else None, back=True)
         done = [0] * len(bks)
         udone: dict[int, int] = {}
         launched = {g: 0 for g in seqs}
@@ -1068,8 +1079,8 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
             u = bks[i].unit
             if zero3_flat and u >= 0 and u != block:  # the block's pre-backward hook
                 block = u
-                gather(u)
-                prefetch(nxt(u, -1))
+                gather(u, back=True)
+                prefetch(nxt(u, -1), back=True)
             if i not in grads:
                 grads.add(i)
                 hold(0, bks[i].padded * gb)
