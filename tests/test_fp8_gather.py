@@ -121,10 +121,11 @@ def test_gathered_fp8_weight_is_one_ranks_cast_to_the_bit():
 
 
 def _gathered_tiles(rank: int, world: int, recipe: str, tp: int) -> dict:
-    """tp·dp (dp = world/tp) ZeRO-3 flat shards of two fp8 weights whose rows and 128×128 blocks
-    the shard boundaries cut (an up projection cut over tp by rows, a down projection by
-    columns; W1's last rows and W2's first columns 2¹⁰ larger, so a piece's own amax would give
-    other scales): each provided operand's e4m3 bytes and per-element scale against one rank's
+    """tp·dp (dp = world/tp) ZeRO-3 flat shards of three fp8 weights whose rows and 128×128
+    blocks the shard boundaries cut (o and up projections cut over tp by rows, a down projection
+    by columns; W2's last rows and W3's first columns 2¹⁰ larger, so a piece's own amax would
+    give other scales; at tp1 a row cut by a shard boundary holds its block's amax in its last
+    column): each provided operand's e4m3 bytes and per-element scale against one rank's
     cast of the whole weight, cut as tp cuts it. (bytes equal, scales equal, operands) per
     weight; ``amaxes``: the floats the scales' all-reduce over the shards carried."""
     import torch
@@ -142,10 +143,23 @@ def _gathered_tiles(rank: int, world: int, recipe: str, tp: int) -> dict:
     grid = Grid.from_config(par, rank).connect(traffic)
     t = grid["tp"].rank if tp > 1 else 0
     g = torch.Generator().manual_seed(5)
-    whole = {"layers.0.mlp.up_proj.weight": (torch.randn(264, 136, generator=g) * 0.05, 0),
+    whole = {"layers.0.self_attn.o_proj.weight": (torch.randn(14, 136, generator=g) * 0.05, 0),
+             "layers.0.mlp.up_proj.weight": (torch.randn(264, 136, generator=g) * 0.05, 0),
              "layers.0.mlp.down_proj.weight": (torch.randn(136, 264, generator=g) * 0.05, 1)}
     whole["layers.0.mlp.up_proj.weight"][0][-20:] *= 2 ** 10
     whole["layers.0.mlp.down_proj.weight"][0][:, :9] *= 2 ** 10
+    if tp == 1:  # a row a shard starts inside: its last column (the second 128-tile) the
+        # block's amax, so the piece's tiles must be counted from the row's column 0
+        sizes = [w.numel() for w, _ in whole.values()]
+        total = -(-sum(sizes) // dp) * dp
+        for k in range(1, dp):
+            at = k * total // dp
+            for w, _ in whole.values():
+                if 0 <= at < w.numel():
+                    r, c = divmod(at, w.shape[1])
+                    if c % 128:
+                        w[r, -1] = 2.0 ** 6
+                at -= w.numel()
     named, places = [], []
     for name, (w, dim) in whole.items():
         piece = w.chunk(tp, dim)[t].clone() if tp > 1 else w.clone()
@@ -194,7 +208,7 @@ def test_gathered_tiles_are_one_ranks_cast_to_the_bit(recipe, tp, world):
     from fived.parallel.data.fp8 import amax_count
     from fived.testing import run_ranks
 
-    shapes = [(264 // tp, 136), (136, 264 // tp)]
+    shapes = [(14 // tp, 136), (264 // tp, 136), (136, 264 // tp)]
     floats = sum(amax_count(recipe, s) for s in shapes)
     dp = world // tp
     for r in run_ranks(_gathered_tiles, world, recipe, tp):
