@@ -46,18 +46,23 @@ def test_zero3_fp8_gather_equals_one_rank_and_the_ledger(recipe, dp, recompute):
     run of that recipe (losses of 3 steps and first-step gradients to 1e-5, fp32 around the
     products); every rank's traffic of every step equals the ledger's to the byte (the fp8
     weights' gathers at 1 byte per element and cast — rowwise under full recompute: two casts
-    in backward —, one all-reduce of each unit's tile amaxes per step); the dense group's
+    in backward —, one all-reduce of each unit's tile amaxes per step), and its transient bytes
+    (gathered units, gradient buffers, the step's scales) the ledger's replay; the dense group's
     bytes are under 0.75× the ledger's with the gather in the compute dtype (fp32 here: the
     fp8 weights' gathers at a quarter, the norms' and the root's unchanged, the reduce-scatter
     unchanged)."""
+    from fived.ledger.verify import predict_buffers
+
     on = ParallelConfig(dp=dp, zero=3, precision="fp32", fp8=recipe, recompute=recompute)
     train = replace(TRAIN, global_batch=2 * dp)
     (out,) = train_runs([(TINY, on, train)])
     check_parity(out, fp8_reference(TINY, recipe, dp, train), on.describe())
     want = _ledger_traffic(TINY, on, 2)
+    buffers = predict_buffers(TINY, on, train.global_batch, 0)
     for s in out["ranks"]:
         for h in s["history"]:
             assert h["traffic"] == pytest.approx(want, rel=1e-12, abs=0), h
+            assert h["memory"]["buffers"] == buffers, (h["memory"], buffers)
     off = _ledger_traffic(TINY, replace(on, fp8_gather=False), 2)
     assert want["dense"] < 0.75 * off["dense"], (want, off)
 

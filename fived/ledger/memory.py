@@ -1011,6 +1011,11 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         again = par.recompute == "full" and b.gathered_bytes_per_element  # (``_zero_key``)
         bbytes[b.unit] = bbytes.get(b.unit, 0) + eb * (2 if again else 1)
     held: dict[int, int] = {}  # gathered unit -> its bytes
+    sbytes: dict[int, int] = {}  # the fp8 gather's scales, from a unit's first gather to the end
+    for b in bks:
+        if b.gathered_bytes_per_element:
+            sbytes[b.unit] = sbytes.get(b.unit, 0) + 4 * b.fp8_amax
+    scaled: set[int] = set()
     nblocks = sorted(u for u in ubytes if u >= 0) if par.pp == 1 else []
     uparams: dict[int, int] = {}
     for i, b in enumerate(bks):
@@ -1032,6 +1037,9 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         if u is not None and u in ubytes and u not in gathered:
             gathered.add(u)
             held[u] = (bbytes if back else ubytes)[u]
+            if u not in scaled:
+                scaled.add(u)
+                hold(1, sbytes.get(u, 0))
             hold(1, held[u])
 
     def free(u: int) -> None:
@@ -1119,7 +1127,8 @@ def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int
             units[b.unit] = units.get(b.unit, 0) + b.padded * (
                 b.gathered_bytes_per_element or param_bytes(par))
         whole = len(units) if par.zero3_pp_gather == "step" else 1
-        out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole]))
+        scales = sum(4 * b.fp8_amax for b in bks if b.gathered_bytes_per_element)
+        out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole]) + scales)
     return out
 
 

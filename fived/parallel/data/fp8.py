@@ -43,6 +43,9 @@ its weights), bytes sent per rank:
 
     all_gather(1·P) per gather and cast (was param_bytes·P) + all_reduce(4·A) over G
     (+ tp: tensorwise all_reduce(4·w) of its w weights, rowwise all_reduce(4·h·w))
+
+and held: 1·P per gathered cast while the unit is gathered, 4·A from the bucket's first gather
+of the step to the step's end (the scales).
 """
 
 from __future__ import annotations
@@ -92,10 +95,13 @@ class Fp8Gather:
     """The fp8 gather of the buckets that hold only fp8 weights (``of``: None when off)."""
 
     def __init__(self, buckets: list[Bucket], placements: dict[str, Any], grid: Any,
-                 recipe: str = "tensorwise", recompute: bool = False):
+                 recipe: str = "tensorwise", recompute: bool = False, buffers: Any = None):
         if recipe not in fp8_mod.RECIPES:
             raise ValueError(f"fp8 recipe {recipe!r}")
         self.recipe, self.recompute = recipe, recompute
+        # the scales, 4 bytes per tile amax, held from a bucket's first gather of the step to
+        # ``stale`` (``accounting.Buffers``: the engine's transient bytes)
+        self.buffers, self.held_scales = buffers, 0
         self.buckets = {b.index for b in buckets
                         if b.shards > 1 and all(fp8_weight(n) for n in b.names)}
         tp = grid["tp"] if grid.degrees.get("tp", 1) > 1 else None
@@ -119,10 +125,10 @@ class Fp8Gather:
         self.gathered: dict[int, tuple[str, ...]] = {}  # index -> the casts gathered now
 
     @classmethod
-    def of(cls, buckets: list[Bucket], placements: dict[str, Any], grid: Any, par: Any
-           ) -> Fp8Gather | None:
-        return cls(buckets, placements, grid, par.fp8,
-                   par.recompute == "full") if fp8_gather(par) else None
+    def of(cls, buckets: list[Bucket], placements: dict[str, Any], grid: Any, par: Any,
+           buffers: Any = None) -> Fp8Gather | None:
+        return cls(buckets, placements, grid, par.fp8, par.recompute == "full",
+                   buffers) if fp8_gather(par) else None
 
     def owns(self, b: Bucket) -> bool:
         return b.index in self.buckets
@@ -158,6 +164,9 @@ class Fp8Gather:
         """The shards may have changed (a step began, the optimizer stepped, a checkpoint was
         published): the next gather of each bucket takes its scales again."""
         self.scales.clear()
+        if self.buffers is not None:
+            self.buffers.release(self.held_scales)
+        self.held_scales = 0
 
     def _piece_amax(self, seg: torch.Tensor, shape: torch.Size, r: int, c: int,
                     t: torch.Tensor) -> None:
@@ -214,6 +223,9 @@ class Fp8Gather:
             out = [v.view(-(-p.shape[0] // TILE), -(-p.shape[1] // TILE))
                    for v, p in zip(out, b.params)]
         self.scales[b.index] = out
+        if self.buffers is not None:
+            self.buffers.hold(4 * s.numel())
+        self.held_scales += 4 * s.numel()
         return out
 
     def _cast_shard(self, b: Bucket, s: list[torch.Tensor], cast: str) -> torch.Tensor:

@@ -333,7 +333,8 @@ class Zero3(Zero2):
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
-        fp8 = Fp8Gather.of(self.buckets, self.placements, self.grid, self.par)
+        fp8 = Fp8Gather.of(self.buckets, self.placements, self.grid, self.par,
+                           self.gathers.buffers)
         self.gathers.fp8 = fp8
         if fp8 is not None:  # the shards change there: the fp8 gather's scales are taken again
             for name in ("step", "publish_params"):
