@@ -361,12 +361,15 @@ def test_dry_run_of_fp8_moe_ep2_activations_are_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_step_peak_of_fp8_zero3_is_the_ledgers(tmp_path):
-    """`fived train --dry-run --model small --fp8 tensorwise --dp 4 --zero 3` then `fived ledger
-    --check`: the step peak, at the first block's backward with its ZeRO-3 buffers, within the
-    check's 0.5 % (+0.03 %). Mutation: without the down projection's input counted as the fp8
-    copy its backward freed (``peak.block_backward_bytes``) it is −0.72 %."""
-    _step_peak_is_the_ledgers(tmp_path, "--dp", "4", "--zero", "3", "--fp8", "tensorwise",
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_dry_run_step_peak_of_fp8_zero3_is_the_ledgers(tmp_path, recipe):
+    """`fived train --dry-run --model small --fp8 R --dp 4 --zero 3` (with the fp8 gather) then
+    `fived ledger --check`: the step peak, at the first block's backward with its ZeRO-3
+    buffers, within the check's 0.5 % (+0.03 % each). Mutations: without the down projection's
+    input counted as the fp8 copy its backward freed (``peak.block_backward_bytes``) tensorwise
+    is −0.72 %; without the gather's scales held through the step (the replay's ``sbytes``,
+    4·(N + K) bytes per rowwise weight) rowwise was −0.26 %."""
+    _step_peak_is_the_ledgers(tmp_path, "--dp", "4", "--zero", "3", "--fp8", recipe,
                               "--ranks", "0")
 
 

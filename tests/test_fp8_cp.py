@@ -163,12 +163,11 @@ def test_cp2_every_recipe_equals_one_rank():
     seq_len 512 (128-token chunks, whole tiles), ring tensorwise with full recompute. Measured
     (52 s for the seven runs): 4.6e-8 / 1.2e-7–1.4e-7 (losses / gradients) for each tiny run,
     Ulysses blockwise 4.8e-8 / 2.7e-7, ring blockwise 5.3e-6 / 3.0e-4. Ring attention merges
-    its blocks by log-sum-exp, so its output differs from one rank's at fp32 rounding (1e-7,
-    as in the fp32 cp parity); an input that close to an e4m3 rounding boundary can round to
-    the other neighbour, a whole fp8 step (2⁻⁴ of that element). At seq_len 512 some of the
-    casts' ~10⁵ elements per tensor do; Ulysses computes each head over the whole sequence as
-    one rank does and stays at 1e-7. The scales are not the cause (no tile crosses a chunk);
-    that is an inference, not isolated: ring blockwise is held to 1e-3 on gradients."""
+    its blocks by log-sum-exp, so its dQ/dK/dV differ from one rank's at fp32 rounding
+    (2–6e-7); at seq_len 512 one to four elements of the first backward block's q/k/v output
+    gradients round to the other fp8 neighbour, a whole fp8 step that the dgrad spreads into
+    the block below (``benchmarks/fp8_ring_gap.py`` counts them, every recipe alike; Ulysses'
+    attention is bit-equal to one rank's: none). Ring blockwise is held to 1e-3 on gradients."""
     _layouts_equal_one_rank([
         (TINY, ParallelConfig(cp=2, precision="fp32", fp8="rowwise"), TRAIN),
         (TINY, ParallelConfig(cp=2, cp_mode="ulysses", precision="fp32", fp8="tensorwise"),

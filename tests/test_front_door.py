@@ -133,8 +133,10 @@ MISTYPES = [
     ("train --fp8 blockwise --tp 2", "--fp8 blockwise with --tp 2: a 128-wide tile would"),
     ("train --fp8 e4m3", "--fp8 e4m3: not one of none, tensorwise, rowwise, blockwise"),
     ("train --no-fp8-gather", "--no-fp8-gather: turns off ZeRO-3's fp8 all-gather"),
-    ("train --fp8 rowwise --precision bf16 --zero 3 --dp 2 --no-fp8-gather",
-     "--zero 3 --fp8 rowwise gathers nothing in fp8"),
+    ("train --fp8 rowwise --precision bf16 --zero 3 --dp 2 --pp 2 --no-fp8-gather",
+     "--zero 3 --fp8 rowwise --pp 2 gathers nothing in fp8"),
+    ("train --fp8 blockwise --precision bf16 --zero 2 --dp 2 --no-fp8-gather",
+     "--zero 2 --fp8 blockwise gathers nothing in fp8"),
     ("train --fp8 blockwise --cp 2", "--fp8 blockwise with --cp 2: a 128-token tile of the"),
     ("bench numerics fp8 --stats-every -1", "--stats-every -1: a number of steps, 0 or more"),
     # flags that would do nothing here

@@ -166,6 +166,7 @@ class Bucket:
     unit: int = -1  # ZeRO-3: the block it gathers with (-1: the root — embedding, norm, head)
     aligned: int = 0  # --zero-align rows: the padded length with row-aligned shards (0: none)
     fp8: int = 0  # ZeRO-3's fp8 gather: the fp8 weights it holds, gathered in e4m3 (0: none)
+    fp8_amax: int = 0  # their tile amaxes reduced once per step (fived.parallel.data.fp8)
 
     @property
     def gathered_bytes_per_element(self) -> int:
@@ -233,7 +234,7 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
 
     runs = _bucket_runs(m, replace(par, dp=1, cp=1, dp_shard=0, dp_replicate=0,
                                    zero=3 if par.zero == 3 else 0), pp_rank)
-    return tuple(Bucket(g, n, shards(g), u, fp8=f) for g, n, u, f in runs)
+    return tuple(Bucket(g, n, shards(g), u, fp8=f, fp8_amax=a) for g, n, u, f, a in runs)
 
 
 def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucket | None:
@@ -253,16 +254,35 @@ def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucke
 
 @lru_cache(maxsize=1024)
 def _bucket_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
-                 ) -> tuple[tuple[str, int, int, int], ...]:
-    """(group, elements, ZeRO-3 unit, fp8-gathered weights) of each of ``_buckets``' buckets,
-    in launch order."""
+                 ) -> tuple[tuple[str, int, int, int, int], ...]:
+    """(group, elements, ZeRO-3 unit, fp8-gathered weights, their tile amaxes) of each of
+    ``_buckets``' buckets, in launch order."""
     from .params import fp8_gather, fp8_weight, param_list
 
     plist = list(reversed(param_list(m, par, pp_rank)))
     gather8 = fp8_gather(par)
+
+    def amaxes(k: int) -> int:
+        return fp8_amax_count(par.fp8, m.hidden, plist[k][1]) if gather8 and fp8_weight(
+            plist[k][0]) else 0
     return tuple((g, sum(plist[k][1] for k in ks), u,
-                  sum(fp8_weight(plist[k][0]) for k in ks) if gather8 else 0)
+                  sum(fp8_weight(plist[k][0]) for k in ks) if gather8 else 0,
+                  sum(amaxes(k) for k in ks))
                  for g, u, ks in _bucket_members(m, par, pp_rank, plist))
+
+
+def fp8_amax_count(recipe: str, hidden: int, numel: int) -> int:
+    """The tile amaxes ZeRO-3's fp8 gather reduces per step for one fp8 weight of ``numel``
+    elements (``fived.parallel.data.fp8``): every fp8 linear has the hidden size on one side
+    (q/k/v/gate/up and the experts' w1/w3 read it, o/down/w2 write it), the other side is
+    numel/h; tensorwise 1, rowwise N + K, blockwise ⌈N/128⌉·⌈K/128⌉."""
+    other = numel // hidden
+    assert other * hidden == numel, (numel, hidden)
+    if recipe == "rowwise":
+        return hidden + other
+    if recipe == "blockwise":
+        return -(-hidden // 128) * -(-other // 128)
+    return 1
 
 
 def _bucket_members(m: ModelConfig, par: ParallelConfig, pp_rank: int,
@@ -949,8 +969,13 @@ def zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
 
 
 def _zero_key(par: ParallelConfig) -> ParallelConfig:
-    return replace(par, recompute="none", sequence_parallel=False, cp_mode="ring",
-                   micro_batches=min(par.micro_batches, 3))
+    """``par`` without what the replay does not read; full recompute stays where rowwise's fp8
+    gather carries both of W's casts in backward (``fived.parallel.data.fp8``)."""
+    from .params import fp8_gather
+
+    both = par.recompute == "full" and par.fp8 == "rowwise" and fp8_gather(par)
+    return replace(par, recompute="full" if both else "none", sequence_parallel=False,
+                   cp_mode="ring", micro_batches=min(par.micro_batches, 3))
 
 
 @lru_cache(maxsize=4096)
@@ -1012,8 +1037,18 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         seqs.setdefault(b.group, []).append(i)
     # ZeRO-3 gather units: blocks (pp = 1) or the one chunk, and the root (-1)
     ubytes: dict[int, int] = {}
+    bbytes: dict[int, int] = {}  # a backward gather's (rowwise fp8 under full recompute: 2 casts)
     for b in bks:
-        ubytes[b.unit] = ubytes.get(b.unit, 0) + b.padded * (b.gathered_bytes_per_element or pb)
+        eb = b.padded * (b.gathered_bytes_per_element or pb)
+        ubytes[b.unit] = ubytes.get(b.unit, 0) + eb
+        again = par.recompute == "full" and b.gathered_bytes_per_element  # (``_zero_key``)
+        bbytes[b.unit] = bbytes.get(b.unit, 0) + eb * (2 if again else 1)
+    held: dict[int, int] = {}  # gathered unit -> its bytes
+    sbytes: dict[int, int] = {}  # the fp8 gather's scales, from a unit's first gather to the end
+    for b in bks:
+        if b.gathered_bytes_per_element:
+            sbytes[b.unit] = sbytes.get(b.unit, 0) + 4 * b.fp8_amax
+    scaled: set[int] = set()
     nblocks = sorted(u for u in ubytes if u >= 0) if par.pp == 1 else []
     uparams: dict[int, int] = {}
     for i, b in enumerate(bks):
@@ -1031,24 +1066,28 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         if sum(live) > sum(peak):
             peak[:] = live
 
-    def gather(u: int | None) -> None:
+    def gather(u: int | None, back: bool = False) -> None:
         if u is not None and u in ubytes and u not in gathered:
             gathered.add(u)
-            hold(1, ubytes[u])
+            held[u] = (bbytes if back else ubytes)[u]
+            if u not in scaled:
+                scaled.add(u)
+                hold(1, sbytes.get(u, 0))
+            hold(1, held[u])
 
     def free(u: int) -> None:
         if u in gathered:
             gathered.discard(u)
-            live[1] -= ubytes[u]
+            live[1] -= held.pop(u)
 
     def drop(i: int) -> None:
         if i in grads:
             grads.discard(i)
             live[0] -= bks[i].padded * gb
 
-    def prefetch(u: int | None) -> None:
+    def prefetch(u: int | None, back: bool = False) -> None:
         if par.overlap:
-            gather(u)
+            gather(u, back)
 
     def nxt(u: int, step: int) -> int | None:
         k = nblocks.index(u) + step
@@ -1070,7 +1109,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 free(u)
             fends.append(sum(live))  # the loss: the root gathered, the blocks freed
             # backward: the root stays gathered from its forward
-            prefetch(nblocks[-1] if nblocks else None)
+            prefetch(nblocks[-1] if nblocks else None, back=True)
         done = [0] * len(bks)
         udone: dict[int, int] = {}
         launched = {g: 0 for g in seqs}
@@ -1081,8 +1120,8 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
             u = bks[i].unit
             if zero3_flat and u >= 0 and u != block:  # the block's pre-backward hook
                 block = u
-                gather(u)
-                prefetch(nxt(u, -1))
+                gather(u, back=True)
+                prefetch(nxt(u, -1), back=True)
             if i not in grads:
                 grads.add(i)
                 hold(0, bks[i].padded * gb)
@@ -1121,7 +1160,8 @@ def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int
             units[b.unit] = units.get(b.unit, 0) + b.padded * (
                 b.gathered_bytes_per_element or param_bytes(par))
         whole = len(units) if par.zero3_pp_gather == "step" else 1
-        out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole]))
+        scales = sum(4 * b.fp8_amax for b in bks if b.gathered_bytes_per_element)
+        out["zero3_gather"] = float(sum(sorted(units.values(), reverse=True)[:whole]) + scales)
     return out
 
 

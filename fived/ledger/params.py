@@ -512,8 +512,12 @@ FP8_LINEARS = re.compile(
 
 def fp8_gather(par: ParallelConfig) -> bool:
     """Whether ZeRO-3 all-gathers the fp8 linears' weights in e4m3 (``fived.parallel.data.fp8``):
-    ``--zero 3 --fp8 tensorwise`` unless ``--no-fp8-gather``."""
-    return par.zero == 3 and par.fp8 == "tensorwise" and getattr(par, "fp8_gather", True)
+    ``--zero 3 --fp8 tensorwise|blockwise``, or rowwise without pp (its forward and backward
+    need two casts of W: the pipeline's chunks, gathered for both, would carry both, as many
+    bytes as bf16), unless ``--no-fp8-gather``."""
+    return (par.zero == 3 and getattr(par, "fp8_gather", True)
+            and (par.fp8 in ("tensorwise", "blockwise") or (par.fp8 == "rowwise"
+                                                            and par.pp == 1)))
 
 
 def fp8_weight(name: str) -> bool:

@@ -19,9 +19,11 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
              (not the root's: it stays gathered from its forward to its backward)
              →  (3Ψ − Ψ_root)(N−1)/N · param bytes per step with one micro-batch and grads in
              the param dtype
-             fp8 gather (``--fp8 tensorwise``, ``params.fp8_gather``): a unit's fp8 weights are a
-             bucket apart, gathered as all_gather(1·P_b), and once per step its w weights' amax
-             all_reduce(4·w) over the shards (tp > 1, dense: and over tp)
+             fp8 gather (``params.fp8_gather``): a unit's fp8 weights are a bucket apart,
+             gathered as all_gather(1·P_b) (rowwise under full recompute: its backward gathers
+             both of W's casts, 2·P_b), and once per step its tile amaxes A_b (tensorwise one
+             per weight, rowwise N + K, blockwise ⌈N/128⌉·⌈K/128⌉) all_reduce(4·A_b) over the
+             shards (tp > 1, dense: and over tp, tensorwise 4·w, rowwise 4·h·w)
 * TP (``tp_traffic``), per layer per micro-batch, X = b·s_l·h·e:
     no SP:  forward 2 all_reduce(X) (after wo, after w_down), backward 2 all_reduce(X)
     SP:     forward 2 all_gather(X) + 2 reduce_scatter(X), backward the same — equal bytes —
@@ -163,13 +165,14 @@ def _local(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, bool
 def dp_traffic(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> list[Collective]:
     """Gradient reduction / ZeRO collectives over ``dense`` and ``expert`` for one step, one
     entry per flat bucket (``memory.buckets``) in launch order."""
-    return list(_dp_traffic(m, _state_key(par), par.micro_batches, pp_rank))
+    again = par.recompute == "full" and par.fp8 == "rowwise"  # both casts in backward
+    return list(_dp_traffic(m, _state_key(par), par.micro_batches, pp_rank, again))
 
 
 @lru_cache(maxsize=8192)
-def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
+def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int, again: bool = False
                 ) -> tuple[Collective, ...]:
-    out = list(_dp_flat(m, par, mb, pp_rank))
+    out = list(_dp_flat(m, par, mb, pp_rank, again))
     if not par.hybrid:
         return tuple(out + _fp8_gather_tp(m, par, pp_rank))
     # hybrid sharding: ZeRO's collectives run on the shard part of each group, and each
@@ -184,16 +187,22 @@ def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int
 
 
 def _fp8_gather_tp(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> list[Collective]:
-    """ZeRO-3's fp8 gather under tp: the dense fp8 weights' amax max-reduced over tp too (the
-    whole weight's scale, as the tp-cut linear takes it), once per step, fp32."""
-    if par.tp <= 1:
+    """ZeRO-3's fp8 gather under tp: the dense fp8 weights' amaxes that span the tp cut
+    max-reduced over tp too (the whole weight's scale, as the tp-cut linear takes it), once per
+    step, fp32: tensorwise one per weight, rowwise the h of the side the cut spans (a column
+    layer's per-column amaxes, a row layer's per-row), blockwise none (its tiles stop at the
+    cut)."""
+    if par.tp <= 1 or par.fp8 == "blockwise":
         return []
-    return [Collective("tp", "all_reduce", 4 * b.fp8, par.tp, 1, "fp8 weight amax (tp)", "fwd")
-            for b in buckets(m, par, pp_rank) if b.gathered_bytes_per_element
+    per = m.hidden if par.fp8 == "rowwise" else 1
+    return [Collective("tp", "all_reduce", 4 * per * b.fp8, par.tp, 1, "fp8 weight amax (tp)",
+                       "fwd") for b in buckets(m, par, pp_rank) if b.gathered_bytes_per_element
             and b.group == "dense"]
 
 
-def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int) -> list[Collective]:
+def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int, again: bool = False
+             ) -> list[Collective]:
+    """``again``: rowwise under full recompute, whose backward gathers both of W's casts."""
     gb, pb = grad_bytes(par), param_bytes(par)
     out: list[Collective] = []
     bks = [b for b in buckets(m, par, pp_rank) if group_sizes(par)[b.group] > 1]
@@ -206,11 +215,12 @@ def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int) -> list
             out.append(Collective(b.group, "all_gather", eb * b.padded, b.shards, mb,
                                   "params (forward)", "fwd"))
             if b.unit >= 0:  # the root stays gathered from its forward to its backward
-                out.append(Collective(b.group, "all_gather", eb * b.padded, b.shards, mb,
-                                      "params (backward)", "bwd"))
-    if par.zero == 3:  # the fp8 gather's scales: each weight's amax over the shards, per step
-        out += [Collective(b.group, "all_reduce", 4 * b.fp8, b.shards, 1, "fp8 weight amax",
-                           "fwd") for b in bks if b.gathered_bytes_per_element]
+                casts = 2 if again and b.gathered_bytes_per_element else 1
+                out.append(Collective(b.group, "all_gather", casts * eb * b.padded, b.shards,
+                                      mb, "params (backward)", "bwd"))
+    if par.zero == 3:  # the fp8 gather's scales: each weight's tile amaxes over the shards
+        out += [Collective(b.group, "all_reduce", 4 * b.fp8_amax, b.shards, 1,
+                           "fp8 weight amax", "fwd") for b in bks if b.gathered_bytes_per_element]
     if par.zero == 3:
         out += [Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1, "gradients",
                            "bwd") for b in bks]
@@ -239,8 +249,9 @@ def _fp8_amax(m: ModelConfig, par: ParallelConfig, tokens: int, dense: int, moe:
     in backward (W), rowwise one per token (x's rows) and per output feature (W's rows) in
     forward; blockwise none (its tiles stop at the cut). ``forwards``: 2 under full recompute.
     With ZeRO-3's fp8 gather of the dense group (``params.fp8_gather``) the weights arrive cast,
-    their amax reduced once per step (``_fp8_gather_tp``): W's reductions leave (a column layer
-    0 forward, 2 backward; a row layer 1 forward, 0 backward)."""
+    their amax reduced once per step (``_fp8_gather_tp``): W's reductions leave (tensorwise: a
+    column layer 0 forward, 2 backward; a row layer 1 forward, 0 backward; rowwise: the W rows'
+    and columns' ones)."""
     recipe = getattr(par, "fp8", "none")
     if recipe not in ("tensorwise", "rowwise"):
         return []
@@ -253,13 +264,14 @@ def _fp8_amax(m: ModelConfig, par: ParallelConfig, tokens: int, dense: int, moe:
                            "fp8 amax (forward)", "fwd"),
                 Collective("tp", "all_reduce", 4, t, ((2 + w) * cols + w * rows) * mb,
                            "fp8 amax (backward)", "bwd")]
+    w = 0 if fp8_gather(par) and group_sizes(par)["dense"] > 1 else 1  # W cast here
     return [Collective("tp", "all_reduce", 4 * tokens, t, rows * mb * forwards,
                        "fp8 row amax of x (forward)", "fwd"),
-            Collective("tp", "all_reduce", 4 * h, t, rows * mb * forwards,
+            Collective("tp", "all_reduce", 4 * h, t, w * rows * mb * forwards,
                        "fp8 row amax of W (forward)", "fwd"),
             Collective("tp", "all_reduce", 4 * tokens, t, cols * mb,
                        "fp8 row amax of dy (backward)", "bwd"),
-            Collective("tp", "all_reduce", 4 * h, t, cols * mb,
+            Collective("tp", "all_reduce", 4 * h, t, w * cols * mb,
                        "fp8 column amax of W (backward)", "bwd")]
 
 

@@ -48,10 +48,12 @@ input too). W is never saved: the backward casts the parameter again (torchao's
 ``force_recompute_fp8_weight_in_bwd``), with the same tiles and amax, so the same q.
 
 A weight that arrives already cast — ZeRO-3's fp8 all-gather (``fived.parallel.data.fp8``)
-gathers the tensorwise e4m3 weight with its scale, the amax reduced over every rank holding a
+gathers the e4m3 weight of each recipe, its tiles' amax reduced over every rank holding a
 piece, so q and s are exactly what ``cast`` would give — is ``provide``d for the parameter while
-it is gathered: the forward and the backward use that q instead of casting W (whose storage is
-then never materialised in the compute dtype).
+it is gathered, per operand: tensorwise and blockwise one cast serves both (w_fwd = Wᵀ's 128×128
+blocks are W's, transposed), rowwise the forward's per-row cast (w_fwd) and the dgrad's
+per-column cast (w_dgrad) are two; the products use the provided q instead of casting W (whose
+storage is then never materialised in the compute dtype).
 
 A cast holds no fp32 copy: with power-of-2 scales x / s is exact in x's dtype (bf16 has fp32's
 exponents), and the tile scales are broadcast over their tiles, never expanded to a matrix (the
@@ -281,24 +283,29 @@ def _cast_input(x: torch.Tensor, x2: torch.Tensor, recipe: str, cuts: tuple[Cut,
     return q
 
 
-_PROVIDED: dict[int, Fp8] = {}  # id(parameter) -> its gathered tensorwise fp8 weight (N, K)
+_PROVIDED: dict[int, dict[str, Fp8]] = {}  # id(parameter) -> operand -> its gathered cast
 
 
-def provide(w: torch.Tensor, q: Fp8 | None) -> None:
-    """``q`` (the tensorwise e4m3 cast of the whole W, (N, K)) serves W's products until
-    ``provide(w, None)``: the gather that produced it frees it then."""
-    if q is None:
+def provide(w: torch.Tensor, casts: dict[str, Fp8] | None) -> None:
+    """``casts`` (operand name, ``w_fwd`` (K, N) or ``w_dgrad`` (N, K) -> that operand's cast of
+    the whole W, as ``cast`` gives it) serve W's products until ``provide(w, None)``: the gather
+    that produced them frees them then."""
+    if casts is None:
         _PROVIDED.pop(id(w), None)
     else:
-        _PROVIDED[id(w)] = q
+        _PROVIDED[id(w)] = casts
 
 
 def _weight(w: torch.Tensor, recipe: str, name: str, cuts: tuple[Cut, ...], key: int) -> Fp8:
     """W cast as operand ``name`` (``w_fwd``: Wᵀ; ``w_dgrad``: W), or the cast provided for
     the parameter ``key`` (its id at the forward: a saved tensor may unpack as another object)."""
-    q = _PROVIDED.get(key) if recipe == "tensorwise" else None
-    if q is not None:
-        return q.t() if name == "w_fwd" else q
+    casts = _PROVIDED.get(key)
+    if casts is not None:
+        q = casts.get(name)
+        if q is None:  # W's storage is not gathered: casting it would read freed bytes
+            raise RuntimeError(f"the gathered fp8 weight has no {name} cast ({recipe}): "
+                               f"gathered for {sorted(casts)}")
+        return q
     return cast(w.t() if name == "w_fwd" else w, recipe, name, cuts)
 
 
@@ -315,11 +322,12 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.wkey, ctx.wdtype = id(w), w.dtype
         # a provided W is provided again for the backward (ZeRO-3 gathers it again): not saved,
         # only referred to (a saved parameter is unpacked as a detached alias of its storage)
-        ctx.wref = weakref.ref(w) if ctx.wkey in _PROVIDED and recipe == "tensorwise" else None
+        ctx.wref = weakref.ref(w) if ctx.wkey in _PROVIDED else None
+        keep_w = () if ctx.wref else (w,)
         if recipe == "rowwise":  # x as given: its (N, K) reshape may be a copy, x is not
-            ctx.save_for_backward(x, w)
+            ctx.save_for_backward(x, *keep_w)
         else:  # the fp8 data and its scales; W is the parameter (recast in backward)
-            ctx.save_for_backward(qx.data, qx.scale, *(() if ctx.wref else (w,)))
+            ctx.save_for_backward(qx.data, qx.scale, *keep_w)
             ctx.qtile = qx.tile
         return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
@@ -327,7 +335,8 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         recipe, cuts = ctx.recipe, ctx.cuts
         if recipe == "rowwise":
-            x, w = ctx.saved_tensors
+            x, *rest = ctx.saved_tensors
+            w = rest[0] if rest else ctx.wref()
             qxw = cast(x.reshape(-1, x.shape[-1]), recipe, "x_wgrad", cuts)
         else:
             data, scale, *rest = ctx.saved_tensors

@@ -168,14 +168,26 @@ class UnitGather:
             return
         for b in u.buckets:
             if self.fp8 is not None and self.fp8.owns(b):  # e4m3, with its scales
+                u.handles += self.fp8.start(b, self._fp8_roles(u))
                 self.buffers.hold(self.fp8.nbytes(b))
-                u.handles.append(self.fp8.start(b))
                 continue
             b.param_full.untyped_storage().resize_(b.padded * b.param_full.element_size())
             self.buffers.hold(nbytes(b.param_full))
             u.handles.append(ops.all_gather_into(b.param_full, b.param_shard, b.group,
                                                  async_op=True))
         u.state = "inflight"
+
+    def _fp8_roles(self, u: GatherUnit) -> tuple[str, ...]:
+        """The weight operands a gather of unit u serves (``fp8.Fp8Gather.start``; rowwise
+        gathers a cast per operand): a block's forward gather the forward's (Wᵀ), its backward
+        gather the dgrad's (W) — and the forward's too under full recompute, whose backward
+        reruns the forward —; the root and the executor's chunks both."""
+        if u is self.root or self.driven:
+            return ("w_fwd", "w_dgrad")
+        if not in_backward():
+            return ("w_fwd",)
+        return ("w_fwd", "w_dgrad") if self.fp8 is not None and self.fp8.recompute else (
+            "w_dgrad",)
 
     def gather(self, u: GatherUnit) -> None:
         self.prefetch(u)
@@ -321,7 +333,8 @@ class Zero3(Zero2):
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
-        fp8 = Fp8Gather.of(self.buckets, self.placements, self.grid, self.par)
+        fp8 = Fp8Gather.of(self.buckets, self.placements, self.grid, self.par,
+                           self.gathers.buffers)
         self.gathers.fp8 = fp8
         if fp8 is not None:  # the shards change there: the fp8 gather's scales are taken again
             for name in ("step", "publish_params"):
