@@ -212,3 +212,30 @@ def test_the_clock_counts_the_latent_rings_up_projections():
     assert mla.kv_b_products(4, True) == (4, 12)
     assert (kv_b(latent, "fwd"), kv_b(latent, "bwd"), kv_b(latent, "core_fwd")) == (
         4 * one, 12 * one, 4 * one)
+
+
+def test_the_planner_weighs_the_two_rings_of_an_mla_model():
+    """The search tries an MLA layout with cp > 1 under both rings (``planner.cp_modes``) and
+    keeps whichever its clock times faster: DeepSeek-V3 at 4K tokens over cp8, where the
+    decompressed heads' exchange cannot hide behind a 256-token block, runs the latent ring;
+    at 32K over cp2 the exchange hides and the latent ring's up-projections only cost. A fixed
+    cp_mode, or a model without a latent, is searched as it is."""
+    from fived.ledger import hardware, planner
+
+    tiny, plain = preset("deepseek-v3-tiny"), preset("tiny")
+    modes = {p.cp_mode for p, _ in planner.candidates(tiny, 8, 8, 16) if p.cp > 1}
+    assert modes == {"ring", "ring-latent"}
+    assert {p.cp_mode for p, _ in planner.candidates(tiny, 8, 8, 16, fixed={"cp_mode": "ring"})
+            if p.cp > 1} == {"ring"}
+    assert {p.cp_mode for p, _ in planner.candidates(plain, 8, 8, 16) if p.cp > 1} == {"ring"}
+    m, hw = preset("deepseek-v3-671b"), hardware.PRESETS["h800"]
+
+    def step(seq, cp, mode):
+        ep = 128 // cp
+        par = ParallelConfig(pp=16, schedule="dualpipe-v", virtual_stages=2, ep=ep, cp=cp,
+                             zero=1, precision="bf16", micro_batches=32, recompute="full",
+                             cp_mode=mode)
+        return planner.predict(replace(m, seq_len=seq), par, hw, 32 * ep).step_seconds
+
+    assert step(4096, 8, "ring-latent") < 0.7 * step(4096, 8, "ring")
+    assert step(32768, 2, "ring") < step(32768, 2, "ring-latent")

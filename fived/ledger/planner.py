@@ -409,6 +409,15 @@ class PlanResult:
     reasons: list[str] = field(default_factory=list)
 
 
+def cp_modes(m: ModelConfig, cp: int, fixed: dict) -> list[dict]:
+    """The context-parallel cores a layout of ``cp`` ranks is tried with: an MLA model's two
+    rings, the decompressed heads' and the latent's (the clock weighs the latent's fewer bytes
+    against its up-projections), unless ``fixed`` names one; else the one ``fixed`` keeps."""
+    if cp > 1 and m.is_mla and "cp_mode" not in fixed:
+        return [{"cp_mode": "ring"}, {"cp_mode": "ring-latent"}]
+    return [{}]
+
+
 def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                precision: str = "bf16", grad_reduce_dtype: str = "fp32",
                schedules: tuple[str, ...] = ("1f1b", "interleaved"),
@@ -464,14 +473,15 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                     (z, k) for z in (zeros if dp * ep * cp > 1 else (0,))
                                     for k in (shard_degrees(dp, tp * cp * ep, gpus_per_node, z, ep * cp)
                                               if hybrid else [0])]:
-                                for rc in recomputes:
+                                for rc, mode in [(r, c) for r in recomputes
+                                                 for c in cp_modes(m, cp, fixed)]:
                                     par = ParallelConfig(
                                         tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, zero=zero,
                                         dp_shard=shard,
                                         schedule=sched, virtual_stages=v, micro_batches=mbs,
                                         sequence_parallel=tp > 1, recompute=rc,
                                         precision=precision, grad_reduce_dtype=grad_reduce_dtype,
-                                        pp_layers=split, **fixed)
+                                        pp_layers=split, **mode, **fixed)
                                     try:
                                         validate(m, par)
                                     except ConfigError:
