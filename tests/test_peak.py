@@ -29,6 +29,11 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
      4, 1),
     (preset("small"), ParallelConfig(pp=2, tp=2, sequence_parallel=True, micro_batches=4,
                                      schedule="zb-h1", precision="bf16"), 4, 2),
+    # cp: the ring's (Ulysses') buffers idle at the loss and at the MLP's backward; a first
+    # stage's F at its last block's SiLU (the ring's moment lacks the MLP's saves)
+    (TINY, ParallelConfig(cp=2, dp=2, precision="bf16"), 16, 0),
+    (TINY, ParallelConfig(cp=2, cp_mode="ulysses", precision="bf16"), 8, 0),
+    (TINY, ParallelConfig(cp=2, pp=2, micro_batches=2), 8, 0),
     # multi-token prediction (D = 1) under ZeRO-3: the modules' embedding gradient held
     # through the trunk's backward
     (replace(TINY, mtp_depth=1), ParallelConfig(dp=2, zero=3), 4, 0),

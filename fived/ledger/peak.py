@@ -75,7 +75,13 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
   ``grad_recv``             pp, every B but the last stage's: the received output gradient
                             (tokens · h/sp · e)
   ``sp_gather``, ``cp_ring``, ``ep_a2a``  F and B: the collectives' in-flight buffers
-                            (``memory.comm_buffers``)
+                            (``memory.comm_buffers``); the cp ring's (Ulysses') and the
+                            all-to-all's are idle at the loss's moments and the cp one at the
+                            MLP's backward (they run inside the attention core, the MoE layer)
+  ``mlp_forward``,          a stage's F before the last, without tp, at its last block:
+  ``cp_ring`` (F)           SiLU(G) beside the saved G and U (dense SwiGLU, tokens · ffn · e),
+                            or the cp exchange's buffers at its attention less the block's MLP
+                            saves, not made yet (``cp_ring − mlp``), whichever is larger
   ``zero_buffers``          ZeRO-2/3, every B and the reduction: the full-gradient buckets
                             and gathered units at their peak (``memory.zero_buffer_peak``);
                             ZeRO-3's gathered units in every F too
@@ -89,8 +95,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
   ========================  ==============================================================
 
 What is not modelled (the dry run's ``ledger --check`` gap says how much it matters): a
-dense forward's own working set (SiLU's output beside its
-inputs: the peak is in the backward), the build (a step's peak is what is compared: the dry
+forward's own working set under tp (the regions' inputs are counted instead), the cp ring's
+backward working set inside the attention core (the MLP's backward before it holds more), the
+build (a step's peak is what is compared: the dry
 run builds the whole plain model on fake tensors before cutting it, which a real run does
 not), the attention kernel's
 own workspace, autograd's order of frees inside a block (the block term is its largest set,
@@ -127,12 +134,15 @@ from .memory import (
     stage_extra_activations,
     zero_moments,
 )
-from .params import block_params, layer_kinds, rank_stages, stage_layers
+from .params import block_params, layer_cfg, layer_kinds, rank_stages, stage_layers
 
 _KINDS = ("mla_down", "mla_norm", "mla_up", "router", "experts", "shared_expert")  # kinds
 # of ``block_params`` that sum several weights: ``_clip_bytes`` takes their weights one by one
 SQ_CHUNK = 1 << 18  # fived.optim.clip.SQ_CHUNK (the ledger imports no torch)
 KEPT = ("params", "grads", "master", "optimizer")
+# the collectives' buffers idle at the loss's moments (the last stage's loss forward, the
+# loss's and the head's backward): the blocks' all-to-all and the cp ring or Ulysses exchange
+LOSS_IDLE = ("ep_a2a", "cp_ring")
 
 
 @dataclass(frozen=True)
@@ -447,7 +457,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         """``held``: a split B whose records keep the head's input and logits until its W
         (they are not freed after the loss's backward) and its dL/dlogits."""
         block = block_backward_bytes(m, par, micro_batch) if split_layers[s] else 0
-        blk = dict(t, block_backward=block)
+        # the cp exchange runs inside the attention core only: idle at the MLP's backward
+        blk = dict({k: v for k, v in t.items() if k != "cp_ring"}, block_backward=block)
         if not last and par.pp > 1:  # the received gradient is the block output's gradient
             blk["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
             blk["block_backward"] = max(0.0, block - blk["grad_recv"])
@@ -472,7 +483,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             if moe:
                 moe["zb_grads"] = blk["zb_grads"]
         blk["block_backward"] = max(0.0, block - gone)
-        idle = {k: v for k, v in t.items() if k != "ep_a2a"}  # no MoE layer runs there
+        idle = {k: v for k, v in t.items() if k not in LOSS_IDLE}  # no block runs there
         loss = dict(idle, loss_backward=loss_backward_bytes(m, par, micro_batch))
         if zero:
             loss["zero_buffers"] = zero_at(3, nth)
@@ -529,6 +540,25 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         moe["experts_backward"] = experts_backward_bytes(m, par, micro_batch)
         return moe
 
+    def forward_moment(t: dict[str, float], s: int) -> dict[str, float]:
+        """A stage's F before the last, without tp, at its last block: the ring's (or
+        Ulysses') buffers at its attention, when the block's MLP saves are not made yet
+        (``cp_ring`` less those saves), or, a dense SwiGLU block, SiLU(G) beside the saved G
+        and U (``mlp_forward``: tokens · ffn · e; ``layers.swiglu``)."""
+        last = split_layers[s][-1] if split_layers[s] else None
+        if last is None:
+            return t
+        c = layer_cfg(m, last)
+        ring = dict(t)
+        if "cp_ring" in ring:
+            mlp_saves = layer_activations(c, par, micro_batch, opts)["mlp"]
+            ring["cp_ring"] = max(0.0, ring["cp_ring"] - mlp_saves)
+        if c.is_moe or c.mlp != "swiglu":
+            return ring
+        silu = dict(t, mlp_forward=tokens * c.ffn * e)
+        silu.pop("cp_ring", None)
+        return max((ring, silu), key=lambda d: sum(d.values()))
+
     actions = schedule_actions(par, pp_rank)
     last_b = max(i for i, a in enumerate(actions) if a[0] == "B")
     stash = outs = 0.0  # split: what the B's keep for their W's, what the F's keep for B
@@ -554,13 +584,16 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             stash -= zb[s][2]
             continue
         nth = 0 if mb == 0 else (-1 if mb == par.micro_batches - 1 else 1)
-        if kind == "F" and s == n_stages - 1:  # after the blocks: no all-to-all in flight
-            t.pop("ep_a2a", None)
+        if kind == "F" and s == n_stages - 1:  # after the blocks: no all-to-all, no ring
+            for k in LOSS_IDLE:
+                t.pop(k, None)
             t["loss_forward"] = loss_forward_bytes(m, par, micro_batch)
         elif kind == "F" and sp:  # a region opens (its gather) before the last one closes
             t["sp_gather"] = 2 * inflight["sp_gather"] + tokens * m.hidden * e / par.tp
         elif kind == "F" and par.tp > 1:  # the last region's input and the new one's
             t["tp_regions"] = 2 * tokens * m.hidden * e
+        elif kind == "F":
+            t = forward_moment(t, s)
         if kind == "B" and sp and s != n_stages - 1:  # the last forward's region (until
             # the step's last backward), the backward's re-gather of x and the full-width
             # input gradient before its reduce-scatter
