@@ -37,6 +37,12 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
     # multi-token prediction (D = 1) under ZeRO-3: the modules' embedding gradient held
     # through the trunk's backward
     (replace(TINY, mtp_depth=1), ParallelConfig(dp=2, zero=3), 4, 0),
+    # DeepSeek-V3's shape with MTP (D = 1) under ZeRO-3, one and two sequences a rank: the
+    # module's MoE block runs its backward first — the experts' loop at its first expert with
+    # the MLP's gradient buckets held, the shared expert's and the combine's saves freed, the
+    # head's weight gradient waiting for the trunk's head
+    (replace(preset("deepseek-v3-tiny"), mtp_depth=1), ParallelConfig(dp=2, zero=3), 2, 0),
+    (replace(preset("deepseek-v3-tiny"), mtp_depth=1), ParallelConfig(dp=2, zero=3), 4, 0),
     # MLA at tp2+SP: the down-projections read the sequence shard (one contiguous copy)
     (preset("deepseek-v3-tiny"), ParallelConfig(tp=2, sequence_parallel=True), 2, 0),
     # MLA and MoE blocks under a split backward (the DeepSeek-V3 shape): the experts' loop

@@ -884,6 +884,27 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
 # ------------------------------------------------------------------------ buffers
 @lru_cache(maxsize=4096)
+def first_mlp_grads(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> int:
+    """How many gradients arrive (reverse registration order) until the first block's MLP
+    (dense, shared expert, experts, router: the block's parameters before its post-attention
+    norm) has all of its own. ``par``: the state layout (``_state_key``)."""
+    from .params import param_list
+
+    seen = 0
+    block = None
+    for name, _, _ in reversed(param_list(m, par, pp_rank)):
+        seen += 1
+        part = name.split(".")
+        inner = ".".join(part[2:]) if part[0] == "layers" else ".".join(part[3:])
+        if part[0] == "layers" or (part[0] == "mtp" and part[2] == "block"):
+            block = block or part[:2]
+            if inner.startswith("post_attention_layernorm"):
+                return seen - 1
+        if block and part[:2] != block:
+            return seen - 1
+    return seen
+
+
 def arrival_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
                  ) -> tuple[tuple[int, int], ...]:
     """The gradients' arrival (reverse registration order) as runs (bucket index, count) of
@@ -929,21 +950,28 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
 
 @lru_cache(maxsize=4096)
 def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
-                 ) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]] | None:
-    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at four moments of the
+                 ) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...],
+                            tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at seven moments of the
     replay: the first gradient's arrival in each micro-batch's backward (micro-batches 0, 1
     and the last; the ones between replay the second's), the end of the last backward (what
     the reduction phase starts with), the end of each forward (ZeRO-3 without pp: the root
-    gathered for the loss; else empty) and the start of each backward (before any gradient:
-    the loss's backward). None where the replay does not run."""
+    gathered for the loss; else empty), the start of each backward (before any gradient:
+    the loss's backward), the first block's MLP backward (its MLP's gradients in: a MoE
+    block's expert bucket allocated beside its shared expert's and router's) and the first
+    gradient of each backward (ZeRO-3 without pp: the head's, before the first block's unit
+    is gathered; else the same as the first) and, ZeRO-3 without pp, the last block's
+    forward (the root and that block gathered; else empty). None where the replay does not
+    run."""
     replay = _zero_replay(m, _zero_key(par), pp_rank)
-    return None if replay is None else (replay[2], replay[3], replay[4], replay[5])
+    return None if replay is None else (replay[2], replay[3], replay[4], replay[5], replay[6],
+                                        replay[7], replay[8])
 
 
 @lru_cache(maxsize=4096)  # one replay serves zero_buffer_peak and zero_moments (same key)
 def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
-                 ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...], tuple[int, ...]
-                            ] | None:
+                 ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...], tuple[int, ...],
+                            tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
     """(full-gradient bytes, gathered-parameter bytes) at the peak of ZeRO-2/3's transient
     buffers, from a replay of the engine's lifecycle (``fived.parallel.data``: ``Zero2``,
     ``Zero3``) on the ledger's buckets; None where it is not replayed (ZeRO-2/3 with more than
@@ -965,7 +993,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
       the rest are released after the backward.
     * ``--no-overlap``: no launch during backward, no prefetch ahead."""
     if par.zero < 2 or max(group_sizes(par).values()) <= 1:
-        return (0, 0, (0,), 0, (), (0,))
+        return (0, 0, (0,), 0, (), (0,), (0,), (0,), ())
     if par.pp > 1 and len(rank_stages(par, pp_rank)) > 1:
         return None
     bks = buckets(m, par, pp_rank)
@@ -992,6 +1020,10 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     starts: list[int] = []  # held at each replayed micro-batch's first gradient
     fends: list[int] = []  # held at the end of each replayed forward (ZeRO-3 without pp)
     pres: list[int] = []  # held as each replayed backward begins
+    mlps: list[int] = []  # held once the first block's MLP gradients are in
+    heads: list[int] = []  # held at the first gradient (ZeRO-3: the root's, no block's yet)
+    flasts: list[int] = []  # held while the last block runs its forward (ZeRO-3 without pp)
+    mlp_grads = first_mlp_grads(m, _state_key(par), pp_rank)
 
     def hold(kind: int, n: int) -> None:
         live[kind] += n
@@ -1034,6 +1066,8 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
             for u in nblocks:
                 gather(u)
                 prefetch(nxt(u, 1))
+                if u == nblocks[-1]:
+                    flasts.append(sum(live))
                 free(u)
             fends.append(sum(live))  # the loss: the root gathered, the blocks freed
             # backward: the root stays gathered from its forward
@@ -1044,6 +1078,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         block = None
         first = True
         pres.append(sum(live))  # the backward begins: nothing of it arrived yet
+        arrived = 0
         for i, k in runs:  # k gradients in a row into bucket i
             u = bks[i].unit
             if zero3_flat and u >= 0 and u != block:  # the block's pre-backward hook
@@ -1053,9 +1088,14 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
             if i not in grads:
                 grads.add(i)
                 hold(0, bks[i].padded * gb)
+            if len(heads) < len(pres):
+                heads.append(sum(live))
             if first and (not zero3_flat or u >= 0):  # the first block's gradient (ZeRO-3:
                 starts.append(sum(live))  # its unit and the next gathered, the root's held)
                 first = False
+            if arrived < mlp_grads <= arrived + k:  # (the allocations only: a unit's free
+                mlps.append(sum(live))  # and a launch's drop come at the block's end)
+            arrived += k
             if zero3_flat:
                 udone[u] = udone.get(u, 0) + k
                 if udone[u] == uparams[u]:
@@ -1070,7 +1110,8 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 k = launched[bks[i].group]
                 if k > 2:
                     drop(seq[k - 3])
-    return peak[0], peak[1], tuple(starts), sum(live), tuple(fends), tuple(pres)
+    return (peak[0], peak[1], tuple(starts), sum(live), tuple(fends), tuple(pres),
+            tuple(mlps), tuple(heads), tuple(flasts))
 
 
 def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int

@@ -143,6 +143,8 @@ KEPT = ("params", "grads", "master", "optimizer")
 # the collectives' buffers idle at the loss's moments (the last stage's loss forward, the
 # loss's and the head's backward): the blocks' all-to-all and the cp ring or Ulysses exchange
 LOSS_IDLE = ("ep_a2a", "cp_ring")
+FREED = "saved_freed"  # a moment's key (≤ 0): saved bytes already freed there (the Phase's
+# ``saved`` is what is still held)
 
 
 @dataclass(frozen=True)
@@ -433,7 +435,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     saved = 0.0
     out: list[Phase] = []
     def zero_at(which: int, nth: int) -> float:
-        """ZeRO's buffers at a backward's start (3) or at its first gradient (0)."""
+        """ZeRO's buffers at a backward's start (3), at its first gradient (5), at its first
+        block's first gradient (0) or once that block's MLP gradients are in (4)."""
         if not zero:
             return 0.0
         if moments is None:
@@ -465,24 +468,28 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if recompute:
             blk["recompute_block"] = recompute
         if zero:
-            blk["zero_buffers"] = zero_at(0, nth)
+            blk["zero_buffers"] = zero_at(4, nth)  # the first block's MLP gradients in
         moe = experts_moment(t, s, blk)
         comb = combine_moment(s, blk)
+        if comb and zero:  # the shared expert's gradients in, not yet the experts'
+            comb["zero_buffers"] = zero_at(0, nth)
+        if moe and m.is_moe_layer(split_layers[s][-1]):  # the first block to run its
+            blk = {}  # backward is a MoE one: its moments are the experts' and the combine's
         if not last:
             return max((blk, moe, comb), key=lambda d: sum(d.values()))
         mtp = mtp_backward_bytes(m, par)  # the modules' embedding gradient, held
-        if mtp:
-            blk["mtp_backward"] = mtp
-            if moe:
-                moe["mtp_backward"] = mtp
+        for d in (blk, moe):
+            if mtp and d:
+                d["mtp_backward"] = mtp
         gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
                    for k in ("final_norm", "logits"))
         if held and _head_split(m, par):
             gone = 0.0
-            blk["zb_grads"] = tokens * e * m.vocab / par.tp  # the logits' gradient
-            if moe:
-                moe["zb_grads"] = blk["zb_grads"]
-        blk["block_backward"] = max(0.0, block - gone)
+            for d in (blk, moe):
+                if d:
+                    d["zb_grads"] = tokens * e * m.vocab / par.tp  # the logits' gradient
+        if gone and blk:  # the loss's saved logits and final norm, freed before the blocks'
+            blk[FREED] = -gone  # backward
         idle = {k: v for k, v in t.items() if k not in LOSS_IDLE}  # no block runs there
         loss = dict(idle, loss_backward=loss_backward_bytes(m, par, micro_batch))
         if zero:
@@ -495,11 +502,13 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                                          + m.vocab * m.hidden / par.tp * e
                                          + 2 * tokens * m.hidden * e - logits))
         if zero:
-            head["zero_buffers"] = zero_at(0, nth)
+            head["zero_buffers"] = zero_at(5, nth)  # the head's gradient in, no block's
         if moe:
-            moe["experts_backward"] = max(0.0, moe["experts_backward"] - gone)
+            if gone:
+                moe[FREED] = moe.get(FREED, 0.0) - gone
         if comb:
-            comb["moe_combine"] = max(0.0, comb["moe_combine"] - gone)
+            if gone:
+                comb[FREED] = -gone
         return max((loss, head, blk, moe, comb), key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
@@ -530,8 +539,10 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         weights, their three gradients, the rows' three ffn-wide gradients and two hidden-wide
         ones (``experts_backward_bytes``), beside the last column region's input (tp); the
         all-to-all buffers and the received gradient are gone by then."""
-        if not (grouped and has_experts(s)):
+        if not has_experts(s):
             return {}
+        if not grouped:
+            return loop_moment(blk)
         moe = {k: blk[k] for k in ("recompute_block", "zero_buffers", "zb_stash",
                                    "zb_outputs", "pp_receives") if k in blk}
         moe["expert_stack"] = cb.get("expert_stack", 0.0)
@@ -539,6 +550,37 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             moe["tp_last_input"] = tokens * m.hidden * e
         moe["experts_backward"] = experts_backward_bytes(m, par, micro_batch)
         return moe
+
+    def combine_saves(r: float) -> float:
+        """What ``moe._Combine`` saves for r rows: the expert outputs (r · h · e), the fp32
+        weights (r · 4) and the slots' int64 index (r · 8)."""
+        return r * (m.hidden * e + 4 + 8)
+
+    # the shared expert's saves (G, U and their product, cut over tp)
+    shared_saves = 3 * tokens * m.shared_ffn / par.tp * e if m.is_moe and m.shared_expert else 0.0
+
+    def loop_moment(blk: dict[str, float]) -> dict[str, float]:
+        """The experts' loop (``moe.Expert``, one SwiGLU per local expert), a MoE stage's B at
+        its last MoE layer's first expert's end: the block output's gradient and the shared
+        expert's input gradient (tokens · h/sp each, the first the received one under pp),
+        the combine's gradient of the rows (r · h), the expert's last weight gradient before
+        its bucket (f_e · h) and its rows' two input gradients and their sum (3 · r/E_local ·
+        h), all in the compute dtype; freed there: the shared expert's saves (its backward
+        ran first), the combine's (``combine_saves``) and the expert's own (G, U and their
+        product: 3 · r/E_local · f_e). The weight gradients' buckets of the whole MLP are
+        held (ZeRO: ``zero_moments``' fifth)."""
+        loop = {k: blk[k] for k in ("recompute_block", "zero_buffers", "zb_stash",
+                                    "zb_outputs", "pp_receives", "grad_recv", "zb_grads")
+                if k in blk}
+        r = experts_rows(m, par, micro_batch)
+        r_e = r / max(1, m.experts // par.ep)
+        grad_out = tokens * m.hidden * e / (par.tp if sp else 1)
+        loop["experts_backward"] = (grad_out * (0 if "grad_recv" in loop else 1)
+                                    + (grad_out if m.shared_expert else 0.0)
+                                    + r * m.hidden * e + m.expert_ffn * m.hidden * e
+                                    + 3 * r_e * m.hidden * e)
+        loop[FREED] = -(combine_saves(r) + 3 * r_e * m.expert_ffn * e + shared_saves)
+        return loop
 
     def forward_moment(t: dict[str, float], s: int) -> dict[str, float]:
         """A stage's F before the last, without tp, at its last block: the ring's (or
@@ -559,6 +601,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         silu.pop("cp_ring", None)
         return max((ring, silu), key=lambda d: sum(d.values()))
 
+    tail = sum(stage_extra_activations(m, par, micro_batch, n_stages == 1, True, opts)[k]
+               for k in ("final_norm", "logits"))  # what the loss saves, on the last stage
     actions = schedule_actions(par, pp_rank)
     last_b = max(i for i, a in enumerate(actions) if a[0] == "B")
     stash = outs = 0.0  # split: what the B's keep for their W's, what the F's keep for B
@@ -612,6 +656,11 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             moe = {k: v for k, v in t.items() if k not in ("ep_a2a", "loss_forward")}
             moe["expert_stack"] = cb.get("expert_stack", 0.0)
             moe["experts_forward"] = experts_rows(m, par, micro_batch) * m.expert_ffn * e
+            if zero and moments is not None and moments[6]:  # the last block gathered
+                moe["zero_buffers"] = float(moments[6][min(nth, len(moments[6]) - 1)
+                                                       if nth >= 0 else -1])
+            if s == n_stages - 1:  # the loss's saves (the last norm, the logits) not made yet
+                moe[FREED] = -tail
             t = max((t, moe), key=lambda d: sum(d.values()))
         if kind == "F" and has_experts(s):  # the last MoE layer's combine: the un-permuted
             # slots and their weighted product beside the experts' saved outputs
@@ -619,6 +668,11 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                     if k not in ("ep_a2a", "loss_forward", "tp_regions", "expert_stack",
                                  "experts_forward")}
             comb["moe_combine"] = 2 * experts_rows(m, par, micro_batch) * m.hidden * e
+            if zero and moments is not None and moments[6]:  # the last block gathered
+                comb["zero_buffers"] = float(moments[6][min(nth, len(moments[6]) - 1)
+                                                        if nth >= 0 else -1])
+            if s == n_stages - 1:  # the loss's saves (the last norm, the logits) not made yet
+                comb[FREED] = -tail
             t = max((t, comb), key=lambda d: sum(d.values()))
         if kind == "B":
             t = backward_moment(t, s == n_stages - 1, s, nth, unfused)
@@ -638,7 +692,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                     stash += zb[s][2]
                     outs -= zb[s][0]
                 continue
-        out.append(Phase(f"{kind} {mb} {s}", kept, saved, t))
+        # the saved bytes at the moment (a last stage's B: the loss's saves freed there)
+        out.append(Phase(f"{kind} {mb} {s}", kept, saved + t.pop(FREED, 0.0), t))
         if kind == free:
             live[s] -= 1
             saved -= per[s]
