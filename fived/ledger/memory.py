@@ -951,8 +951,9 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
 @lru_cache(maxsize=4096)
 def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                  ) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...],
-                            tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
-    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at seven moments of the
+                            tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]
+                            ] | None:
+    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at eight moments of the
     replay: the first gradient's arrival in each micro-batch's backward (micro-batches 0, 1
     and the last; the ones between replay the second's), the end of the last backward (what
     the reduction phase starts with), the end of each forward (ZeRO-3 without pp: the root
@@ -961,17 +962,17 @@ def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     block's expert bucket allocated beside its shared expert's and router's) and the first
     gradient of each backward (ZeRO-3 without pp: the head's, before the first block's unit
     is gathered; else the same as the first) and, ZeRO-3 without pp, the last block's
-    forward (the root and that block gathered; else empty). None where the replay does not
-    run."""
+    forward (the root and that block gathered) and the one before it (the root, that block
+    and the last one prefetched; both empty elsewhere). None where the replay does not run."""
     replay = _zero_replay(m, _zero_key(par), pp_rank)
-    return None if replay is None else (replay[2], replay[3], replay[4], replay[5], replay[6],
-                                        replay[7], replay[8])
+    return None if replay is None else replay[2:]
 
 
 @lru_cache(maxsize=4096)  # one replay serves zero_buffer_peak and zero_moments (same key)
 def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                  ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...], tuple[int, ...],
-                            tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+                            tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]
+                            ] | None:
     """(full-gradient bytes, gathered-parameter bytes) at the peak of ZeRO-2/3's transient
     buffers, from a replay of the engine's lifecycle (``fived.parallel.data``: ``Zero2``,
     ``Zero3``) on the ledger's buckets; None where it is not replayed (ZeRO-2/3 with more than
@@ -993,7 +994,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
       the rest are released after the backward.
     * ``--no-overlap``: no launch during backward, no prefetch ahead."""
     if par.zero < 2 or max(group_sizes(par).values()) <= 1:
-        return (0, 0, (0,), 0, (), (0,), (0,), (0,), ())
+        return (0, 0, (0,), 0, (), (0,), (0,), (0,), (), ())
     if par.pp > 1 and len(rank_stages(par, pp_rank)) > 1:
         return None
     bks = buckets(m, par, pp_rank)
@@ -1023,6 +1024,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     mlps: list[int] = []  # held once the first block's MLP gradients are in
     heads: list[int] = []  # held at the first gradient (ZeRO-3: the root's, no block's yet)
     flasts: list[int] = []  # held while the last block runs its forward (ZeRO-3 without pp)
+    fprevs: list[int] = []  # held while the block before it runs its forward
     mlp_grads = first_mlp_grads(m, _state_key(par), pp_rank)
 
     def hold(kind: int, n: int) -> None:
@@ -1068,6 +1070,8 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 prefetch(nxt(u, 1))
                 if u == nblocks[-1]:
                     flasts.append(sum(live))
+                elif len(nblocks) > 1 and u == nblocks[-2]:  # the last one prefetched
+                    fprevs.append(sum(live))
                 free(u)
             fends.append(sum(live))  # the loss: the root gathered, the blocks freed
             # backward: the root stays gathered from its forward
@@ -1111,7 +1115,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 if k > 2:
                     drop(seq[k - 3])
     return (peak[0], peak[1], tuple(starts), sum(live), tuple(fends), tuple(pres),
-            tuple(mlps), tuple(heads), tuple(flasts))
+            tuple(mlps), tuple(heads), tuple(flasts), tuple(fprevs))
 
 
 def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int

@@ -126,6 +126,7 @@ from .memory import (
     grouped_experts,
     layer_activations,
     model_states,
+    mtp_activations,
     rank_memory,
     receives_held,
     releases_at,
@@ -559,6 +560,32 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     # the shared expert's saves (G, U and their product, cut over tp)
     shared_saves = 3 * tokens * m.shared_ffn / par.tp * e if m.is_moe and m.shared_expert else 0.0
 
+    def combine_before_last(comb: dict[str, float], nth: int) -> dict[str, float]:
+        """ZeRO-3 without pp, F: the combine of the MoE block before the last one, with the
+        last block prefetched beside it (``zero_moments``' eighth) and the last block's saves
+        (the MTP modules' whole, with MTP) and the loss's not made yet ({} where that block
+        is not a MoE one)."""
+        if not (zero and moments is not None and moments[7]):
+            return {}
+        ids = split_layers[n_stages - 1]
+        if m.mtp_depth:  # the trunk's last block (the modules' block is the last unit)
+            before = m.layers - 1
+        elif len(ids) > 1:
+            before = ids[-2]
+        else:
+            return {}
+        if not m.is_moe_layer(before):
+            return {}
+        if m.mtp_depth:
+            after = sum(mtp_activations(m, par, micro_batch, opts).values())
+        else:
+            last = split_layers[n_stages - 1][-1]
+            after = sum(layer_activations(layer_cfg(m, last), par, micro_batch, opts).values())
+        prev = dict(comb, zero_buffers=float(moments[7][min(nth, len(moments[7]) - 1)
+                                                        if nth >= 0 else -1]))
+        prev[FREED] = -(tail + after)
+        return prev
+
     def loop_moment(blk: dict[str, float]) -> dict[str, float]:
         """The experts' loop (``moe.Expert``, one SwiGLU per local expert), a MoE stage's B at
         its last MoE layer's first expert's end: the block output's gradient and the shared
@@ -673,7 +700,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                                                         if nth >= 0 else -1])
             if s == n_stages - 1:  # the loss's saves (the last norm, the logits) not made yet
                 comb[FREED] = -tail
-            t = max((t, comb), key=lambda d: sum(d.values()))
+            t = max((t, comb, combine_before_last(comb, nth)), key=lambda d: sum(d.values()))
         if kind == "B":
             t = backward_moment(t, s == n_stages - 1, s, nth, unfused)
             if unfused:  # the B's end: every dL/dy made, autograd's saves not yet freed
