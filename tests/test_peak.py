@@ -45,6 +45,15 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
     (replace(preset("deepseek-v3-tiny"), mtp_depth=1), ParallelConfig(dp=2, zero=3), 4, 0),
     # without MTP: the head's backward holds the root's buckets, not yet a block's gathered
     (preset("deepseek-v3-tiny"), ParallelConfig(dp=2, zero=3), 2, 0),
+    # MTP under pp (tp2·cp2·pp2·dp2 ZeRO-1): the last stage at the last module's norm
+    # backward, its head's weight gradient held; the first stage at its down projection's
+    # backward (h > 2 · tokens: its weight gradient beside its input gradient); without MTP
+    # the head's input gradient all-reduced in place
+    (replace(TINY, mtp_depth=1),
+     ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2), 4, 8),
+    (replace(TINY, mtp_depth=1),
+     ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2), 4, 0),
+    (TINY, ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2), 4, 8),
     # MLA at tp2+SP: the down-projections read the sequence shard (one contiguous copy)
     (preset("deepseek-v3-tiny"), ParallelConfig(tp=2, sequence_parallel=True), 2, 0),
     # MLA and MoE blocks under a split backward (the DeepSeek-V3 shape): the experts' loop

@@ -67,9 +67,14 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             and those arrived before they are wanted
                             (``memory.receives_held``, a replay of the executor's ``_P2P``),
                             one activation each (tokens · h/sp · e)
-  ``mtp_backward``          multi-token prediction without pp, the last stage's block and
-                            expert moments: the modules' embedding gradient, waiting for the
-                            trunk's embedding backward (V/tp · h · e, ``mtp_backward_bytes``)
+  ``mtp_backward``          multi-token prediction, the last stage's block, expert and
+                            module-norm moments: the modules' head weight gradient waiting
+                            for the trunk's head, then (without pp) their embedding gradient
+                            waiting for the trunk's embedding (V/tp · h · e,
+                            ``mtp_backward_bytes``)
+  ``mtp_norm``              multi-token prediction, the last stage's B at the last module's
+                            output norm backward: the head's input gradient and the norm's
+                            fp32 working set (``mtp_norm_backward_bytes``)
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes (``memory.layer_activations``)
   ``grad_recv``             pp, every B but the last stage's: the received output gradient
@@ -120,6 +125,7 @@ from .memory import (
     buckets,
     candidate_ranks,
     comm_buffers,
+    embed_bucket,
     fp8_copy_bytes,
     fused_backwards,
     grad_bytes,
@@ -178,8 +184,8 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     """The first block's backward at its worst moment (SwiGLU's backward, as the trace shows
     it): the block output's gradient and three ffn-wide tensors — the down projection's input
     gradient, SiLU recomputed, and the up gradient being made (GELU: two) — or, where the
-    hidden size exceeds the micro-batch's tokens, two of them and the up projection's weight
-    gradient before it is added into its bucket."""
+    hidden size exceeds twice the micro-batch's tokens, the down projection's own backward:
+    its input gradient and its weight gradient before it is added into its bucket."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
@@ -187,9 +193,10 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     width = 3 if m.mlp == "swiglu" else 2
     if m.is_moe:
         return grad_out + tokens * m.top_k * width * m.expert_ffn * e / (par.tp if sp else 1)
-    # or, when a weight outweighs the tokens' rows (h > tokens), the up projection's weight
-    # gradient (ffn/tp · h) beside two ffn-wide gradients, before it joins its bucket
-    rows = max(width * tokens, (width - 1) * tokens + m.hidden)
+    # or, when a weight outweighs the tokens' rows (h > 2 · tokens), the down projection's
+    # backward: its input gradient (tokens · ffn/tp) and its weight gradient (ffn/tp · h)
+    # before it joins its bucket, its saved input not yet freed
+    rows = max(width * tokens, tokens + m.hidden)
     # the three ffn-wide tensors stand where the down projection's saved input was, freed by
     # its backward; an fp8 linear saved it as fp8 (tensorwise, blockwise), so only that much
     # left: the rest of the compute-dtype width is added back
@@ -348,14 +355,29 @@ def experts_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
 
 
 def mtp_backward_bytes(m: ModelConfig, par: ParallelConfig) -> float:
-    """Multi-token prediction (``fived.model.mtp``) without pp: the D modules ran last in the
-    forward, so autograd takes their backward first, and their embedding lookups' weight
-    gradient (V/tp · h, the D lookups summed in one buffer) waits for the trunk's lookup, whose
-    backward is the step's last: held through the trunk's head and blocks. Under pp the last
-    stage's embedding copy is read by the modules alone (nothing waits)."""
-    if not m.mtp_depth or par.pp > 1:
+    """Multi-token prediction (``fived.model.mtp``): the D modules ran last in the forward, so
+    autograd takes their backward first. Their use of the shared head leaves its weight
+    gradient (V/tp · h) waiting for the trunk's head backward, through the modules' norm and
+    blocks; without pp their embedding lookups' weight gradient (the D lookups summed in one
+    buffer, V/tp · h) then waits for the trunk's lookup, whose backward is the step's last,
+    through the trunk's blocks (under pp the last stage's embedding copy is read by the
+    modules alone). One V/tp · h buffer at the blocks' moments, either way."""
+    if not m.mtp_depth:
         return 0.0
     return m.vocab / par.tp * m.hidden * act_bytes(par)
+
+
+def mtp_norm_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
+    """The last module's output norm's backward (``layers._RMSNorm``), after its head's: the
+    head's input gradient (tokens · h · e; under SP reduce-scattered to its shard), and the
+    norm's fp32 working set — x̂, the scaled gradient and the two products of dx's formula
+    (4 · tokens · h/sp · 4) — with its weight gradient (4h); the head's weight gradient held
+    beside it (``mtp_backward_bytes``)."""
+    if not m.mtp_depth:
+        return 0.0
+    tokens = micro_batch * m.seq_len / par.cp
+    sp = par.tp if par.sequence_parallel and par.tp > 1 else 1
+    return tokens * m.hidden * act_bytes(par) / sp + 16 * tokens * m.hidden / sp + 4 * m.hidden
 
 
 def step_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
@@ -391,6 +413,23 @@ def _clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
     stages = rank_stages(par, pp_rank)
     ends = (0, par.pp * max(1, par.virtual_stages) - 1)  # the embedding's and the head's
     cut = [m.vocab * m.hidden / par.tp] if par.pp == 1 or set(ends) & set(stages) else []
+    own = embed_bucket(m, par, pp_rank) if par.zero >= 1 else None
+    if own is not None:  # the embedding in its own bucket (the embedding group): its piece
+        # is at most that bucket's shard, the others' at most the other buckets' shards
+        rest = [b for b in buckets(m, par, pp_rank) if b is not own]
+        embed = min(m.vocab * m.hidden / par.tp, own.shard)
+        others = _clip_others(m, par, stages)
+        largest = max(embed, min(others, max((b.shard for b in rest), default=0)))
+        return 8.0 * min(largest, SQ_CHUNK)
+    largest = max(cut + [_clip_others(m, par, stages)])
+    if par.zero >= 1:
+        largest = min(largest, max((b.shard for b in buckets(m, par, pp_rank)), default=0))
+    return 8.0 * min(largest, SQ_CHUNK)
+
+
+def _clip_others(m: ModelConfig, par: ParallelConfig, stages) -> float:
+    """The largest block weight of the rank's stages (elements on the rank)."""
+    cut = [0.0]
     layers = [i for st in stages for i in stage_layers(m, par)[st]]
     for c, _ in layer_kinds(m, layers):
         cut += [v / par.tp for k, v in block_params(c).items() if k not in _KINDS]
@@ -400,10 +439,7 @@ def _clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
             cut += [c.expert_ffn * c.hidden, c.experts * c.hidden]
             if c.shared_expert:
                 cut.append(c.shared_ffn * c.hidden / par.tp)
-    largest = max(cut)
-    if par.zero >= 1:
-        largest = min(largest, max((b.shard for b in buckets(m, par, pp_rank)), default=0))
-    return 8.0 * min(largest, SQ_CHUNK)
+    return max(cut)
 
 
 def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
@@ -478,7 +514,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             blk = {}  # backward is a MoE one: its moments are the experts' and the combine's
         if not last:
             return max((blk, moe, comb), key=lambda d: sum(d.values()))
-        mtp = mtp_backward_bytes(m, par)  # the modules' embedding gradient, held
+        mtp = mtp_backward_bytes(m, par)  # the modules' head (or embedding) gradient
         for d in (blk, moe):
             if mtp and d:
                 d["mtp_backward"] = mtp
@@ -496,21 +532,30 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if zero:
             loss["zero_buffers"] = zero_at(3, nth)
         # the head's backward: the logits' gradient (compute dtype), the head's weight
-        # gradient before it is added into its bucket (V/tp · h), the input gradient and its
-        # reduction's buffer; the loss's saved logits already freed
+        # gradient before it is added into its bucket (V/tp · h), the input gradient (its tp
+        # all-reduce runs in place) and under SP the input re-gathered for the weight
+        # gradient (``tensor._ColumnMatmul``); the loss's saved logits already freed
         logits = stage_extra_activations(m, par, micro_batch, s == 0, True, opts)["logits"]
         head = dict(idle, head_backward=max(0.0, tokens * m.vocab / par.tp * e
                                          + m.vocab * m.hidden / par.tp * e
-                                         + 2 * tokens * m.hidden * e - logits))
+                                         + (2 if sp else 1) * tokens * m.hidden * e - logits))
         if zero:
             head["zero_buffers"] = zero_at(5, nth)  # the head's gradient in, no block's
+        norm = {}
+        if m.mtp_depth:  # the last module's norm, its head's weight gradient held
+            norm = dict(idle, mtp_backward=mtp,
+                        mtp_norm=mtp_norm_backward_bytes(m, par, micro_batch))
+            if gone:  # the module's logits freed, its norm's saves in use
+                norm[FREED] = -logits
+            if zero:
+                norm["zero_buffers"] = zero_at(5, nth)
         if moe:
             if gone:
                 moe[FREED] = moe.get(FREED, 0.0) - gone
         if comb:
             if gone:
                 comb[FREED] = -gone
-        return max((loss, head, blk, moe, comb), key=lambda d: sum(d.values()))
+        return max((loss, head, norm, blk, moe, comb), key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
     experts_on = {s: any(m.is_moe_layer(i) for i in split_layers[s]) for s in stages}
