@@ -54,6 +54,11 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
     (replace(TINY, mtp_depth=1),
      ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2), 4, 0),
     (TINY, ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2), 4, 8),
+    # ZeRO-3 with short sequences (fp8 tensorwise, its fp8 parameter gather): a block's fp32
+    # gradient bucket outweighs its saves, so the second block's MLP backward (two block
+    # buckets held, one block's saves freed) is the step's peak
+    (replace(preset("small"), seq_len=64),
+     ParallelConfig(dp=4, zero=3, fp8="tensorwise", precision="bf16"), 8, 0),
     # MLA at tp2+SP: the down-projections read the sequence shard (one contiguous copy)
     (preset("deepseek-v3-tiny"), ParallelConfig(tp=2, sequence_parallel=True), 2, 0),
     # MLA and MoE blocks under a split backward (the DeepSeek-V3 shape): the experts' loop
@@ -82,9 +87,9 @@ def _rows(m, par, gb, rank, rec):
 def _layout_id(row) -> str:
     m, par, gb, rank = row
     mtp = f"-mtp{m.mtp_depth}" if m.mtp_depth else ""
-    extra = [par.schedule if par.pp > 1 else "", par.precision,
+    extra = [par.schedule if par.pp > 1 else "", par.precision, par.fp8,
              par.cp_mode if par.cp > 1 else "", f"L{m.layers}"]
-    extra = "".join(f"-{x}" for x in extra if x and x not in ("1f1b", "auto", "fp32", "ring"))
+    extra = "".join(f"-{x}" for x in extra if x and x not in ("1f1b", "auto", "fp32", "ring", "none"))
     return (f"{m.name}{mtp}-{par.describe()}{extra}-gb{gb}-r{rank}"
             .replace("·", ".").replace(" ", ""))
 

@@ -884,25 +884,25 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
 # ------------------------------------------------------------------------ buffers
 @lru_cache(maxsize=4096)
-def first_mlp_grads(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> int:
-    """How many gradients arrive (reverse registration order) until the first block's MLP
-    (dense, shared expert, experts, router: the block's parameters before its post-attention
-    norm) has all of its own. ``par``: the state layout (``_state_key``)."""
+def mlp_grad_ends(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, ...]:
+    """For each block of the rank, in the order their backwards run: how many gradients have
+    arrived (reverse registration order) once its MLP (dense, shared expert, experts, router:
+    the block's parameters before its post-attention norm) has all of its own. ``par``: the
+    state layout (``_state_key``)."""
     from .params import param_list
 
-    seen = 0
+    ends: list[int] = []
     block = None
-    for name, _, _ in reversed(param_list(m, par, pp_rank)):
-        seen += 1
+    for seen, (name, _, _) in enumerate(reversed(param_list(m, par, pp_rank))):
         part = name.split(".")
-        inner = ".".join(part[2:]) if part[0] == "layers" else ".".join(part[3:])
         if part[0] == "layers" or (part[0] == "mtp" and part[2] == "block"):
-            block = block or part[:2]
-            if inner.startswith("post_attention_layernorm"):
-                return seen - 1
-        if block and part[:2] != block:
-            return seen - 1
-    return seen
+            if part[:2] != block:
+                block = part[:2]
+            inner = ".".join(part[2:]) if part[0] == "layers" else ".".join(part[3:])
+            if inner.startswith("post_attention_layernorm") and (
+                    not ends or ends[-1] != seen):
+                ends.append(seen)
+    return tuple(ends)
 
 
 def arrival_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
@@ -951,9 +951,9 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
 @lru_cache(maxsize=4096)
 def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                  ) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...],
-                            tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]
-                            ] | None:
-    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at eight moments of the
+                            tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                            tuple[tuple[int, ...], ...]] | None:
+    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at nine moments of the
     replay: the first gradient's arrival in each micro-batch's backward (micro-batches 0, 1
     and the last; the ones between replay the second's), the end of the last backward (what
     the reduction phase starts with), the end of each forward (ZeRO-3 without pp: the root
@@ -963,7 +963,9 @@ def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     gradient of each backward (ZeRO-3 without pp: the head's, before the first block's unit
     is gathered; else the same as the first) and, ZeRO-3 without pp, the last block's
     forward (the root and that block gathered) and the one before it (the root, that block
-    and the last one prefetched; both empty elsewhere). None where the replay does not run."""
+    and the last one prefetched; both empty elsewhere), and each block's MLP backward in the
+    order they run (per micro-batch: a tuple; the fifth is its first). None where the replay
+    does not run."""
     replay = _zero_replay(m, _zero_key(par), pp_rank)
     return None if replay is None else replay[2:]
 
@@ -971,8 +973,8 @@ def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
 @lru_cache(maxsize=4096)  # one replay serves zero_buffer_peak and zero_moments (same key)
 def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                  ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...], tuple[int, ...],
-                            tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]
-                            ] | None:
+                            tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                            tuple[tuple[int, ...], ...]] | None:
     """(full-gradient bytes, gathered-parameter bytes) at the peak of ZeRO-2/3's transient
     buffers, from a replay of the engine's lifecycle (``fived.parallel.data``: ``Zero2``,
     ``Zero3``) on the ledger's buckets; None where it is not replayed (ZeRO-2/3 with more than
@@ -994,7 +996,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
       the rest are released after the backward.
     * ``--no-overlap``: no launch during backward, no prefetch ahead."""
     if par.zero < 2 or max(group_sizes(par).values()) <= 1:
-        return (0, 0, (0,), 0, (), (0,), (0,), (0,), (), ())
+        return (0, 0, (0,), 0, (), (0,), (0,), (0,), (), (), ())
     if par.pp > 1 and len(rank_stages(par, pp_rank)) > 1:
         return None
     bks = buckets(m, par, pp_rank)
@@ -1025,7 +1027,8 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     heads: list[int] = []  # held at the first gradient (ZeRO-3: the root's, no block's yet)
     flasts: list[int] = []  # held while the last block runs its forward (ZeRO-3 without pp)
     fprevs: list[int] = []  # held while the block before it runs its forward
-    mlp_grads = first_mlp_grads(m, _state_key(par), pp_rank)
+    mlp_ends = mlp_grad_ends(m, _state_key(par), pp_rank)
+    blocks: list[tuple[int, ...]] = []  # held at each block's MLP end, per micro-batch
 
     def hold(kind: int, n: int) -> None:
         live[kind] += n
@@ -1083,6 +1086,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         first = True
         pres.append(sum(live))  # the backward begins: nothing of it arrived yet
         arrived = 0
+        ends: list[int] = []
         for i, k in runs:  # k gradients in a row into bucket i
             u = bks[i].unit
             if zero3_flat and u >= 0 and u != block:  # the block's pre-backward hook
@@ -1097,9 +1101,9 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
             if first and (not zero3_flat or u >= 0):  # the first block's gradient (ZeRO-3:
                 starts.append(sum(live))  # its unit and the next gathered, the root's held)
                 first = False
-            if arrived < mlp_grads <= arrived + k:  # (the allocations only: a unit's free
-                mlps.append(sum(live))  # and a launch's drop come at the block's end)
-            arrived += k
+            while len(ends) < len(mlp_ends) and mlp_ends[len(ends)] <= arrived + k:
+                ends.append(sum(live))  # (the allocations only: a unit's free and a
+            arrived += k  # launch's drop come at the block's end)
             if zero3_flat:
                 udone[u] = udone.get(u, 0) + k
                 if udone[u] == uparams[u]:
@@ -1114,8 +1118,10 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 k = launched[bks[i].group]
                 if k > 2:
                     drop(seq[k - 3])
+        blocks.append(tuple(ends))
+        mlps.append(ends[0] if ends else (starts[-1] if starts else sum(live)))
     return (peak[0], peak[1], tuple(starts), sum(live), tuple(fends), tuple(pres),
-            tuple(mlps), tuple(heads), tuple(flasts), tuple(fprevs))
+            tuple(mlps), tuple(heads), tuple(flasts), tuple(fprevs), tuple(blocks))
 
 
 def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int

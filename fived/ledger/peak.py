@@ -122,6 +122,7 @@ from .memory import (
     RankMemory,
     _state_key,
     act_bytes,
+    block_input_bytes,
     buckets,
     candidate_ranks,
     comm_buffers,
@@ -137,6 +138,7 @@ from .memory import (
     receives_held,
     releases_at,
     schedule_actions,
+    selective_layer,
     stage_activation_bytes,
     stage_extra_activations,
     zero_moments,
@@ -513,7 +515,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if moe and m.is_moe_layer(split_layers[s][-1]):  # the first block to run its
             blk = {}  # backward is a MoE one: its moments are the experts' and the combine's
         if not last:
-            return max((blk, moe, comb), key=lambda d: sum(d.values()))
+            return max((blk, moe, comb, later_blocks(blk, s, nth, 0.0)),
+                       key=lambda d: sum(d.values()))
         mtp = mtp_backward_bytes(m, par)  # the modules' head (or embedding) gradient
         for d in (blk, moe):
             if mtp and d:
@@ -555,7 +558,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if comb:
             if gone:
                 comb[FREED] = -gone
-        return max((loss, head, norm, blk, moe, comb), key=lambda d: sum(d.values()))
+        return max((loss, head, norm, blk, moe, comb, later_blocks(blk, s, nth, gone)),
+                   key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
     experts_on = {s: any(m.is_moe_layer(i) for i in split_layers[s]) for s in stages}
@@ -596,6 +600,37 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             moe["tp_last_input"] = tokens * m.hidden * e
         moe["experts_backward"] = experts_backward_bytes(m, par, micro_batch)
         return moe
+
+    def later_blocks(blk: dict[str, float], s: int, nth: int, gone: float
+                     ) -> dict[str, float]:
+        """ZeRO-2/3 (replayed; without MTP or a split backward): the MLP backward of each
+        later dense block of the stage, its gradient buckets allocated by then
+        (``zero_moments``' ninth), the saves of the blocks before it (and the loss's) freed;
+        the worst of them ({} when none is later)."""
+        if not (zero and moments is not None and moments[8]) or m.mtp_depth or split:
+            return {}
+        seq = moments[8][min(nth, len(moments[8]) - 1) if nth >= 0 else -1]
+        best: dict[str, float] = {}
+        freed = gone
+        for j, layer in enumerate(reversed(split_layers[s])):
+            c = layer_cfg(m, layer)
+            if 0 < j < len(seq) and not c.is_moe:
+                d = {k: v for k, v in blk.items()
+                     if k not in ("block_backward", "grad_recv", "zero_buffers", FREED)}
+                d["block_backward"] = block_backward_bytes(c, par, micro_batch)
+                d["zero_buffers"] = float(seq[j])
+                d[FREED] = -freed
+                if not best or sum(d.values()) > sum(best.values()):
+                    best = d
+            freed += block_saves(c)
+        return best
+
+    def block_saves(c: ModelConfig) -> float:
+        """One block's saved bytes, by the recompute mode (``stage_activation_bytes``)."""
+        if par.recompute == "full":
+            return block_input_bytes(c, par, micro_batch)
+        fn = selective_layer if par.recompute == "selective" else layer_activations
+        return sum(fn(c, par, micro_batch, opts).values())
 
     def combine_saves(r: float) -> float:
         """What ``moe._Combine`` saves for r rows: the expert outputs (r · h · e), the fp32
