@@ -59,6 +59,13 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
     # buckets held, one block's saves freed) is the step's peak
     (replace(preset("small"), seq_len=64),
      ParallelConfig(dp=4, zero=3, fp8="tensorwise", precision="bf16"), 8, 0),
+    # DeepSeek-V3's shape, pp2·tp2 without SP: the first stage at its last MoE layer's
+    # combine backward (dy, the rebuilt slots and the zeros they are copied into, the shared
+    # expert's saves freed); the last stage with MTP, the head's weight gradient held there
+    (replace(preset("deepseek-v3-tiny"), layers=4),
+     ParallelConfig(tp=2, pp=2, micro_batches=4), 4, 0),
+    (replace(preset("deepseek-v3-tiny"), layers=4, mtp_depth=1),
+     ParallelConfig(tp=2, pp=2, micro_batches=4), 4, 2),
     # MLA at tp2+SP: the down-projections read the sequence shard (one contiguous copy)
     (preset("deepseek-v3-tiny"), ParallelConfig(tp=2, sequence_parallel=True), 2, 0),
     # MLA and MoE blocks under a split backward (the DeepSeek-V3 shape): the experts' loop

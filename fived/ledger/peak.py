@@ -46,8 +46,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             slots and their weighted product (2 · r · h · e, r the rank's
                             routed rows) beside the saved expert outputs (``moe._Combine``);
                             its B, the first MoE layer's combine backward: the output
-                            gradient, dy and the rebuilt slots (2 · r · h · e) and the shared
-                            expert's input gradient, no SP gather in flight
+                            gradient, dy, the rebuilt slots and the zeros they are copied
+                            into (3 · r · h · e) and the shared expert's input gradient, its
+                            saves freed, no SP gather in flight
   ``experts_backward``      grouped experts, a MoE stage's B: the stack made again, the
                             three weight gradients as stacks (3 · E/ep · f_e · h · e), three
                             r · f_e gradients and two r · h ones
@@ -518,7 +519,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             return max((blk, moe, comb, later_blocks(blk, s, nth, 0.0)),
                        key=lambda d: sum(d.values()))
         mtp = mtp_backward_bytes(m, par)  # the modules' head (or embedding) gradient
-        for d in (blk, moe):
+        for d in (blk, moe, comb):
             if mtp and d:
                 d["mtp_backward"] = mtp
         gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
@@ -557,7 +558,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 moe[FREED] = moe.get(FREED, 0.0) - gone
         if comb:
             if gone:
-                comb[FREED] = -gone
+                comb[FREED] = comb.get(FREED, 0.0) - gone
         return max((loss, head, norm, blk, moe, comb, later_blocks(blk, s, nth, gone)),
                    key=lambda d: sum(d.values()))
 
@@ -569,9 +570,11 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
     def combine_moment(s: int, blk: dict[str, float]) -> dict[str, float]:
         """A MoE stage's B at its last MoE layer's combine backward ({} without MoE layers;
-        ``moe._Combine.backward``): the output gradient, dy and the rebuilt slots
-        (2 · r · h · e) beside the shared expert's input gradient, which waits to be summed
-        with the experts' (tokens · h/sp · e); no SP gather is in flight there."""
+        ``moe._Combine.backward``): the output gradient, dy and the rebuilt slots with the
+        zeros they are copied into (3 · r · h · e: ``_Combine.slots`` is an out-of-place
+        ``index_copy``) beside the shared expert's input gradient, which waits to be summed
+        with the experts' (tokens · h/sp · e), the shared expert's saves freed (its backward
+        ran first); no SP gather is in flight there."""
         if not has_experts(s):
             return {}
         comb = {k: blk[k] for k in ("recompute_block", "zero_buffers", "zb_stash",
@@ -579,8 +582,10 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                                     "zb_grads") if k in blk}
         grad_out = tokens * m.hidden * e / (par.tp if sp else 1)
         comb["moe_combine"] = (grad_out * (0 if "grad_recv" in comb else 1)
-                               + 2 * experts_rows(m, par, micro_batch) * m.hidden * e
+                               + 3 * experts_rows(m, par, micro_batch) * m.hidden * e
                                + (grad_out if m.shared_expert else 0.0))
+        if shared_saves:  # the shared expert's backward ran first: its saves are freed
+            comb[FREED] = -shared_saves
         return comb
 
     def experts_moment(t: dict[str, float], s: int, blk: dict[str, float]
