@@ -883,28 +883,30 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
 
 # ------------------------------------------------------------------------ buffers
-@lru_cache(maxsize=4096)
 def mlp_grad_ends(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, ...]:
     """For each block of the rank, in the order their backwards run: how many gradients have
     arrived (reverse registration order) once its MLP (dense, shared expert, experts, router:
     the block's parameters before its post-attention norm) has all of its own. ``par``: the
-    state layout (``_state_key``)."""
+    state layout (``_state_key``); the names do not depend on dp, cp or the ZeRO stage."""
+    return _mlp_grad_ends(m, replace(par, dp=1, cp=1, dp_shard=0, dp_replicate=0, zero=0),
+                          pp_rank)
+
+
+@lru_cache(maxsize=1024)
+def _mlp_grad_ends(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, ...]:
     from .params import param_list
 
     ends: list[int] = []
-    block = None
+    prev = False
     for seen, (name, _, _) in enumerate(reversed(param_list(m, par, pp_rank))):
-        part = name.split(".")
-        if part[0] == "layers" or (part[0] == "mtp" and part[2] == "block"):
-            if part[:2] != block:
-                block = part[:2]
-            inner = ".".join(part[2:]) if part[0] == "layers" else ".".join(part[3:])
-            if inner.startswith("post_attention_layernorm") and (
-                    not ends or ends[-1] != seen):
-                ends.append(seen)
+        norm = "post_attention_layernorm" in name
+        if norm and not prev:  # its weight (and bias): one end per block
+            ends.append(seen)
+        prev = norm
     return tuple(ends)
 
 
+@lru_cache(maxsize=4096)
 def arrival_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
                  ) -> tuple[tuple[int, int], ...]:
     """The gradients' arrival (reverse registration order) as runs (bucket index, count) of

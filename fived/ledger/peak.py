@@ -615,27 +615,37 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if not (zero and moments is not None and moments[8]) or m.mtp_depth or split:
             return {}
         seq = moments[8][min(nth, len(moments[8]) - 1) if nth >= 0 else -1]
-        best: dict[str, float] = {}
+        rest = {k: v for k, v in blk.items()
+                if k not in ("block_backward", "grad_recv", "zero_buffers", FREED)}
+        base = sum(rest.values())
+        best, top = {}, float("-inf")
         freed = gone
         for j, layer in enumerate(reversed(split_layers[s])):
+            if j >= len(seq):
+                break
             c = layer_cfg(m, layer)
-            if 0 < j < len(seq) and not c.is_moe:
-                d = {k: v for k, v in blk.items()
-                     if k not in ("block_backward", "grad_recv", "zero_buffers", FREED)}
-                d["block_backward"] = block_backward_bytes(c, par, micro_batch)
-                d["zero_buffers"] = float(seq[j])
-                d[FREED] = -freed
-                if not best or sum(d.values()) > sum(best.values()):
-                    best = d
-            freed += block_saves(c)
+            if j and not c.is_moe:
+                block, saves = shape_terms(c)
+                total = base + block + seq[j] - freed
+                if total > top:
+                    best, top = dict(rest, block_backward=block, zero_buffers=float(seq[j])), total
+                    best[FREED] = -freed
+            freed += shape_terms(c)[1]
         return best
 
-    def block_saves(c: ModelConfig) -> float:
-        """One block's saved bytes, by the recompute mode (``stage_activation_bytes``)."""
-        if par.recompute == "full":
-            return block_input_bytes(c, par, micro_batch)
-        fn = selective_layer if par.recompute == "selective" else layer_activations
-        return sum(fn(c, par, micro_batch, opts).values())
+    shapes: dict[ModelConfig, tuple[float, float]] = {}
+
+    def shape_terms(c: ModelConfig) -> tuple[float, float]:
+        """A block shape's backward transient and its saved bytes, by the recompute mode
+        (``stage_activation_bytes``)."""
+        if c not in shapes:
+            if par.recompute == "full":
+                saves = block_input_bytes(c, par, micro_batch)
+            else:
+                fn = selective_layer if par.recompute == "selective" else layer_activations
+                saves = sum(fn(c, par, micro_batch, opts).values())
+            shapes[c] = (block_backward_bytes(c, par, micro_batch), saves)
+        return shapes[c]
 
     def combine_saves(r: float) -> float:
         """What ``moe._Combine`` saves for r rows: the expert outputs (r · h · e), the fp32
