@@ -89,8 +89,18 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             or the cp exchange's buffers at its attention less the block's MLP
                             saves, not made yet (``cp_ring − mlp``), whichever is larger
   ``zero_buffers``          ZeRO-2/3, every B and the reduction: the full-gradient buckets
-                            and gathered units at their peak (``memory.zero_buffer_peak``);
-                            ZeRO-3's gathered units in every F too
+                            and gathered units at each moment of the engine's replay
+                            (``memory.zero_moments``: the loss, the head's gradient, each
+                            block's MLP end — every later dense block's MLP backward is a
+                            moment of its own, the blocks before it freed); ZeRO-3's gathered
+                            units in every F too (the root at the loss, the last block at its
+                            combine, the last one prefetched at the block before)
+  ``experts_backward``      the experts' loop (``expert_matmul = loop``), a MoE stage's B at
+  (loop)                    its last MoE layer's first expert's end: the block output's and
+                            the shared expert's input gradients, the combine's gradient of
+                            the rows, the expert's last weight gradient and its rows' input
+                            gradients; the shared expert's, the combine's and the expert's
+                            own saves freed
   ``tp_last_input``         tp, after the last forward: the last column region's input
                             (tokens · h/sp · e; under SP also its gathered copy,
                             ``sp_gather``), referenced until the next forward
@@ -99,6 +109,10 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
   ``optimizer``             fused AdamW works in place; with gradients kept in bf16 the
                             step upcasts each owned gradient (4 bytes per owned element)
   ========================  ==============================================================
+
+A moment may free saved bytes (the loss's saves at the blocks' backward, the saves of the
+blocks already done, the MoE layer's): its ``saved_freed`` key (``FREED``, ≤ 0) lowers the
+phase's ``saved``.
 
 What is not modelled (the dry run's ``ledger --check`` gap says how much it matters): a
 forward's own working set under tp (the regions' inputs are counted instead), the cp ring's
