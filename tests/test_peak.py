@@ -32,7 +32,8 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
     # cp: the ring's (Ulysses') buffers idle at the loss and at the MLP's backward; a first
     # stage's F at its last block's SiLU (the ring's moment lacks the MLP's saves)
     (TINY, ParallelConfig(cp=2, dp=2, precision="bf16"), 16, 0),
-    (TINY, ParallelConfig(cp=2, cp_mode="ulysses", precision="bf16"), 8, 0),
+    pytest.param(TINY, ParallelConfig(cp=2, cp_mode="ulysses", precision="bf16"), 8, 0,
+                 marks=pytest.mark.slow),
     (TINY, ParallelConfig(cp=2, pp=2, micro_batches=2), 8, 0),
     # multi-token prediction (D = 1) under ZeRO-3: the modules' embedding gradient held
     # through the trunk's backward
@@ -42,7 +43,8 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
     # the MLP's gradient buckets held, the shared expert's and the combine's saves freed, the
     # head's weight gradient waiting for the trunk's head
     (replace(preset("deepseek-v3-tiny"), mtp_depth=1), ParallelConfig(dp=2, zero=3), 2, 0),
-    (replace(preset("deepseek-v3-tiny"), mtp_depth=1), ParallelConfig(dp=2, zero=3), 4, 0),
+    pytest.param(replace(preset("deepseek-v3-tiny"), mtp_depth=1),
+                 ParallelConfig(dp=2, zero=3), 4, 0, marks=pytest.mark.slow),
     # without MTP: the head's backward holds the root's buckets, not yet a block's gathered
     (preset("deepseek-v3-tiny"), ParallelConfig(dp=2, zero=3), 2, 0),
     # MTP under pp (tp2·cp2·pp2·dp2 ZeRO-1): the last stage at the last module's norm
@@ -92,7 +94,7 @@ def _rows(m, par, gb, rank, rec):
 
 
 def _layout_id(row) -> str:
-    m, par, gb, rank = row
+    m, par, gb, rank = row.values if hasattr(row, "values") else row
     mtp = f"-mtp{m.mtp_depth}" if m.mtp_depth else ""
     extra = [par.schedule if par.pp > 1 else "", par.precision, par.fp8,
              par.cp_mode if par.cp > 1 else "", f"L{m.layers}"]
