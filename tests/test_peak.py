@@ -29,9 +29,45 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
      4, 1),
     (preset("small"), ParallelConfig(pp=2, tp=2, sequence_parallel=True, micro_batches=4,
                                      schedule="zb-h1", precision="bf16"), 4, 2),
+    # cp: the ring's (Ulysses') buffers idle at the loss and at the MLP's backward; a first
+    # stage's F at its last block's SiLU (the ring's moment lacks the MLP's saves)
+    (TINY, ParallelConfig(cp=2, dp=2, precision="bf16"), 16, 0),
+    pytest.param(TINY, ParallelConfig(cp=2, cp_mode="ulysses", precision="bf16"), 8, 0,
+                 marks=pytest.mark.slow),
+    (TINY, ParallelConfig(cp=2, pp=2, micro_batches=2), 8, 0),
     # multi-token prediction (D = 1) under ZeRO-3: the modules' embedding gradient held
     # through the trunk's backward
     (replace(TINY, mtp_depth=1), ParallelConfig(dp=2, zero=3), 4, 0),
+    # DeepSeek-V3's shape with MTP (D = 1) under ZeRO-3, one and two sequences a rank: the
+    # module's MoE block runs its backward first — the experts' loop at its first expert with
+    # the MLP's gradient buckets held, the shared expert's and the combine's saves freed, the
+    # head's weight gradient waiting for the trunk's head
+    (replace(preset("deepseek-v3-tiny"), mtp_depth=1), ParallelConfig(dp=2, zero=3), 2, 0),
+    pytest.param(replace(preset("deepseek-v3-tiny"), mtp_depth=1),
+                 ParallelConfig(dp=2, zero=3), 4, 0, marks=pytest.mark.slow),
+    # without MTP: the head's backward holds the root's buckets, not yet a block's gathered
+    (preset("deepseek-v3-tiny"), ParallelConfig(dp=2, zero=3), 2, 0),
+    # MTP under pp (tp2·cp2·pp2·dp2 ZeRO-1): the last stage at the last module's norm
+    # backward, its head's weight gradient held; the first stage at its down projection's
+    # backward (h > 2 · tokens: its weight gradient beside its input gradient); without MTP
+    # the head's input gradient all-reduced in place
+    (replace(TINY, mtp_depth=1),
+     ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2), 4, 8),
+    (replace(TINY, mtp_depth=1),
+     ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2), 4, 0),
+    (TINY, ParallelConfig(tp=2, cp=2, pp=2, dp=2, zero=1, micro_batches=2), 4, 8),
+    # ZeRO-3 with short sequences (fp8 tensorwise, its fp8 parameter gather): a block's fp32
+    # gradient bucket outweighs its saves, so the second block's MLP backward (two block
+    # buckets held, one block's saves freed) is the step's peak
+    (replace(preset("small"), seq_len=64),
+     ParallelConfig(dp=4, zero=3, fp8="tensorwise", precision="bf16"), 8, 0),
+    # DeepSeek-V3's shape, pp2·tp2 without SP: the first stage at its last MoE layer's
+    # combine backward (dy, the rebuilt slots and the zeros they are copied into, the shared
+    # expert's saves freed); the last stage with MTP, the head's weight gradient held there
+    (replace(preset("deepseek-v3-tiny"), layers=4),
+     ParallelConfig(tp=2, pp=2, micro_batches=4), 4, 0),
+    (replace(preset("deepseek-v3-tiny"), layers=4, mtp_depth=1),
+     ParallelConfig(tp=2, pp=2, micro_batches=4), 4, 2),
     # MLA at tp2+SP: the down-projections read the sequence shard (one contiguous copy)
     (preset("deepseek-v3-tiny"), ParallelConfig(tp=2, sequence_parallel=True), 2, 0),
     # MLA and MoE blocks under a split backward (the DeepSeek-V3 shape): the experts' loop
@@ -57,8 +93,17 @@ def _rows(m, par, gb, rank, rec):
                                          "peak_phase_per_rank": [rec["peak_phase"]]})
 
 
-@pytest.mark.parametrize("m,par,gb,rank", LAYOUTS, ids=lambda x: getattr(x, "describe",
-                                                                          lambda: None)() or "")
+def _layout_id(row) -> str:
+    m, par, gb, rank = row.values if hasattr(row, "values") else row
+    mtp = f"-mtp{m.mtp_depth}" if m.mtp_depth else ""
+    extra = [par.schedule if par.pp > 1 else "", par.precision, par.fp8,
+             par.cp_mode if par.cp > 1 else "", f"L{m.layers}"]
+    extra = "".join(f"-{x}" for x in extra if x and x not in ("1f1b", "auto", "fp32", "ring", "none"))
+    return (f"{m.name}{mtp}-{par.describe()}{extra}-gb{gb}-r{rank}"
+            .replace("·", ".").replace(" ", ""))
+
+
+@pytest.mark.parametrize("m,par,gb,rank", LAYOUTS, ids=[_layout_id(r) for r in LAYOUTS])
 def test_dry_run_peak_is_the_ledgers(m, par, gb, rank):
     """Each traced phase's peak and the step's are the ledger's, within the tolerance."""
     rec = dry_run_rank(m, par, TrainConfig(global_batch=gb), rank)

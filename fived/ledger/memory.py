@@ -936,6 +936,29 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
 
 # ------------------------------------------------------------------------ buffers
+def mlp_grad_ends(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, ...]:
+    """For each block of the rank, in the order their backwards run: how many gradients have
+    arrived (reverse registration order) once its MLP (dense, shared expert, experts, router:
+    the block's parameters before its post-attention norm) has all of its own. ``par``: the
+    state layout (``_state_key``); the names do not depend on dp, cp or the ZeRO stage."""
+    return _mlp_grad_ends(m, replace(par, dp=1, cp=1, dp_shard=0, dp_replicate=0, zero=0),
+                          pp_rank)
+
+
+@lru_cache(maxsize=1024)
+def _mlp_grad_ends(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[int, ...]:
+    from .params import param_list
+
+    ends: list[int] = []
+    prev = False
+    for seen, (name, _, _) in enumerate(reversed(param_list(m, par, pp_rank))):
+        norm = "post_attention_layernorm" in name
+        if norm and not prev:  # its weight (and bias): one end per block
+            ends.append(seen)
+        prev = norm
+    return tuple(ends)
+
+
 @lru_cache(maxsize=4096)
 def arrival_runs(m: ModelConfig, par: ParallelConfig, pp_rank: int
                  ) -> tuple[tuple[int, int], ...]:
@@ -987,21 +1010,31 @@ def _zero_buffer_peak(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
 
 @lru_cache(maxsize=4096)
 def zero_moments(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
-                 ) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]] | None:
-    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at four moments of the
+                 ) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...],
+                            tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                            tuple[tuple[int, ...], ...]] | None:
+    """ZeRO-2/3's transient bytes (gradients + gathered parameters) at nine moments of the
     replay: the first gradient's arrival in each micro-batch's backward (micro-batches 0, 1
     and the last; the ones between replay the second's), the end of the last backward (what
     the reduction phase starts with), the end of each forward (ZeRO-3 without pp: the root
-    gathered for the loss; else empty) and the start of each backward (before any gradient:
-    the loss's backward). None where the replay does not run."""
+    gathered for the loss; else empty), the start of each backward (before any gradient:
+    the loss's backward), the first block's MLP backward (its MLP's gradients in: a MoE
+    block's expert bucket allocated beside its shared expert's and router's) and the first
+    gradient of each backward (ZeRO-3 without pp: the head's, before the first block's unit
+    is gathered; else the same as the first) and, ZeRO-3 without pp, the last block's
+    forward (the root and that block gathered) and the one before it (the root, that block
+    and the last one prefetched; both empty elsewhere), and each block's MLP backward in the
+    order they run (per micro-batch: a tuple; the fifth is its first). None where the replay
+    does not run."""
     replay = _zero_replay(m, _zero_key(par), pp_rank)
-    return None if replay is None else (replay[2], replay[3], replay[4], replay[5])
+    return None if replay is None else replay[2:]
 
 
 @lru_cache(maxsize=4096)  # one replay serves zero_buffer_peak and zero_moments (same key)
 def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
-                 ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...], tuple[int, ...]
-                            ] | None:
+                 ) -> tuple[int, int, tuple[int, ...], int, tuple[int, ...], tuple[int, ...],
+                            tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                            tuple[tuple[int, ...], ...]] | None:
     """(full-gradient bytes, gathered-parameter bytes) at the peak of ZeRO-2/3's transient
     buffers, from a replay of the engine's lifecycle (``fived.parallel.data``: ``Zero2``,
     ``Zero3``) on the ledger's buckets; None where it is not replayed (ZeRO-2/3 with more than
@@ -1023,7 +1056,7 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
       the rest are released after the backward.
     * ``--no-overlap``: no launch during backward, no prefetch ahead."""
     if par.zero < 2 or max(group_sizes(par).values()) <= 1:
-        return (0, 0, (0,), 0, (), (0,))
+        return (0, 0, (0,), 0, (), (0,), (0,), (0,), (), (), ())
     if par.pp > 1 and len(rank_stages(par, pp_rank)) > 1:
         return None
     bks = buckets(m, par, pp_rank)
@@ -1060,6 +1093,12 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
     starts: list[int] = []  # held at each replayed micro-batch's first gradient
     fends: list[int] = []  # held at the end of each replayed forward (ZeRO-3 without pp)
     pres: list[int] = []  # held as each replayed backward begins
+    mlps: list[int] = []  # held once the first block's MLP gradients are in
+    heads: list[int] = []  # held at the first gradient (ZeRO-3: the root's, no block's yet)
+    flasts: list[int] = []  # held while the last block runs its forward (ZeRO-3 without pp)
+    fprevs: list[int] = []  # held while the block before it runs its forward
+    mlp_ends = mlp_grad_ends(m, _state_key(par), pp_rank)
+    blocks: list[tuple[int, ...]] = []  # held at each block's MLP end, per micro-batch
 
     def hold(kind: int, n: int) -> None:
         live[kind] += n
@@ -1106,6 +1145,10 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
             for u in nblocks:
                 gather(u)
                 prefetch(nxt(u, 1))
+                if u == nblocks[-1]:
+                    flasts.append(sum(live))
+                elif len(nblocks) > 1 and u == nblocks[-2]:  # the last one prefetched
+                    fprevs.append(sum(live))
                 free(u)
             fends.append(sum(live))  # the loss: the root gathered, the blocks freed
             # backward: the root stays gathered from its forward
@@ -1116,6 +1159,8 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
         block = None
         first = True
         pres.append(sum(live))  # the backward begins: nothing of it arrived yet
+        arrived = 0
+        ends: list[int] = []
         for i, k in runs:  # k gradients in a row into bucket i
             u = bks[i].unit
             if zero3_flat and u >= 0 and u != block:  # the block's pre-backward hook
@@ -1125,9 +1170,14 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
             if i not in grads:
                 grads.add(i)
                 hold(0, bks[i].padded * gb)
+            if len(heads) < len(pres):
+                heads.append(sum(live))
             if first and (not zero3_flat or u >= 0):  # the first block's gradient (ZeRO-3:
                 starts.append(sum(live))  # its unit and the next gathered, the root's held)
                 first = False
+            while len(ends) < len(mlp_ends) and mlp_ends[len(ends)] <= arrived + k:
+                ends.append(sum(live))  # (the allocations only: a unit's free and a
+            arrived += k  # launch's drop come at the block's end)
             if zero3_flat:
                 udone[u] = udone.get(u, 0) + k
                 if udone[u] == uparams[u]:
@@ -1142,7 +1192,10 @@ def _zero_replay(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0
                 k = launched[bks[i].group]
                 if k > 2:
                     drop(seq[k - 3])
-    return peak[0], peak[1], tuple(starts), sum(live), tuple(fends), tuple(pres)
+        blocks.append(tuple(ends))
+        mlps.append(ends[0] if ends else (starts[-1] if starts else sum(live)))
+    return (peak[0], peak[1], tuple(starts), sum(live), tuple(fends), tuple(pres),
+            tuple(mlps), tuple(heads), tuple(flasts), tuple(fprevs), tuple(blocks))
 
 
 def _zero_buffers_estimate(m: ModelConfig, par: ParallelConfig, pp_rank: int

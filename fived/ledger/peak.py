@@ -46,8 +46,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             slots and their weighted product (2 · r · h · e, r the rank's
                             routed rows) beside the saved expert outputs (``moe._Combine``);
                             its B, the first MoE layer's combine backward: the output
-                            gradient, dy and the rebuilt slots (2 · r · h · e) and the shared
-                            expert's input gradient, no SP gather in flight
+                            gradient, dy, the rebuilt slots and the zeros they are copied
+                            into (3 · r · h · e) and the shared expert's input gradient, its
+                            saves freed, no SP gather in flight
   ``experts_backward``      grouped experts, a MoE stage's B: the stack made again, the
                             three weight gradients as stacks (3 · E/ep · f_e · h · e), three
                             r · f_e gradients and two r · h ones
@@ -67,18 +68,39 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             and those arrived before they are wanted
                             (``memory.receives_held``, a replay of the executor's ``_P2P``),
                             one activation each (tokens · h/sp · e)
-  ``mtp_backward``          multi-token prediction without pp, the last stage's block and
-                            expert moments: the modules' embedding gradient, waiting for the
-                            trunk's embedding backward (V/tp · h · e, ``mtp_backward_bytes``)
+  ``mtp_backward``          multi-token prediction, the last stage's block, expert and
+                            module-norm moments: the modules' head weight gradient waiting
+                            for the trunk's head, then (without pp) their embedding gradient
+                            waiting for the trunk's embedding (V/tp · h · e,
+                            ``mtp_backward_bytes``)
+  ``mtp_norm``              multi-token prediction, the last stage's B at the last module's
+                            output norm backward: the head's input gradient and the norm's
+                            fp32 working set (``mtp_norm_backward_bytes``)
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes (``memory.layer_activations``)
   ``grad_recv``             pp, every B but the last stage's: the received output gradient
                             (tokens · h/sp · e)
   ``sp_gather``, ``cp_ring``, ``ep_a2a``  F and B: the collectives' in-flight buffers
-                            (``memory.comm_buffers``)
+                            (``memory.comm_buffers``); the cp ring's (Ulysses') and the
+                            all-to-all's are idle at the loss's moments and the cp one at the
+                            MLP's backward (they run inside the attention core, the MoE layer)
+  ``mlp_forward``,          a stage's F before the last, without tp, at its last block:
+  ``cp_ring`` (F)           SiLU(G) beside the saved G and U (dense SwiGLU, tokens · ffn · e),
+                            or the cp exchange's buffers at its attention less the block's MLP
+                            saves, not made yet (``cp_ring − mlp``), whichever is larger
   ``zero_buffers``          ZeRO-2/3, every B and the reduction: the full-gradient buckets
-                            and gathered units at their peak (``memory.zero_buffer_peak``);
-                            ZeRO-3's gathered units in every F too
+                            and gathered units at each moment of the engine's replay
+                            (``memory.zero_moments``: the loss, the head's gradient, each
+                            block's MLP end — every later dense block's MLP backward is a
+                            moment of its own, the blocks before it freed); ZeRO-3's gathered
+                            units in every F too (the root at the loss, the last block at its
+                            combine, the last one prefetched at the block before)
+  ``experts_backward``      the experts' loop (``expert_matmul = loop``), a MoE stage's B at
+  (loop)                    its last MoE layer's first expert's end: the block output's and
+                            the shared expert's input gradients, the combine's gradient of
+                            the rows, the expert's last weight gradient and its rows' input
+                            gradients; the shared expert's, the combine's and the expert's
+                            own saves freed
   ``tp_last_input``         tp, after the last forward: the last column region's input
                             (tokens · h/sp · e; under SP also its gathered copy,
                             ``sp_gather``), referenced until the next forward
@@ -88,9 +110,14 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             step upcasts each owned gradient (4 bytes per owned element)
   ========================  ==============================================================
 
+A moment may free saved bytes (the loss's saves at the blocks' backward, the saves of the
+blocks already done, the MoE layer's): its ``saved_freed`` key (``FREED``, ≤ 0) lowers the
+phase's ``saved``.
+
 What is not modelled (the dry run's ``ledger --check`` gap says how much it matters): a
-dense forward's own working set (SiLU's output beside its
-inputs: the peak is in the backward), the build (a step's peak is what is compared: the dry
+forward's own working set under tp (the regions' inputs are counted instead), the cp ring's
+backward working set inside the attention core (the MLP's backward before it holds more), the
+build (a step's peak is what is compared: the dry
 run builds the whole plain model on fake tensors before cutting it, which a real run does
 not), the attention kernel's
 own workspace, autograd's order of frees inside a block (the block term is its largest set,
@@ -110,29 +137,38 @@ from .memory import (
     RankMemory,
     _state_key,
     act_bytes,
+    block_input_bytes,
     buckets,
     candidate_ranks,
     comm_buffers,
+    embed_bucket,
     fp8_copy_bytes,
     fused_backwards,
     grad_bytes,
     grouped_experts,
     layer_activations,
     model_states,
+    mtp_activations,
     rank_memory,
     receives_held,
     releases_at,
     schedule_actions,
+    selective_layer,
     stage_activation_bytes,
     stage_extra_activations,
     zero_moments,
 )
-from .params import block_params, layer_kinds, rank_stages, stage_layers
+from .params import block_params, layer_cfg, layer_kinds, rank_stages, stage_layers
 
 _KINDS = ("mla_down", "mla_norm", "mla_up", "router", "experts", "shared_expert")  # kinds
 # of ``block_params`` that sum several weights: ``_clip_bytes`` takes their weights one by one
 SQ_CHUNK = 1 << 18  # fived.optim.clip.SQ_CHUNK (the ledger imports no torch)
 KEPT = ("params", "grads", "master", "optimizer")
+# the collectives' buffers idle at the loss's moments (the last stage's loss forward, the
+# loss's and the head's backward): the blocks' all-to-all and the cp ring or Ulysses exchange
+LOSS_IDLE = ("ep_a2a", "cp_ring")
+FREED = "saved_freed"  # a moment's key (≤ 0): saved bytes already freed there (the Phase's
+# ``saved`` is what is still held)
 
 
 @dataclass(frozen=True)
@@ -165,8 +201,8 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     """The first block's backward at its worst moment (SwiGLU's backward, as the trace shows
     it): the block output's gradient and three ffn-wide tensors — the down projection's input
     gradient, SiLU recomputed, and the up gradient being made (GELU: two) — or, where the
-    hidden size exceeds the micro-batch's tokens, two of them and the up projection's weight
-    gradient before it is added into its bucket."""
+    hidden size exceeds twice the micro-batch's tokens, the down projection's own backward:
+    its input gradient and its weight gradient before it is added into its bucket."""
     e = act_bytes(par)
     tokens = micro_batch * m.seq_len / par.cp
     sp = par.sequence_parallel and par.tp > 1
@@ -174,9 +210,10 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     width = 3 if m.mlp == "swiglu" else 2
     if m.is_moe:
         return grad_out + tokens * m.top_k * width * m.expert_ffn * e / (par.tp if sp else 1)
-    # or, when a weight outweighs the tokens' rows (h > tokens), the up projection's weight
-    # gradient (ffn/tp · h) beside two ffn-wide gradients, before it joins its bucket
-    rows = max(width * tokens, (width - 1) * tokens + m.hidden)
+    # or, when a weight outweighs the tokens' rows (h > 2 · tokens), the down projection's
+    # backward: its input gradient (tokens · ffn/tp) and its weight gradient (ffn/tp · h)
+    # before it joins its bucket, its saved input not yet freed
+    rows = max(width * tokens, tokens + m.hidden)
     # the three ffn-wide tensors stand where the down projection's saved input was, freed by
     # its backward; an fp8 linear saved it as fp8 (tensorwise, blockwise), so only that much
     # left: the rest of the compute-dtype width is added back
@@ -335,14 +372,29 @@ def experts_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
 
 
 def mtp_backward_bytes(m: ModelConfig, par: ParallelConfig) -> float:
-    """Multi-token prediction (``fived.model.mtp``) without pp: the D modules ran last in the
-    forward, so autograd takes their backward first, and their embedding lookups' weight
-    gradient (V/tp · h, the D lookups summed in one buffer) waits for the trunk's lookup, whose
-    backward is the step's last: held through the trunk's head and blocks. Under pp the last
-    stage's embedding copy is read by the modules alone (nothing waits)."""
-    if not m.mtp_depth or par.pp > 1:
+    """Multi-token prediction (``fived.model.mtp``): the D modules ran last in the forward, so
+    autograd takes their backward first. Their use of the shared head leaves its weight
+    gradient (V/tp · h) waiting for the trunk's head backward, through the modules' norm and
+    blocks; without pp their embedding lookups' weight gradient (the D lookups summed in one
+    buffer, V/tp · h) then waits for the trunk's lookup, whose backward is the step's last,
+    through the trunk's blocks (under pp the last stage's embedding copy is read by the
+    modules alone). One V/tp · h buffer at the blocks' moments, either way."""
+    if not m.mtp_depth:
         return 0.0
     return m.vocab / par.tp * m.hidden * act_bytes(par)
+
+
+def mtp_norm_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
+    """The last module's output norm's backward (``layers._RMSNorm``), after its head's: the
+    head's input gradient (tokens · h · e; under SP reduce-scattered to its shard), and the
+    norm's fp32 working set — x̂, the scaled gradient and the two products of dx's formula
+    (4 · tokens · h/sp · 4) — with its weight gradient (4h); the head's weight gradient held
+    beside it (``mtp_backward_bytes``)."""
+    if not m.mtp_depth:
+        return 0.0
+    tokens = micro_batch * m.seq_len / par.cp
+    sp = par.tp if par.sequence_parallel and par.tp > 1 else 1
+    return tokens * m.hidden * act_bytes(par) / sp + 16 * tokens * m.hidden / sp + 4 * m.hidden
 
 
 def step_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
@@ -378,6 +430,23 @@ def _clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
     stages = rank_stages(par, pp_rank)
     ends = (0, par.pp * max(1, par.virtual_stages) - 1)  # the embedding's and the head's
     cut = [m.vocab * m.hidden / par.tp] if par.pp == 1 or set(ends) & set(stages) else []
+    own = embed_bucket(m, par, pp_rank) if par.zero >= 1 else None
+    if own is not None:  # the embedding in its own bucket (the embedding group): its piece
+        # is at most that bucket's shard, the others' at most the other buckets' shards
+        rest = [b for b in buckets(m, par, pp_rank) if b is not own]
+        embed = min(m.vocab * m.hidden / par.tp, own.shard)
+        others = _clip_others(m, par, stages)
+        largest = max(embed, min(others, max((b.shard for b in rest), default=0)))
+        return 8.0 * min(largest, SQ_CHUNK)
+    largest = max(cut + [_clip_others(m, par, stages)])
+    if par.zero >= 1:
+        largest = min(largest, max((b.shard for b in buckets(m, par, pp_rank)), default=0))
+    return 8.0 * min(largest, SQ_CHUNK)
+
+
+def _clip_others(m: ModelConfig, par: ParallelConfig, stages) -> float:
+    """The largest block weight of the rank's stages (elements on the rank)."""
+    cut = [0.0]
     layers = [i for st in stages for i in stage_layers(m, par)[st]]
     for c, _ in layer_kinds(m, layers):
         cut += [v / par.tp for k, v in block_params(c).items() if k not in _KINDS]
@@ -387,10 +456,7 @@ def _clip_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> float:
             cut += [c.expert_ffn * c.hidden, c.experts * c.hidden]
             if c.shared_expert:
                 cut.append(c.shared_ffn * c.hidden / par.tp)
-    largest = max(cut)
-    if par.zero >= 1:
-        largest = min(largest, max((b.shard for b in buckets(m, par, pp_rank)), default=0))
-    return 8.0 * min(largest, SQ_CHUNK)
+    return max(cut)
 
 
 def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
@@ -423,7 +489,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     saved = 0.0
     out: list[Phase] = []
     def zero_at(which: int, nth: int) -> float:
-        """ZeRO's buffers at a backward's start (3) or at its first gradient (0)."""
+        """ZeRO's buffers at a backward's start (3), at its first gradient (5), at its first
+        block's first gradient (0) or once that block's MLP gradients are in (4)."""
         if not zero:
             return 0.0
         if moments is None:
@@ -447,49 +514,67 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         """``held``: a split B whose records keep the head's input and logits until its W
         (they are not freed after the loss's backward) and its dL/dlogits."""
         block = block_backward_bytes(m, par, micro_batch) if split_layers[s] else 0
-        blk = dict(t, block_backward=block)
+        # the cp exchange runs inside the attention core only: idle at the MLP's backward
+        blk = dict({k: v for k, v in t.items() if k != "cp_ring"}, block_backward=block)
         if not last and par.pp > 1:  # the received gradient is the block output's gradient
             blk["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
             blk["block_backward"] = max(0.0, block - blk["grad_recv"])
         if recompute:
             blk["recompute_block"] = recompute
         if zero:
-            blk["zero_buffers"] = zero_at(0, nth)
+            blk["zero_buffers"] = zero_at(4, nth)  # the first block's MLP gradients in
         moe = experts_moment(t, s, blk)
         comb = combine_moment(s, blk)
+        if comb and zero:  # the shared expert's gradients in, not yet the experts'
+            comb["zero_buffers"] = zero_at(0, nth)
+        if moe and m.is_moe_layer(split_layers[s][-1]):  # the first block to run its
+            blk = {}  # backward is a MoE one: its moments are the experts' and the combine's
         if not last:
-            return max((blk, moe, comb), key=lambda d: sum(d.values()))
-        mtp = mtp_backward_bytes(m, par)  # the modules' embedding gradient, held
-        if mtp:
-            blk["mtp_backward"] = mtp
-            if moe:
-                moe["mtp_backward"] = mtp
+            return max((blk, moe, comb, later_blocks(blk, s, nth, 0.0)),
+                       key=lambda d: sum(d.values()))
+        mtp = mtp_backward_bytes(m, par)  # the modules' head (or embedding) gradient
+        for d in (blk, moe, comb):
+            if mtp and d:
+                d["mtp_backward"] = mtp
         gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
                    for k in ("final_norm", "logits"))
         if held and _head_split(m, par):
             gone = 0.0
-            blk["zb_grads"] = tokens * e * m.vocab / par.tp  # the logits' gradient
-            if moe:
-                moe["zb_grads"] = blk["zb_grads"]
-        blk["block_backward"] = max(0.0, block - gone)
-        idle = {k: v for k, v in t.items() if k != "ep_a2a"}  # no MoE layer runs there
+            for d in (blk, moe):
+                if d:
+                    d["zb_grads"] = tokens * e * m.vocab / par.tp  # the logits' gradient
+        if gone and blk:  # the loss's saved logits and final norm, freed before the blocks'
+            blk[FREED] = -gone  # backward
+        idle = {k: v for k, v in t.items() if k not in LOSS_IDLE}  # no block runs there
         loss = dict(idle, loss_backward=loss_backward_bytes(m, par, micro_batch))
         if zero:
             loss["zero_buffers"] = zero_at(3, nth)
         # the head's backward: the logits' gradient (compute dtype), the head's weight
-        # gradient before it is added into its bucket (V/tp · h), the input gradient and its
-        # reduction's buffer; the loss's saved logits already freed
+        # gradient before it is added into its bucket (V/tp · h), the input gradient (its tp
+        # all-reduce runs in place) and under SP the input re-gathered for the weight
+        # gradient (``tensor._ColumnMatmul``); the loss's saved logits already freed
         logits = stage_extra_activations(m, par, micro_batch, s == 0, True, opts)["logits"]
         head = dict(idle, head_backward=max(0.0, tokens * m.vocab / par.tp * e
                                          + m.vocab * m.hidden / par.tp * e
-                                         + 2 * tokens * m.hidden * e - logits))
+                                         + (2 if sp else 1) * tokens * m.hidden * e - logits))
         if zero:
-            head["zero_buffers"] = zero_at(0, nth)
+            head["zero_buffers"] = zero_at(5, nth)  # the head's gradient in, no block's
+        norm = {}
+        if m.mtp_depth:  # the last module's norm, its head's weight gradient held
+            norm = dict(idle, mtp_backward=mtp,
+                        mtp_norm=mtp_norm_backward_bytes(m, par, micro_batch))
+            if gone:  # the module's logits freed, its norm's saves in use
+                norm[FREED] = -logits
+            if zero:
+                norm["zero_buffers"] = zero_at(5, nth)
         if moe:
-            moe["experts_backward"] = max(0.0, moe["experts_backward"] - gone)
+            if gone:
+                moe[FREED] = moe.get(FREED, 0.0) - gone
         if comb:
-            comb["moe_combine"] = max(0.0, comb["moe_combine"] - gone)
-        return max((loss, head, blk, moe, comb), key=lambda d: sum(d.values()))
+            if gone:
+                comb[FREED] = comb.get(FREED, 0.0) - gone
+        return max((loss, head, norm, blk, moe, comb, later_blocks(blk, s, nth, gone)),
+                   key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
     experts_on = {s: any(m.is_moe_layer(i) for i in split_layers[s]) for s in stages}
@@ -499,9 +584,11 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
     def combine_moment(s: int, blk: dict[str, float]) -> dict[str, float]:
         """A MoE stage's B at its last MoE layer's combine backward ({} without MoE layers;
-        ``moe._Combine.backward``): the output gradient, dy and the rebuilt slots
-        (2 · r · h · e) beside the shared expert's input gradient, which waits to be summed
-        with the experts' (tokens · h/sp · e); no SP gather is in flight there."""
+        ``moe._Combine.backward``): the output gradient, dy and the rebuilt slots with the
+        zeros they are copied into (3 · r · h · e: ``_Combine.slots`` is an out-of-place
+        ``index_copy``) beside the shared expert's input gradient, which waits to be summed
+        with the experts' (tokens · h/sp · e), the shared expert's saves freed (its backward
+        ran first); no SP gather is in flight there."""
         if not has_experts(s):
             return {}
         comb = {k: blk[k] for k in ("recompute_block", "zero_buffers", "zb_stash",
@@ -509,8 +596,10 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                                     "zb_grads") if k in blk}
         grad_out = tokens * m.hidden * e / (par.tp if sp else 1)
         comb["moe_combine"] = (grad_out * (0 if "grad_recv" in comb else 1)
-                               + 2 * experts_rows(m, par, micro_batch) * m.hidden * e
+                               + 3 * experts_rows(m, par, micro_batch) * m.hidden * e
                                + (grad_out if m.shared_expert else 0.0))
+        if shared_saves:  # the shared expert's backward ran first: its saves are freed
+            comb[FREED] = -shared_saves
         return comb
 
     def experts_moment(t: dict[str, float], s: int, blk: dict[str, float]
@@ -519,8 +608,10 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         weights, their three gradients, the rows' three ffn-wide gradients and two hidden-wide
         ones (``experts_backward_bytes``), beside the last column region's input (tp); the
         all-to-all buffers and the received gradient are gone by then."""
-        if not (grouped and has_experts(s)):
+        if not has_experts(s):
             return {}
+        if not grouped:
+            return loop_moment(blk)
         moe = {k: blk[k] for k in ("recompute_block", "zero_buffers", "zb_stash",
                                    "zb_outputs", "pp_receives") if k in blk}
         moe["expert_stack"] = cb.get("expert_stack", 0.0)
@@ -529,6 +620,125 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         moe["experts_backward"] = experts_backward_bytes(m, par, micro_batch)
         return moe
 
+    def later_blocks(blk: dict[str, float], s: int, nth: int, gone: float
+                     ) -> dict[str, float]:
+        """ZeRO-2/3 (replayed; without MTP or a split backward): the MLP backward of each
+        later dense block of the stage, its gradient buckets allocated by then
+        (``zero_moments``' ninth), the saves of the blocks before it (and the loss's) freed;
+        the worst of them ({} when none is later)."""
+        if not (zero and moments is not None and moments[8]) or m.mtp_depth or split:
+            return {}
+        seq = moments[8][min(nth, len(moments[8]) - 1) if nth >= 0 else -1]
+        rest = {k: v for k, v in blk.items()
+                if k not in ("block_backward", "grad_recv", "zero_buffers", FREED)}
+        base = sum(rest.values())
+        best, top = {}, float("-inf")
+        freed = gone
+        for j, layer in enumerate(reversed(split_layers[s])):
+            if j >= len(seq):
+                break
+            c = layer_cfg(m, layer)
+            if j and not c.is_moe:
+                block, saves = shape_terms(c)
+                total = base + block + seq[j] - freed
+                if total > top:
+                    best, top = dict(rest, block_backward=block, zero_buffers=float(seq[j])), total
+                    best[FREED] = -freed
+            freed += shape_terms(c)[1]
+        return best
+
+    shapes: dict[ModelConfig, tuple[float, float]] = {}
+
+    def shape_terms(c: ModelConfig) -> tuple[float, float]:
+        """A block shape's backward transient and its saved bytes, by the recompute mode
+        (``stage_activation_bytes``)."""
+        if c not in shapes:
+            if par.recompute == "full":
+                saves = block_input_bytes(c, par, micro_batch)
+            else:
+                fn = selective_layer if par.recompute == "selective" else layer_activations
+                saves = sum(fn(c, par, micro_batch, opts).values())
+            shapes[c] = (block_backward_bytes(c, par, micro_batch), saves)
+        return shapes[c]
+
+    def combine_saves(r: float) -> float:
+        """What ``moe._Combine`` saves for r rows: the expert outputs (r · h · e), the fp32
+        weights (r · 4) and the slots' int64 index (r · 8)."""
+        return r * (m.hidden * e + 4 + 8)
+
+    # the shared expert's saves (G, U and their product, cut over tp)
+    shared_saves = 3 * tokens * m.shared_ffn / par.tp * e if m.is_moe and m.shared_expert else 0.0
+
+    def combine_before_last(comb: dict[str, float], nth: int) -> dict[str, float]:
+        """ZeRO-3 without pp, F: the combine of the MoE block before the last one, with the
+        last block prefetched beside it (``zero_moments``' eighth) and the last block's saves
+        (the MTP modules' whole, with MTP) and the loss's not made yet ({} where that block
+        is not a MoE one)."""
+        if not (zero and moments is not None and moments[7]):
+            return {}
+        ids = split_layers[n_stages - 1]
+        if m.mtp_depth:  # the trunk's last block (the modules' block is the last unit)
+            before = m.layers - 1
+        elif len(ids) > 1:
+            before = ids[-2]
+        else:
+            return {}
+        if not m.is_moe_layer(before):
+            return {}
+        if m.mtp_depth:
+            after = sum(mtp_activations(m, par, micro_batch, opts).values())
+        else:
+            last = split_layers[n_stages - 1][-1]
+            after = sum(layer_activations(layer_cfg(m, last), par, micro_batch, opts).values())
+        prev = dict(comb, zero_buffers=float(moments[7][min(nth, len(moments[7]) - 1)
+                                                        if nth >= 0 else -1]))
+        prev[FREED] = -(tail + after)
+        return prev
+
+    def loop_moment(blk: dict[str, float]) -> dict[str, float]:
+        """The experts' loop (``moe.Expert``, one SwiGLU per local expert), a MoE stage's B at
+        its last MoE layer's first expert's end: the block output's gradient and the shared
+        expert's input gradient (tokens · h/sp each, the first the received one under pp),
+        the combine's gradient of the rows (r · h), the expert's last weight gradient before
+        its bucket (f_e · h) and its rows' two input gradients and their sum (3 · r/E_local ·
+        h), all in the compute dtype; freed there: the shared expert's saves (its backward
+        ran first), the combine's (``combine_saves``) and the expert's own (G, U and their
+        product: 3 · r/E_local · f_e). The weight gradients' buckets of the whole MLP are
+        held (ZeRO: ``zero_moments``' fifth)."""
+        loop = {k: blk[k] for k in ("recompute_block", "zero_buffers", "zb_stash",
+                                    "zb_outputs", "pp_receives", "grad_recv", "zb_grads")
+                if k in blk}
+        r = experts_rows(m, par, micro_batch)
+        r_e = r / max(1, m.experts // par.ep)
+        grad_out = tokens * m.hidden * e / (par.tp if sp else 1)
+        loop["experts_backward"] = (grad_out * (0 if "grad_recv" in loop else 1)
+                                    + (grad_out if m.shared_expert else 0.0)
+                                    + r * m.hidden * e + m.expert_ffn * m.hidden * e
+                                    + 3 * r_e * m.hidden * e)
+        loop[FREED] = -(combine_saves(r) + 3 * r_e * m.expert_ffn * e + shared_saves)
+        return loop
+
+    def forward_moment(t: dict[str, float], s: int) -> dict[str, float]:
+        """A stage's F before the last, without tp, at its last block: the ring's (or
+        Ulysses') buffers at its attention, when the block's MLP saves are not made yet
+        (``cp_ring`` less those saves), or, a dense SwiGLU block, SiLU(G) beside the saved G
+        and U (``mlp_forward``: tokens · ffn · e; ``layers.swiglu``)."""
+        last = split_layers[s][-1] if split_layers[s] else None
+        if last is None:
+            return t
+        c = layer_cfg(m, last)
+        ring = dict(t)
+        if "cp_ring" in ring:
+            mlp_saves = layer_activations(c, par, micro_batch, opts)["mlp"]
+            ring["cp_ring"] = max(0.0, ring["cp_ring"] - mlp_saves)
+        if c.is_moe or c.mlp != "swiglu":
+            return ring
+        silu = dict(t, mlp_forward=tokens * c.ffn * e)
+        silu.pop("cp_ring", None)
+        return max((ring, silu), key=lambda d: sum(d.values()))
+
+    tail = sum(stage_extra_activations(m, par, micro_batch, n_stages == 1, True, opts)[k]
+               for k in ("final_norm", "logits"))  # what the loss saves, on the last stage
     actions = schedule_actions(par, pp_rank)
     last_b = max(i for i, a in enumerate(actions) if a[0] == "B")
     stash = outs = 0.0  # split: what the B's keep for their W's, what the F's keep for B
@@ -554,13 +764,16 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             stash -= zb[s][2]
             continue
         nth = 0 if mb == 0 else (-1 if mb == par.micro_batches - 1 else 1)
-        if kind == "F" and s == n_stages - 1:  # after the blocks: no all-to-all in flight
-            t.pop("ep_a2a", None)
+        if kind == "F" and s == n_stages - 1:  # after the blocks: no all-to-all, no ring
+            for k in LOSS_IDLE:
+                t.pop(k, None)
             t["loss_forward"] = loss_forward_bytes(m, par, micro_batch)
         elif kind == "F" and sp:  # a region opens (its gather) before the last one closes
             t["sp_gather"] = 2 * inflight["sp_gather"] + tokens * m.hidden * e / par.tp
         elif kind == "F" and par.tp > 1:  # the last region's input and the new one's
             t["tp_regions"] = 2 * tokens * m.hidden * e
+        elif kind == "F":
+            t = forward_moment(t, s)
         if kind == "B" and sp and s != n_stages - 1:  # the last forward's region (until
             # the step's last backward), the backward's re-gather of x and the full-width
             # input gradient before its reduce-scatter
@@ -579,6 +792,11 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             moe = {k: v for k, v in t.items() if k not in ("ep_a2a", "loss_forward")}
             moe["expert_stack"] = cb.get("expert_stack", 0.0)
             moe["experts_forward"] = experts_rows(m, par, micro_batch) * m.expert_ffn * e
+            if zero and moments is not None and moments[6]:  # the last block gathered
+                moe["zero_buffers"] = float(moments[6][min(nth, len(moments[6]) - 1)
+                                                       if nth >= 0 else -1])
+            if s == n_stages - 1:  # the loss's saves (the last norm, the logits) not made yet
+                moe[FREED] = -tail
             t = max((t, moe), key=lambda d: sum(d.values()))
         if kind == "F" and has_experts(s):  # the last MoE layer's combine: the un-permuted
             # slots and their weighted product beside the experts' saved outputs
@@ -586,7 +804,12 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                     if k not in ("ep_a2a", "loss_forward", "tp_regions", "expert_stack",
                                  "experts_forward")}
             comb["moe_combine"] = 2 * experts_rows(m, par, micro_batch) * m.hidden * e
-            t = max((t, comb), key=lambda d: sum(d.values()))
+            if zero and moments is not None and moments[6]:  # the last block gathered
+                comb["zero_buffers"] = float(moments[6][min(nth, len(moments[6]) - 1)
+                                                        if nth >= 0 else -1])
+            if s == n_stages - 1:  # the loss's saves (the last norm, the logits) not made yet
+                comb[FREED] = -tail
+            t = max((t, comb, combine_before_last(comb, nth)), key=lambda d: sum(d.values()))
         if kind == "B":
             t = backward_moment(t, s == n_stages - 1, s, nth, unfused)
             if unfused:  # the B's end: every dL/dy made, autograd's saves not yet freed
@@ -605,7 +828,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                     stash += zb[s][2]
                     outs -= zb[s][0]
                 continue
-        out.append(Phase(f"{kind} {mb} {s}", kept, saved, t))
+        # the saved bytes at the moment (a last stage's B: the loss's saves freed there)
+        out.append(Phase(f"{kind} {mb} {s}", kept, saved + t.pop(FREED, 0.0), t))
         if kind == free:
             live[s] -= 1
             saved -= per[s]
