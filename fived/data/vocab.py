@@ -59,6 +59,12 @@ def mask_padded_logits(model: nn.Module, used: int, vocab: int) -> int:
 SOURCE_SHIFT = 32  # a mixture's targets carry their row's source: target + (source << 32)
 
 
+def split_source(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each target's source, the target without it) of a mixture's marked targets."""
+    src = targets >> SOURCE_SHIFT
+    return src, targets - (src << SOURCE_SHIFT)
+
+
 class SourceLoss(nn.Module):
     """A mixture's per-source loss (``--data NAME=DIR:W,...``): the loader adds each row's
     source index, shifted by ``SOURCE_SHIFT`` bits, to its targets (vocabularies are far below
@@ -76,8 +82,7 @@ class SourceLoss(nn.Module):
         self.tally = [None] * self.sources
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        src = targets >> SOURCE_SHIFT
-        real = targets - (src << SOURCE_SHIFT)
+        src, real = split_source(targets)
         row_src = src.reshape(src.shape[0], -1)[:, 0]
         total = None
         for k in torch.unique(row_src).tolist():
@@ -93,7 +98,7 @@ class SourceLoss(nn.Module):
     def untallied(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The same loss with nothing tallied (multi-token prediction's modules: the
         per-source losses are the trunk's)."""
-        return self.inner(logits, targets - ((targets >> SOURCE_SHIFT) << SOURCE_SHIFT))
+        return self.inner(logits, split_source(targets)[1])
 
 
 def tally_sources(model: nn.Module, sources: int) -> list[SourceLoss]:
