@@ -234,6 +234,12 @@ def _metrics_file(path: str, start: int):
 
 
 # ---------------------------------------------------------------------------- the run's metrics
+# what rank 0 alone gathers each step (every rank's numbers; ``Trainer.share_records`` hands
+# them to the other ranks' kept records at the end of a run)
+WORLD_KEYS = ("memory", "memory_per_rank", "traffic", "traffic_per_rank", "rss_peak",
+              "rss_per_rank", "memory_trace_per_rank", "ledger_peak_per_rank")
+
+
 class MetricsProcessor:
     """Everything a run measures and shows, on top of ``Trainer.step``'s record: each rank's
     memory, traffic and peak RSS (one metrics all-gather), tokens/s and MFU (the peak measured
@@ -267,17 +273,24 @@ class MetricsProcessor:
             self.out = _metrics_file(train.metrics_out, start)
 
     def measure(self, rec: dict[str, Any]) -> list[dict[str, int]]:
-        """Add every rank's memory, traffic and RSS, tokens/s and MFU to ``rec``; the memory
-        per rank (what a checkpoint's manifest records)."""
+        """Add tokens/s and MFU to ``rec``, and on rank 0 every rank's memory, traffic and RSS
+        (``WORLD_KEYS``; the other ranks keep their own memory and traffic until
+        ``Trainer.share_records``); the memory per rank (what a checkpoint's manifest records,
+        written by rank 0)."""
         t = self.trainer
-        mems, traffic = t.gather_stats(t.engine.memory())
-        rec["memory"], rec["memory_per_rank"] = mems[0], mems
-        rec["traffic"], rec["traffic_per_rank"] = traffic[0]["bytes"], traffic
-        rec["rss_peak"] = max(r["peak"] for r in t.rss)  # VmHWM, the largest rank
-        rec["rss_per_rank"] = t.rss
-        if t.trace is not None:  # --memory-trace: every rank's peak live tensor bytes
-            rec["memory_trace_per_rank"] = t.traced
-            rec["ledger_peak_per_rank"] = self.ledger_peaks()
+        mem = t.engine.memory()
+        stats, mems = t.gather_stats(mem), [mem]
+        if stats is None:  # not rank 0
+            rec["memory"], rec["traffic"] = mem, t.traffic.bytes_by_dim()
+        else:
+            mems, traffic = stats
+            rec["memory"], rec["memory_per_rank"] = mems[0], mems
+            rec["traffic"], rec["traffic_per_rank"] = traffic[0]["bytes"], traffic
+            rec["rss_peak"] = max(r["peak"] for r in t.rss)  # VmHWM, the largest rank
+            rec["rss_per_rank"] = t.rss
+            if t.trace is not None:  # --memory-trace: every rank's peak live tensor bytes
+                rec["memory_trace_per_rank"] = t.traced
+                rec["ledger_peak_per_rank"] = self.ledger_peaks()
         rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
         rec["mfu"] = mfu_of(self.flops_per_token, rec["tokens_per_s"], self.peak_flops)
         if t.device.type == "cuda":  # measured, next to the ledger's (gpu_check.sh)

@@ -378,8 +378,9 @@ class Trainer:
             preempt.count(float(t[n]))
         return [float(v) for v in t[:n]]
 
-    def gather_stats(self, mem: dict[str, int]) -> tuple[list[dict], list[dict]]:
-        """Every rank's memory and traffic, on every rank (a metrics-only collective)."""
+    def gather_stats(self, mem: dict[str, int]) -> tuple[list[dict], list[dict]] | None:
+        """Every rank's memory and traffic, on rank 0 (one gather, a metrics-only collective;
+        the other ranks get None and take rank 0's records at the end: ``share_records``)."""
         by_dim = self.traffic.bytes_by_dim()
         secs = self.traffic.seconds_by_dim()
         row = [float(mem.get(k, 0)) for k in MEMORY_KEYS]
@@ -388,9 +389,10 @@ class Trainer:
         row += [float(self.trace.step_peak()[0] if self.trace is not None else 0)]
         row += [float(self.build_rss), float(rss_peak()), self.build_seconds]
         vec = torch.tensor(row, dtype=torch.float64, device=self.device)
-        out = torch.zeros(self.world * vec.numel(), dtype=torch.float64, device=self.device)
-        ops.all_gather_into(out, vec, self.world_metrics)
-        rows = out.view(self.world, -1).tolist()
+        got = ops.gather(vec, self.world_metrics, dst=0)
+        if got is None:
+            return None
+        rows = [r.tolist() for r in got]
         nm, nt = len(MEMORY_KEYS), len(TRAFFIC_KEYS)
         mems = [dict(zip(MEMORY_KEYS, map(int, r[:nm]))) for r in rows]
         traffic = [
@@ -402,6 +404,24 @@ class Trainer:
         # peak resident bytes per rank: after the build, and so far (the run's peak)
         self.rss = [{"build": int(r[-3]), "peak": int(r[-2]), "build_s": r[-1]} for r in rows]
         return mems, traffic
+
+    def share_records(self, records: Any) -> None:
+        """The end of a run: rank 0's every-rank measurements (``MetricsProcessor.measure``'s
+        ``WORLD_KEYS``) copied into the other ranks' kept records (one broadcast), so every
+        rank returns the same summary."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        from .metrics import WORLD_KEYS
+
+        recs = list(records)
+        box = [[{k: r[k] for k in WORLD_KEYS if k in r} for r in recs] if self.rank == 0
+               else None]
+        dist.broadcast_object_list(box, src=0, group=self.world_metrics.pg)
+        if self.rank != 0:
+            for r, shared in zip(recs, box[0]):
+                r.update(shared)
 
 
 def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig,
@@ -460,6 +480,7 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
         preempt.close()
         trainer.close()
         metrics.close()
+    trainer.share_records(history.records)
     metrics.final(history)
     return run_summary(trainer, history, bad.total, ckpt.preempted, bad.stop or stopped)
 
