@@ -234,7 +234,7 @@ def _metrics_file(path: str, start: int):
 
 
 # ---------------------------------------------------------------------------- the run's metrics
-# what rank 0 alone gathers each step (every rank's numbers; ``Trainer.share_records`` hands
+# what rank 0 alone gathers each step (every rank's numbers; ``MetricsProcessor.share`` hands
 # them to the other ranks' kept records at the end of a run)
 WORLD_KEYS = ("memory", "memory_per_rank", "traffic", "traffic_per_rank", "rss_peak",
               "rss_per_rank", "memory_trace_per_rank", "ledger_peak_per_rank")
@@ -274,9 +274,8 @@ class MetricsProcessor:
 
     def measure(self, rec: dict[str, Any]) -> list[dict[str, int]]:
         """Add tokens/s and MFU to ``rec``, and on rank 0 every rank's memory, traffic and RSS
-        (``WORLD_KEYS``; the other ranks keep their own memory and traffic until
-        ``Trainer.share_records``); the memory per rank (what a checkpoint's manifest records,
-        written by rank 0)."""
+        (``WORLD_KEYS``; the other ranks keep their own memory and traffic until ``share``);
+        the memory per rank (what a checkpoint's manifest records, written by rank 0)."""
         t = self.trainer
         mem = t.engine.memory()
         stats, mems = t.gather_stats(mem), [mem]
@@ -310,6 +309,22 @@ class MetricsProcessor:
                                                self.train.optimizer) for r in range(t.world)]
         return self._ledger_peaks
 
+    def share(self, records: Any) -> None:
+        """The end of a run: rank 0's every-rank measurements (``WORLD_KEYS``) copied into the
+        other ranks' kept records (one broadcast), so every rank returns the same summary."""
+        t = self.trainer
+        if t.world == 1:
+            return
+        import torch.distributed as dist
+
+        recs = list(records)
+        box = [[{k: r[k] for k in WORLD_KEYS if k in r} for r in recs] if t.rank == 0
+               else None]
+        dist.broadcast_object_list(box, src=0, group=t.world_metrics.pg)
+        if t.rank != 0:
+            for r, shared in zip(recs, box[0]):
+                r.update(shared)
+
     def note(self, text: str) -> None:
         """A line above the live display (rank 0, when shown)."""
         if self.display:
@@ -342,7 +357,9 @@ class MetricsProcessor:
                 x.close()
 
     def final(self, history: Any) -> None:
-        """The closing table (rank 0, when shown) and the validation losses by step."""
+        """Every rank: rank 0's ``WORLD_KEYS`` into the kept records (``share``); then the
+        closing table (rank 0, when shown) and the validation losses by step."""
+        self.share(history.records)
         if not self.display:
             return
         self.display.final_table(list(history.records), history)

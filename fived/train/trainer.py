@@ -380,7 +380,8 @@ class Trainer:
 
     def gather_stats(self, mem: dict[str, int]) -> tuple[list[dict], list[dict]] | None:
         """Every rank's memory and traffic, on rank 0 (one gather, a metrics-only collective;
-        the other ranks get None and take rank 0's records at the end: ``share_records``)."""
+        the other ranks get None and take rank 0's records at the end:
+        ``MetricsProcessor.final``)."""
         by_dim = self.traffic.bytes_by_dim()
         secs = self.traffic.seconds_by_dim()
         row = [float(mem.get(k, 0)) for k in MEMORY_KEYS]
@@ -404,24 +405,6 @@ class Trainer:
         # peak resident bytes per rank: after the build, and so far (the run's peak)
         self.rss = [{"build": int(r[-3]), "peak": int(r[-2]), "build_s": r[-1]} for r in rows]
         return mems, traffic
-
-    def share_records(self, records: Any) -> None:
-        """The end of a run: rank 0's every-rank measurements (``MetricsProcessor.measure``'s
-        ``WORLD_KEYS``) copied into the other ranks' kept records (one broadcast), so every
-        rank returns the same summary."""
-        if self.world == 1:
-            return
-        import torch.distributed as dist
-
-        from .metrics import WORLD_KEYS
-
-        recs = list(records)
-        box = [[{k: r[k] for k in WORLD_KEYS if k in r} for r in recs] if self.rank == 0
-               else None]
-        dist.broadcast_object_list(box, src=0, group=self.world_metrics.pg)
-        if self.rank != 0:
-            for r, shared in zip(recs, box[0]):
-                r.update(shared)
 
 
 def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfig,
@@ -480,7 +463,6 @@ def train_rank(rank: int, world: int, model_cfg: ModelConfig, par: ParallelConfi
         preempt.close()
         trainer.close()
         metrics.close()
-    trainer.share_records(history.records)
     metrics.final(history)
     return run_summary(trainer, history, bad.total, ckpt.preempted, bad.stop or stopped)
 
