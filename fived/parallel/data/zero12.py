@@ -42,6 +42,7 @@ import torch
 from ...comm import ops, ring
 from .base import DataParallel
 from .buckets import Bucket
+from .fp8 import Fp8Gather
 from .grads import FullGrads, ShardGrads
 
 
@@ -85,6 +86,7 @@ class ReduceScatter:
         self.grid, self.collectives, self.device = grid, par.collectives, device
         self.replicate = grid["dp_replicate"] if getattr(grid, "hybrid", False) else None
         self.pending: list[Replicated] = []  # launched, all-reduce not yet started
+        self.fp8: Any = None  # ZeRO-1/2's fp8 gather (``fp8.Fp8Gather``; ``Zero1`` sets it)
 
     def shard_count(self, group: Any) -> int:
         return group.size
@@ -120,25 +122,55 @@ class ReduceScatter:
         return flat
 
     def gather_params(self, buckets: list[Bucket]) -> None:
-        if self.collectives == "ring":
-            for b in buckets:
+        """Every member's updated shard into the whole parameters: in place, in the compute
+        dtype; the fp8 gather's buckets (``fp8``) as e4m3 casts with scales taken again."""
+        fp8 = self.fp8
+        if fp8 is not None:
+            fp8.stale()
+        handles = []
+        for b in buckets:
+            if fp8 is not None and fp8.owns(b):
+                handles += fp8.start(b)
+            elif self.collectives == "ring":
                 b.param_full.copy_(ring.ring_all_gather(b.param_shard, b.group))
-            return
-        handles = [ops.all_gather_into(b.param_full, b.param_shard, b.group, async_op=True)
-                   for b in buckets]
+            else:
+                handles.append(ops.all_gather_into(b.param_full, b.param_shard, b.group,
+                                                   async_op=True))
         for h in handles:
             h.wait()
 
     def param_state(self, b: Bucket) -> torch.Tensor:
-        return b.param_full
+        """The whole compute-dtype buffer; the fp8 gather's buckets: the owned shard (their
+        whole weights are the casts, ``param_extra``)."""
+        return b.param_shard if self.fp8 is not None and self.fp8.owns(b) else b.param_full
+
+    def param_extra(self, b: Bucket) -> list[torch.Tensor]:
+        """The parameter state beside ``param_state``: the fp8 gather's e4m3 casts of the whole
+        bucket and their scales (``fp8.Fp8Gather.held``; ZeRO-1/2 keep them between steps)."""
+        return self.fp8.held(b) if self.fp8 is not None and self.fp8.owns(b) else []
 
 
 class Zero1(DataParallel):
-    """Sharded masters and optimizer state; persistent full gradients."""
+    """Sharded masters and optimizer state; persistent full gradients. With the fp8 gather
+    (``fived.ledger.params.fp8_gather``) the fp8 linears' buckets are held as the owned shard
+    and the whole e4m3 cast (``fp8.Fp8Gather``), gathered here once after the build."""
 
     stage = 1
     sharding_type = ReduceScatter
     grads_type = FullGrads
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        if self.stage < 3:  # ZeRO-3 gathers per unit (``zero3.UnitGather``)
+            fp8 = Fp8Gather.of(self.buckets, self.placements, self.grid, self.par)
+            if fp8 is not None and fp8.owned:
+                self.sharding.fp8 = fp8
+                self.sharding.gather_params(fp8.owned)
+
+    def close(self) -> None:
+        super().close()
+        if self.sharding.fp8 is not None:
+            self.sharding.fp8.withdraw()
 
 
 class Zero2(Zero1):
