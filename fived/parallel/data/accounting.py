@@ -10,7 +10,8 @@ master, 2 for Kahan's bf16 compensation, 0 otherwise; 8 for Adam m and v):
 ZeRO-1/2 with the fp8 gather hold their fp8 linears' weights (Ψ_f8) as P·Ψ_f8/N (the owned
 shard) + 1·Ψ_f8 (the whole e4m3 cast) + 4 bytes per tile scale, instead of P·Ψ_f8
 (``Sharding.param_extra``). Plus ``padding`` (a full buffer's pad — the e4m3 cast's too —, a
-shard's pad/N; the scales have none), so every rank's keys = formula + padding exactly. ``buffers`` is the step's peak of transient buffers (``Buffers``: ZeRO-2/3's full
+shard's pad/N; the scales have none), so every rank's keys = formula + padding exactly.
+``buffers`` is the step's peak of transient buffers (``Buffers``: ZeRO-2/3's full
 gradient buckets, ZeRO-3's gathered units), reset to what is live at ``zero_grad``.
 """
 
