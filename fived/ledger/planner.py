@@ -44,7 +44,7 @@ by predicted step time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..config import (
     V_SCHEDULES,
@@ -71,6 +71,7 @@ from .memory import (
     states_floor,
 )
 from .params import (
+    fp8_gather,
     layer_cfg,
     layer_kinds,
     rank_layer_ids,
@@ -482,6 +483,10 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                         sequence_parallel=tp > 1, recompute=rc,
                                         precision=precision, grad_reduce_dtype=grad_reduce_dtype,
                                         pp_layers=split, **mode, **fixed)
+                                    if not par.fp8_gather and not fp8_gather(
+                                            replace(par, fp8_gather=True)):
+                                        # --no-fp8-gather where nothing gathers in fp8
+                                        par = replace(par, fp8_gather=True)
                                     try:
                                         validate(m, par)
                                     except ConfigError:
