@@ -89,6 +89,7 @@ def _behaviour(rank, world, runs):
         s = train_rank(rank, world, m, p, t, show=False,
                        hooks=[probe] + ([OnGrads(nan)] if bad else []))
         out.append({"losses": s["losses"], "skipped": [h["skipped"] for h in s["history"]],
+                    "traffic": s["history"][-1]["traffic"],
                     "storage": probe.storage, "provided": probe.provided,
                     "forward": probe.forward})
     return out
@@ -101,7 +102,10 @@ def test_zero1_fp8_gather_frees_bf16_resumes_both_ways_and_skips_a_bad_step(tmp_
     cast is the cast the linear makes of the whole weight); a checkpoint saved with the gather
     resumes bit-exactly with it and without it, and one saved without it resumes with it; the
     forward-only loss (evaluation's pass) is the same; a NaN planted on rank 1 at step 2 skips
-    that step alike under both (the casts stay those of step 1's update)."""
+    that step alike under both (the casts stay those of step 1's update). The counted bytes of
+    a step equal the ledger's with and without the gather, and the fp8 buckets' all-gather is
+    half the bf16 one (the same padded buckets, 1 byte per element against 2)."""
+    from fived.ledger.traffic import step_bytes, step_traffic
     from fived.testing import run_ranks, small_train
 
     on = ParallelConfig(dp=2, zero=1, precision="bf16", fp8="tensorwise")
@@ -129,3 +133,70 @@ def test_zero1_fp8_gather_frees_bf16_resumes_both_ways_and_skips_a_bad_step(tmp_
     assert bad_on["skipped"] == [False, False, True, False, False]
     assert bad_on["losses"] == bad_off["losses"] and bad_on["skipped"] == bad_off["skipped"]
     assert bad_on["losses"][3] != full["losses"][3]
+    micro = t.global_batch // 2
+    assert full["traffic"] == step_bytes(TINY, on, micro), full["traffic"]
+    assert ref["traffic"] == step_bytes(TINY, off, micro), ref["traffic"]
+    fp8_gathers = [[c.bytes for c in step_traffic(TINY, p, micro) if c.op == "all_gather"]
+                   for p in (on, off)]
+    # on: [the fp8 bucket's, the rest's]; off: [the whole bucket's]
+    assert len(fp8_gathers[0]) == 2 and len(fp8_gathers[1]) == 1, fp8_gathers
+    rest = fp8_gathers[0][1]
+    assert fp8_gathers[0][0] == pytest.approx(0.5 * (fp8_gathers[1][0] - rest), rel=1e-3)
+
+
+HARDER = [  # (layout, recipe, world): the shard group under hybrid sharding, tp, pp
+    (ParallelConfig(dp=4, dp_shard=2, zero=1, precision="fp32", fp8="tensorwise"), 4),
+    (ParallelConfig(tp=2, dp=2, zero=2, precision="fp32", fp8="tensorwise",
+                    sequence_parallel=True), 4),
+    (ParallelConfig(pp=2, dp=2, zero=1, precision="fp32", fp8="blockwise", micro_batches=2), 4),
+]
+
+
+@pytest.mark.slow
+def test_zero12_fp8_gather_hybrid_tp_pp_equal_one_rank_and_the_ledger():
+    """Hybrid sharding dp4 = 2 shards × 2 replicas (the amax and the gather over the shard
+    group, which holds the whole bucket), tp2+SP·dp2 ZeRO-2 (the amax reduced over tp too) and
+    pp2·dp2 ZeRO-1 blockwise (m = 2) against the one-rank fp8 run; every rank's traffic and
+    model states equal the ledger's."""
+    from fived.ledger.memory import model_states
+    from fived.ledger.traffic import step_bytes
+    from fived.ledger.verify import coords
+
+    train = replace(TRAIN, global_batch=8)
+    outs = train_runs([(TINY, p, train) for p, _ in HARDER])
+    for (par, _), out in zip(HARDER, outs):
+        micro = train.global_batch // par.dp // par.micro_batches
+        check_parity(out, fp8_reference(TINY, par.fp8, train.global_batch // micro, train),
+                     par.describe())
+        for rank, s in enumerate(out["ranks"]):
+            pp_rank = coords(par, rank)["pp"]
+            h = s["history"][-1]
+            assert h["traffic"] == pytest.approx(step_bytes(TINY, par, micro, pp_rank),
+                                                 rel=1e-12), (par.describe(), rank, h)
+            states = model_states(TINY, par, pp_rank)
+            assert {k: h["memory"][k] for k in ("params", "grads", "padding")} == {
+                k: states[k] for k in ("params", "grads", "padding")}, (par.describe(), rank)
+
+
+DRY = [("tiny", "--dp 2 --zero 1", "tensorwise"),
+       ("tiny", "--dp 4 --dp-shard 2 --zero 2", "tensorwise"),
+       ("tiny", "--tp 2 --dp 2 --zero 1 --sequence-parallel", "tensorwise"),
+       ("tiny", "--pp 2 --dp 2 --zero 1 --micro-batches 2", "tensorwise"),
+       ("tiny", "--dp 2 --zero 2", "blockwise"),
+       ("tiny-moe", "--ep 2 --dp 2 --zero 1", "tensorwise")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,layout,recipe", DRY)
+def test_dry_run_of_the_zero12_fp8_gather_is_exact(tmp_path, model, layout, recipe):
+    """`fived train --dry-run --zero 1|2 --fp8 R`, then `fived ledger --check`: every rank's
+    traffic and model states (storage bytes: the shard, the e4m3 cast, the scales) exact."""
+    from parity_helpers import run_cli
+
+    out = tmp_path / "run.jsonl"
+    r = run_cli("train", "--dry-run", "--model", model, "--fp8", recipe, "--precision",
+                "bf16", *layout.split(), "--steps", "1", "--metrics-out", str(out))
+    assert r.returncode == 0, r.stderr
+    c = run_cli("ledger", "--check", str(out))
+    text = " ".join(c.stdout.split())
+    assert "exact: every rank's model-state bytes and traffic bytes" in text, c.stdout

@@ -1,4 +1,4 @@
-"""ZeRO-3's fp8 parameter all-gather: the fp8 linears' weights travel as e4m3 with their scales.
+"""ZeRO's fp8 parameter all-gather: the fp8 linears' weights travel as e4m3 with their scales.
 
 Under ``--zero 3 --fp8 R`` (``fived.ledger.params.fp8_gather``: tensorwise and blockwise, and
 rowwise without pp; off with ``--no-fp8-gather``) each gather unit's fp8 linear weights
@@ -46,6 +46,12 @@ its weights), bytes sent per rank:
 
 and held: 1·P per gathered cast while the unit is gathered, 4·A from the bucket's first gather
 of the step to the step's end (the scales).
+
+ZeRO-1/2 (``zero12.Zero1``; tensorwise and blockwise) use the same gather once per optimizer
+step, after it (and after the build and ``publish_params``): ``stale``, then ``start`` for every
+owned bucket, and the casts are kept (never ``free``d) until the next step's gather overwrites
+them in place: 1·P + 4·A of parameter state (``held``), beside the rank's compute-dtype shard.
+``withdraw`` takes the provided casts back when the engine closes.
 """
 
 from __future__ import annotations

@@ -18,18 +18,34 @@ Model-state bytes per rank (Ψ parameters; P params, G grads — 4 with an fp32 
 
     ZeRO-1: P + G + (M + 8)/N·Ψ   bf16: 2Ψ + 2Ψ + 12Ψ/N     fp32: 4Ψ + 4Ψ + 8Ψ/N
     ZeRO-2: P + (G + M + 8)/N·Ψ   bf16: 2Ψ + (2Ψ + 12Ψ)/N   fp32: 4Ψ + 12Ψ/N
+    fp8 gather, the fp8 linears' Ψ_f8 of Ψ: P·Ψ_f8 becomes 1·Ψ_f8 + 4·A + P·Ψ_f8/N
 
 Traffic per step, bytes sent per rank:
 
     reduce-scatter (N−1)/N · grad bytes + all-gather (N−1)/N · param bytes
+    fp8 gather: all-gather (N−1)/N · 1 byte on the fp8 buckets + all_reduce(4·A) per fp8 bucket
+
+The fp8 gather (``--zero 1|2 --fp8 tensorwise|blockwise``, ``fived.ledger.params.fp8_gather``;
+``--no-fp8-gather`` off; Megatron-Core's ``--fp8-param-gather`` with its distributed
+optimizer): the fp8 linears' weights are buckets of their own (``layout.fp8_split``, inside
+each ``bucket_mb`` piece). For those buckets (N > 1) the rank keeps its compute-dtype shard (a
+copy; the optimizer writes it, checkpoints read it) and the whole bucket's e4m3 cast with its
+scales (A tile amaxes, ``fp8.amax_count``), between steps; the compute-dtype whole buffer is
+freed after the build (its storage resized to 0: the parameters are views of it, so nothing
+can read a stale piece). After the build, every optimizer step and ``publish_params`` (a
+checkpoint load) the scales are taken again (the amaxes max-reduced over the shard group, and
+over tp where a tile spans the cut) and the shards' casts all-gathered (``fp8.Fp8Gather``);
+the fp8 linears use the provided casts (``fived.model.fp8.provide``), bit for bit one rank's
+cast of the whole weight. Rowwise is not gathered in fp8: its two casts of W (per row for the
+forward, per column for the dgrad) kept whole would be bf16's 2 bytes per element.
 
 ``--collectives ring`` runs both through ``fived.comm.ring`` (synchronously; the padded buckets
 make its bytes exactly these). ZeRO-3 inherits the ring reduce-scatter; its parameter gathers
 stay the backend's.
 
 Pieces (docs/engine.md): both use ``ReduceScatter`` (the ``Sharding``: reduce-scatter, the
-all-gather after the step, the norm summed over the shards); ZeRO-1 keeps ``FullGrads``,
-ZeRO-2 uses ``ShardGrads`` (``grads``).
+all-gather after the step — the fp8 buckets' through ``fp8.Fp8Gather`` —, the norm summed over
+the shards); ZeRO-1 keeps ``FullGrads``, ZeRO-2 uses ``ShardGrads`` (``grads``).
 """
 
 from __future__ import annotations
