@@ -37,11 +37,11 @@ def test_zero12_fp8_gather_equals_one_rank_and_the_ledger(zero, recipe):
     check_parity(out, fp8_reference(TINY, recipe, 2, TRAIN), on.describe())
     want = step_bytes(TINY, on, 2)
     states = model_states(TINY, on)
-    for s in out["ranks"]:
-        for h in s["history"]:
-            assert h["traffic"] == pytest.approx(want, rel=1e-12, abs=0), h
-            assert {k: h["memory"][k] for k in states if k != "buffers"} == {
-                k: v for k, v in states.items() if k != "buffers"}, (h["memory"], states)
+    for h in out["ranks"][0]["history"]:  # every rank's bytes of every step
+        for got, mem in zip(h["traffic_per_rank"], h["memory_per_rank"]):
+            assert got["bytes"] == pytest.approx(want, rel=1e-12, abs=0), h
+            assert {k: mem[k] for k in states if k != "buffers"} == {
+                k: v for k, v in states.items() if k != "buffers"}, (mem, states)
     off = replace(on, fp8_gather=False)
     gathers = [sum(c.bytes for c in step_traffic(TINY, p, 2) if c.op == "all_gather"
                    and c.what == "updated params") for p in (on, off)]
@@ -168,25 +168,29 @@ def test_zero12_fp8_gather_hybrid_tp_pp_equal_one_rank_and_the_ledger():
         micro = train.global_batch // par.dp // par.micro_batches
         check_parity(out, fp8_reference(TINY, par.fp8, train.global_batch // micro, train),
                      par.describe())
-        for rank, s in enumerate(out["ranks"]):
+        h = out["ranks"][0]["history"][-1]  # every rank's record of the step
+        for rank in range(par.world_size):
             pp_rank = coords(par, rank)["pp"]
-            h = s["history"][-1]
-            assert h["traffic"] == pytest.approx(step_bytes(TINY, par, micro, pp_rank),
-                                                 rel=1e-12), (par.describe(), rank, h)
+            got = h["traffic_per_rank"][rank]["bytes"]
+            assert got == pytest.approx(step_bytes(TINY, par, micro, pp_rank), rel=1e-12), (
+                par.describe(), rank, got)
             states = model_states(TINY, par, pp_rank)
-            assert {k: h["memory"][k] for k in ("params", "grads", "padding")} == {
+            mem = h["memory_per_rank"][rank]
+            assert {k: mem[k] for k in ("params", "grads", "padding")} == {
                 k: states[k] for k in ("params", "grads", "padding")}, (par.describe(), rank)
 
 
-DRY = [("tiny", "--dp 2 --zero 1", "tensorwise"),
-       ("tiny", "--dp 4 --dp-shard 2 --zero 2", "tensorwise"),
-       ("tiny", "--tp 2 --dp 2 --zero 1 --sequence-parallel", "tensorwise"),
-       ("tiny", "--pp 2 --dp 2 --zero 1 --micro-batches 2", "tensorwise"),
-       ("tiny", "--dp 2 --zero 2", "blockwise"),
-       ("tiny-moe", "--ep 2 --dp 2 --zero 1", "tensorwise")]
+SLOW = pytest.mark.slow
+DRY = [pytest.param("tiny", "--dp 2 --zero 1", "tensorwise", marks=SLOW),
+       ("tiny", "--dp 4 --dp-shard 2 --zero 2", "tensorwise"),  # the default suite's
+       pytest.param("tiny", "--tp 2 --dp 2 --zero 1 --sequence-parallel", "tensorwise",
+                    marks=SLOW),
+       pytest.param("tiny", "--pp 2 --dp 2 --zero 1 --micro-batches 2", "tensorwise",
+                    marks=SLOW),
+       pytest.param("tiny", "--dp 2 --zero 2", "blockwise", marks=SLOW),
+       pytest.param("tiny-moe", "--ep 2 --dp 2 --zero 1", "tensorwise", marks=SLOW)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model,layout,recipe", DRY)
 def test_dry_run_of_the_zero12_fp8_gather_is_exact(tmp_path, model, layout, recipe):
     """`fived train --dry-run --zero 1|2 --fp8 R`, then `fived ledger --check`: every rank's
