@@ -204,3 +204,30 @@ def test_dry_run_of_the_zero12_fp8_gather_is_exact(tmp_path, model, layout, reci
     c = run_cli("ledger", "--check", str(out))
     text = " ".join(c.stdout.split())
     assert "exact: every rank's model-state bytes and traffic bytes" in text, c.stdout
+
+
+def test_plan_prices_the_zero12_fp8_gather():
+    """`fived plan --fp8 tensorwise` keeps the recipe and the gather in every layout it
+    searches: its dp4 ZeRO-1 layout of `small` holds the ledger's parameter bytes with the fp8
+    gather, less than with `--no-fp8-gather` (which the plan keeps too)."""
+    import json
+
+    from parity_helpers import run_cli
+
+    from fived.ledger.memory import model_states
+
+    got = {}
+    for extra in ((), ("--no-fp8-gather",)):
+        r = run_cli("plan", "--model", "small", "--gpus", "4", "--zero", "1", "--fp8",
+                    "tensorwise", "--precision", "bf16", "--schedules", "1f1b", "--json",
+                    "--top", "100", *extra)
+        assert r.returncode == 0, r.stderr
+        top = json.loads(r.stdout)["top"]
+        flat = [t for t in top if t["layout"].startswith("dp4·zero1·b4")
+                and t["parallel"]["recompute"] == "none"]
+        assert flat, [t["layout"] for t in top]
+        got[bool(extra)] = flat[0]["memory"]["states"]["params"]
+    m = preset("small")
+    on = ParallelConfig(dp=4, zero=1, precision="bf16", fp8="tensorwise")
+    assert got[False] == model_states(m, on)["params"]
+    assert got[True] == model_states(m, replace(on, fp8_gather=False))["params"] > got[False]
