@@ -144,11 +144,14 @@ def test_zero1_fp8_gather_frees_bf16_resumes_both_ways_and_skips_a_bad_step(tmp_
     assert fp8_gathers[0][0] == pytest.approx(0.5 * (fp8_gathers[1][0] - rest), rel=1e-3)
 
 
-HARDER = [  # (layout, recipe, world): the shard group under hybrid sharding, tp, pp
-    (ParallelConfig(dp=4, dp_shard=2, zero=1, precision="fp32", fp8="tensorwise"), 4),
-    (ParallelConfig(tp=2, dp=2, zero=2, precision="fp32", fp8="tensorwise",
-                    sequence_parallel=True), 4),
-    (ParallelConfig(pp=2, dp=2, zero=1, precision="fp32", fp8="blockwise", micro_batches=2), 4),
+MOE = replace(preset("tiny-moe"), layers=2, seq_len=16)
+HARDER = [  # (model, layout): the shard group under hybrid sharding, tp, pp, the expert group
+    (TINY, ParallelConfig(dp=4, dp_shard=2, zero=1, precision="fp32", fp8="tensorwise")),
+    (TINY, ParallelConfig(tp=2, dp=2, zero=2, precision="fp32", fp8="tensorwise",
+                          sequence_parallel=True)),
+    (TINY, ParallelConfig(pp=2, dp=2, zero=1, precision="fp32", fp8="blockwise",
+                          micro_batches=2)),
+    (MOE, ParallelConfig(ep=2, dp=2, zero=1, precision="fp32", fp8="tensorwise")),
 ]
 
 
@@ -156,25 +159,28 @@ HARDER = [  # (layout, recipe, world): the shard group under hybrid sharding, tp
 def test_zero12_fp8_gather_hybrid_tp_pp_equal_one_rank_and_the_ledger():
     """Hybrid sharding dp4 = 2 shards × 2 replicas (the amax and the gather over the shard
     group, which holds the whole bucket), tp2+SP·dp2 ZeRO-2 (the amax reduced over tp too) and
-    pp2·dp2 ZeRO-1 blockwise (m = 2) against the one-rank fp8 run; every rank's traffic and
-    model states equal the ledger's."""
+    pp2·dp2 ZeRO-1 blockwise (m = 2) and a MoE model at ep2·dp2 ZeRO-1 (the experts' fp8
+    buckets gathered over the expert group) against the one-rank fp8 run; every rank's traffic
+    (the ep all-to-all aside: it follows the router) and model states equal the ledger's."""
     from fived.ledger.memory import model_states
     from fived.ledger.traffic import step_bytes
     from fived.ledger.verify import coords
 
     train = replace(TRAIN, global_batch=8)
-    outs = train_runs([(TINY, p, train) for p, _ in HARDER])
-    for (par, _), out in zip(HARDER, outs):
-        micro = train.global_batch // par.dp // par.micro_batches
-        check_parity(out, fp8_reference(TINY, par.fp8, train.global_batch // micro, train),
+    outs = train_runs([(m, p, train) for m, p in HARDER])
+    for (m, par), out in zip(HARDER, outs):
+        micro = train.global_batch // (par.dp * par.ep) // par.micro_batches
+        check_parity(out, fp8_reference(m, par.fp8, train.global_batch // micro, train),
                      par.describe())
         h = out["ranks"][0]["history"][-1]  # every rank's record of the step
         for rank in range(par.world_size):
             pp_rank = coords(par, rank)["pp"]
             got = h["traffic_per_rank"][rank]["bytes"]
-            assert got == pytest.approx(step_bytes(TINY, par, micro, pp_rank), rel=1e-12), (
-                par.describe(), rank, got)
-            states = model_states(TINY, par, pp_rank)
+            want = step_bytes(m, par, micro, pp_rank)
+            if m.is_moe:  # the ep all-to-all follows the router (test_expert's check)
+                got, want = ({k: v for k, v in d.items() if k != "ep"} for d in (got, want))
+            assert got == pytest.approx(want, rel=1e-12), (par.describe(), rank, got)
+            states = model_states(m, par, pp_rank)
             mem = h["memory_per_rank"][rank]
             assert {k: mem[k] for k in ("params", "grads", "padding")} == {
                 k: states[k] for k in ("params", "grads", "padding")}, (par.describe(), rank)
