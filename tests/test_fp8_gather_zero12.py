@@ -215,7 +215,8 @@ def test_dry_run_of_the_zero12_fp8_gather_is_exact(tmp_path, model, layout, reci
 def test_plan_prices_the_zero12_fp8_gather():
     """`fived plan --fp8 tensorwise` keeps the recipe and the gather in every layout it
     searches: its dp4 ZeRO-1 layout of `small` holds the ledger's parameter bytes with the fp8
-    gather, less than with `--no-fp8-gather` (which the plan keeps too)."""
+    gather, less than with `--no-fp8-gather` (which the plan keeps too); the winner's `fived
+    ledger` command carries both flags."""
     import json
 
     from parity_helpers import run_cli
@@ -237,3 +238,6 @@ def test_plan_prices_the_zero12_fp8_gather():
     on = ParallelConfig(dp=4, zero=1, precision="bf16", fp8="tensorwise")
     assert got[False] == model_states(m, on)["params"]
     assert got[True] == model_states(m, replace(on, fp8_gather=False))["params"] > got[False]
+    r = run_cli("plan", "--model", "small", "--gpus", "4", "--zero", "1", "--fp8", "tensorwise",
+                "--no-fp8-gather", "--precision", "bf16", "--top", "1")
+    assert "--fp8 tensorwise --no-fp8-gather" in " ".join(r.stdout.replace("\\", "").split())

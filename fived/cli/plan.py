@@ -361,5 +361,9 @@ def _flags(p) -> str:
         out.append("--no-overlap")
     if par.order != DIMS:
         out.append("--order " + ",".join(par.order))
+    if par.fp8 != "none":
+        out.append(f"--fp8 {par.fp8}")
+    if not par.fp8_gather:
+        out.append("--no-fp8-gather")
     out.append(f"--micro-batches {par.micro_batches} --global-batch {p.global_batch}")
     return " ".join(out)
