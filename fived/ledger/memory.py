@@ -15,7 +15,10 @@ gradients, stage 3 also the parameters. The engine lays parameters out in flat *
 ZeRO each bucket is padded to a multiple of N so all shards are equal. The keys count the
 tensors as held (padded), ``padding`` the padding's share (full buffer: its pad; a shard: pad/N),
 so keys = formula(Ψ) + padding. The keys match the runtime's ``engine.memory()``: params, grads,
-master, optimizer, buffers, padding.
+master, optimizer, buffers, padding. ZeRO-1/2 with the fp8 parameter all-gather
+(``params.fp8_gather``: tensorwise, blockwise) hold the fp8 linears' Ψ_f8 as a compute-dtype
+shard, the whole e4m3 cast and its scales (A tile amaxes): params P·Ψ_f8 become
+P·Ψ_f8/N + 1·Ψ_f8 + 4·A (those buckets' padding pad·P/N + pad).
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", redone for the Llama block: RMSNorm, RoPE, GQA, SwiGLU, no dropout, no biases)
