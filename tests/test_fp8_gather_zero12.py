@@ -69,6 +69,7 @@ class _Probe:
         self.storage: list[int] = []
         self.provided: list[bool] = []
         self.forward: float | None = None
+        self.masters: dict[str, list[float]] = {}
 
     def on_step_start(self, trainer, step):
         import torch
@@ -84,6 +85,8 @@ class _Probe:
                 loss = trainer.forward_only(*trainer.local_data(step))
             self.forward = trainer.global_loss(loss)
             trainer.engine.end_forward()
+            self.masters = {n: v.flatten().tolist()[:64] + [float(v.double().sum())]
+                            for n, v in trainer.engine.full_params().items()}
 
 
 def _behaviour(rank, world, runs):
@@ -103,7 +106,7 @@ def _behaviour(rank, world, runs):
         out.append({"losses": s["losses"], "skipped": [h["skipped"] for h in s["history"]],
                     "traffic": s["history"][-1]["traffic"],
                     "storage": probe.storage, "provided": probe.provided,
-                    "forward": probe.forward})
+                    "forward": probe.forward, "masters": probe.masters})
     return out
 
 
@@ -113,10 +116,11 @@ def test_zero1_fp8_gather_frees_bf16_resumes_both_ways_and_skips_a_bad_step(tmp_
     gather) and every one of them is provided cast; the losses equal bit for bit (the gathered
     cast is the cast the linear makes of the whole weight); a checkpoint saved with the gather
     resumes bit-exactly with it and without it, and one saved without it resumes with it; the
-    forward-only loss (evaluation's pass) is the same; a NaN planted on rank 1 at step 2 skips
-    that step alike under both (the casts stay those of step 1's update). The counted bytes of
-    a step equal the ledger's with and without the gather, and the fp8 buckets' all-gather is
-    half the bf16 one (the same padded buckets, 1 byte per element against 2)."""
+    forward-only loss (evaluation's pass) and ``full_params`` (the masters, whole) are the
+    same; a NaN planted on rank 1 at step 2 skips that step alike under both (the casts stay
+    those of step 1's update). The counted bytes of a step equal the ledger's with and without
+    the gather, and the fp8 buckets' all-gather is half the bf16 one (the same padded buckets, 1
+    byte per element against 2)."""
     from fived.ledger.traffic import step_bytes, step_traffic
     from fived.testing import run_ranks, small_train
 
@@ -137,6 +141,7 @@ def test_zero1_fp8_gather_frees_bf16_resumes_both_ways_and_skips_a_bad_step(tmp_
     assert min(ref["storage"]) > 4096 and not any(ref["provided"]), ref
     assert full["losses"] == ref["losses"], (full["losses"], ref["losses"])
     assert full["forward"] == ref["forward"] and full["forward"] is not None
+    assert full["masters"] == ref["masters"] and len(full["masters"]) == len(ref["masters"]) > 0
     for first in (first_on, first_off):
         assert first["losses"] == full["losses"][:3]
     for rest in (on_on, on_off, off_on):
