@@ -373,10 +373,11 @@ class ParallelConfig:
                             "rowwise (per row), blockwise (DeepSeek-V3: 1x128 tiles, 128x128 "
                             "weight blocks); embedding, head, router and norms stay in "
                             "--precision", choices=FP8_RECIPES)
-    fp8_gather: bool = spec(True, "with --zero 3 --fp8 tensorwise|blockwise (rowwise: without "
-                                  "--pp), all-gather the fp8 linears' weights as e4m3 with "
-                                  "their scales (half the bytes of bf16; --no-fp8-gather: in "
-                                  "--precision)")
+    fp8_gather: bool = spec(True, "with --zero 1|2|3 --fp8 tensorwise|blockwise (and --zero 3 "
+                                  "--fp8 rowwise without --pp), all-gather the fp8 linears' "
+                                  "weights as e4m3 with their scales (half the bytes of bf16; "
+                                  "ZeRO-1/2 keep the whole weights in e4m3 and a shard in "
+                                  "--precision; --no-fp8-gather: in --precision)")
     cp_mode: str = spec("ring", "context-parallel attention: ring (K/V blocks travel the cp "
                                 "ring), ulysses (all-to-all to a head cut), ring-latent "
                                 "(MLA models: the latent and rotary key travel, each rank "
@@ -1005,13 +1006,13 @@ def fp8_cut_widths(model: ModelConfig, tp: int) -> dict[str, int]:
 
 def _check_fp8(p: list[str], model: ModelConfig, par: ParallelConfig,
                train: TrainConfig | None = None) -> None:
-    gathers = par.zero == 3 and (par.fp8 in ("tensorwise", "blockwise")
-                                 or (par.fp8 == "rowwise" and par.pp == 1))
+    gathers = (par.zero >= 1 and par.fp8 in ("tensorwise", "blockwise")) or (
+        par.zero == 3 and par.fp8 == "rowwise" and par.pp == 1)
     if not par.fp8_gather and not gathers:
         pp = f" --pp {par.pp}" if par.pp > 1 and par.fp8 == "rowwise" else ""
-        p.append(f"--no-fp8-gather: turns off ZeRO-3's fp8 all-gather (--zero 3 with --fp8 "
-                 f"tensorwise or blockwise, or rowwise without --pp), but --zero {par.zero} "
-                 f"--fp8 {par.fp8}{pp} gathers nothing in fp8; drop it")
+        p.append(f"--no-fp8-gather: turns off ZeRO's fp8 all-gather (--zero 1, 2 or 3 with "
+                 f"--fp8 tensorwise or blockwise; --zero 3 --fp8 rowwise without --pp), but "
+                 f"--zero {par.zero} --fp8 {par.fp8}{pp} gathers nothing in fp8; drop it")
     if par.fp8 == "none":
         return
     if par.precision == "fp16":

@@ -385,6 +385,13 @@ def test_bounds_are_below_what_they_bound():
                 m, par, b, opt) <= mem.peak
             pr = planner.predict(m, par, hw, gb, 8, optimizer=opt)
             assert 0 < planner.step_lower_bound(m, par, hw, gb, mem) <= pr.step_seconds
+    # ZeRO-1/2's fp8 gather keeps its fp8 weights in 1 + 2/N bytes: the states alone bound them
+    from fived.ledger import memory
+
+    for z in (1, 2):
+        par = ParallelConfig(dp=8, zero=z, precision="bf16", fp8="tensorwise")
+        assert 0 < planner.memory_bound(preset("llama3-8b"), par, None) <= sum(
+            memory.model_states(preset("llama3-8b"), par).values())
 
 
 @pytest.mark.parametrize("par", [

@@ -61,6 +61,13 @@ LAYOUTS = [  # (model, layout, global batch, rank): the dry run within PEAK_TOLE
     # buckets held, one block's saves freed) is the step's peak
     (replace(preset("small"), seq_len=64),
      ParallelConfig(dp=4, zero=3, fp8="tensorwise", precision="bf16"), 8, 0),
+    # ZeRO-1 and ZeRO-2 with their fp8 parameter gather (the fp8 weights held as a bf16 shard
+    # and the whole e4m3 cast, gathered after the step)
+    (replace(preset("small"), seq_len=64),
+     ParallelConfig(dp=4, zero=1, fp8="tensorwise", precision="bf16"), 8, 0),
+    pytest.param(replace(preset("small"), seq_len=64),
+                 ParallelConfig(dp=4, zero=2, fp8="blockwise", precision="bf16"), 8, 0,
+                 marks=pytest.mark.slow),
     # DeepSeek-V3's shape, pp2·tp2 without SP: the first stage at its last MoE layer's
     # combine backward (dy, the rebuilt slots and the zeros they are copied into, the shared
     # expert's saves freed); the last stage with MTP, the head's weight gradient held there

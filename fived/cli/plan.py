@@ -51,9 +51,9 @@ def parser() -> argparse.ArgumentParser:
         "those that fit by predicted step time.", epilog=PLAN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_config_flags(ap, only=("model", "seq_len", "precision", "grad_reduce_dtype",
-                                     "global_batch"),
+                                     "fp8", "fp8_gather", "global_batch"),
                            notes={"layout": "the search tries the degrees, ZeRO stages, schedules "
-                                            "and recompute modes; these two it keeps"})
+                                            "and recompute modes; these it keeps"})
     cluster_flags(ap)
     g = ap.add_argument_group("search space")
     g.add_argument("--top", type=int, default=10, metavar="N", help="layouts to print (default: 10)")
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     # the model and the run, on one rank: the search checks each layout itself
     fixed = fixed_fields(res)
     validate(m, ParallelConfig(precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype,
-                               **fixed), train)
+                               **{k: v for k, v in fixed.items() if k != "fp8_gather"}), train)
     if args.print_config:
         return flags.print_config(replace(res, par=par, train=train),
                                   f"fived plan: {gpus} GPUs · {precision}; the [parallel] layout "
@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
 SEARCHED = ("tp", "cp", "ep", "dp", "pp", "zero", "schedule", "virtual_stages", "micro_batches",
             "sequence_parallel", "recompute", "pp_layers")
 # ... keeps these as the file gives them, for every layout it tries ...
-FIXED = ("cp_mode", "ep_dispatch", "bucket_mb", "overlap", "order")
+FIXED = ("cp_mode", "ep_dispatch", "bucket_mb", "overlap", "order", "fp8", "fp8_gather")
 # ... and refuses the rest (the ledger of one layout, `fived ledger --config`, reads them)
 REFUSED = ("zero3_pp_gather", "master_weights", "collectives", "zero_align")
 
@@ -196,7 +196,7 @@ def check_fixed(res: flags.Resolved) -> None:
 
 def fixed_fields(res: flags.Resolved) -> dict:
     """The [parallel] values every searched layout keeps (cp_mode, ep_dispatch, bucket_mb,
-    overlap, order)."""
+    overlap, order, fp8 and its gather)."""
     return {k: getattr(res.par, k) for k in FIXED if f"parallel.{k}" in res.given}
 
 
@@ -361,5 +361,9 @@ def _flags(p) -> str:
         out.append("--no-overlap")
     if par.order != DIMS:
         out.append("--order " + ",".join(par.order))
+    if par.fp8 != "none":
+        out.append(f"--fp8 {par.fp8}")
+    if not par.fp8_gather:
+        out.append("--no-fp8-gather")
     out.append(f"--micro-batches {par.micro_batches} --global-batch {p.global_batch}")
     return " ".join(out)

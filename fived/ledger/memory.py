@@ -15,7 +15,10 @@ gradients, stage 3 also the parameters. The engine lays parameters out in flat *
 ZeRO each bucket is padded to a multiple of N so all shards are equal. The keys count the
 tensors as held (padded), ``padding`` the padding's share (full buffer: its pad; a shard: pad/N),
 so keys = formula(Ψ) + padding. The keys match the runtime's ``engine.memory()``: params, grads,
-master, optimizer, buffers, padding.
+master, optimizer, buffers, padding. ZeRO-1/2 with the fp8 parameter all-gather
+(``params.fp8_gather``: tensorwise, blockwise) hold the fp8 linears' Ψ_f8 as a compute-dtype
+shard, the whole e4m3 cast and its scales (A tile amaxes): params P·Ψ_f8 become
+P·Ψ_f8/N + 1·Ψ_f8 + 4·A (those buckets' padding pad·P/N + pad).
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", redone for the Llama block: RMSNorm, RoPE, GQA, SwiGLU, no dropout, no biases)
@@ -233,8 +236,16 @@ def _buckets(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> tuple[Bucket,
         return sizes[g] if par.zero and sizes[g] > 1 else 1
 
     runs = _bucket_runs(m, replace(par, dp=1, cp=1, dp_shard=0, dp_replicate=0,
-                                   zero=3 if par.zero == 3 else 0), pp_rank)
+                                   zero=_runs_zero(par)), pp_rank)
     return tuple(Bucket(g, n, shards(g), u, fp8=f, fp8_amax=a) for g, n, u, f, a in runs)
+
+
+def _runs_zero(par: ParallelConfig) -> int:
+    """The ZeRO stage the bucket runs depend on: 3 (per unit), 1 for ZeRO-1/2 with the fp8
+    gather (the fp8 weights cut apart), else 0 (the stages below 3 lay out alike)."""
+    from .params import fp8_gather
+
+    return 3 if par.zero == 3 else 1 if par.zero and fp8_gather(par) else 0
 
 
 def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucket | None:
@@ -247,7 +258,7 @@ def embed_bucket(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> Bucke
     key = _state_key(par)
     plist = list(reversed(param_list(m, key, pp_rank)))
     runs = _bucket_members(m, replace(key, dp=1, cp=1, dp_shard=0, dp_replicate=0,
-                                      zero=3 if par.zero == 3 else 0), pp_rank, plist)
+                                      zero=_runs_zero(par)), pp_rank, plist)
     i = next(i for i, (_, _, ks) in enumerate(runs) if alone(m, par, plist[ks[0]][0]))
     return buckets(m, par, pp_rank)[i]
 
@@ -324,8 +335,14 @@ def _bucket_members(m: ModelConfig, par: ParallelConfig, pp_rank: int,
                     continue
                 start = 0
                 for piece in split_sizes([plist[k][1] for k in run], cap):
-                    out.append((g, u, run[start:start + len(piece)]))
+                    cut = run[start:start + len(piece)]
                     start += len(piece)
+                    if par.zero and fp8_gather(par):  # ZeRO-1/2: each piece's fp8 weights apart
+                        f8 = [k for k in cut if fp8_weight(plist[k][0])]
+                        rest = [k for k in cut if not fp8_weight(plist[k][0])]
+                        out += [(g, u, r) for r in (f8, rest) if r]
+                    else:
+                        out.append((g, u, cut))
     return out
 
 
@@ -358,15 +375,24 @@ def _model_states(m: ModelConfig, par: ParallelConfig, pp_rank: int,
         n = b.shards
         full = b.padded
         shard, pad = full // n, full - b.numel
+        if z in (1, 2) and b.gathered_bytes_per_element:
+            # the fp8 gather: the owned shard, the whole e4m3 cast and its tile scales; its
+            # gradient, master and optimizer state as every ZeRO-1/2 bucket's
+            out["params"] += pb * shard + full + 4 * b.fp8_amax
+            if pad:
+                out["padding"] += pad * pb / n + pad
+            pb_full = 0
+        else:
+            pb_full = pb
         p_full = z < 3
         g_full = z <= 1
         s_full = z == 0  # master and Adam state
-        out["params"] += pb * (full if p_full else shard)
+        out["params"] += pb_full * (full if p_full else shard)
         out["grads"] += gb * (full if g_full else shard)
         out["master"] += mb * (full if s_full else shard)
         out["optimizer"] += OPTIMIZER_BYTES * (full if s_full else shard)
         if pad:
-            for per, is_full in ((pb, p_full), (gb, g_full), (mb, s_full), (flat, s_full)):
+            for per, is_full in ((pb_full, p_full), (gb, g_full), (mb, s_full), (flat, s_full)):
                 if per:
                     out["padding"] += pad * per if is_full else pad * per / n
     return tuple(out.items())

@@ -108,6 +108,11 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             (8 · min(piece, ``SQ_CHUNK``), ``fived.optim.clip``)
   ``optimizer``             fused AdamW works in place; with gradients kept in bf16 the
                             step upcasts each owned gradient (4 bytes per owned element)
+  ``fp8_gather``            ZeRO-1/2's fp8 gather after the step: Σ S_b (every fp8 bucket's
+                            e4m3 shard, held until the gathers are waited for) + the last
+                            cast's largest piece in the compute dtype (P · min(widest fp8
+                            weight, S_b)) and its new scales (4 · A_b)
+                            (``fp8_publish_bytes``)
   ========================  ==============================================================
 
 A moment may free saved bytes (the loss's saves at the blocks' backward, the saves of the
@@ -149,6 +154,7 @@ from .memory import (
     layer_activations,
     model_states,
     mtp_activations,
+    param_bytes,
     rank_memory,
     receives_held,
     releases_at,
@@ -158,7 +164,16 @@ from .memory import (
     stage_extra_activations,
     zero_moments,
 )
-from .params import block_params, layer_cfg, layer_kinds, rank_stages, stage_layers
+from .params import (
+    block_params,
+    fp8_gather,
+    fp8_weight,
+    layer_cfg,
+    layer_kinds,
+    param_list,
+    rank_stages,
+    stage_layers,
+)
 
 _KINDS = ("mla_down", "mla_norm", "mla_up", "router", "experts", "shared_expert")  # kinds
 # of ``block_params`` that sum several weights: ``_clip_bytes`` takes their weights one by one
@@ -457,6 +472,22 @@ def _clip_others(m: ModelConfig, par: ParallelConfig, stages) -> float:
             if c.shared_expert:
                 cut.append(c.shared_ffn * c.hidden / par.tp)
     return max(cut)
+
+
+def fp8_publish_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> float:
+    """ZeRO-1/2's fp8 gather after the step (``fived.parallel.data.zero12``): every fp8
+    bucket's e4m3 shard (1 byte per owned element) is held until all the gathers are waited
+    for, and while the last is cast, its largest piece divided by its scale in the compute
+    dtype (param bytes × the largest fp8 weight on the rank, at most a shard) beside the
+    bucket's new scales (4 per tile amax, the old ones still provided); 0 elsewhere."""
+    if par.zero not in (1, 2) or not fp8_gather(par):
+        return 0.0
+    f8 = [b for b in buckets(m, par, pp_rank) if b.gathered_bytes_per_element]
+    if not f8:
+        return 0.0
+    widest = max(k for n, k, _ in param_list(m, par, pp_rank) if fp8_weight(n))
+    return float(sum(b.shard for b in f8) + max(
+        param_bytes(par) * min(widest, b.shard) + 4 * b.fp8_amax for b in f8))
 
 
 def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
@@ -849,6 +880,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     if grad_bytes(par) != 4:
         opt["optimizer"] = 4.0 * sum(b.shard if par.zero >= 1 else b.padded
                                      for b in buckets(m, par, pp_rank))
+    gather8 = fp8_publish_bytes(m, par, pp_rank)
+    if gather8:
+        opt["fp8_gather"] = gather8
     out.append(Phase("optimizer", kept, 0.0, opt))
     return out
 

@@ -44,7 +44,7 @@ by predicted step time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..config import (
     V_SCHEDULES,
@@ -71,6 +71,7 @@ from .memory import (
     states_floor,
 )
 from .params import (
+    fp8_gather,
     layer_cfg,
     layer_kinds,
     rank_layer_ids,
@@ -482,6 +483,10 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                         sequence_parallel=tp > 1, recompute=rc,
                                         precision=precision, grad_reduce_dtype=grad_reduce_dtype,
                                         pp_layers=split, **mode, **fixed)
+                                    if not par.fp8_gather and not fp8_gather(
+                                            replace(par, fp8_gather=True)):
+                                        # --no-fp8-gather where nothing gathers in fp8
+                                        par = replace(par, fp8_gather=True)
                                     try:
                                         validate(m, par)
                                     except ConfigError:
@@ -494,7 +499,8 @@ def memory_bound(m: ModelConfig, par: ParallelConfig, micro_batch: int | None = 
                  optimizer: str = "adamw", opts: ActivationOptions = GPU_ACTIVATIONS) -> float:
     """A lower bound on the step's peak of the largest rank (``peak.largest_rank(...).peak``)
     in closed form: for each compared rank, its parameters (``params.rank_params``) times
-    the bytes per element its ZeRO stage keeps, without the buckets' padding (never negative)
+    the bytes per element its ZeRO stage keeps (ZeRO-1/2's fp8 gather: the parameters at
+    min(P, 1 + P/N) each), without the buckets' padding (never negative)
     and, for an optimizer other than AdamW, without its state — at most what the rank keeps
     through every phase; with ``micro_batch``, plus one micro-batch's saved activations of
     its largest stage (``memory.stage_activation_bytes``), which that stage's forward and
@@ -506,13 +512,17 @@ def memory_bound(m: ModelConfig, par: ParallelConfig, micro_batch: int | None = 
     pb, gb, mb = param_bytes(par), grad_bytes(par), master_bytes(par)
     ob = OPTIMIZER_BYTES if optimizer == "adamw" else 0
     sizes = group_sizes(par)
+    gather8 = z in (1, 2) and fp8_gather(par)
     best = 0.0
     for r in candidate_ranks(par):
         rp = rank_params(m, par, r)
         total = 0.0
         for numel, group in ((rp.dense, "dense"), (rp.expert, "expert")):
             n = sizes[group] if z and sizes[group] > 1 else 1
-            total += numel * (pb * (1 if z < 3 else 1 / n) + gb * (1 if z <= 1 else 1 / n)
+            # ZeRO-1/2's fp8 gather keeps its fp8 weights as 1 + P/N bytes: every element at
+            # the lesser of the two stays a lower bound
+            p = min(pb, 1 + pb / n) if gather8 and n > 1 else pb
+            total += numel * (p * (1 if z < 3 else 1 / n) + gb * (1 if z <= 1 else 1 / n)
                               + (mb + ob) * (1 if z == 0 else 1 / n))
         if micro_batch is not None:
             total += max((stage_activation_bytes(m, par, micro_batch, s, opts)

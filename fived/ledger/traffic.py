@@ -13,7 +13,9 @@ m = micro-batches, ℓ = layers on this rank, Ψ_g = parameters reduced over gro
   group size N under ZeRO) — the buckets add up to the group's Ψ_g:
     ZeRO-0   all_reduce(grad_bytes·Ψ_b)                                  once per step
     ZeRO-1/2 reduce_scatter(grad_bytes·P_b) on the last micro-batch, all_gather(param_bytes·P_b)
-             after the step
+             after the step; with the fp8 gather (``params.fp8_gather``: tensorwise,
+             blockwise) a bucket of fp8 weights all_gather(1·P_b) after its tile amaxes'
+             all_reduce(4·A_b) over the shards (tp > 1: and over tp, as ZeRO-3's)
     ZeRO-3   all_gather(param_bytes·P_b) before each micro-batch's forward and again before its
              backward; reduce_scatter(grad_bytes·P_b) once per step
              (not the root's: it stays gathered from its forward to its backward)
@@ -187,7 +189,7 @@ def _dp_traffic(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int, agai
 
 
 def _fp8_gather_tp(m: ModelConfig, par: ParallelConfig, pp_rank: int) -> list[Collective]:
-    """ZeRO-3's fp8 gather under tp: the dense fp8 weights' amaxes that span the tp cut
+    """ZeRO's fp8 gather under tp: the dense fp8 weights' amaxes that span the tp cut
     max-reduced over tp too (the whole weight's scale, as the tp-cut linear takes it), once per
     step, fp32: tensorwise one per weight, rowwise the h of the side the cut spans (a column
     layer's per-column amaxes, a row layer's per-row), blockwise none (its tiles stop at the
@@ -233,9 +235,13 @@ def _dp_flat(m: ModelConfig, par: ParallelConfig, mb: int, pp_rank: int, again: 
         else:
             out.append(Collective(b.group, "reduce_scatter", gb * b.padded, b.shards, 1,
                                   "gradients", "bwd"))
-    if par.zero in (1, 2):
-        out += [Collective(b.group, "all_gather", pb * b.padded, b.shards, 1, "updated params",
-                           "step") for b in bks]
+    if par.zero in (1, 2):  # the fp8 gather's buckets: their amaxes, then e4m3 (1 byte)
+        for b in bks:
+            if b.gathered_bytes_per_element:
+                out.append(Collective(b.group, "all_reduce", 4 * b.fp8_amax, b.shards, 1,
+                                      "fp8 weight amax", "step"))
+            out.append(Collective(b.group, "all_gather", (b.gathered_bytes_per_element or pb)
+                                  * b.padded, b.shards, 1, "updated params", "step"))
     return out
 
 

@@ -363,7 +363,8 @@ def storage_states(engine: Any) -> dict[str, int]:
     counts its whole allocation here, where ``engine.memory()`` (numel × element size) does not.
     The optimizer's tensors are whatever its attributes hold (its masters are already counted)."""
     bks = engine.buckets
-    held = {"params": [engine.param_state(b) for b in bks],
+    held = {"params": [engine.param_state(b) for b in bks]
+            + [t for b in bks for t in engine.param_extra(b)],
             "grads": [engine.grad_state(b) for b in bks],
             "master": ([b.master for b in bks] if engine.policy.separate_master else [])
             + [b.comp for b in bks],
@@ -388,6 +389,7 @@ def held_tensors(trainer: Any) -> list[torch.Tensor]:
     tensors), the stage's parameters and buffers."""
     eng = trainer.engine
     out = [eng.param_state(b) for b in eng.buckets] + [eng.grad_state(b) for b in eng.buckets]
+    out += [t for b in eng.buckets for t in eng.param_extra(b)]
     out += [b.master for b in eng.buckets if eng.policy.separate_master]
     out += [b.comp for b in eng.buckets] + _tensors(vars(eng.opt))
     out += list(trainer.stage.parameters()) + list(trainer.stage.buffers())

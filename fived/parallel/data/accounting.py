@@ -7,8 +7,11 @@ master, 2 for Kahan's bf16 compensation, 0 otherwise; 8 for Adam m and v):
     ZeRO-0: (P + G + M + 8)·Ψ        ZeRO-1: (P + G)·Ψ + (M + 8)·Ψ/N
     ZeRO-2: P·Ψ + (G + M + 8)·Ψ/N    ZeRO-3: (P + G + M + 8)·Ψ/N
 
-plus ``padding`` (a full buffer's pad, a shard's pad/N), so every rank's keys = formula + padding
-exactly. ``buffers`` is the step's peak of transient buffers (``Buffers``: ZeRO-2/3's full
+ZeRO-1/2 with the fp8 gather hold their fp8 linears' weights (Ψ_f8) as P·Ψ_f8/N (the owned
+shard) + 1·Ψ_f8 (the whole e4m3 cast) + 4 bytes per tile scale, instead of P·Ψ_f8
+(``Sharding.param_extra``). Plus ``padding`` (a full buffer's pad — the e4m3 cast's too —, a
+shard's pad/N; the scales have none), so every rank's keys = formula + padding exactly.
+``buffers`` is the step's peak of transient buffers (``Buffers``: ZeRO-2/3's full
 gradient buckets, ZeRO-3's gathered units), reset to what is live at ``zero_grad``.
 """
 
@@ -50,7 +53,8 @@ class StateAccount:
     def state_tensors(self, i: int) -> list[torch.Tensor]:
         """Every model-state tensor of bucket ``i``: params, grads, master, Adam m and v."""
         b = self.buckets[i]
-        out = [self.sharding.param_state(b), self.grads.state(b)]
+        casts = [t for t in self.sharding.param_extra(b) if t.dtype == torch.uint8]
+        out = [self.sharding.param_state(b), *casts, self.grads.state(b)]
         if self.masters.policy.separate_master:
             out.append(b.master)
         if b.comp is not None:
@@ -75,7 +79,9 @@ class StateAccount:
                   if self.masters.policy.separate_master else 0)
         master += sum(nbytes(b.comp) for b in self.buckets if b.comp is not None)
         return {
-            "params": sum(nbytes(self.sharding.param_state(b)) for b in self.buckets),
+            "params": sum(nbytes(self.sharding.param_state(b))
+                          + sum(nbytes(t) for t in self.sharding.param_extra(b))
+                          for b in self.buckets),
             "grads": sum(nbytes(self.grads.state(b)) for b in self.buckets),
             "master": master,
             "optimizer": self.masters.opt.state_bytes(),

@@ -100,6 +100,7 @@ class DataParallel:
     rounding = Alias("masters")
     grad_state = Alias("grads", "state")
     param_state = Alias("sharding")
+    param_extra = Alias("sharding")
     wait = Alias("reduction")
     hold = Alias("buffers")
     release = Alias("buffers")

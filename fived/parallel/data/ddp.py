@@ -57,6 +57,9 @@ class AllReduce:
     def param_state(self, b: Bucket) -> torch.Tensor:
         return b.param_full
 
+    def param_extra(self, b: Bucket) -> list[torch.Tensor]:
+        return []
+
 
 class DDP(DataParallel):
     """Replicated states, all-reduced gradients, persistent full gradient buffers."""

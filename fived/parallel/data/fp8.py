@@ -1,4 +1,4 @@
-"""ZeRO-3's fp8 parameter all-gather: the fp8 linears' weights travel as e4m3 with their scales.
+"""ZeRO's fp8 parameter all-gather: the fp8 linears' weights travel as e4m3 with their scales.
 
 Under ``--zero 3 --fp8 R`` (``fived.ledger.params.fp8_gather``: tensorwise and blockwise, and
 rowwise without pp; off with ``--no-fp8-gather``) each gather unit's fp8 linear weights
@@ -46,6 +46,12 @@ its weights), bytes sent per rank:
 
 and held: 1·P per gathered cast while the unit is gathered, 4·A from the bucket's first gather
 of the step to the step's end (the scales).
+
+ZeRO-1/2 (``zero12.Zero1``; tensorwise and blockwise) use the same gather once per optimizer
+step, after it (and after the build and ``publish_params``): ``stale``, then ``start`` for every
+owned bucket, and the casts are kept (never ``free``d) until the next step's gather overwrites
+them in place: 1·P + 4·A of parameter state (``held``), beside the rank's compute-dtype shard.
+``withdraw`` takes the provided casts back when the engine closes.
 """
 
 from __future__ import annotations
@@ -102,8 +108,7 @@ class Fp8Gather:
         # the scales, 4 bytes per tile amax, held from a bucket's first gather of the step to
         # ``stale`` (``accounting.Buffers``: the engine's transient bytes)
         self.buffers, self.held_scales = buffers, 0
-        self.buckets = {b.index for b in buckets
-                        if b.shards > 1 and all(fp8_weight(n) for n in b.names)}
+        self.buckets = {b.index for b in buckets if self.gathers(b)}
         tp = grid["tp"] if grid.degrees.get("tp", 1) > 1 else None
         # a tp-cut weight's amax is reduced over tp too (the linear's cut takes it there);
         # blockwise tiles stop at the cut
@@ -113,6 +118,7 @@ class Fp8Gather:
         self.row_cut = {b.index: [placements[n].parts > 1 and placements[n].dim == 1
                                   for n in b.names] for b in buckets}
         self.scales: dict[int, list[torch.Tensor]] = {}  # index -> each weight's s, until stale
+        self.scale_flat: dict[int, torch.Tensor] = {}  # index -> its weights' s, one fp32 tensor
         # (index, cast) -> the gathered e4m3 bytes: one flat buffer per bucket and cast, its
         # storage resized to the padded length for a gather and to 0 at the free (as the
         # compute-dtype buckets'), so nothing that still refers to it keeps the bytes
@@ -123,6 +129,7 @@ class Fp8Gather:
         for t in self.full.values():
             t.untyped_storage().resize_(0)
         self.gathered: dict[int, tuple[str, ...]] = {}  # index -> the casts gathered now
+        self.owned = [b for b in buckets if b.index in self.buckets]
 
     @classmethod
     def of(cls, buckets: list[Bucket], placements: dict[str, Any], grid: Any, par: Any,
@@ -130,8 +137,30 @@ class Fp8Gather:
         return cls(buckets, placements, grid, par.fp8, par.recompute == "full",
                    buffers) if fp8_gather(par) else None
 
+    @staticmethod
+    def gathers(b: Bucket) -> bool:
+        """Whether a bucket is gathered in fp8 when the gather is on: sharded (N > 1), holding
+        fp8 linears' weights only (``fived.ledger.params.fp8_weight``)."""
+        return b.shards > 1 and all(fp8_weight(n) for n in b.names)
+
     def owns(self, b: Bucket) -> bool:
         return b.index in self.buckets
+
+    def held(self, b: Bucket) -> list[torch.Tensor]:
+        """The tensors that hold bucket ``b``'s gathered weights now: its e4m3 casts (uint8,
+        ``padded`` elements each), then its scales (fp32, one per tile amax); empty when not
+        gathered. ZeRO-1/2 keep them between steps: part of the parameter state."""
+        if b.index not in self.gathered:
+            return []
+        out = [self.full[(b.index, c)] for c in self.gathered[b.index]]
+        return out + ([self.scale_flat[b.index]] if b.index in self.scale_flat else [])
+
+    def withdraw(self) -> None:
+        """Withdraw every weight this gather provided (the engine is closed: a later model
+        whose parameter reuses an id must not find these casts)."""
+        for b in self.owned:
+            for p in b.params:
+                fp8_mod.provide(p, None)
 
     def casts(self, roles: tuple[str, ...]) -> tuple[str, ...]:
         """The casts a gather for the operands ``roles`` carries (tensorwise, blockwise: the one
@@ -223,6 +252,7 @@ class Fp8Gather:
             out = [v.view(-(-p.shape[0] // TILE), -(-p.shape[1] // TILE))
                    for v, p in zip(out, b.params)]
         self.scales[b.index] = out
+        self.scale_flat[b.index] = s
         if self.buffers is not None:
             self.buffers.hold(4 * s.numel())
         self.held_scales += 4 * s.numel()

@@ -7,6 +7,9 @@ dp·ep·cp, ``expert`` dp·cp; hybrid sharding: their shard parts ``dense_shard`
 ``Grid.shard_group``), then cut into buckets of at most ``par.bucket_mb`` of gradient
 (``buckets.split_buckets``, the ledger's cut). ZeRO-3 lays out per gather unit instead
 (``zero3.UnitLayout``: one bucket per (unit, group), the last unit first, the root last).
+With the fp8 parameter all-gather (``fived.ledger.params.fp8_gather``) each bucket is split
+once more (``fp8_split``): its fp8 linears' weights first, then the rest, so the fp8 weights
+are buckets of their own (``fp8.Fp8Gather`` gathers those in e4m3).
 A parameter summed over the embedding group (the embedding's copies on the first and the last
 pipeline stage) is a bucket of its own (``alone``).
 
@@ -16,7 +19,9 @@ rank's device; each parameter still on the meta device gets its slot filled from
 read from safetensors) — only this rank's tp/ep piece — and is swapped off meta
 (``torch.utils.swap_tensors``) to a view of the buffer; a parameter that has values is copied
 in. The owned shard is ``[lo, hi)`` of the buffer (a view; ZeRO-3: a copy, the full buffer is
-freed at once, so the build's transient is one bucket). Then the stage's gradient storage
+freed at once, so the build's transient is one bucket; ZeRO-1/2's fp8-gathered buckets: a copy
+too, the compute-dtype buffer freed at once — the whole weight lives on as its fp8 cast —,
+so no stale piece of it can be read). Then the stage's gradient storage
 (``build_grads``, the engine's seam).
 """
 
@@ -28,8 +33,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...ledger.params import fp8_gather, fp8_weight
 from ..placement import Placement
 from .buckets import Bucket, Named, by_group, split_buckets
+from .fp8 import Fp8Gather
+
+
+def fp8_split(run: list[Named], par: Any) -> list[list[Named]]:
+    """``run`` whole; with the fp8 gather (``fived.ledger.params.fp8_gather``) its fp8 linears'
+    weights (``fp8_weight``) first, then the rest, empty runs left out
+    (``fived.ledger.memory._bucket_members`` cuts alike)."""
+    if not fp8_gather(par):
+        return [run]
+    f8 = [(n, p) for n, p in run if fp8_weight(n)]
+    return [r for r in (f8, [(n, p) for n, p in run if not fp8_weight(n)]) if r]
 
 
 def alone(named: list[Named], placements: dict[str, Placement]) -> list[list[Named]]:
@@ -60,8 +77,10 @@ class Layout:
         return [(-1, list(reversed(named)))]
 
     def split(self, run: list[Named]) -> list[list[Named]]:
+        """Runs of at most ``bucket_mb`` of gradient, each then ``fp8_split``."""
         esize = torch.empty((), dtype=self.policy.grad).element_size()
-        return split_buckets(run, max(1, int(self.par.bucket_mb * 2**20 / esize)))
+        return [r for piece in split_buckets(run, max(1, int(self.par.bucket_mb * 2**20 / esize)))
+                for r in fp8_split(piece, self.par)]
 
     def build(self, named: list[Named], units: list[nn.Module] | None,
               build_grads: Callable[[Bucket], None]) -> list[Bucket]:
@@ -100,7 +119,15 @@ class Layout:
                 p.data = view
         b.param_full = flat
         b.param_shard = self.own_shard(flat, b)
+        if self.fp8_held(b):  # the whole weights live on as their fp8 cast (``Zero1``)
+            flat.untyped_storage().resize_(0)
+
+    def fp8_held(self, b: Bucket) -> bool:
+        """ZeRO-1/2 with the fp8 gather: bucket ``b`` is gathered in e4m3 (``Fp8Gather``), its
+        compute-dtype buffer freed after the build (ZeRO-3's ``UnitLayout`` frees every one)."""
+        return 0 < self.par.zero < 3 and fp8_gather(self.par) and Fp8Gather.gathers(b)
 
     def own_shard(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
-        """This rank's slice of a bucket's flat parameters: a view (the full buffer stays)."""
-        return flat[b.lo:b.hi]
+        """This rank's slice of a bucket's flat parameters: a view (the full buffer stays), a
+        copy where the full buffer is freed (``fp8_held``)."""
+        return flat[b.lo:b.hi].clone() if self.fp8_held(b) else flat[b.lo:b.hi]

@@ -43,6 +43,10 @@ class Sharding(Protocol):
     def param_state(self, b: Bucket) -> torch.Tensor:
         """The parameter tensor of ``b`` this rank holds between steps (model-state bytes)."""
 
+    def param_extra(self, b: Bucket) -> list[torch.Tensor]:
+        """More parameter state of ``b`` held between steps: ZeRO-1/2's fp8 gather keeps the
+        bucket's whole e4m3 casts (uint8) and their fp32 scales; else empty."""
+
 
 class GradStore(Protocol):
     """Where a bucket's gradient lives: ``attach`` (``p.grad`` are views of the full buffer, so

@@ -18,18 +18,34 @@ Model-state bytes per rank (Ψ parameters; P params, G grads — 4 with an fp32 
 
     ZeRO-1: P + G + (M + 8)/N·Ψ   bf16: 2Ψ + 2Ψ + 12Ψ/N     fp32: 4Ψ + 4Ψ + 8Ψ/N
     ZeRO-2: P + (G + M + 8)/N·Ψ   bf16: 2Ψ + (2Ψ + 12Ψ)/N   fp32: 4Ψ + 12Ψ/N
+    fp8 gather, the fp8 linears' Ψ_f8 of Ψ: P·Ψ_f8 becomes 1·Ψ_f8 + 4·A + P·Ψ_f8/N
 
 Traffic per step, bytes sent per rank:
 
     reduce-scatter (N−1)/N · grad bytes + all-gather (N−1)/N · param bytes
+    fp8 gather: all-gather (N−1)/N · 1 byte on the fp8 buckets + all_reduce(4·A) per fp8 bucket
+
+The fp8 gather (``--zero 1|2 --fp8 tensorwise|blockwise``, ``fived.ledger.params.fp8_gather``;
+``--no-fp8-gather`` off; Megatron-Core's ``--fp8-param-gather`` with its distributed
+optimizer): the fp8 linears' weights are buckets of their own (``layout.fp8_split``, inside
+each ``bucket_mb`` piece). For those buckets (N > 1) the rank keeps its compute-dtype shard (a
+copy; the optimizer writes it, checkpoints read it) and the whole bucket's e4m3 cast with its
+scales (A tile amaxes, ``fp8.amax_count``), between steps; the compute-dtype whole buffer is
+freed after the build (its storage resized to 0: the parameters are views of it, so nothing
+can read a stale piece). After the build, every optimizer step and ``publish_params`` (a
+checkpoint load) the scales are taken again (the amaxes max-reduced over the shard group, and
+over tp where a tile spans the cut) and the shards' casts all-gathered (``fp8.Fp8Gather``);
+the fp8 linears use the provided casts (``fived.model.fp8.provide``), bit for bit one rank's
+cast of the whole weight. Rowwise is not gathered in fp8: its two casts of W (per row for the
+forward, per column for the dgrad) kept whole would be bf16's 2 bytes per element.
 
 ``--collectives ring`` runs both through ``fived.comm.ring`` (synchronously; the padded buckets
 make its bytes exactly these). ZeRO-3 inherits the ring reduce-scatter; its parameter gathers
 stay the backend's.
 
 Pieces (docs/engine.md): both use ``ReduceScatter`` (the ``Sharding``: reduce-scatter, the
-all-gather after the step, the norm summed over the shards); ZeRO-1 keeps ``FullGrads``,
-ZeRO-2 uses ``ShardGrads`` (``grads``).
+all-gather after the step — the fp8 buckets' through ``fp8.Fp8Gather`` —, the norm summed over
+the shards); ZeRO-1 keeps ``FullGrads``, ZeRO-2 uses ``ShardGrads`` (``grads``).
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ import torch
 from ...comm import ops, ring
 from .base import DataParallel
 from .buckets import Bucket
+from .fp8 import Fp8Gather
 from .grads import FullGrads, ShardGrads
 
 
@@ -85,6 +102,7 @@ class ReduceScatter:
         self.grid, self.collectives, self.device = grid, par.collectives, device
         self.replicate = grid["dp_replicate"] if getattr(grid, "hybrid", False) else None
         self.pending: list[Replicated] = []  # launched, all-reduce not yet started
+        self.fp8: Any = None  # ZeRO-1/2's fp8 gather (``fp8.Fp8Gather``; ``Zero1`` sets it)
 
     def shard_count(self, group: Any) -> int:
         return group.size
@@ -120,25 +138,55 @@ class ReduceScatter:
         return flat
 
     def gather_params(self, buckets: list[Bucket]) -> None:
-        if self.collectives == "ring":
-            for b in buckets:
+        """Every member's updated shard into the whole parameters: in place, in the compute
+        dtype; the fp8 gather's buckets (``fp8``) as e4m3 casts with scales taken again."""
+        fp8 = self.fp8
+        if fp8 is not None:
+            fp8.stale()
+        handles = []
+        for b in buckets:
+            if fp8 is not None and fp8.owns(b):
+                handles += fp8.start(b)
+            elif self.collectives == "ring":
                 b.param_full.copy_(ring.ring_all_gather(b.param_shard, b.group))
-            return
-        handles = [ops.all_gather_into(b.param_full, b.param_shard, b.group, async_op=True)
-                   for b in buckets]
+            else:
+                handles.append(ops.all_gather_into(b.param_full, b.param_shard, b.group,
+                                                   async_op=True))
         for h in handles:
             h.wait()
 
     def param_state(self, b: Bucket) -> torch.Tensor:
-        return b.param_full
+        """The whole compute-dtype buffer; the fp8 gather's buckets: the owned shard (their
+        whole weights are the casts, ``param_extra``)."""
+        return b.param_shard if self.fp8 is not None and self.fp8.owns(b) else b.param_full
+
+    def param_extra(self, b: Bucket) -> list[torch.Tensor]:
+        """The parameter state beside ``param_state``: the fp8 gather's e4m3 casts of the whole
+        bucket and their scales (``fp8.Fp8Gather.held``; ZeRO-1/2 keep them between steps)."""
+        return self.fp8.held(b) if self.fp8 is not None and self.fp8.owns(b) else []
 
 
 class Zero1(DataParallel):
-    """Sharded masters and optimizer state; persistent full gradients."""
+    """Sharded masters and optimizer state; persistent full gradients. With the fp8 gather
+    (``fived.ledger.params.fp8_gather``) the fp8 linears' buckets are held as the owned shard
+    and the whole e4m3 cast (``fp8.Fp8Gather``), gathered here once after the build."""
 
     stage = 1
     sharding_type = ReduceScatter
     grads_type = FullGrads
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        if self.stage < 3:  # ZeRO-3 gathers per unit (``zero3.UnitGather``)
+            fp8 = Fp8Gather.of(self.buckets, self.placements, self.grid, self.par)
+            if fp8 is not None and fp8.owned:
+                self.sharding.fp8 = fp8
+                self.sharding.gather_params(fp8.owned)
+
+    def close(self) -> None:
+        super().close()
+        if self.sharding.fp8 is not None:
+            self.sharding.fp8.withdraw()
 
 
 class Zero2(Zero1):

@@ -57,12 +57,11 @@ import torch
 from torch import nn
 
 from ...comm import ops
-from ...ledger.params import fp8_gather, fp8_weight
 from .accounting import Buffers
 from .base import Alias
 from .buckets import Bucket, Named, nbytes
 from .fp8 import Fp8Gather
-from .layout import Layout
+from .layout import Layout, fp8_split
 from .zero12 import ReduceScatter, Zero2
 
 
@@ -100,11 +99,8 @@ class UnitLayout(Layout):
 
     def split(self, run: list[Named]) -> list[list[Named]]:
         """The run whole; with the fp8 gather (``fp8.Fp8Gather``) its fp8 linears' weights
-        first, then the rest (``fived.ledger.memory._bucket_members`` cuts alike)."""
-        if not fp8_gather(self.par):
-            return [run]
-        f8 = [(n, p) for n, p in run if fp8_weight(n)]
-        return [r for r in (f8, [(n, p) for n, p in run if not fp8_weight(n)]) if r]
+        first, then the rest (``layout.fp8_split``)."""
+        return fp8_split(run, self.par)
 
     def own_shard(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
         """A copy: the full flat buffer is freed after each use, the shard must outlive it."""
