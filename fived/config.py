@@ -1019,6 +1019,10 @@ def _check_fp8(p: list[str], model: ModelConfig, par: ParallelConfig,
         p.append(f"--fp8 {par.fp8}: fp8 products with fp16 around them would need the loss "
                  "scale inside every cast; use --precision bf16 (fp8 training) or fp32 (fp8 "
                  "products, everything else fp32)")
+    if model.is_moe and model.expert_matmul == "grouped":
+        p.append(f"expert_matmul = grouped with --fp8 {par.fp8}: the experts' fp8 products run "
+                 "as a loop of fp8 linears (one scaled matmul per expert; the fused fp8 grouped "
+                 "GEMM is not built); set expert_matmul = auto or loop")
     if par.fp8 == "blockwise" and par.tp > 1:
         odd = {k: w for k, w in fp8_cut_widths(model, par.tp).items() if w % 128}
         if odd:

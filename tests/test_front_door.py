@@ -74,6 +74,8 @@ def files(tmp_path_factory):
     for key, body in (("mla_odd", "qk_rope_head_dim = 5"), ("mla_rank", "kv_lora_rank = 0")):
         mla[key] = root / f"{key}.toml"
         mla[key].write_text(f'[model]\nname = "deepseek-v3-tiny"\n{body}\n')
+    mla["grouped"] = root / "grouped.toml"  # the experts' grouped matmuls, asked for by name
+    mla["grouped"].write_text('[model]\nname = "tiny-moe"\nexpert_matmul = "grouped"\n')
     return {"ck": str(ck), "evil": str(evil), "data": str(root / "data"), "toml": str(toml),
             "file": str(text), "tmp": str(root), "pwned": root / "pwned",
             **{key: str(root / f"{key}.toml") for key in mixes},
@@ -138,6 +140,8 @@ MISTYPES = [
     ("train --fp8 rowwise --precision bf16 --zero 2 --dp 2 --no-fp8-gather",
      "--zero 2 --fp8 rowwise gathers nothing in fp8"),
     ("train --fp8 blockwise --cp 2", "--fp8 blockwise with --cp 2: a 128-token tile of the"),
+    ("train --config {grouped} --fp8 rowwise", "expert_matmul = grouped with --fp8 rowwise: the "
+     "experts' fp8 products run as a loop"),
     ("bench numerics fp8 --stats-every -1", "--stats-every -1: a number of steps, 0 or more"),
     # flags that would do nothing here
     ("train --virtual-stages 2", "--virtual-stages 2 with --pp 1"),
