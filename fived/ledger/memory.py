@@ -45,7 +45,10 @@ with its scales: tensorwise 4 bytes per copy and micro-batch, blockwise 4 per 12
 each token's row, 4·⌈K/128⌉. ``rowwise`` saves its inputs in e bytes: no change, but under
 sequence parallelism, where its column layers save the gathered input (2·e·h per token, whole
 sequence) instead of the norm outputs' shards. Under sequence parallelism the fp8 copies hold
-the gathered sequence (the norm input stays a shard). A MoE block's
+the gathered sequence (the norm input stays a shard). wo's bf16 input leaves where it was a
+tensor of its own (tensorwise, blockwise): under Ulysses the all-to-all's sequence-sharded
+output (the kernel's head-sharded one stays), under selective recompute the checkpointed
+core's output (``fp8_ulysses_out``, ``selective_layer``). A MoE block's
 experts under fp8 run as a loop of fp8 linears: each local expert saves its routed rows (h) and
 its SwiGLU product (f_e) as fp8 copies in place of the permuted rows and the product, with their
 scales (tensorwise 4 B per copy and local expert, blockwise per 128-tile of each row); a shared
@@ -508,7 +511,19 @@ def fp8_layer_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, 
     return {"norms": out["norms"] - tokens * 2 * e * h / norm_div,
             "mlp": out["mlp"] - tokens * e * f,
             "fp8_inputs": (2 * fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
-                           + fp8_copy_bytes(tokens, f, recipe))}
+                           + fp8_copy_bytes(tokens, f, recipe)),
+            **fp8_ulysses_out(m, par, tokens, e, out)}
+
+
+def fp8_ulysses_out(m: ModelConfig, par: ParallelConfig, tokens: float, e: int,
+                    out: dict[str, float]) -> dict[str, float]:
+    """Under Ulysses the attention output is two tensors: the kernel's head-sharded output
+    (its save) and the all-to-all's sequence-sharded one (wo's input, saved by wo in e bytes).
+    An fp8 wo saves its fp8 copy instead (in ``fp8_inputs``), so ``attn_out`` keeps only the
+    kernel's, e·hq per token."""
+    if par.cp > 1 and par.cp_mode == "ulysses" and not m.is_mla:
+        return {"attn_out": out["attn_out"] - tokens * e * m.attn_dim / par.tp}
+    return {}
 
 
 def fp8_moe_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, norm_div: int,
@@ -535,7 +550,8 @@ def fp8_moe_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, no
            "router": out["router"] - routed * e * h,
            "mlp": out["mlp"] - routed * e * fe,
            "fp8_inputs": (fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
-                          + experts8)}
+                          + experts8),
+           **fp8_ulysses_out(m, par, tokens, e, out)}
     if m.shared_expert:
         fs = m.shared_ffn / tp
         res["mlp"] -= tokens * e * fs
@@ -665,6 +681,8 @@ def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     if par.cp > 1 and par.cp_mode == "ulysses":  # the core's all-to-alls are recomputed too
         out["attn_out"] = tokens * e * hq
         out["ulysses_index"] = 0.0
+    if getattr(par, "fp8", "none") in ("tensorwise", "blockwise") and not m.is_mla:
+        out["attn_out"] = 0.0  # the core's output is wo's input, which wo saves as fp8
     if latent_ring(m, par):  # the checkpoint keeps q and the latent
         for k, v in latent_ring_terms(m, par, e, checkpointed=True).items():
             if k != "mla_latent":
