@@ -277,3 +277,34 @@ def test_a_moe_stage_forward_peaks_at_its_combine():
     for name, peak in forwards:
         assert abs(led[name].total - peak) <= 0.005 * peak, (name, peak, led[name].transients)
     assert any(led[name].largest == "moe_combine" for name, _ in forwards)
+
+
+FULL = [  # (model, layout, global batch): --recompute full, the step peak (at a B) only
+    (TINY, ParallelConfig(dp=2, zero=3, fp8="tensorwise", precision="bf16", recompute="full"), 8),
+    pytest.param(preset("small"), ParallelConfig(dp=4, zero=3, fp8="tensorwise", precision="bf16",
+                                                 recompute="full"), 16, marks=pytest.mark.slow),
+    pytest.param(preset("small"), ParallelConfig(dp=4, zero=3, fp8="rowwise", precision="bf16",
+                                                 recompute="full"), 16, marks=pytest.mark.slow),
+    pytest.param(TINY, ParallelConfig(pp=2, micro_batches=2, precision="bf16", recompute="full"),
+                 4, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("m,par,gb", FULL, ids=[_layout_id((*r.values, 0) if hasattr(r, "values")
+                                                           else (*r, 0)) + "-full" for r in FULL])
+def test_full_recompute_step_peak_is_the_ledgers(m, par, gb):
+    """``--recompute full``: every B phase's traced peak is the ledger's within 0.5 %, the step
+    peak with it. The re-materialised block (``recompute_block``) is the block's saves less its
+    input, which the checkpoint holds already and the first norm saves as that same storage
+    (``memory.recompute_layer_bytes``); counting it twice was +1.06 % (small dp4 ZeRO-3 fp8
+    tensorwise), +1.02 % (rowwise), +0.98 % (bf16 alone). The forward phases are not compared:
+    a checkpointed block's own forward working set is not modelled (−3 … −13 %, under the
+    B's peak)."""
+    rec = dry_run_rank(m, par, TrainConfig(global_batch=gb), 0)
+    assert verify.check_peak(_rows(m, par, gb, 0, rec)) == []
+    mb = gb // (par.dp * par.ep) // par.micro_batches
+    led = {p.name: p.total for p in step_phases(m, par, mb, 0)}
+    backs = [(name, peak) for name, _, peak, _ in rec["phases"][1:] if name[0] == "B"]
+    assert backs
+    for name, peak in backs:
+        assert abs(peak - led[name]) <= verify.PEAK_TOLERANCE * peak, (name, peak, led[name])

@@ -695,6 +695,15 @@ def block_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> 
     return micro_batch * m.seq_len / par.cp * act_bytes(par) * m.hidden / (par.tp if sp else 1)
 
 
+def recompute_layer_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int,
+                          opts: ActivationOptions = EAGER) -> float:
+    """What ``--recompute full`` re-materialises of one block in its backward: the block's
+    saves (``layer_activations``) less its input, which the checkpoint holds already and the
+    first norm saves as that same tensor (a fused norm saves its input itself)."""
+    shared = block_input_bytes(m, par, micro_batch) if opts.fused_norm else 0.0
+    return sum(layer_activations(m, par, micro_batch, opts).values()) - shared
+
+
 def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, first: bool,
                             last: bool, opts: ActivationOptions = EAGER) -> dict[str, float]:
     """Token ids on the first stage; final norm, the loss's logits and targets on the last."""
@@ -934,7 +943,7 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     if par.recompute == "full":
         out["block_inputs"] = layer_mbs * block_input_bytes(m, par, micro_batch)
         out["recompute_layer"] = max(
-            (sum(layer_activations(c, par, micro_batch, opts).values())
+            (recompute_layer_bytes(c, par, micro_batch, opts)
              for c, n in kinds.items() if n), default=0.0) if layers else 0.0
     else:
         fn = selective_layer if par.recompute == "selective" else layer_activations

@@ -77,7 +77,8 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             output norm backward: the head's input gradient and the norm's
                             fp32 working set (``mtp_norm_backward_bytes``)
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
-                            bytes (``memory.layer_activations``)
+                            bytes less its input, which the checkpoint holds already
+                            (``memory.recompute_layer_bytes``)
   ``grad_recv``             pp, every B but the last stage's: the received output gradient
                             (tokens · h/sp · e)
   ``sp_gather``, ``cp_ring``, ``ep_a2a``  F and B: the collectives' in-flight buffers
@@ -151,6 +152,7 @@ from .memory import (
     mtp_activations,
     rank_memory,
     receives_held,
+    recompute_layer_bytes,
     releases_at,
     schedule_actions,
     selective_layer,
@@ -481,7 +483,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     grouped = grouped_experts(m, par)
     recompute = 0.0
     if par.recompute == "full":
-        recompute = max((sum(layer_activations(c, par, micro_batch, opts).values())
+        recompute = max((recompute_layer_bytes(c, par, micro_batch, opts)
                          for s in stages for c, n in layer_kinds(m, stage_layers(m, par)[s])
                          if n), default=0.0)
     free = "B" if split else releases_at(par)  # split: B frees autograd's saves
