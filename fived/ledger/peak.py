@@ -517,7 +517,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         (they are not freed after the loss's backward) and its dL/dlogits."""
         block = block_backward_bytes(m, par, micro_batch) if split_layers[s] else 0
         # the cp exchange runs inside the attention core only: idle at the MLP's backward
-        blk = dict({k: v for k, v in t.items() if k != "cp_ring"}, block_backward=block)
+        blk = dict({k: v for k, v in t.items() if k not in ("cp_ring", "sp_gather")},
+                   block_backward=block)
         if not last and par.pp > 1:  # the received gradient is the block output's gradient
             blk["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
             blk["block_backward"] = max(0.0, block - blk["grad_recv"])
@@ -540,6 +541,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 d["mtp_backward"] = mtp
         gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
                    for k in ("final_norm", "logits"))
+        if par.tp > 1 and gone:  # the final norm's output stays referenced by the head's
+            # column region until the next forward (``tensor.Columns``)
+            gone -= tokens * m.hidden * e / (par.tp if sp else 1)
         if held and _head_split(m, par):
             gone = 0.0
             for d in (blk, moe):
