@@ -516,8 +516,13 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         """``held``: a split B whose records keep the head's input and logits until its W
         (they are not freed after the loss's backward) and its dL/dlogits."""
         block = block_backward_bytes(m, par, micro_batch) if split_layers[s] else 0
-        # the cp exchange runs inside the attention core only: idle at the MLP's backward
-        blk = dict({k: v for k, v in t.items() if k not in ("cp_ring", "sp_gather")},
+        # the cp exchange runs inside the attention core only: idle at the MLP's backward;
+        # on the last stage (one chunk a rank) the last column region is the head's, its
+        # backward done: no SP copy held, its input (the final norm's output) referred to
+        # until the next forward (``tensor.Columns``)
+        head_last = last and par.tp > 1 and max(1, par.virtual_stages) == 1
+        blk = dict({k: v for k, v in t.items()
+                    if k != "cp_ring" and not (head_last and k == "sp_gather")},
                    block_backward=block)
         if not last and par.pp > 1:  # the received gradient is the block output's gradient
             blk["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
@@ -541,9 +546,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 d["mtp_backward"] = mtp
         gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
                    for k in ("final_norm", "logits"))
-        if par.tp > 1 and gone:  # the final norm's output stays referenced by the head's
-            # column region until the next forward (``tensor.Columns``)
-            gone -= tokens * m.hidden * e / (par.tp if sp else 1)
+        if head_last and gone and blk:  # the final norm's output, still referred to
+            blk["tp_last_input"] = tokens * m.hidden * e / (par.tp if sp else 1)
         if held and _head_split(m, par):
             gone = 0.0
             for d in (blk, moe):
