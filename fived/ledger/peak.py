@@ -127,6 +127,7 @@ not a replay of every op).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -138,6 +139,7 @@ from .memory import (
     RankMemory,
     _state_key,
     act_bytes,
+    arrival_runs,
     block_input_bytes,
     buckets,
     candidate_ranks,
@@ -531,6 +533,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             blk["recompute_block"] = recompute
         if zero:
             blk["zero_buffers"] = zero_at(4, nth)  # the first block's MLP gradients in
+        down = down_moment(blk, s, nth)
         moe = experts_moment(t, s, blk)
         comb = combine_moment(s, blk)
         if comb and zero:  # the shared expert's gradients in, not yet the experts'
@@ -538,7 +541,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if moe and m.is_moe_layer(split_layers[s][-1]):  # the first block to run its
             blk = {}  # backward is a MoE one: its moments are the experts' and the combine's
         if not last:
-            return max((blk, moe, comb, later_blocks(blk, s, nth, 0.0)),
+            return max((blk, down, moe, comb, later_blocks(blk, s, nth, 0.0)),
                        key=lambda d: sum(d.values()))
         mtp = mtp_backward_bytes(m, par)  # the modules' head (or embedding) gradient
         for d in (blk, moe, comb):
@@ -548,6 +551,10 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                    for k in ("final_norm", "logits"))
         if head_last and gone and blk:  # the final norm's output, still referred to
             blk["tp_last_input"] = tokens * m.hidden * e / (par.tp if sp else 1)
+            if down:
+                down["tp_last_input"] = blk["tp_last_input"]
+        if gone and down:
+            down[FREED] = -gone
         if held and _head_split(m, par):
             gone = 0.0
             for d in (blk, moe):
@@ -583,7 +590,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if comb:
             if gone:
                 comb[FREED] = comb.get(FREED, 0.0) - gone
-        return max((loss, head, norm, blk, moe, comb, later_blocks(blk, s, nth, gone)),
+        return max((loss, head, norm, blk, down, moe, comb, later_blocks(blk, s, nth, gone)),
                    key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
@@ -704,6 +711,47 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                                                         if nth >= 0 else -1]))
         prev[FREED] = -(tail + after)
         return prev
+
+    recipe = getattr(par, "fp8", "none")
+    flat3 = par.zero == 3 and par.pp == 1 and moments is not None
+
+    def down_moment(blk: dict[str, float], s: int, nth: int) -> dict[str, float]:
+        """fp8 (a dense first block, one backward; ZeRO-3 without pp or ZeRO-0/1): the down
+        projection's dgrad at its product's cast (``fp8._Fp8Linear.backward``): its saved
+        input not yet freed, the block output's gradient, under SP that gradient gathered
+        and made contiguous (2 · tokens · h · e), rowwise's column-wise e4m3 cast of the
+        saved input for the weight gradient (tokens · ffn/tp + 4 · ffn/tp; blockwise 4 per
+        128×1 tile), the product in
+        fp32 and its copy in the compute dtype (tokens · ffn/tp · (4 + e)); ZeRO-3's buffers
+        those at the block's first gradient less that gradient's bucket (the unit gathered
+        for backward and the one before prefetched, the root's gradient held)."""
+        if (recipe == "none" or split or not split_layers[s] or par.zero == 2
+                or (par.zero == 3 and not flat3)):
+            return {}
+        c = layer_cfg(m, split_layers[s][-1])
+        if c.is_moe or c.mlp != "swiglu":
+            return {}
+        f = c.ffn / par.tp
+        down = {k: blk[k] for k in ("recompute_block", "pp_receives", "grad_recv",
+                                    "mtp_backward") if k in blk}
+        work = (0.0 if "grad_recv" in down else tokens * m.hidden * e / (par.tp if sp else 1))
+        work += (2 * tokens * m.hidden * e if sp else 0.0) + tokens * f * (4 + e)
+        if recipe == "rowwise":
+            work += tokens * f + 4 * f
+        elif recipe == "blockwise":  # (its 128×1 tiles along the tokens)
+            work += tokens * f + 4 * f * math.ceil(tokens / 128)
+        down["fp8_down_backward"] = work
+        if flat3:
+            down["zero_buffers"] = zero_at(0, nth) - first_bucket_bytes(s)
+        return down
+
+    def first_bucket_bytes(s: int) -> float:
+        """The full-gradient bytes of the bucket the stage's first block gradient opens."""
+        bks = buckets(m, par, pp_rank)
+        for i, _ in arrival_runs(m, _state_key(par), pp_rank):
+            if bks[i].unit >= 0:
+                return float(bks[i].padded * grad_bytes(par))
+        return 0.0
 
     def loop_moment(blk: dict[str, float]) -> dict[str, float]:
         """The experts' loop (``moe.Expert``, one SwiGLU per local expert), a MoE stage's B at
