@@ -76,6 +76,12 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
   ``mtp_norm``              multi-token prediction, the last stage's B at the last module's
                             output norm backward: the head's input gradient and the norm's
                             fp32 working set (``mtp_norm_backward_bytes``)
+  ``fp8_down_backward``     fp8, a dense first block's down projection at its dgrad's cast:
+                            its saved input held, the output gradient (under SP gathered and
+                            made contiguous: 2 · tokens · h · e), rowwise's or blockwise's
+                            column-wise cast of that input, the product in fp32 and in the
+                            compute dtype (tokens · ffn/tp · (4 + e)); ZeRO-3 without pp: the
+                            block's unit gathered, its gradient bucket not yet allocated
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes less its input, which the checkpoint holds already
                             (``memory.recompute_layer_bytes``)
@@ -104,7 +110,9 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             own saves freed
   ``tp_last_input``         tp, after the last forward: the last column region's input
                             (tokens · h/sp · e; under SP also its gathered copy,
-                            ``sp_gather``), referenced until the next forward
+                            ``sp_gather``), referenced until the next forward; at the last
+                            stage's first-block moments (one chunk a rank) the head's region
+                            is done: its input (the final norm's output) held, no SP copy
   ``clip``                  one float64 chunk of the largest gradient piece
                             (8 · min(piece, ``SQ_CHUNK``), ``fived.optim.clip``)
   ``optimizer``             fused AdamW works in place; with gradients kept in bf16 the
