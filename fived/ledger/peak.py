@@ -530,7 +530,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         # on the last stage (one chunk a rank) the last column region is the head's, its
         # backward done: no SP copy held, its input (the final norm's output) referred to
         # until the next forward (``tensor.Columns``)
-        head_last = last and par.tp > 1 and max(1, par.virtual_stages) == 1
+        head_last = (last and par.tp > 1 and max(1, par.virtual_stages) == 1
+                     and not recompute)  # (a re-run block opens its own regions)
         blk = dict({k: v for k, v in t.items()
                     if k != "cp_ring" and not (head_last and k == "sp_gather")},
                    block_backward=block)
@@ -542,6 +543,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if zero:
             blk["zero_buffers"] = zero_at(4, nth)  # the first block's MLP gradients in
         down = down_moment(blk, s, nth)
+        norm = norm_moment(blk, s)
         moe = experts_moment(t, s, blk)
         comb = combine_moment(s, blk)
         if comb and zero:  # the shared expert's gradients in, not yet the experts'
@@ -549,7 +551,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if moe and m.is_moe_layer(split_layers[s][-1]):  # the first block to run its
             blk = {}  # backward is a MoE one: its moments are the experts' and the combine's
         if not last:
-            return max((blk, down, moe, comb, later_blocks(blk, s, nth, 0.0)),
+            return max((blk, down, norm, moe, comb, later_blocks(blk, s, nth, 0.0)),
                        key=lambda d: sum(d.values()))
         mtp = mtp_backward_bytes(m, par)  # the modules' head (or embedding) gradient
         for d in (blk, moe, comb):
@@ -561,8 +563,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             blk["tp_last_input"] = tokens * m.hidden * e / (par.tp if sp else 1)
             if down:
                 down["tp_last_input"] = blk["tp_last_input"]
-        if gone and down:
-            down[FREED] = -gone
+        for d in (down, norm):
+            if gone and d:
+                d[FREED] = -gone
         if held and _head_split(m, par):
             gone = 0.0
             for d in (blk, moe):
@@ -584,22 +587,22 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                                          + (2 if sp else 1) * tokens * m.hidden * e - logits))
         if zero:
             head["zero_buffers"] = zero_at(5, nth)  # the head's gradient in, no block's
-        norm = {}
+        norm_mtp = {}
         if m.mtp_depth:  # the last module's norm, its head's weight gradient held
-            norm = dict(idle, mtp_backward=mtp,
-                        mtp_norm=mtp_norm_backward_bytes(m, par, micro_batch))
+            norm_mtp = dict(idle, mtp_backward=mtp,
+                            mtp_norm=mtp_norm_backward_bytes(m, par, micro_batch))
             if gone:  # the module's logits freed, its norm's saves in use
-                norm[FREED] = -logits
+                norm_mtp[FREED] = -logits
             if zero:
-                norm["zero_buffers"] = zero_at(5, nth)
+                norm_mtp["zero_buffers"] = zero_at(5, nth)
         if moe:
             if gone:
                 moe[FREED] = moe.get(FREED, 0.0) - gone
         if comb:
             if gone:
                 comb[FREED] = comb.get(FREED, 0.0) - gone
-        return max((loss, head, norm, blk, down, moe, comb, later_blocks(blk, s, nth, gone)),
-                   key=lambda d: sum(d.values()))
+        return max((loss, head, norm_mtp, blk, down, norm, moe, comb,
+                    later_blocks(blk, s, nth, gone)), key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
     experts_on = {s: any(m.is_moe_layer(i) for i in split_layers[s]) for s in stages}
@@ -752,6 +755,32 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if flat3:
             down["zero_buffers"] = zero_at(0, nth) - first_bucket_bytes(s)
         return down
+
+    def norm_moment(blk: dict[str, float], s: int) -> dict[str, float]:
+        """``--recompute full`` (a dense first block, one backward): the re-run block's second
+        norm at its backward (``layers._RMSNorm.backward``), its MLP's saves freed (its
+        product, gate and up outputs; fp8: the MLP's two fp8 copies, the norm's output held
+        by its column region in the compute dtype until the next region opens): the block
+        output's gradient and the MLP's input gradient (T · h/sp · e each), the norm's fp32
+        working set at its last subtraction (x̂, the fp32 gradient, dx̂, x̂ · mean and the
+        difference: 20 · T · h/sp) and its weight gradient (h · e)."""
+        if not recompute or split or not split_layers[s]:
+            return {}
+        c = layer_cfg(m, split_layers[s][-1])
+        if c.is_moe or c.mlp != "swiglu":
+            return {}
+        acts = layer_activations(c, par, micro_batch, opts)
+        h_sp = c.hidden / (par.tp if sp else 1)
+        mlp_saves = acts["mlp"]
+        if recipe in ("tensorwise", "blockwise"):
+            mlp_saves += (fp8_copy_bytes(tokens, c.hidden, recipe)
+                          + fp8_copy_bytes(tokens, c.ffn / par.tp, recipe) - tokens * h_sp * e)
+        norm = {k: blk[k] for k in ("pp_receives", "grad_recv", "mtp_backward", "zero_buffers")
+                if k in blk}
+        norm["recompute_block"] = recompute - mlp_saves
+        grads = (1 if "grad_recv" in norm else 2) * tokens * h_sp * e
+        norm["norm_backward"] = grads + 20 * tokens * h_sp + c.hidden * e
+        return norm
 
     def first_bucket_bytes(s: int) -> float:
         """The full-gradient bytes of the bucket the stage's first block gradient opens."""
