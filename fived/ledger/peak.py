@@ -82,6 +82,11 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             column-wise cast of that input, the product in fp32 and in the
                             compute dtype (tokens · ffn/tp · (4 + e)); ZeRO-3 without pp: the
                             block's unit gathered, its gradient bucket not yet allocated
+  ``norm_backward``         ``--recompute full``, a dense first block: the re-run block's
+                            second norm at its backward, its MLP's saves freed: the block
+                            output's and the MLP's input gradients (2 · tokens · h/sp · e),
+                            the norm's fp32 working set (20 · tokens · h/sp) and its weight
+                            gradient (h · e)
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes less its input, which the checkpoint holds already
                             (``memory.recompute_layer_bytes``)
