@@ -757,6 +757,15 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         elif recipe == "blockwise":  # (its 128×1 tiles along the tokens)
             work += tokens * f + 4 * f * math.ceil(tokens / 128)
         down["fp8_down_backward"] = work
+        if recompute and par.tp > 1:  # the re-run block's gate/up region is the last one
+            # opened: its input (the norm's output) and, under SP, the gathered copy the fp8
+            # columns read stay referred to (``tensor.Columns``), beyond the fp8 saves
+            held = 0.0 if recipe == "rowwise" and not sp else tokens * m.hidden * e / (
+                par.tp if sp else 1)
+            if sp and recipe != "rowwise":
+                held += tokens * m.hidden * e
+            if held:
+                down["tp_last_input"] = held
         if flat3:
             down["zero_buffers"] = zero_at(0, nth) - first_bucket_bytes(s)
         return down
