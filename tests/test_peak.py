@@ -314,6 +314,15 @@ BACKWARD_ONLY = [  # (model, layout, global batch): the step peak and every B ph
                  marks=pytest.mark.slow),
     pytest.param(preset("small"), ParallelConfig(tp=2, precision="bf16", recompute="full"), 4,
                  marks=pytest.mark.slow),
+    # ... and under ZeRO-3 a later block's, the buckets of the blocks after it held (small
+    # −3.07 % without it; fp8 rowwise and tensorwise −2.05 / −2.10 %; the tiny row −2.55 %)
+    pytest.param(preset("small"), ParallelConfig(tp=2, dp=2, zero=3, precision="bf16",
+                                                 recompute="full"), 8, marks=pytest.mark.slow),
+    pytest.param(preset("small"), ParallelConfig(tp=2, dp=2, zero=3, fp8="tensorwise",
+                                                 precision="bf16", recompute="full"), 8,
+                 marks=pytest.mark.slow),
+    (replace(TINY, layers=3), ParallelConfig(tp=2, dp=2, zero=3, fp8="tensorwise",
+                                             precision="bf16", recompute="full"), 4),
 ]
 
 

@@ -540,6 +540,10 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         blk = dict({k: v for k, v in t.items()
                     if k != "cp_ring" and not (head_last and k == "sp_gather")},
                    block_backward=block)
+        if recompute and par.tp > 1 and recipe != "none":  # no SP gather in flight: the
+            blk.pop("sp_gather", None)  # fp8 columns gathered in the re-run forward
+            if rerun_region:
+                blk["tp_last_input"] = rerun_region
         if not last and par.pp > 1:  # the received gradient is the block output's gradient
             blk["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
             blk["block_backward"] = max(0.0, block - blk["grad_recv"])
@@ -665,6 +669,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         rest = {k: v for k, v in blk.items()
                 if k not in ("block_backward", "grad_recv", "zero_buffers", FREED)}
         base = sum(rest.values())
+        # full recompute: each later block's second norm backward too (``norm_moment``)
+        nm = norm_moment(blk, s) if recompute else {}
         best, top = {}, float("-inf")
         freed = gone
         for j, layer in enumerate(reversed(split_layers[s])):
@@ -677,6 +683,12 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 if total > top:
                     best, top = dict(rest, block_backward=block, zero_buffers=float(seq[j])), total
                     best[FREED] = -freed
+                if nm:
+                    cand = dict(rest, recompute_block=nm["recompute_block"],
+                                norm_backward=nm["norm_backward"], zero_buffers=float(seq[j]))
+                    if sum(cand.values()) - freed > top:
+                        best, top = cand, sum(cand.values()) - freed
+                        best[FREED] = -freed
             freed += shape_terms(c)[1]
         return best
 
@@ -730,6 +742,16 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 
     recipe = getattr(par, "fp8", "none")
     flat3 = par.zero == 3 and par.pp == 1 and moments is not None
+    # fp8 under full recompute at tp: the re-run block's gate/up region is the last one
+    # opened, its input (the norm's output) and under SP the gathered copy the fp8 columns
+    # read referred to (``tensor.Columns``) beyond the fp8 saves (rowwise saves the input
+    # without SP, the gathered copy under SP)
+    rerun_region = 0.0
+    if recompute and par.tp > 1 and recipe != "none":
+        rerun_region = (0.0 if recipe == "rowwise" and not sp
+                        else tokens * m.hidden * e / (par.tp if sp else 1))
+        if sp and recipe != "rowwise":
+            rerun_region += tokens * m.hidden * e
 
     def down_moment(blk: dict[str, float], s: int, nth: int) -> dict[str, float]:
         """fp8 (a dense first block, one backward; ZeRO-3 without pp or ZeRO-0/1): the down
@@ -757,15 +779,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         elif recipe == "blockwise":  # (its 128×1 tiles along the tokens)
             work += tokens * f + 4 * f * math.ceil(tokens / 128)
         down["fp8_down_backward"] = work
-        if recompute and par.tp > 1:  # the re-run block's gate/up region is the last one
-            # opened: its input (the norm's output) and, under SP, the gathered copy the fp8
-            # columns read stay referred to (``tensor.Columns``), beyond the fp8 saves
-            held = 0.0 if recipe == "rowwise" and not sp else tokens * m.hidden * e / (
-                par.tp if sp else 1)
-            if sp and recipe != "rowwise":
-                held += tokens * m.hidden * e
-            if held:
-                down["tp_last_input"] = held
+        if rerun_region:
+            down["tp_last_input"] = rerun_region
         if flat3:
             down["zero_buffers"] = zero_at(0, nth) - first_bucket_bytes(s)
         return down
@@ -773,8 +788,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     def norm_moment(blk: dict[str, float], s: int) -> dict[str, float]:
         """``--recompute full`` (a dense first block, one backward): the re-run block's second
         norm at its backward (``layers._RMSNorm.backward``), its MLP's saves freed (its
-        product, gate and up outputs; fp8: the MLP's two fp8 copies, the norm's output held
-        by its column region in the compute dtype until the next region opens): the block
+        product, gate and up outputs; fp8: the MLP's two fp8 copies, the norm's output still
+        held by its column region under tp, ``rerun_region``): the block
         output's gradient and the MLP's input gradient (T · h/sp · e each), the norm's fp32
         working set at its last subtraction (x̂, the fp32 gradient, dx̂, x̂ · mean and the
         difference: 20 · T · h/sp) and its weight gradient (h · e)."""
@@ -788,9 +803,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         mlp_saves = acts["mlp"]
         if recipe in ("tensorwise", "blockwise"):
             mlp_saves += (fp8_copy_bytes(tokens, c.hidden, recipe)
-                          + fp8_copy_bytes(tokens, c.ffn / par.tp, recipe) - tokens * h_sp * e)
-        norm = {k: blk[k] for k in ("pp_receives", "grad_recv", "mtp_backward", "zero_buffers")
-                if k in blk}
+                          + fp8_copy_bytes(tokens, c.ffn / par.tp, recipe))
+        norm = {k: blk[k] for k in ("pp_receives", "grad_recv", "mtp_backward", "zero_buffers",
+                                    "tp_last_input") if k in blk}
         norm["recompute_block"] = recompute - mlp_saves
         grads = (1 if "grad_recv" in norm else 2) * tokens * h_sp * e
         norm["norm_backward"] = grads + 20 * tokens * h_sp + c.hidden * e
