@@ -81,12 +81,13 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             made contiguous: 2 · tokens · h · e), rowwise's or blockwise's
                             column-wise cast of that input, the product in fp32 and in the
                             compute dtype (tokens · ffn/tp · (4 + e)); ZeRO-3 without pp: the
-                            block's unit gathered, its gradient bucket not yet allocated
+                            block's unit gathered, its gradient bucket not yet allocated;
+                            ZeRO-2: the buckets the head's gradients opened
   ``norm_backward``         ``--recompute full``, a dense first block: the re-run block's
                             second norm at its backward, its MLP's saves freed: the block
                             output's and the MLP's input gradients (2 · tokens · h/sp · e),
                             the norm's fp32 working set (20 · tokens · h/sp) and its weight
-                            gradient (h · e)
+                            gradient (h · e); under ZeRO-2/3 each later dense block's too
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes less its input, which the checkpoint holds already
                             (``memory.recompute_layer_bytes``)
@@ -117,7 +118,10 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             (tokens · h/sp · e; under SP also its gathered copy,
                             ``sp_gather``), referenced until the next forward; at the last
                             stage's first-block moments (one chunk a rank) the head's region
-                            is done: its input (the final norm's output) held, no SP copy
+                            is done: its input (the final norm's output) held, no SP copy;
+                            fp8 under full recompute at tp: the re-run gate/up region's input
+                            and under SP its gathered copy (``rerun_region``), in place of an
+                            SP gather at the block's moments
   ``clip``                  one float64 chunk of the largest gradient piece
                             (8 · min(piece, ``SQ_CHUNK``), ``fived.optim.clip``)
   ``optimizer``             fused AdamW works in place; with gradients kept in bf16 the
@@ -754,7 +758,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             rerun_region += tokens * m.hidden * e
 
     def down_moment(blk: dict[str, float], s: int, nth: int) -> dict[str, float]:
-        """fp8 (a dense first block, one backward; ZeRO-3 without pp or ZeRO-0/1): the down
+        """fp8 (a dense first block, one backward; ZeRO-0/1/2, ZeRO-3 without pp): the down
         projection's dgrad at its product's cast (``fp8._Fp8Linear.backward``): its saved
         input not yet freed, the block output's gradient, under SP that gradient gathered
         and made contiguous (2 · tokens · h · e), rowwise's column-wise e4m3 cast of the
@@ -762,9 +766,10 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         128×1 tile), the product in
         fp32 and its copy in the compute dtype (tokens · ffn/tp · (4 + e)); ZeRO-3's buffers
         those at the block's first gradient less that gradient's bucket (the unit gathered
-        for backward and the one before prefetched, the root's gradient held)."""
-        if (recipe == "none" or split or not split_layers[s] or par.zero == 2
-                or (par.zero == 3 and not flat3)):
+        for backward and the one before prefetched, the root's gradient held); ZeRO-2's
+        those the head's gradients opened."""
+        if (recipe == "none" or split or not split_layers[s]
+                or (par.zero == 2 and moments is None) or (par.zero == 3 and not flat3)):
             return {}
         c = layer_cfg(m, split_layers[s][-1])
         if c.is_moe or c.mlp != "swiglu":
@@ -783,6 +788,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             down["tp_last_input"] = rerun_region
         if flat3:
             down["zero_buffers"] = zero_at(0, nth) - first_bucket_bytes(s)
+        elif zero:  # ZeRO-2: the buckets the head's gradients opened
+            down["zero_buffers"] = zero_at(5, nth)
         return down
 
     def norm_moment(blk: dict[str, float], s: int) -> dict[str, float]:
