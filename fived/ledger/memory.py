@@ -48,7 +48,10 @@ with its scales: tensorwise 4 bytes per copy and micro-batch, blockwise 4 per 12
 each token's row, 4·⌈K/128⌉. ``rowwise`` saves its inputs in e bytes: no change, but under
 sequence parallelism, where its column layers save the gathered input (2·e·h per token, whole
 sequence) instead of the norm outputs' shards. Under sequence parallelism the fp8 copies hold
-the gathered sequence (the norm input stays a shard). A MoE block's
+the gathered sequence (the norm input stays a shard). wo's bf16 input leaves where it was a
+tensor of its own (tensorwise, blockwise): under Ulysses the all-to-all's sequence-sharded
+output (the kernel's head-sharded one stays), under selective recompute the checkpointed
+core's output (``fp8_ulysses_out``, ``selective_layer``). A MoE block's
 experts under fp8 run as a loop of fp8 linears: each local expert saves its routed rows (h) and
 its SwiGLU product (f_e) as fp8 copies in place of the permuted rows and the product, with their
 scales (tensorwise 4 B per copy and local expert, blockwise per 128-tile of each row); a shared
@@ -534,7 +537,19 @@ def fp8_layer_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, 
     return {"norms": out["norms"] - tokens * 2 * e * h / norm_div,
             "mlp": out["mlp"] - tokens * e * f,
             "fp8_inputs": (2 * fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
-                           + fp8_copy_bytes(tokens, f, recipe))}
+                           + fp8_copy_bytes(tokens, f, recipe)),
+            **fp8_ulysses_out(m, par, tokens, e, out)}
+
+
+def fp8_ulysses_out(m: ModelConfig, par: ParallelConfig, tokens: float, e: int,
+                    out: dict[str, float]) -> dict[str, float]:
+    """Under Ulysses the attention output is two tensors: the kernel's head-sharded output
+    (its save) and the all-to-all's sequence-sharded one (wo's input, saved by wo in e bytes).
+    An fp8 wo saves its fp8 copy instead (in ``fp8_inputs``), so ``attn_out`` keeps only the
+    kernel's, e·hq per token."""
+    if par.cp > 1 and par.cp_mode == "ulysses" and not m.is_mla:
+        return {"attn_out": out["attn_out"] - tokens * e * m.attn_dim / par.tp}
+    return {}
 
 
 def fp8_moe_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, norm_div: int,
@@ -561,7 +576,8 @@ def fp8_moe_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, no
            "router": out["router"] - routed * e * h,
            "mlp": out["mlp"] - routed * e * fe,
            "fp8_inputs": (fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
-                          + experts8)}
+                          + experts8),
+           **fp8_ulysses_out(m, par, tokens, e, out)}
     if m.shared_expert:
         fs = m.shared_ffn / tp
         res["mlp"] -= tokens * e * fs
@@ -691,6 +707,8 @@ def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
     if par.cp > 1 and par.cp_mode == "ulysses":  # the core's all-to-alls are recomputed too
         out["attn_out"] = tokens * e * hq
         out["ulysses_index"] = 0.0
+    if getattr(par, "fp8", "none") in ("tensorwise", "blockwise") and not m.is_mla:
+        out["attn_out"] = 0.0  # the core's output is wo's input, which wo saves as fp8
     if latent_ring(m, par):  # the checkpoint keeps q and the latent
         for k, v in latent_ring_terms(m, par, e, checkpointed=True).items():
             if k != "mla_latent":
@@ -701,6 +719,15 @@ def selective_layer(m: ModelConfig, par: ParallelConfig, micro_batch: int,
 def block_input_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) -> float:
     sp = par.sequence_parallel and par.tp > 1
     return micro_batch * m.seq_len / par.cp * act_bytes(par) * m.hidden / (par.tp if sp else 1)
+
+
+def recompute_layer_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int,
+                          opts: ActivationOptions = EAGER) -> float:
+    """What ``--recompute full`` re-materialises of one block in its backward: the block's
+    saves (``layer_activations``) less its input, which the checkpoint holds already and the
+    first norm saves as that same tensor (a fused norm saves its input itself)."""
+    shared = block_input_bytes(m, par, micro_batch) if opts.fused_norm else 0.0
+    return sum(layer_activations(m, par, micro_batch, opts).values()) - shared
 
 
 def stage_extra_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, first: bool,
@@ -942,7 +969,7 @@ def activations(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     if par.recompute == "full":
         out["block_inputs"] = layer_mbs * block_input_bytes(m, par, micro_batch)
         out["recompute_layer"] = max(
-            (sum(layer_activations(c, par, micro_batch, opts).values())
+            (recompute_layer_bytes(c, par, micro_batch, opts)
              for c, n in kinds.items() if n), default=0.0) if layers else 0.0
     else:
         fn = selective_layer if par.recompute == "selective" else layer_activations

@@ -76,8 +76,21 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
   ``mtp_norm``              multi-token prediction, the last stage's B at the last module's
                             output norm backward: the head's input gradient and the norm's
                             fp32 working set (``mtp_norm_backward_bytes``)
+  ``fp8_down_backward``     fp8, a dense first block's down projection at its dgrad's cast:
+                            its saved input held, the output gradient (under SP gathered and
+                            made contiguous: 2 · tokens · h · e), rowwise's or blockwise's
+                            column-wise cast of that input, the product in fp32 and in the
+                            compute dtype (tokens · ffn/tp · (4 + e)); ZeRO-3 without pp: the
+                            block's unit gathered, its gradient bucket not yet allocated;
+                            ZeRO-2: the buckets the head's gradients opened
+  ``norm_backward``         ``--recompute full``, a dense first block: the re-run block's
+                            second norm at its backward, its MLP's saves freed: the block
+                            output's and the MLP's input gradients (2 · tokens · h/sp · e),
+                            the norm's fp32 working set (20 · tokens · h/sp) and its weight
+                            gradient (h · e); under ZeRO-2/3 each later dense block's too
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
-                            bytes (``memory.layer_activations``)
+                            bytes less its input, which the checkpoint holds already
+                            (``memory.recompute_layer_bytes``)
   ``grad_recv``             pp, every B but the last stage's: the received output gradient
                             (tokens · h/sp · e)
   ``sp_gather``, ``cp_ring``, ``ep_a2a``  F and B: the collectives' in-flight buffers
@@ -103,7 +116,12 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             own saves freed
   ``tp_last_input``         tp, after the last forward: the last column region's input
                             (tokens · h/sp · e; under SP also its gathered copy,
-                            ``sp_gather``), referenced until the next forward
+                            ``sp_gather``), referenced until the next forward; at the last
+                            stage's first-block moments (one chunk a rank) the head's region
+                            is done: its input (the final norm's output) held, no SP copy;
+                            fp8 under full recompute at tp: the re-run gate/up region's input
+                            and under SP its gathered copy (``rerun_region``), in place of an
+                            SP gather at the block's moments
   ``clip``                  one float64 chunk of the largest gradient piece
                             (8 · min(piece, ``SQ_CHUNK``), ``fived.optim.clip``)
   ``optimizer``             fused AdamW works in place; with gradients kept in bf16 the
@@ -131,6 +149,7 @@ not a replay of every op).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -142,6 +161,7 @@ from .memory import (
     RankMemory,
     _state_key,
     act_bytes,
+    arrival_runs,
     block_input_bytes,
     buckets,
     candidate_ranks,
@@ -157,6 +177,7 @@ from .memory import (
     param_bytes,
     rank_memory,
     receives_held,
+    recompute_layer_bytes,
     releases_at,
     schedule_actions,
     selective_layer,
@@ -512,7 +533,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
     grouped = grouped_experts(m, par)
     recompute = 0.0
     if par.recompute == "full":
-        recompute = max((sum(layer_activations(c, par, micro_batch, opts).values())
+        recompute = max((recompute_layer_bytes(c, par, micro_batch, opts)
                          for s in stages for c, n in layer_kinds(m, stage_layers(m, par)[s])
                          if n), default=0.0)
     free = "B" if split else releases_at(par)  # split: B frees autograd's saves
@@ -545,8 +566,19 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         """``held``: a split B whose records keep the head's input and logits until its W
         (they are not freed after the loss's backward) and its dL/dlogits."""
         block = block_backward_bytes(m, par, micro_batch) if split_layers[s] else 0
-        # the cp exchange runs inside the attention core only: idle at the MLP's backward
-        blk = dict({k: v for k, v in t.items() if k != "cp_ring"}, block_backward=block)
+        # the cp exchange runs inside the attention core only: idle at the MLP's backward;
+        # on the last stage (one chunk a rank) the last column region is the head's, its
+        # backward done: no SP copy held, its input (the final norm's output) referred to
+        # until the next forward (``tensor.Columns``)
+        head_last = (last and par.tp > 1 and max(1, par.virtual_stages) == 1
+                     and not recompute)  # (a re-run block opens its own regions)
+        blk = dict({k: v for k, v in t.items()
+                    if k != "cp_ring" and not (head_last and k == "sp_gather")},
+                   block_backward=block)
+        if recompute and par.tp > 1 and recipe != "none":  # no SP gather in flight: the
+            blk.pop("sp_gather", None)  # fp8 columns gathered in the re-run forward
+            if rerun_region:
+                blk["tp_last_input"] = rerun_region
         if not last and par.pp > 1:  # the received gradient is the block output's gradient
             blk["grad_recv"] = tokens * m.hidden * e / (par.tp if sp else 1)
             blk["block_backward"] = max(0.0, block - blk["grad_recv"])
@@ -554,6 +586,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             blk["recompute_block"] = recompute
         if zero:
             blk["zero_buffers"] = zero_at(4, nth)  # the first block's MLP gradients in
+        down = down_moment(blk, s, nth)
+        norm = norm_moment(blk, s)
         moe = experts_moment(t, s, blk)
         comb = combine_moment(s, blk)
         if comb and zero:  # the shared expert's gradients in, not yet the experts'
@@ -561,7 +595,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if moe and m.is_moe_layer(split_layers[s][-1]):  # the first block to run its
             blk = {}  # backward is a MoE one: its moments are the experts' and the combine's
         if not last:
-            return max((blk, moe, comb, later_blocks(blk, s, nth, 0.0)),
+            return max((blk, down, norm, moe, comb, later_blocks(blk, s, nth, 0.0)),
                        key=lambda d: sum(d.values()))
         mtp = mtp_backward_bytes(m, par)  # the modules' head (or embedding) gradient
         for d in (blk, moe, comb):
@@ -569,6 +603,13 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 d["mtp_backward"] = mtp
         gone = sum(stage_extra_activations(m, par, micro_batch, s == 0, True, opts)[k]
                    for k in ("final_norm", "logits"))
+        if head_last and gone and blk:  # the final norm's output, still referred to
+            blk["tp_last_input"] = tokens * m.hidden * e / (par.tp if sp else 1)
+            if down:
+                down["tp_last_input"] = blk["tp_last_input"]
+        for d in (down, norm):
+            if gone and d:
+                d[FREED] = -gone
         if held and _head_split(m, par):
             gone = 0.0
             for d in (blk, moe):
@@ -590,22 +631,22 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                                          + (2 if sp else 1) * tokens * m.hidden * e - logits))
         if zero:
             head["zero_buffers"] = zero_at(5, nth)  # the head's gradient in, no block's
-        norm = {}
+        norm_mtp = {}
         if m.mtp_depth:  # the last module's norm, its head's weight gradient held
-            norm = dict(idle, mtp_backward=mtp,
-                        mtp_norm=mtp_norm_backward_bytes(m, par, micro_batch))
+            norm_mtp = dict(idle, mtp_backward=mtp,
+                            mtp_norm=mtp_norm_backward_bytes(m, par, micro_batch))
             if gone:  # the module's logits freed, its norm's saves in use
-                norm[FREED] = -logits
+                norm_mtp[FREED] = -logits
             if zero:
-                norm["zero_buffers"] = zero_at(5, nth)
+                norm_mtp["zero_buffers"] = zero_at(5, nth)
         if moe:
             if gone:
                 moe[FREED] = moe.get(FREED, 0.0) - gone
         if comb:
             if gone:
                 comb[FREED] = comb.get(FREED, 0.0) - gone
-        return max((loss, head, norm, blk, moe, comb, later_blocks(blk, s, nth, gone)),
-                   key=lambda d: sum(d.values()))
+        return max((loss, head, norm_mtp, blk, down, norm, moe, comb,
+                    later_blocks(blk, s, nth, gone)), key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
     experts_on = {s: any(m.is_moe_layer(i) for i in split_layers[s]) for s in stages}
@@ -663,6 +704,8 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         rest = {k: v for k, v in blk.items()
                 if k not in ("block_backward", "grad_recv", "zero_buffers", FREED)}
         base = sum(rest.values())
+        # full recompute: each later block's second norm backward too (``norm_moment``)
+        nm = norm_moment(blk, s) if recompute else {}
         best, top = {}, float("-inf")
         freed = gone
         for j, layer in enumerate(reversed(split_layers[s])):
@@ -675,6 +718,12 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 if total > top:
                     best, top = dict(rest, block_backward=block, zero_buffers=float(seq[j])), total
                     best[FREED] = -freed
+                if nm:
+                    cand = dict(rest, recompute_block=nm["recompute_block"],
+                                norm_backward=nm["norm_backward"], zero_buffers=float(seq[j]))
+                    if sum(cand.values()) - freed > top:
+                        best, top = cand, sum(cand.values()) - freed
+                        best[FREED] = -freed
             freed += shape_terms(c)[1]
         return best
 
@@ -725,6 +774,88 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                                                         if nth >= 0 else -1]))
         prev[FREED] = -(tail + after)
         return prev
+
+    recipe = getattr(par, "fp8", "none")
+    flat3 = par.zero == 3 and par.pp == 1 and moments is not None
+    # fp8 under full recompute at tp: the re-run block's gate/up region is the last one
+    # opened, its input (the norm's output) and under SP the gathered copy the fp8 columns
+    # read referred to (``tensor.Columns``) beyond the fp8 saves (rowwise saves the input
+    # without SP, the gathered copy under SP)
+    rerun_region = 0.0
+    if recompute and par.tp > 1 and recipe != "none":
+        rerun_region = (0.0 if recipe == "rowwise" and not sp
+                        else tokens * m.hidden * e / (par.tp if sp else 1))
+        if sp and recipe != "rowwise":
+            rerun_region += tokens * m.hidden * e
+
+    def down_moment(blk: dict[str, float], s: int, nth: int) -> dict[str, float]:
+        """fp8 (a dense first block, one backward; ZeRO-0/1/2, ZeRO-3 without pp): the down
+        projection's dgrad at its product's cast (``fp8._Fp8Linear.backward``): its saved
+        input not yet freed, the block output's gradient, under SP that gradient gathered
+        and made contiguous (2 · tokens · h · e), rowwise's column-wise e4m3 cast of the
+        saved input for the weight gradient (tokens · ffn/tp + 4 · ffn/tp; blockwise 4 per
+        128×1 tile), the product in
+        fp32 and its copy in the compute dtype (tokens · ffn/tp · (4 + e)); ZeRO-3's buffers
+        those at the block's first gradient less that gradient's bucket (the unit gathered
+        for backward and the one before prefetched, the root's gradient held); ZeRO-2's
+        those the head's gradients opened."""
+        if (recipe == "none" or split or not split_layers[s]
+                or (par.zero == 2 and moments is None) or (par.zero == 3 and not flat3)):
+            return {}
+        c = layer_cfg(m, split_layers[s][-1])
+        if c.is_moe or c.mlp != "swiglu":
+            return {}
+        f = c.ffn / par.tp
+        down = {k: blk[k] for k in ("recompute_block", "pp_receives", "grad_recv",
+                                    "mtp_backward") if k in blk}
+        work = (0.0 if "grad_recv" in down else tokens * m.hidden * e / (par.tp if sp else 1))
+        work += (2 * tokens * m.hidden * e if sp else 0.0) + tokens * f * (4 + e)
+        if recipe == "rowwise":
+            work += tokens * f + 4 * f
+        elif recipe == "blockwise":  # (its 128×1 tiles along the tokens)
+            work += tokens * f + 4 * f * math.ceil(tokens / 128)
+        down["fp8_down_backward"] = work
+        if rerun_region:
+            down["tp_last_input"] = rerun_region
+        if flat3:
+            down["zero_buffers"] = zero_at(0, nth) - first_bucket_bytes(s)
+        elif zero:  # ZeRO-2: the buckets the head's gradients opened
+            down["zero_buffers"] = zero_at(5, nth)
+        return down
+
+    def norm_moment(blk: dict[str, float], s: int) -> dict[str, float]:
+        """``--recompute full`` (a dense first block, one backward): the re-run block's second
+        norm at its backward (``layers._RMSNorm.backward``), its MLP's saves freed (its
+        product, gate and up outputs; fp8: the MLP's two fp8 copies, the norm's output still
+        held by its column region under tp, ``rerun_region``): the block
+        output's gradient and the MLP's input gradient (T · h/sp · e each), the norm's fp32
+        working set at its last subtraction (x̂, the fp32 gradient, dx̂, x̂ · mean and the
+        difference: 20 · T · h/sp) and its weight gradient (h · e)."""
+        if not recompute or split or not split_layers[s]:
+            return {}
+        c = layer_cfg(m, split_layers[s][-1])
+        if c.is_moe or c.mlp != "swiglu":
+            return {}
+        acts = layer_activations(c, par, micro_batch, opts)
+        h_sp = c.hidden / (par.tp if sp else 1)
+        mlp_saves = acts["mlp"]
+        if recipe in ("tensorwise", "blockwise"):
+            mlp_saves += (fp8_copy_bytes(tokens, c.hidden, recipe)
+                          + fp8_copy_bytes(tokens, c.ffn / par.tp, recipe))
+        norm = {k: blk[k] for k in ("pp_receives", "grad_recv", "mtp_backward", "zero_buffers",
+                                    "tp_last_input") if k in blk}
+        norm["recompute_block"] = recompute - mlp_saves
+        grads = (1 if "grad_recv" in norm else 2) * tokens * h_sp * e
+        norm["norm_backward"] = grads + 20 * tokens * h_sp + c.hidden * e
+        return norm
+
+    def first_bucket_bytes(s: int) -> float:
+        """The full-gradient bytes of the bucket the stage's first block gradient opens."""
+        bks = buckets(m, par, pp_rank)
+        for i, _ in arrival_runs(m, _state_key(par), pp_rank):
+            if bks[i].unit >= 0:
+                return float(bks[i].padded * grad_bytes(par))
+        return 0.0
 
     def loop_moment(blk: dict[str, float]) -> dict[str, float]:
         """The experts' loop (``moe.Expert``, one SwiGLU per local expert), a MoE stage's B at
