@@ -167,6 +167,21 @@ def run_cli(*argv: str, no_rank: bool = False) -> CliResult:
     return CliResult(int(rc or 0), out.getvalue(), err.getvalue())
 
 
+EXACT_STATES = "exact: every rank's model-state bytes and traffic bytes"
+
+
+def dry_run_is_exact(tmp_path: Any, *argv: str) -> CliResult:
+    """``fived train --dry-run ARGV --steps 1 --metrics-out F``, then ``fived ledger --check
+    F``: the dry run succeeds and every rank's model-state and traffic bytes are the ledger's
+    exactly. The check's result (for the caller's further asserts)."""
+    out = tmp_path / "run.jsonl"
+    r = run_cli("train", "--dry-run", *argv, "--steps", "1", "--metrics-out", str(out))
+    assert r.returncode == 0, r.stderr
+    c = run_cli("ledger", "--check", str(out))
+    assert EXACT_STATES in c.stdout, c.stdout
+    return c
+
+
 def cli_exits_2(argv: list[str], field: str, written: Any = None) -> str:
     """``fived ARGV`` in this process: exit 2, one message on stderr naming ``field``, no
     traceback, no rank started, nothing at ``written``. The error message."""

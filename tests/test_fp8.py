@@ -347,16 +347,11 @@ def test_dry_run_of_fp8_moe_ep2_activations_are_exact(tmp_path):
     `fived ledger --check`: every rank's traffic and model states exact (the experts' own fp8
     weights ride the bf16 gather: blockwise), the activation peak within the check's
     tolerance (the experts' fp8 saves at ep2, uniform routing)."""
-    from parity_helpers import run_cli
+    from parity_helpers import dry_run_is_exact
 
-    out = tmp_path / "run.jsonl"
-    r = run_cli("train", "--dry-run", "--model", "tiny-moe", "--fp8", "blockwise", "--precision",
-                "bf16", "--ep", "2", "--dp", "2", "--zero", "3", "--steps", "1",
-                "--metrics-out", str(out))
-    assert r.returncode == 0, r.stderr
-    c = run_cli("ledger", "--check", str(out))
+    c = dry_run_is_exact(tmp_path, "--model", "tiny-moe", "--fp8", "blockwise", "--precision",
+                         "bf16", "--ep", "2", "--dp", "2", "--zero", "3")
     text = " ".join(c.stdout.split())
-    assert "exact: every rank's model-state bytes and traffic bytes" in text, c.stdout
     assert "activation peak" not in text.split("dry run:")[0], c.stdout  # no mismatch line
 
 
@@ -451,15 +446,9 @@ def test_dry_run_of_fp8_tp_sp_zero3_is_exact(tmp_path, recipe):
     backward re-gather gone) and model states exact, the activations within 0.5 % (rowwise
     keeps the gathered input once per column region: saving its (N, K) reshape instead, a copy
     of the strided gathered tensor, was 31 % above the ledger)."""
-    from parity_helpers import run_cli
+    from parity_helpers import dry_run_is_exact
 
-    out = tmp_path / "run.jsonl"
-    r = run_cli("train", "--dry-run", "--fp8", recipe, "--precision", "bf16", "--tp", "2",
-                "--sequence-parallel", "--dp", "2", "--zero", "3", "--steps", "1",
-                "--metrics-out", str(out))
-    assert r.returncode == 0, r.stderr
-    c = run_cli("ledger", "--check", str(out))
+    c = dry_run_is_exact(tmp_path, "--fp8", recipe, "--precision", "bf16", "--tp", "2",
+                         "--sequence-parallel", "--dp", "2", "--zero", "3")
     assert c.returncode == 0, c.stdout + c.stderr
-    text = " ".join(c.stdout.split())
-    assert "exact: every rank's model-state bytes and traffic bytes" in text, c.stdout
     assert "!=" not in c.stdout

@@ -32,7 +32,7 @@ import torch
 from fived.config import ConfigError, ParallelConfig, TrainConfig, preset, validate
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parity_helpers import TOL, gathered, rank_runs, run_cli  # noqa: E402,I001
+from parity_helpers import TOL, dry_run_is_exact, gathered, rank_runs  # noqa: E402,I001
 
 TINY = replace(preset("tiny"), layers=2, seq_len=16)
 TRAIN = TrainConfig(steps=3, global_batch=4, lr=3e-3, warmup=1, seed=7)
@@ -188,13 +188,7 @@ def test_dry_run_of_fp8_cp_is_exact(tmp_path, recipe, extra):
     model states and traffic, the amax all-reduces over cp included (tensorwise: one float per shared input
     cast in forward, per linear under full recompute, two per linear in backward; rowwise: a
     float per feature of each weight gradient), equals the ledger's."""
-    out = tmp_path / "run.jsonl"
-    r = run_cli("train", "--dry-run", "--fp8", recipe, "--precision", "bf16", "--cp", "2",
-                *extra, "--steps", "1", "--metrics-out", str(out))
-    assert r.returncode == 0, r.stderr
-    c = run_cli("ledger", "--check", str(out))
-    text = " ".join(c.stdout.split())
-    assert "exact: every rank's model-state bytes and traffic bytes" in text, c.stdout
+    c = dry_run_is_exact(tmp_path, "--fp8", recipe, "--precision", "bf16", "--cp", "2", *extra)
     assert "traffic[" not in c.stdout, c.stdout
     # (the activation and step peaks under cp + fp8 are the memory ledger's, not checked here)
 

@@ -262,12 +262,7 @@ def test_dry_run_of_the_fp8_gather_is_exact(tmp_path, model, layout, recipe):
     micro-batch and per step), hybrid sharding (the scales reduced over the shard part), full
     recompute (rowwise: both casts in backward) and MoE with ep and tp, then `fived ledger
     --check`: every rank's traffic and model states exact."""
-    from parity_helpers import run_cli
+    from parity_helpers import dry_run_is_exact
 
-    out = tmp_path / "run.jsonl"
-    r = run_cli("train", "--dry-run", "--model", model, "--fp8", recipe, "--precision",
-                "bf16", *layout.split(), "--steps", "1", "--metrics-out", str(out))
-    assert r.returncode == 0, r.stderr
-    c = run_cli("ledger", "--check", str(out))
-    text = " ".join(c.stdout.split())
-    assert "exact: every rank's model-state bytes and traffic bytes" in text, c.stdout
+    dry_run_is_exact(tmp_path, "--model", model, "--fp8", recipe, "--precision", "bf16",
+                     *layout.split())

@@ -218,15 +218,10 @@ DRY = [pytest.param("tiny", "--dp 2 --zero 1", "tensorwise", marks=SLOW),
 def test_dry_run_of_the_zero12_fp8_gather_is_exact(tmp_path, model, layout, recipe):
     """`fived train --dry-run --zero 1|2 --fp8 R`, then `fived ledger --check`: every rank's
     traffic and model states (storage bytes: the shard, the e4m3 cast, the scales) exact."""
-    from parity_helpers import run_cli
+    from parity_helpers import dry_run_is_exact
 
-    out = tmp_path / "run.jsonl"
-    r = run_cli("train", "--dry-run", "--model", model, "--fp8", recipe, "--precision",
-                "bf16", *layout.split(), "--steps", "1", "--metrics-out", str(out))
-    assert r.returncode == 0, r.stderr
-    c = run_cli("ledger", "--check", str(out))
-    text = " ".join(c.stdout.split())
-    assert "exact: every rank's model-state bytes and traffic bytes" in text, c.stdout
+    dry_run_is_exact(tmp_path, "--model", model, "--fp8", recipe, "--precision", "bf16",
+                     *layout.split())
 
 
 def test_plan_prices_the_zero12_fp8_gather():
