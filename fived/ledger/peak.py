@@ -809,7 +809,14 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         down = {k: blk[k] for k in ("recompute_block", "pp_receives", "grad_recv",
                                     "mtp_backward") if k in blk}
         work = (0.0 if "grad_recv" in down else tokens * m.hidden * e / (par.tp if sp else 1))
-        work += (2 * tokens * m.hidden * e if sp else 0.0) + tokens * f * (4 + e)
+        work += 2 * tokens * m.hidden * e if sp else 0.0
+        # the dgrad's product (fp32, then in the compute dtype) or, where h is wide against
+        # the tokens, the weight gradient's: dx kept, g's transposed cast, dW in fp32 and
+        # in the weight's dtype
+        g_cast = tokens * c.hidden + {"tensorwise": 4.0, "rowwise": 4.0 * c.hidden,
+                                      "blockwise": 4.0 * c.hidden * math.ceil(tokens / 128)
+                                      }.get(recipe, 0.0)
+        work += max(tokens * f * (4 + e), tokens * f * e + g_cast + c.hidden * f * (4 + e))
         if recipe == "rowwise":
             work += tokens * f + 4 * f
         elif recipe == "blockwise":  # (its 128×1 tiles along the tokens)
