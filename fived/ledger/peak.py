@@ -257,7 +257,25 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     recipe = getattr(par, "fp8", "none")
     fp8_input = (tokens * f * e - fp8_copy_bytes(tokens, f, recipe)
                  if recipe in ("tensorwise", "blockwise") else 0.0)
-    return grad_out + rows * m.ffn * e / par.tp + fp8_input
+    swiglu = grad_out + rows * m.ffn * e / par.tp + fp8_input
+    if recipe == "none" or m.mlp != "swiglu":
+        return swiglu
+    # fp8: the first of gate/up to run its backward, at its weight gradient, where the
+    # hidden size is wide against the tokens: its input gradient (tokens · h, the gathered
+    # sequence under SP), the column-wise cast of its saved input (rowwise, blockwise), the
+    # transposed cast of its output gradient, dW in fp32 and in the weight's dtype; the
+    # down projection's saved input and the gate/up outputs freed (the gate/up output
+    # gradients stand where the outputs were)
+    h = m.hidden
+    tiles = math.ceil(tokens / 128)
+    x_cast = {"rowwise": tokens * h + 4 * h, "blockwise": tokens * h + 4 * h * tiles
+              }.get(recipe, 0.0)
+    g_cast = tokens * f + {"tensorwise": 4.0, "rowwise": 4.0 * f,
+                           "blockwise": 4.0 * f * tiles}.get(recipe, 0.0)
+    down_input = (fp8_copy_bytes(tokens, f, recipe) if recipe in ("tensorwise", "blockwise")
+                  else tokens * f * e)
+    column = grad_out + tokens * h * e + x_cast + g_cast + f * h * (4 + e) - down_input
+    return max(swiglu, column)
 
 
 SPLIT_SCHEDULES = ("zb-h1", "zb-v", "dualpipe-v")  # schedules whose backward is B then W
