@@ -724,6 +724,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         base = sum(rest.values())
         # full recompute: each later block's second norm backward too (``norm_moment``)
         nm = norm_moment(blk, s) if recompute else {}
+        # fp8 under ZeRO-3: each later block's down-projection dgrad too (``down_moment``),
+        # the buckets of the blocks after it held, its own not yet opened
+        dm = down_moment(blk, s, nth) if flat3 else {}
         best, top = {}, float("-inf")
         freed = gone
         for j, layer in enumerate(reversed(split_layers[s])):
@@ -739,6 +742,12 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 if nm:
                     cand = dict(rest, recompute_block=nm["recompute_block"],
                                 norm_backward=nm["norm_backward"], zero_buffers=float(seq[j]))
+                    if sum(cand.values()) - freed > top:
+                        best, top = cand, sum(cand.values()) - freed
+                        best[FREED] = -freed
+                if dm:
+                    cand = dict(rest, fp8_down_backward=dm["fp8_down_backward"],
+                                zero_buffers=float(seq[j]) - first_bucket_bytes(s))
                     if sum(cand.values()) - freed > top:
                         best, top = cand, sum(cand.values()) - freed
                         best[FREED] = -freed
