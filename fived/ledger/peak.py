@@ -37,7 +37,11 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             top_k · expert_ffn per token in place of ffn/tp; fp8
                             (tensorwise, blockwise; dense): + tokens · ffn/tp · e less the
                             down projection's fp8 input, the part of it its backward did
-                            not free
+                            not free; or, where larger (h wide against the tokens), the
+                            first of gate/up at its weight gradient: its input gradient
+                            (tokens · h · e), its saved input's and its output gradient's
+                            casts, dW in fp32 and the weight's dtype (h · ffn/tp · (4 + e)),
+                            less the down projection's saved input
   ``expert_stack``,         grouped experts (``memory.grouped_experts``), a MoE stage's F:
   ``experts_forward``       the stacked local weights (``memory.expert_stack_bytes``) and
                             SiLU(G) beside the saved G and U (r · f_e · e, r the rank's
@@ -80,8 +84,12 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             its saved input held, the output gradient (under SP gathered and
                             made contiguous: 2 · tokens · h · e), rowwise's or blockwise's
                             column-wise cast of that input, the product in fp32 and in the
-                            compute dtype (tokens · ffn/tp · (4 + e)); ZeRO-3 without pp: the
-                            block's unit gathered, its gradient bucket not yet allocated;
+                            compute dtype (tokens · ffn/tp · (4 + e)) — or, where larger, at
+                            its weight gradient: dx kept (tokens · ffn/tp · e), g's
+                            transposed cast, dW in fp32 and the weight's dtype
+                            (h · ffn/tp · (4 + e)); ZeRO-3 without pp: the block's unit
+                            gathered, its gradient bucket not yet allocated, and each later
+                            dense block's with the buckets of the blocks after it held;
                             ZeRO-2: the buckets the head's gradients opened
   ``norm_backward``         ``--recompute full``, a dense first block: the re-run block's
                             second norm at its backward, its MLP's saves freed: the block
