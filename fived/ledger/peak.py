@@ -539,8 +539,10 @@ def fp8_publish_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> 
 
 def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
                 opts: ActivationOptions = EAGER, optimizer: str = "adamw",
-                dense_index: int = 0, expert_index: int = 0) -> list[Phase]:
-    """Every phase of one step of pipeline rank ``pp_rank``, in the runtime's order."""
+                dense_index: int = 0, expert_index: int = 0, cp_rank: int = 0) -> list[Phase]:
+    """Every phase of one step of pipeline rank ``pp_rank``, in the runtime's order;
+    ``cp_rank``: the rank's place on the cp ring (0, the default, holds the ring's largest
+    backward working set)."""
     states = model_states(m, par, pp_rank, dense_index, expert_index, optimizer)
     kept = float(sum(states.get(k, 0) for k in KEPT)) + step_input_bytes(m, par, micro_batch)
     stages = rank_stages(par, pp_rank)
@@ -614,6 +616,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             blk["zero_buffers"] = zero_at(4, nth)  # the first block's MLP gradients in
         down = down_moment(blk, s, nth)
         norm = norm_moment(blk, s)
+        ring = ring_moment(blk, s)
         moe = experts_moment(t, s, blk)
         comb = combine_moment(s, blk)
         if comb and zero:  # the shared expert's gradients in, not yet the experts'
@@ -621,7 +624,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if moe and m.is_moe_layer(split_layers[s][-1]):  # the first block to run its
             blk = {}  # backward is a MoE one: its moments are the experts' and the combine's
         if not last:
-            return max((blk, down, norm, moe, comb, later_blocks(blk, s, nth, 0.0)),
+            return max((blk, down, norm, ring, moe, comb, later_blocks(blk, s, nth, 0.0)),
                        key=lambda d: sum(d.values()))
         mtp = mtp_backward_bytes(m, par)  # the modules' head (or embedding) gradient
         for d in (blk, moe, comb):
@@ -633,7 +636,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             blk["tp_last_input"] = tokens * m.hidden * e / (par.tp if sp else 1)
             if down:
                 down["tp_last_input"] = blk["tp_last_input"]
-        for d in (down, norm):
+        for d in (down, norm, ring):
             if gone and d:
                 d[FREED] = -gone
         if held and _head_split(m, par):
@@ -671,7 +674,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if comb:
             if gone:
                 comb[FREED] = comb.get(FREED, 0.0) - gone
-        return max((loss, head, norm_mtp, blk, down, norm, moe, comb,
+        return max((loss, head, norm_mtp, blk, down, norm, ring, moe, comb,
                     later_blocks(blk, s, nth, gone)), key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
@@ -891,6 +894,41 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         norm["norm_backward"] = grads + 20 * tokens * h_sp + c.hidden * e
         return norm
 
+    def ring_moment(blk: dict[str, float], s: int) -> dict[str, float]:
+        """``--recompute full`` under the cp2 ring (a dense first block, one backward): the
+        re-run block's attention core at its second ring step's kernel
+        (``context._ring_backward``), the MLP's and the second norm's saves freed (fp8: the
+        MLP's and wo's fp8 copies too): the block output's and the core output's gradients
+        (T · h/sp · e, T · hq · e), the fp32 working set — dout and out in the kernel's layout
+        and dq (3 · A, A = T · hq · 4), the received K/V block, the own block's accumulated
+        dK/dV and this step's (3 · K, K = 2 · T · kv · d · 4) — and the kernel's call: on cp
+        rank 0 its second query chunk meets both received chunks (K and V expanded to the
+        query heads and their gradients 4 · A, dq of half the rows A / 2, dK/dV summed to
+        the kv heads K), on rank 1 both query chunks meet the first received one (2 · A,
+        A, K / 2)."""
+        if not (recompute and par.cp == 2 and par.cp_mode == "ring") or split \
+                or not split_layers[s]:
+            return {}
+        c = layer_cfg(m, split_layers[s][-1])
+        if c.is_moe or c.is_mla or c.mlp != "swiglu":
+            return {}
+        acts = layer_activations(c, par, micro_batch, opts)
+        h_sp = c.hidden / (par.tp if sp else 1)
+        hq = c.heads // par.tp * c.head_dim
+        kv = 2 * max(1, c.kv_heads // par.tp) * c.head_dim
+        a, k = tokens * hq * 4, tokens * kv * 4
+        gone = acts["mlp"] + acts["norms"] / 2
+        if recipe in ("tensorwise", "blockwise"):
+            gone += (fp8_copy_bytes(tokens, c.hidden, recipe)
+                     + fp8_copy_bytes(tokens, c.ffn / par.tp, recipe)
+                     + fp8_copy_bytes(tokens, c.attn_dim / par.tp, recipe))
+        ring = {k_: v for k_, v in blk.items()
+                if k_ not in ("block_backward", "recompute_block", "tp_last_input")}
+        ring["recompute_block"] = recompute - gone
+        call = 4.5 * a + k if cp_rank == 0 else 3 * a + k / 2
+        ring["ring_backward"] = tokens * h_sp * e + tokens * hq * e + 3 * a + 3 * k + call
+        return ring
+
     def first_bucket_bytes(s: int) -> float:
         """The full-gradient bytes of the bucket the stage's first block gradient opens."""
         bks = buckets(m, par, pp_rank)
@@ -1063,10 +1101,10 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 @lru_cache(maxsize=8192)
 def step_peak(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
               opts: ActivationOptions = EAGER, optimizer: str = "adamw",
-              dense_index: int = 0, expert_index: int = 0) -> Phase:
+              dense_index: int = 0, expert_index: int = 0, cp_rank: int = 0) -> Phase:
     """The phase whose live bytes are largest (the first of equals)."""
     return max(step_phases(m, par, micro_batch, pp_rank, opts, optimizer, dense_index,
-                           expert_index), key=lambda p: p.total)
+                           expert_index, cp_rank), key=lambda p: p.total)
 
 
 def with_peak(mem: RankMemory, m: ModelConfig, par: ParallelConfig, micro_batch: int,
