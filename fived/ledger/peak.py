@@ -907,7 +907,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         the kv heads K), on rank 1 both query chunks meet the first received one (2 · A,
         A, K / 2)."""
         if not (recompute and par.cp == 2 and par.cp_mode == "ring") or split \
-                or not split_layers[s]:
+                or opts.doc_mask or not split_layers[s]:  # (masked pairs: their own set)
             return {}
         c = layer_cfg(m, split_layers[s][-1])
         if c.is_moe or c.is_mla or c.mlp != "swiglu":
