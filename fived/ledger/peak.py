@@ -96,6 +96,12 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             output's and the MLP's input gradients (2 · tokens · h/sp · e),
                             the norm's fp32 working set (20 · tokens · h/sp) and its weight
                             gradient (h · e); under ZeRO-2/3 each later dense block's too
+  ``ring_backward``         ``--recompute full`` under the cp2 ring (no document masks): the
+                            re-run core's ring backward at its second step, the MLP's and
+                            second norm's saves freed: the block's and the core's output
+                            gradients, 3 · A + 3 · K of fp32 working set (A = tokens · hq · 4,
+                            K = 2 · tokens · kv · d · 4) and the kernel's call (cp rank 0:
+                            4.5 · A + K; rank 1: 3 · A + K / 2)
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes less its input, which the checkpoint holds already
                             (``memory.recompute_layer_bytes``)
