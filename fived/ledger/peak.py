@@ -37,7 +37,11 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             top_k · expert_ffn per token in place of ffn/tp; fp8
                             (tensorwise, blockwise; dense): + tokens · ffn/tp · e less the
                             down projection's fp8 input, the part of it its backward did
-                            not free
+                            not free; or, where larger (h wide against the tokens), the
+                            first of gate/up at its weight gradient: its input gradient
+                            (tokens · h · e), its saved input's and its output gradient's
+                            casts, dW in fp32 and the weight's dtype (h · ffn/tp · (4 + e)),
+                            less the down projection's saved input
   ``expert_stack``,         grouped experts (``memory.grouped_experts``), a MoE stage's F:
   ``experts_forward``       the stacked local weights (``memory.expert_stack_bytes``) and
                             SiLU(G) beside the saved G and U (r · f_e · e, r the rank's
@@ -80,14 +84,24 @@ micro-batch), then the gradient reduction, the clip and the optimizer step. At e
                             its saved input held, the output gradient (under SP gathered and
                             made contiguous: 2 · tokens · h · e), rowwise's or blockwise's
                             column-wise cast of that input, the product in fp32 and in the
-                            compute dtype (tokens · ffn/tp · (4 + e)); ZeRO-3 without pp: the
-                            block's unit gathered, its gradient bucket not yet allocated;
+                            compute dtype (tokens · ffn/tp · (4 + e)) — or, where larger, at
+                            its weight gradient: dx kept (tokens · ffn/tp · e), g's
+                            transposed cast, dW in fp32 and the weight's dtype
+                            (h · ffn/tp · (4 + e)); ZeRO-3 without pp: the block's unit
+                            gathered, its gradient bucket not yet allocated, and each later
+                            dense block's with the buckets of the blocks after it held;
                             ZeRO-2: the buckets the head's gradients opened
   ``norm_backward``         ``--recompute full``, a dense first block: the re-run block's
                             second norm at its backward, its MLP's saves freed: the block
                             output's and the MLP's input gradients (2 · tokens · h/sp · e),
                             the norm's fp32 working set (20 · tokens · h/sp) and its weight
                             gradient (h · e); under ZeRO-2/3 each later dense block's too
+  ``ring_backward``         ``--recompute full`` under the cp2 ring (no document masks): the
+                            re-run core's ring backward at its second step, the MLP's and
+                            second norm's saves freed: the block's and the core's output
+                            gradients, 3 · A + 3 · K of fp32 working set (A = tokens · hq · 4,
+                            K = 2 · tokens · kv · d · 4) and the kernel's call (cp rank 0:
+                            4.5 · A + K; rank 1: 3 · A + K / 2)
   ``recompute_block``       ``--recompute full``, every B: the re-materialised block's saved
                             bytes less its input, which the checkpoint holds already
                             (``memory.recompute_layer_bytes``)
@@ -257,7 +271,25 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     recipe = getattr(par, "fp8", "none")
     fp8_input = (tokens * f * e - fp8_copy_bytes(tokens, f, recipe)
                  if recipe in ("tensorwise", "blockwise") else 0.0)
-    return grad_out + rows * m.ffn * e / par.tp + fp8_input
+    swiglu = grad_out + rows * m.ffn * e / par.tp + fp8_input
+    if recipe == "none" or m.mlp != "swiglu":
+        return swiglu
+    # fp8: the first of gate/up to run its backward, at its weight gradient, where the
+    # hidden size is wide against the tokens: its input gradient (tokens · h, the gathered
+    # sequence under SP), the column-wise cast of its saved input (rowwise, blockwise), the
+    # transposed cast of its output gradient, dW in fp32 and in the weight's dtype; the
+    # down projection's saved input and the gate/up outputs freed (the gate/up output
+    # gradients stand where the outputs were)
+    h = m.hidden
+    tiles = math.ceil(tokens / 128)
+    x_cast = {"rowwise": tokens * h + 4 * h, "blockwise": tokens * h + 4 * h * tiles
+              }.get(recipe, 0.0)
+    g_cast = tokens * f + {"tensorwise": 4.0, "rowwise": 4.0 * f,
+                           "blockwise": 4.0 * f * tiles}.get(recipe, 0.0)
+    down_input = (fp8_copy_bytes(tokens, f, recipe) if recipe in ("tensorwise", "blockwise")
+                  else tokens * f * e)
+    column = grad_out + tokens * h * e + x_cast + g_cast + f * h * (4 + e) - down_input
+    return max(swiglu, column)
 
 
 SPLIT_SCHEDULES = ("zb-h1", "zb-v", "dualpipe-v")  # schedules whose backward is B then W
@@ -513,8 +545,10 @@ def fp8_publish_bytes(m: ModelConfig, par: ParallelConfig, pp_rank: int = 0) -> 
 
 def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
                 opts: ActivationOptions = EAGER, optimizer: str = "adamw",
-                dense_index: int = 0, expert_index: int = 0) -> list[Phase]:
-    """Every phase of one step of pipeline rank ``pp_rank``, in the runtime's order."""
+                dense_index: int = 0, expert_index: int = 0, cp_rank: int = 0) -> list[Phase]:
+    """Every phase of one step of pipeline rank ``pp_rank``, in the runtime's order;
+    ``cp_rank``: the rank's place on the cp ring (0, the default, holds the ring's largest
+    backward working set)."""
     states = model_states(m, par, pp_rank, dense_index, expert_index, optimizer)
     kept = float(sum(states.get(k, 0) for k in KEPT)) + step_input_bytes(m, par, micro_batch)
     stages = rank_stages(par, pp_rank)
@@ -588,6 +622,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             blk["zero_buffers"] = zero_at(4, nth)  # the first block's MLP gradients in
         down = down_moment(blk, s, nth)
         norm = norm_moment(blk, s)
+        ring = ring_moment(blk, s)
         moe = experts_moment(t, s, blk)
         comb = combine_moment(s, blk)
         if comb and zero:  # the shared expert's gradients in, not yet the experts'
@@ -595,7 +630,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if moe and m.is_moe_layer(split_layers[s][-1]):  # the first block to run its
             blk = {}  # backward is a MoE one: its moments are the experts' and the combine's
         if not last:
-            return max((blk, down, norm, moe, comb, later_blocks(blk, s, nth, 0.0)),
+            return max((blk, down, norm, ring, moe, comb, later_blocks(blk, s, nth, 0.0)),
                        key=lambda d: sum(d.values()))
         mtp = mtp_backward_bytes(m, par)  # the modules' head (or embedding) gradient
         for d in (blk, moe, comb):
@@ -607,7 +642,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
             blk["tp_last_input"] = tokens * m.hidden * e / (par.tp if sp else 1)
             if down:
                 down["tp_last_input"] = blk["tp_last_input"]
-        for d in (down, norm):
+        for d in (down, norm, ring):
             if gone and d:
                 d[FREED] = -gone
         if held and _head_split(m, par):
@@ -645,7 +680,7 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         if comb:
             if gone:
                 comb[FREED] = comb.get(FREED, 0.0) - gone
-        return max((loss, head, norm_mtp, blk, down, norm, moe, comb,
+        return max((loss, head, norm_mtp, blk, down, norm, ring, moe, comb,
                     later_blocks(blk, s, nth, gone)), key=lambda d: sum(d.values()))
 
     split_layers = stage_layers(m, par)
@@ -706,6 +741,9 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         base = sum(rest.values())
         # full recompute: each later block's second norm backward too (``norm_moment``)
         nm = norm_moment(blk, s) if recompute else {}
+        # fp8 under ZeRO-3: each later block's down-projection dgrad too (``down_moment``),
+        # the buckets of the blocks after it held, its own not yet opened
+        dm = down_moment(blk, s, nth) if flat3 else {}
         best, top = {}, float("-inf")
         freed = gone
         for j, layer in enumerate(reversed(split_layers[s])):
@@ -721,6 +759,12 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
                 if nm:
                     cand = dict(rest, recompute_block=nm["recompute_block"],
                                 norm_backward=nm["norm_backward"], zero_buffers=float(seq[j]))
+                    if sum(cand.values()) - freed > top:
+                        best, top = cand, sum(cand.values()) - freed
+                        best[FREED] = -freed
+                if dm:
+                    cand = dict(rest, fp8_down_backward=dm["fp8_down_backward"],
+                                zero_buffers=float(seq[j]) - first_bucket_bytes(s))
                     if sum(cand.values()) - freed > top:
                         best, top = cand, sum(cand.values()) - freed
                         best[FREED] = -freed
@@ -809,7 +853,14 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         down = {k: blk[k] for k in ("recompute_block", "pp_receives", "grad_recv",
                                     "mtp_backward") if k in blk}
         work = (0.0 if "grad_recv" in down else tokens * m.hidden * e / (par.tp if sp else 1))
-        work += (2 * tokens * m.hidden * e if sp else 0.0) + tokens * f * (4 + e)
+        work += 2 * tokens * m.hidden * e if sp else 0.0
+        # the dgrad's product (fp32, then in the compute dtype) or, where h is wide against
+        # the tokens, the weight gradient's: dx kept, g's transposed cast, dW in fp32 and
+        # in the weight's dtype
+        g_cast = tokens * c.hidden + {"tensorwise": 4.0, "rowwise": 4.0 * c.hidden,
+                                      "blockwise": 4.0 * c.hidden * math.ceil(tokens / 128)
+                                      }.get(recipe, 0.0)
+        work += max(tokens * f * (4 + e), tokens * f * e + g_cast + c.hidden * f * (4 + e))
         if recipe == "rowwise":
             work += tokens * f + 4 * f
         elif recipe == "blockwise":  # (its 128×1 tiles along the tokens)
@@ -848,6 +899,41 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         grads = (1 if "grad_recv" in norm else 2) * tokens * h_sp * e
         norm["norm_backward"] = grads + 20 * tokens * h_sp + c.hidden * e
         return norm
+
+    def ring_moment(blk: dict[str, float], s: int) -> dict[str, float]:
+        """``--recompute full`` under the cp2 ring (a dense first block, one backward): the
+        re-run block's attention core at its second ring step's kernel
+        (``context._ring_backward``), the MLP's and the second norm's saves freed (fp8: the
+        MLP's and wo's fp8 copies too): the block output's and the core output's gradients
+        (T · h/sp · e, T · hq · e), the fp32 working set — dout and out in the kernel's layout
+        and dq (3 · A, A = T · hq · 4), the received K/V block, the own block's accumulated
+        dK/dV and this step's (3 · K, K = 2 · T · kv · d · 4) — and the kernel's call: on cp
+        rank 0 its second query chunk meets both received chunks (K and V expanded to the
+        query heads and their gradients 4 · A, dq of half the rows A / 2, dK/dV summed to
+        the kv heads K), on rank 1 both query chunks meet the first received one (2 · A,
+        A, K / 2)."""
+        if not (recompute and par.cp == 2 and par.cp_mode == "ring") or split \
+                or opts.doc_mask or not split_layers[s]:  # (masked pairs: their own set)
+            return {}
+        c = layer_cfg(m, split_layers[s][-1])
+        if c.is_moe or c.is_mla or c.mlp != "swiglu":
+            return {}
+        acts = layer_activations(c, par, micro_batch, opts)
+        h_sp = c.hidden / (par.tp if sp else 1)
+        hq = c.heads // par.tp * c.head_dim
+        kv = 2 * max(1, c.kv_heads // par.tp) * c.head_dim
+        a, k = tokens * hq * 4, tokens * kv * 4
+        gone = acts["mlp"] + acts["norms"] / 2
+        if recipe in ("tensorwise", "blockwise"):
+            gone += (fp8_copy_bytes(tokens, c.hidden, recipe)
+                     + fp8_copy_bytes(tokens, c.ffn / par.tp, recipe)
+                     + fp8_copy_bytes(tokens, c.attn_dim / par.tp, recipe))
+        ring = {k_: v for k_, v in blk.items()
+                if k_ not in ("block_backward", "recompute_block", "tp_last_input")}
+        ring["recompute_block"] = recompute - gone
+        call = 4.5 * a + k if cp_rank == 0 else 3 * a + k / 2
+        ring["ring_backward"] = tokens * h_sp * e + tokens * hq * e + 3 * a + 3 * k + call
+        return ring
 
     def first_bucket_bytes(s: int) -> float:
         """The full-gradient bytes of the bucket the stage's first block gradient opens."""
@@ -1021,10 +1107,10 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
 @lru_cache(maxsize=8192)
 def step_peak(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: int = 0,
               opts: ActivationOptions = EAGER, optimizer: str = "adamw",
-              dense_index: int = 0, expert_index: int = 0) -> Phase:
+              dense_index: int = 0, expert_index: int = 0, cp_rank: int = 0) -> Phase:
     """The phase whose live bytes are largest (the first of equals)."""
     return max(step_phases(m, par, micro_batch, pp_rank, opts, optimizer, dense_index,
-                           expert_index), key=lambda p: p.total)
+                           expert_index, cp_rank), key=lambda p: p.total)
 
 
 def with_peak(mem: RankMemory, m: ModelConfig, par: ParallelConfig, micro_batch: int,

@@ -251,7 +251,8 @@ def step_phase_peak(m: ModelConfig, par: ParallelConfig, global_batch: int, rank
     return step_peak(m, par, micro_batch_size(par, global_batch), coords(par, rank)["pp"],
                      activation_options(doc_mask), optimizer=optimizer,
                      dense_index=group_index(par, "dense", rank),
-                     expert_index=group_index(par, "expert", rank))
+                     expert_index=group_index(par, "expert", rank),
+                     cp_rank=coords(par, rank)["cp"])
 
 
 def peak_rows(m: ModelConfig, par: ParallelConfig, global_batch: int, rec: dict,

@@ -417,6 +417,8 @@ def _ring_backward(qi, block, kv_of, grad_of, doi, oi, lse, group, layout, stats
                 else:
                     for i, j in enumerate(js):
                         dst[..., j * c:(j + 1) * c, :] += part[..., i * c:(i + 1) * c, :]
+        # the step's last block gradients are summed in: not kept through the next step
+        dqb = dkb = dvb = part = None
         grad = grad_of(contrib, cur)
         if handle is not None:
             handle.wait()
