@@ -303,7 +303,7 @@ def test_layer_activations_against_megatron_mla(t):
     plus what fived keeps besides — the fp32 1/rms of four norms and the log-sum-exp,
     (16 + 4H)/t (MLA's own core keeps v and its output at d_v, as Megatron's cuDNN core does);
     under context parallelism the core pads v: 2·H·(2·d_q − d_v)/t more (per token of the
-    rank's shard)."""
+    rank's shard), and Ulysses adds its all-to-alls' int64 index."""
     from fived.ledger import memory
     from fived.ledger.params import dense_block_cfg
 
@@ -316,8 +316,10 @@ def test_layer_activations_against_megatron_mla(t):
     cp = replace(par, cp=2, cp_mode="ulysses")
     uly = sum(memory.layer_activations(m, cp, 1, memory.FUSED).values()) / (m.seq_len / 2)
     pad = 2 * m.heads * (2 * m.qk_head_dim - m.v_head_dim) / t
-    ulysses_extra = (2 * m.heads * m.qk_head_dim / t  # the kernel keeps its head-sharded out
-                     + 4 * m.seq_len * 8.0 / (m.seq_len / 2))  # the all-to-alls' index
+    # the all-to-alls' index; the padded output ``pad`` counts is the kernel's head-sharded
+    # one (its save), and the sequence-sharded one the all-to-all returns is cut to d_v before
+    # o_proj and saved by nothing (the dry run's saves: ``test_mla_cp``)
+    ulysses_extra = 4 * m.seq_len * 8.0 / (m.seq_len / 2)
     assert uly == pytest.approx(meg + (16 + 4 * m.heads) / t + pad + ulysses_extra)
 
 

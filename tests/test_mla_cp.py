@@ -182,6 +182,24 @@ def test_latent_ring_dry_run_matches_the_ledger():
     assert verify.compare_record(DS, par, train.global_batch, out) == []
 
 
+@pytest.mark.parametrize("mode", ["ring", "ulysses", "ring-latent"])
+def test_mla_saves_under_each_cp_mode_are_the_ledgers(mode):
+    """The dry run's peak of saved bytes (rank 0 of cp2, bf16) against the ledger's activations
+    under each context-parallel core: equal up to 8 bytes a token (an int64 per token the
+    ledger leaves out, there at one rank too). Under Ulysses the padded output the all-to-all
+    returns is cut to d_v before o_proj and saved by nothing (the ledger counted it: 4,480
+    bytes over on this model)."""
+    from fived.config import TrainConfig
+    from fived.ledger import memory
+    from fived.train.dryrun import dry_run_rank
+
+    par = ParallelConfig(cp=2, cp_mode=mode, precision="bf16")
+    got = dry_run_rank(DS, par, TrainConfig(global_batch=2), 0)["activation_peak"]
+    want = sum(memory.activations(DS, par, 2).values())
+    tokens = 2 * DS.seq_len // 2
+    assert 0 <= got - want <= 8 * tokens, (got, want)
+
+
 @pytest.mark.parametrize("model,par,words", [
     (preset("tiny"), LATENT, "--cp-mode ring-latent rotates MLA's latent"),
     (DS, replace(LATENT, fp8="tensorwise"), "--cp-mode ring-latent with --fp8 tensorwise"),

@@ -476,6 +476,11 @@ def layer_activations(m: ModelConfig, par: ParallelConfig, micro_batch: int,
         if mla_narrow_core(m, par, opts.doc_mask):  # v and the output at d_v
             out["qkv"] = tokens * e * heads_local * (2 * d + m.v_head_dim)
             out["attn_out"] = tokens * e * heads_local * m.v_head_dim
+        elif cp > 1 and par.cp_mode == "ulysses" and m.v_head_dim != m.qk_head_dim:
+            # the all-to-all's sequence-sharded output (padded to d_q) is cut to d_v and made
+            # contiguous before o_proj, which saves that copy (``mla_activation_terms``): the
+            # padded output itself is saved by nothing; the kernel's head-sharded one is
+            out["attn_out"] -= tokens * e * hq
         for k, v in mla_activation_terms(m, par, e, opts.fused_norm, opts.doc_mask).items():
             out[k] = out.get(k, 0.0) + tokens * v
         if latent_ring(m, par):
