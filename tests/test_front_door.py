@@ -135,6 +135,8 @@ MISTYPES = [
     ("train --fp8 blockwise --tp 2", "--fp8 blockwise with --tp 2: a 128-wide tile would"),
     ("train --fp8 e4m3", "--fp8 e4m3: not one of none, tensorwise, rowwise, blockwise"),
     ("train --no-fp8-gather", "--no-fp8-gather: turns off ZeRO's fp8 all-gather"),
+    ("plan --model tiny --gpus 2 --no-fp8-gather", "--no-fp8-gather: turns off ZeRO's fp8 "
+     "all-gather of the searched layouts, but --fp8 is none"),
     ("train --fp8 rowwise --precision bf16 --zero 3 --dp 2 --pp 2 --no-fp8-gather",
      "--zero 3 --fp8 rowwise --pp 2 gathers nothing in fp8"),
     ("train --fp8 rowwise --precision bf16 --zero 2 --dp 2 --no-fp8-gather",

@@ -128,6 +128,10 @@ def main(argv: list[str]) -> int:
         raise ConfigError(problems)
     # the model and the run, on one rank: the search checks each layout itself
     fixed = fixed_fields(res)
+    if not par.fp8_gather and par.fp8 == "none":  # the searched layouts would gather in bf16
+        raise ConfigError(["--no-fp8-gather: turns off ZeRO's fp8 all-gather of the searched "
+                           "layouts, but --fp8 is none; drop it, or add --fp8 tensorwise, "
+                           "rowwise or blockwise"])
     validate(m, ParallelConfig(precision=par.precision, grad_reduce_dtype=par.grad_reduce_dtype,
                                **{k: v for k, v in fixed.items() if k != "fp8_gather"}), train)
     if args.print_config:
