@@ -200,6 +200,30 @@ def test_mla_saves_under_each_cp_mode_are_the_ledgers(mode):
     assert 0 <= got - want <= 8 * tokens, (got, want)
 
 
+@pytest.mark.parametrize("recipe,par", [
+    ("tensorwise", ParallelConfig()),
+    ("blockwise", ParallelConfig(cp=2, cp_mode="ulysses")),
+    ("tensorwise", ParallelConfig(cp=2, cp_mode="ring")),
+    ("tensorwise", ParallelConfig(tp=2, sequence_parallel=True)),
+])
+def test_mla_fp8_saves_are_the_ledgers(recipe, par):
+    """MLA under fp8 (tensorwise, blockwise): only o_proj is an fp8 linear, so the block norm's
+    output stays saved by the down-projections and no fp8 copy of it comes, and where the core
+    pads v o_proj keeps its fp8 copy, not the d_v one (``memory.fp8_mla_attention``). The dry
+    run's saved bytes equal the ledger's up to the 8 bytes a token the bf16 run leaves too (the
+    ledger counted the dense block's terms: 508 bytes a layer under at one rank, 0.75 % over
+    at cp2)."""
+    from fived.config import TrainConfig
+    from fived.ledger import memory
+    from fived.train.dryrun import dry_run_rank
+
+    par = replace(par, precision="bf16", fp8=recipe)
+    got = dry_run_rank(DS, par, TrainConfig(global_batch=2), 0)["activation_peak"]
+    want = sum(memory.activations(DS, par, 2).values())
+    tokens = 2 * DS.seq_len // par.cp
+    assert 0 <= got - want <= 8 * tokens, (got, want)
+
+
 @pytest.mark.parametrize("model,par,words", [
     (preset("tiny"), LATENT, "--cp-mode ring-latent rotates MLA's latent"),
     (DS, replace(LATENT, fp8="tensorwise"), "--cp-mode ring-latent with --fp8 tensorwise"),

@@ -539,11 +539,30 @@ def fp8_layer_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, 
     the SwiGLU product leave, the four fp8 copies come."""
     tp = par.tp
     h, f, hq = m.hidden, m.ffn / tp, m.attn_dim / tp
-    return {"norms": out["norms"] - tokens * 2 * e * h / norm_div,
-            "mlp": out["mlp"] - tokens * e * f,
-            "fp8_inputs": (2 * fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
-                           + fp8_copy_bytes(tokens, f, recipe)),
-            **fp8_ulysses_out(m, par, tokens, e, out)}
+    res = {"norms": out["norms"] - tokens * 2 * e * h / norm_div,
+           "mlp": out["mlp"] - tokens * e * f,
+           "fp8_inputs": (2 * fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
+                          + fp8_copy_bytes(tokens, f, recipe)),
+           **fp8_ulysses_out(m, par, tokens, e, out)}
+    res.update(fp8_mla_attention(m, par, tokens, e, norm_div, recipe, {**out, **res}))
+    return res
+
+
+def fp8_mla_attention(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, norm_div: int,
+                      recipe: str, out: dict[str, float]) -> dict[str, float]:
+    """MLA's attention under fp8 (the terms ``fp8_layer_saves`` / ``fp8_moe_saves`` set, put
+    right): only o_proj is an fp8 linear (``fived.ledger.params.FP8_LINEARS``; the down- and
+    up-projections run in the compute dtype), so the block norm's output stays saved (by the
+    down-projections, e·h) and no fp8 copy of it comes; where the core pads v
+    (``mla_narrow_core`` false), o_proj keeps its fp8 copy of the cut output instead of the
+    d_v copy in the compute dtype (e·(H/tp)·d_v leaves ``attn_out``)."""
+    if not m.is_mla:
+        return {}
+    res = {"norms": out["norms"] + tokens * e * m.hidden / norm_div,
+           "fp8_inputs": out["fp8_inputs"] - fp8_copy_bytes(tokens, m.hidden, recipe)}
+    if m.v_head_dim != m.qk_head_dim and not mla_narrow_core(m, par):
+        res["attn_out"] = out["attn_out"] - tokens * e * m.heads / par.tp * m.v_head_dim
+    return res
 
 
 def fp8_ulysses_out(m: ModelConfig, par: ParallelConfig, tokens: float, e: int,
@@ -583,6 +602,7 @@ def fp8_moe_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, no
            "fp8_inputs": (fp8_copy_bytes(tokens, h, recipe) + fp8_copy_bytes(tokens, hq, recipe)
                           + experts8),
            **fp8_ulysses_out(m, par, tokens, e, out)}
+    res.update(fp8_mla_attention(m, par, tokens, e, norm_div, recipe, {**out, **res}))
     if m.shared_expert:
         fs = m.shared_ffn / tp
         res["mlp"] -= tokens * e * fs
