@@ -1004,11 +1004,27 @@ def fp8_cut_widths(model: ModelConfig, tp: int) -> dict[str, int]:
     return out
 
 
+def fp8_gather_applies(par: ParallelConfig) -> bool:
+    """Whether ZeRO can all-gather the fp8 linears' weights in e4m3 (what ``--no-fp8-gather``
+    turns off; ``fived.ledger.params.fp8_gather`` says whether it does):
+
+    * ZeRO-3, ``--fp8 tensorwise|blockwise``, or rowwise without pp (its forward and backward
+      need two casts of W: the pipeline's chunks, gathered for both, would carry both, as many
+      bytes as bf16);
+    * ZeRO-1/2, ``--fp8 tensorwise|blockwise`` (Megatron-Core's ``--fp8-param-gather``: the
+      rank keeps its compute-dtype shard and the whole weight's fp8 cast, gathered after each
+      step). Not rowwise: the whole weight would be kept in both of its casts (per row for the
+      forward, per column for the dgrad), 2 bytes per element, bf16's, so rowwise keeps the
+      compute-dtype gather (as it does under ZeRO-3 with pp)."""
+    if par.zero == 3:
+        return par.fp8 in ("tensorwise", "blockwise") or (par.fp8 == "rowwise"
+                                                          and par.pp == 1)
+    return par.zero in (1, 2) and par.fp8 in ("tensorwise", "blockwise")
+
+
 def _check_fp8(p: list[str], model: ModelConfig, par: ParallelConfig,
                train: TrainConfig | None = None) -> None:
-    gathers = (par.zero >= 1 and par.fp8 in ("tensorwise", "blockwise")) or (
-        par.zero == 3 and par.fp8 == "rowwise" and par.pp == 1)
-    if not par.fp8_gather and not gathers:
+    if not par.fp8_gather and not fp8_gather_applies(par):
         pp = f" --pp {par.pp}" if par.pp > 1 and par.fp8 == "rowwise" else ""
         p.append(f"--no-fp8-gather: turns off ZeRO's fp8 all-gather (--zero 1, 2 or 3 with "
                  f"--fp8 tensorwise or blockwise; --zero 3 --fp8 rowwise without --pp), but "

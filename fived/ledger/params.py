@@ -49,7 +49,7 @@ import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..config import V_SCHEDULES, ModelConfig, ParallelConfig
+from ..config import V_SCHEDULES, ModelConfig, ParallelConfig, fp8_gather_applies
 from . import mla
 
 
@@ -511,23 +511,9 @@ FP8_LINEARS = re.compile(
 
 
 def fp8_gather(par: ParallelConfig) -> bool:
-    """Whether ZeRO all-gathers the fp8 linears' weights in e4m3 (``fived.parallel.data.fp8``),
-    unless ``--no-fp8-gather``:
-
-    * ZeRO-3, ``--fp8 tensorwise|blockwise``, or rowwise without pp (its forward and backward
-      need two casts of W: the pipeline's chunks, gathered for both, would carry both, as many
-      bytes as bf16);
-    * ZeRO-1/2, ``--fp8 tensorwise|blockwise`` (Megatron-Core's ``--fp8-param-gather``: the
-      rank keeps its compute-dtype shard and the whole weight's fp8 cast, gathered after each
-      step). Not rowwise: the whole weight would be kept in both of its casts (per row for the
-      forward, per column for the dgrad), 2 bytes per element, bf16's, so rowwise keeps the
-      compute-dtype gather (as it does under ZeRO-3 with pp)."""
-    if not getattr(par, "fp8_gather", True):
-        return False
-    if par.zero == 3:
-        return par.fp8 in ("tensorwise", "blockwise") or (par.fp8 == "rowwise"
-                                                          and par.pp == 1)
-    return par.zero in (1, 2) and par.fp8 in ("tensorwise", "blockwise")
+    """Whether ZeRO all-gathers the fp8 linears' weights in e4m3 (``fived.parallel.data.fp8``):
+    where it can (``fived.config.fp8_gather_applies``), unless ``--no-fp8-gather``."""
+    return getattr(par, "fp8_gather", True) and fp8_gather_applies(par)
 
 
 def fp8_weight(name: str) -> bool:

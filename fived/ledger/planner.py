@@ -51,6 +51,7 @@ from ..config import (
     ConfigError,
     ModelConfig,
     ParallelConfig,
+    fp8_gather_applies,
     resolve_precision,
     validate,
 )
@@ -483,8 +484,7 @@ def candidates(m: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int,
                                         sequence_parallel=tp > 1, recompute=rc,
                                         precision=precision, grad_reduce_dtype=grad_reduce_dtype,
                                         pp_layers=split, **mode, **fixed)
-                                    if not par.fp8_gather and not fp8_gather(
-                                            replace(par, fp8_gather=True)):
+                                    if not par.fp8_gather and not fp8_gather_applies(par):
                                         # --no-fp8-gather where nothing gathers in fp8
                                         par = replace(par, fp8_gather=True)
                                     try:
