@@ -107,31 +107,6 @@ def reduce_scatter_ops(g, traffic, me, n):
         ops.reduce_scatter(data(me, (n + 1, 2)), g)
 
 
-@check
-def reduce_scatter_in_place(g, traffic, me, n):
-    """In place (``out`` this member's slice of ``t``), gloo's reduce-scatter runs as an
-    all-reduce of ``t`` itself (``ops.reduce_scatter``): the slice gets the bits gloo's own
-    reduce-scatter gives it, no reduce-scatter is issued, and the bytes charged are the
-    reduce-scatter's. The data are order-sensitive (mixed magnitudes), so an all-reduce that
-    summed in another order than gloo's reduce-scatter would differ in some element."""
-    for salt, dtype in ((1, torch.float32), (2, torch.bfloat16)):
-        x = (data(me, (5 * n,), torch.float32, salt=salt)
-             * 10.0 ** (torch.arange(5 * n) % 9 - 4)).to(dtype)
-        expect = ops.reduce_scatter(x.clone(), g)
-        for async_op in (False, True):
-            t = x.clone()
-            own = t[me * 5:(me + 1) * 5]
-            real, ops._RS = ops._RS, None  # the backend's reduce-scatter: not called
-            try:
-                traffic.reset()
-                h = ops.reduce_scatter(t, g, out=own, async_op=async_op)
-            finally:
-                ops._RS = real
-            got = h.wait() if async_op else h
-            assert got is own and torch.equal(own, expect), (dtype, async_op, own, expect)
-            assert_bytes(traffic, "reduce_scatter", (n - 1) / n * nb(x))
-
-
 def _splits(n: int) -> list[list[int]]:
     """splits[src][dst]: rows rank src sends to rank dst (uneven, some zero)."""
     return [[(src + 2 * dst) % 3 for dst in range(n)] for src in range(n)]
@@ -468,8 +443,7 @@ def small_sum_position_free(g, traffic, me, n):
 RING_CHECKS = [k for k in CHECKS if k.startswith("ring_")]
 WORLDS = {2: list(CHECKS), 4: list(CHECKS), 3: RING_CHECKS + ["all_to_all_ops", "all_gather_ops",
                                                                 "all_to_all_backward",
-                                                                "small_sum_position_free",
-                                                                "reduce_scatter_in_place"]}
+                                                                "small_sum_position_free"]}
 
 
 def _run_checks(g, solo, traffic, names: list[str]) -> dict[str, str | None]:

@@ -79,15 +79,11 @@ class ShardGrads:
 
     def ensure(self, b: Bucket) -> torch.Tensor:
         if b.grad is None:
-            b.grad = self.fresh(b.padded)
+            b.grad = torch.empty(b.padded, dtype=self.grad_dtype, device=self.device)
             b.grad[b.numel:].zero_()
             b.unwritten = set(range(len(b.params)))
             self.buffers.hold(nbytes(b.grad))
         return b.grad
-
-    def fresh(self, n: int) -> torch.Tensor:
-        """An unfilled buffer of n elements (``tests/test_grad_store.py`` fills it with NaN)."""
-        return torch.empty(n, dtype=self.grad_dtype, device=self.device)
 
     def add(self, b: Bucket, j: int, g: torch.Tensor) -> None:
         if j in b.unwritten:
