@@ -173,13 +173,6 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Any, async_op: bo
     )
 
 
-def _own_slice(out: torch.Tensor | None, src: torch.Tensor, group: Any) -> bool:
-    """``out`` is this member's 1/n slice of flat ``src``, in ``src``'s own storage."""
-    if out is None or src.dim() != 1 or out.numel() * group.size != src.numel():
-        return False
-    return out.data_ptr() == src.data_ptr() + group.rank * out.numel() * src.element_size()
-
-
 def reduce_scatter(
     t: torch.Tensor, group: Any, dim: int = 0, op: str = "sum", async_op: bool = False,
     out: torch.Tensor | None = None,
@@ -200,14 +193,6 @@ def reduce_scatter(
         result = buf.movedim(0, dim) if dim != 0 else buf
     else:
         buf = result = out
-    if src.device.type == "cpu" and dist.get_backend(group.pg) == "gloo" and _own_slice(
-            out, src, group):
-        # gloo runs a reduce-scatter as an all-reduce of a clone of ``src``, then copies this
-        # member's slice out of it; in place, the same all-reduce on ``src`` itself leaves the
-        # same bits in that slice, without the clone and the copy (the rest of ``src``,
-        # undefined after an in-place reduce-scatter, then holds the other members' sums)
-        return _run(group, "reduce_scatter", _nbytes(src), lambda a: dist.all_reduce(
-            src, op=_OPS[op], group=group.pg, async_op=a), async_op, result)
     return _run(
         group, "reduce_scatter", _nbytes(src),
         lambda a: _RS(buf, src, op=_OPS[op], group=group.pg, async_op=a), async_op, result,

@@ -69,7 +69,6 @@ class Bucket:
         self.master: torch.Tensor | None = None       # fp32 owned elements (may alias params)
         self.comp: torch.Tensor | None = None         # --master-weights kahan: bf16 compensation
         self.grad: torch.Tensor | None = None         # full gradient buffer (padded)
-        self.unwritten: set[int] = set()  # parameters not yet in a fresh transient ``grad``
         self.grad_shard: torch.Tensor | None = None   # owned gradient elements
         self.segments = self.owned_segments([pl.norm_weight(tp) for pl in placements])
 

@@ -8,9 +8,6 @@
   is allocated at the bucket's first gradient (``ensure``), counted in ``buffers``, and freed
   when its reduce-scatter completes (``after_reduce``), at most ``in_flight`` = 2 per group
   being reduced at once. With micro-batches it lives across them (reductions start on the last).
-  It is allocated unfilled: a parameter's first gradient is copied in, later ones (micro-batches)
-  added; only the padding is zeroed at once, and a parameter with no gradient when the
-  reduction starts (``whole``) — the bits of a zeroed buffer, without writing it twice.
 """
 
 from __future__ import annotations
@@ -44,15 +41,6 @@ class FullGrads:
     def ensure(self, b: Bucket) -> torch.Tensor:
         return b.grad
 
-    def add(self, b: Bucket, j: int, g: torch.Tensor) -> None:
-        b.view(b.grad, j).add_(g)
-
-    def written(self, b: Bucket, j: int) -> torch.Tensor:
-        return b.view(b.grad, j)
-
-    def whole(self, b: Bucket) -> torch.Tensor:
-        return b.grad
-
     def after_reduce(self, b: Bucket) -> None:
         """The buffer persists; its owned slice already holds the reduced shard."""
 
@@ -79,30 +67,8 @@ class ShardGrads:
 
     def ensure(self, b: Bucket) -> torch.Tensor:
         if b.grad is None:
-            b.grad = torch.empty(b.padded, dtype=self.grad_dtype, device=self.device)
-            b.grad[b.numel:].zero_()
-            b.unwritten = set(range(len(b.params)))
+            b.grad = torch.zeros(b.padded, dtype=self.grad_dtype, device=self.device)
             self.buffers.hold(nbytes(b.grad))
-        return b.grad
-
-    def add(self, b: Bucket, j: int, g: torch.Tensor) -> None:
-        if j in b.unwritten:
-            b.view(b.grad, j).copy_(g)
-            b.unwritten.discard(j)
-        else:
-            b.view(b.grad, j).add_(g)
-
-    def written(self, b: Bucket, j: int) -> torch.Tensor:
-        view = b.view(b.grad, j)
-        if j in b.unwritten:
-            view.zero_()
-            b.unwritten.discard(j)
-        return view
-
-    def whole(self, b: Bucket) -> torch.Tensor:
-        for j in sorted(b.unwritten):
-            b.view(b.grad, j).zero_()
-        b.unwritten.clear()
         return b.grad
 
     def after_reduce(self, b: Bucket) -> None:

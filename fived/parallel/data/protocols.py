@@ -65,15 +65,6 @@ class GradStore(Protocol):
     def ensure(self, b: Bucket) -> torch.Tensor:
         """Bucket ``b``'s full gradient buffer (allocated here when it is transient)."""
 
-    def add(self, b: Bucket, j: int, g: torch.Tensor) -> None:
-        """Parameter j's gradient ``g`` into the full buffer (``ensure`` called first)."""
-
-    def written(self, b: Bucket, j: int) -> torch.Tensor:
-        """Parameter j's slice of the full buffer, 0 where no gradient came yet."""
-
-    def whole(self, b: Bucket) -> torch.Tensor:
-        """The full buffer as its reduction reads it: a parameter that had no gradient is 0."""
-
     def after_reduce(self, b: Bucket) -> None:
         """Bucket ``b``'s reduction is complete (a transient buffer keeps its shard, is freed)."""
 

@@ -79,8 +79,7 @@ class Reduction:
         if not self.grads.attach:
             g = p.grad
             if g is not None:
-                self.stage.ensure_grad(b)
-                self.grads.add(b, j, g.detach())
+                b.view(self.stage.ensure_grad(b), j).add_(g.detach())
                 p.grad = None
         self.gathers.after_grad(b, j)
         if not self.last_micro or not self.overlap:
@@ -88,8 +87,7 @@ class Reduction:
         for name in b.grad_sum[j]:
             if name == DEFERRED:
                 continue
-            self.stage.ensure_grad(b)
-            ops.all_reduce(self.grads.written(b, j), self.grid[name])
+            ops.all_reduce(b.view(self.stage.ensure_grad(b), j), self.grid[name])
         b.ready += 1
         if b.ready == len(b.params):
             self.launch_ready(b.group_name)
@@ -107,7 +105,6 @@ class Reduction:
 
     def launch(self, b: Bucket) -> None:
         self.stage.ensure_grad(b)
-        self.grads.whole(b)
         b.handle = self.stage.start_reduce(b)
         b.launched = True
 
@@ -123,8 +120,7 @@ class Reduction:
         for b in self.buckets:
             for j, names in enumerate(b.grad_sum):
                 for name in (n for n in names if n != DEFERRED):
-                    self.stage.ensure_grad(b)
-                    ops.all_reduce(self.grads.written(b, j), self.grid[name])
+                    ops.all_reduce(b.view(self.stage.ensure_grad(b), j), self.grid[name])
 
     def finish(self) -> None:
         """Start every reduction not yet started (all of them with ``--no-overlap``), in bucket
