@@ -356,19 +356,26 @@ def _tensors(x: Any, depth: int = 2) -> list[torch.Tensor]:
     return []
 
 
+def state_tensors(engine: Any) -> dict[str, list]:
+    """The tensors the engine holds between steps, under ``STATE_KEYS`` (params — the fp8
+    gather's casts and scales too —, grads, master with Kahan's compensation, and whatever the
+    optimizer's attributes hold); an entry may be None."""
+    bks = engine.buckets
+    return {"params": [engine.param_state(b) for b in bks]
+            + [t for b in bks for t in engine.param_extra(b)],
+            "grads": [engine.grad_state(b) for b in bks],
+            "master": ([b.master for b in bks] if engine.policy.separate_master else [])
+            + [b.comp for b in bks],
+            "optimizer": _tensors(vars(engine.opt))}
+
+
 def storage_states(engine: Any) -> dict[str, int]:
     """Model-state bytes from the storages themselves: ``untyped_storage().nbytes()`` of each
     distinct storage (views share one; it is counted once, under the first key that holds it:
     params, grads, master, optimizer). A tensor over-allocated behind a correctly sized view
     counts its whole allocation here, where ``engine.memory()`` (numel × element size) does not.
     The optimizer's tensors are whatever its attributes hold (its masters are already counted)."""
-    bks = engine.buckets
-    held = {"params": [engine.param_state(b) for b in bks]
-            + [t for b in bks for t in engine.param_extra(b)],
-            "grads": [engine.grad_state(b) for b in bks],
-            "master": ([b.master for b in bks] if engine.policy.separate_master else [])
-            + [b.comp for b in bks],
-            "optimizer": _tensors(vars(engine.opt))}
+    held = state_tensors(engine)
     seen: set[int] = set()
     out = {}
     for key in STATE_KEYS:
@@ -385,13 +392,9 @@ def storage_states(engine: Any) -> dict[str, int]:
 
 
 def held_tensors(trainer: Any) -> list[torch.Tensor]:
-    """What a built rank holds before its first step: the engine's states (``storage_states``'
-    tensors), the stage's parameters and buffers."""
-    eng = trainer.engine
-    out = [eng.param_state(b) for b in eng.buckets] + [eng.grad_state(b) for b in eng.buckets]
-    out += [t for b in eng.buckets for t in eng.param_extra(b)]
-    out += [b.master for b in eng.buckets if eng.policy.separate_master]
-    out += [b.comp for b in eng.buckets] + _tensors(vars(eng.opt))
+    """What a built rank holds before its first step: the engine's states (``state_tensors``),
+    the stage's parameters and buffers."""
+    out = [t for ts in state_tensors(trainer.engine).values() for t in ts]
     out += list(trainer.stage.parameters()) + list(trainer.stage.buffers())
     return [t for t in out if t is not None]
 
