@@ -533,6 +533,15 @@ def fp8_copy_bytes(tokens: float, k: float, recipe: str) -> float:
     return tokens * k + 4
 
 
+def fp8_column_cast_bytes(tokens: float, k: float, recipe: str) -> float:
+    """A ``tokens`` × ``k`` operand cast column-wise for a weight gradient (its transposed
+    e4m3 cast): one scale (tensorwise), one per column (rowwise) or per 128×1 tile along the
+    tokens (blockwise)."""
+    scales = {"tensorwise": 4.0, "rowwise": 4.0 * k,
+              "blockwise": 4.0 * k * math.ceil(tokens / 128)}
+    return tokens * k + scales.get(recipe, 0.0)
+
+
 def fp8_layer_saves(m: ModelConfig, par: ParallelConfig, tokens: float, e: int, norm_div: int,
                     recipe: str, out: dict[str, float]) -> dict[str, float]:
     """The terms a dense block's fp8 linears change (module docstring): the norm outputs and

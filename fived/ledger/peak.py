@@ -163,7 +163,6 @@ not a replay of every op).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -181,6 +180,7 @@ from .memory import (
     candidate_ranks,
     comm_buffers,
     embed_bucket,
+    fp8_column_cast_bytes,
     fp8_copy_bytes,
     fused_backwards,
     grad_bytes,
@@ -281,11 +281,9 @@ def block_backward_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int) 
     # down projection's saved input and the gate/up outputs freed (the gate/up output
     # gradients stand where the outputs were)
     h = m.hidden
-    tiles = math.ceil(tokens / 128)
-    x_cast = {"rowwise": tokens * h + 4 * h, "blockwise": tokens * h + 4 * h * tiles
-              }.get(recipe, 0.0)
-    g_cast = tokens * f + {"tensorwise": 4.0, "rowwise": 4.0 * f,
-                           "blockwise": 4.0 * f * tiles}.get(recipe, 0.0)
+    x_cast = (fp8_column_cast_bytes(tokens, h, recipe) if recipe in ("rowwise", "blockwise")
+              else 0.0)
+    g_cast = fp8_column_cast_bytes(tokens, f, recipe)
     down_input = (fp8_copy_bytes(tokens, f, recipe) if recipe in ("tensorwise", "blockwise")
                   else tokens * f * e)
     column = grad_out + tokens * h * e + x_cast + g_cast + f * h * (4 + e) - down_input
@@ -857,14 +855,10 @@ def step_phases(m: ModelConfig, par: ParallelConfig, micro_batch: int, pp_rank: 
         # the dgrad's product (fp32, then in the compute dtype) or, where h is wide against
         # the tokens, the weight gradient's: dx kept, g's transposed cast, dW in fp32 and
         # in the weight's dtype
-        g_cast = tokens * c.hidden + {"tensorwise": 4.0, "rowwise": 4.0 * c.hidden,
-                                      "blockwise": 4.0 * c.hidden * math.ceil(tokens / 128)
-                                      }.get(recipe, 0.0)
+        g_cast = fp8_column_cast_bytes(tokens, c.hidden, recipe)
         work += max(tokens * f * (4 + e), tokens * f * e + g_cast + c.hidden * f * (4 + e))
-        if recipe == "rowwise":
-            work += tokens * f + 4 * f
-        elif recipe == "blockwise":  # (its 128×1 tiles along the tokens)
-            work += tokens * f + 4 * f * math.ceil(tokens / 128)
+        if recipe in ("rowwise", "blockwise"):  # the saved input's column-wise cast
+            work += fp8_column_cast_bytes(tokens, f, recipe)
         down["fp8_down_backward"] = work
         if rerun_region:
             down["tp_last_input"] = rerun_region
